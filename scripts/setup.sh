@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Set up attnlab on a machine with Python >= 3.10 and pip.
+#   scripts/setup.sh        the package and its command-line extras
+#   scripts/setup.sh test   the same plus what the test suite needs
+# torch is installed first, pinned to 2.13.0, only when no torch is importable:
+# an unpinned torch requirement would pull a multi-GB CUDA build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if ! "$PY" -c "import torch" >/dev/null 2>&1; then
+  "$PY" -m pip install -q torch==2.13.0
+fi
+extras="cli"
+if [ "${1:-}" = "test" ]; then extras="cli,test"; fi
+"$PY" -m pip install -q -e ".[$extras]"
+# pyenv installs console scripts behind shims that need refreshing
+if command -v pyenv >/dev/null 2>&1; then pyenv rehash || true; fi

@@ -1,0 +1,107 @@
+"""KV and latent caches: preallocated buffers that grow along the sequence axis.
+
+A cache belongs to the module that made it (`module.init_cache(...)`) and is
+passed back to that module's forward. Buffers are registered with
+persistent=False, so they never end up in a state_dict.
+
+- `KVCache` (MHA, GQA): k (B, G, S_max, d) and v (B, G, S_max, dv), only the
+  num_kv_heads heads, never the H query heads.
+- `LatentCache` (MLA): one buffer (B, S_max, r + rope_dim) holding the latent
+  c = W_DKV y (after the optional RMSNorm) and, beside it, the shared RoPE key.
+  Keeping them side by side lets the absorbed decode read key and value as
+  views of one tensor, with no copy per step.
+
+Cross-attention: the first call with a context fills the cache and marks it
+`static`; later calls reuse it and append nothing.
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch import nn
+
+from . import checks
+
+
+class _Cache(nn.Module):
+    """Named buffers of shape (B, ..., S_max, width) that share a length."""
+
+    def __init__(self, owner: nn.Module, batch_size: int, max_len: int, buffers: dict[str, tuple[int, ...]],
+                 dtype: torch.dtype, device):
+        super().__init__()
+        checks.positive_int("batch_size", batch_size)
+        checks.positive_int("max_len", max_len)
+        self._owner = weakref.ref(owner)
+        self.batch_size, self.max_len = batch_size, max_len
+        self.length = 0
+        self.static = False
+        for name, shape in buffers.items():
+            self.register_buffer(name, torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.buffers()).dtype
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.buffers()).device
+
+    @property
+    def values_per_token(self) -> int:
+        """Numbers stored per token of one sequence, counted from the allocated buffers."""
+        return sum(b.numel() for b in self.buffers()) // (self.batch_size * self.max_len)
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes stored per token of one sequence, measured from the allocated buffers."""
+        return sum(b.numel() * b.element_size() for b in self.buffers()) // (self.batch_size * self.max_len)
+
+    def reset(self) -> None:
+        self.length = 0
+        self.static = False
+
+    def check_owner(self, module: nn.Module, batch_size: int, dtype: torch.dtype) -> None:
+        if self._owner() is not module:
+            raise ValueError(f"this {type(self).__name__} was made by another module; "
+                             f"use {type(module).__name__}.init_cache() of the module it is passed to")
+        if batch_size != self.batch_size:
+            raise ValueError(f"cache was made for batch_size {self.batch_size}, got a batch of {batch_size}")
+        if dtype != self.dtype:
+            raise ValueError(f"cache holds {self.dtype} but the input is {dtype}")
+
+    def extend(self, **new: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Write the new tokens after the cached ones; return each buffer up to the new length."""
+        n = next(iter(new.values())).shape[-2]
+        if self.length + n > self.max_len:
+            raise ValueError(f"cannot append {n} tokens: the cache holds {self.length} of max_len {self.max_len}")
+        end = self.length + n
+        out = []
+        for name, t in new.items():
+            buf = getattr(self, name)
+            buf[..., self.length:end, :] = t
+            out.append(buf[..., :end, :])
+        self.length = end
+        return tuple(out)
+
+    def view(self) -> tuple[torch.Tensor, ...]:
+        return tuple(b[..., :self.length, :] for b in self.buffers())
+
+    def extra_repr(self) -> str:
+        return f"batch_size={self.batch_size}, max_len={self.max_len}, length={self.length}, dtype={self.dtype}"
+
+
+class KVCache(_Cache):
+    def __init__(self, owner, batch_size: int, max_len: int, num_kv_heads: int, head_dim: int, v_head_dim: int,
+                 *, dtype, device=None):
+        super().__init__(owner, batch_size, max_len, {
+            "k": (batch_size, num_kv_heads, max_len, head_dim),
+            "v": (batch_size, num_kv_heads, max_len, v_head_dim),
+        }, dtype, device)
+
+
+class LatentCache(_Cache):
+    def __init__(self, owner, batch_size: int, max_len: int, latent_dim: int, rope_dim: int, *, dtype, device=None):
+        super().__init__(owner, batch_size, max_len, {"kv": (batch_size, max_len, latent_dim + rope_dim)},
+                         dtype, device)
+        self.latent_dim, self.rope_dim = latent_dim, rope_dim

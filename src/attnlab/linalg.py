@@ -1,0 +1,154 @@
+"""Linear algebra on projection matrices, shared by `convert` and `usaaio`.
+
+Everything here acts on plain weight matrices (torch tensors, or numpy arrays
+where noted) and knows nothing about modules.
+
+Notation: H query heads, G key/value heads, C = H // G query heads per KV
+head, d head size, D model width, r latent size.
+
+Row layout of a stacked projection: head h owns rows [h*d, (h+1)*d).
+Two ways to spread G key/value heads over H query heads:
+- "strided" (the study, Part 7): query head h reads KV head h mod G, so the
+  tiled matrix is C copies of the whole (G*d, D) block stacked on top of each
+  other.
+- "blocked" (Llama, transformers): query head h reads KV head h // C, so each
+  KV head's d rows are repeated C times in a row.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+GROUPINGS = ("strided", "blocked")
+
+
+def check_grouping(grouping: str) -> str:
+    if grouping not in GROUPINGS:
+        raise ValueError(f"grouping must be one of {GROUPINGS}, got {grouping!r}")
+    return grouping
+
+
+def kv_head_of(num_heads: int, num_kv_heads: int, grouping: str) -> torch.Tensor:
+    """Index of the KV head that each query head reads, shape (H,)."""
+    check_grouping(grouping)
+    if num_heads % num_kv_heads:
+        raise ValueError(
+            f"num_heads ({num_heads}) must be divisible by num_kv_heads ({num_kv_heads})"
+        )
+    h = torch.arange(num_heads)
+    if grouping == "strided":
+        return h % num_kv_heads
+    return h // (num_heads // num_kv_heads)
+
+
+def tile_heads(weight: torch.Tensor, num_heads: int, num_kv_heads: int, grouping: str = "strided"):
+    """Expand a (G*d, ...) KV projection (or bias) to (H*d, ...) rows, query head by query head.
+
+    With grouping="strided" this is the study's tilde-W of Part 6: C copies of
+    the whole matrix stacked along axis 0.
+    """
+    rows = weight.shape[0]
+    if rows % num_kv_heads:
+        raise ValueError(f"weight rows ({rows}) must be divisible by num_kv_heads ({num_kv_heads})")
+    d = rows // num_kv_heads
+    idx = kv_head_of(num_heads, num_kv_heads, grouping)
+    per_head = weight.reshape(num_kv_heads, d, *weight.shape[1:])  # (G, d, ...)
+    return per_head[idx.to(weight.device)].reshape(num_heads * d, *weight.shape[1:])  # (H*d, ...)
+
+
+def matrix_rank(weight, rtol: float | None = None) -> int:
+    """Numerical rank (singular values above rtol * largest), numpy or torch input."""
+    t = torch.as_tensor(np.asarray(weight)) if isinstance(weight, np.ndarray) else weight
+    return int(torch.linalg.matrix_rank(t.detach().to(torch.float64), rtol=rtol))
+
+
+def tiled_rank(weight, copies: int) -> tuple[int, int]:
+    """Part 6: (rank of W, rank of C stacked copies of W). They are always equal."""
+    if copies < 1:
+        raise ValueError(f"copies must be a positive integer, got {copies}")
+    t = torch.as_tensor(np.asarray(weight)) if isinstance(weight, np.ndarray) else weight
+    return matrix_rank(t), matrix_rank(torch.cat([t] * copies, dim=0))
+
+
+def gqa_block(weight: torch.Tensor, num_heads: int, num_kv_heads: int, *,
+              grouping: str = "strided", rtol: float = 1e-10) -> torch.Tensor | None:
+    """Part 11 in general: if the (H*d, D) matrix is a GQA tiling, return its (G*d, D) block.
+
+    Returns None when some query head's rows differ from those of the first head
+    in its group by more than rtol relative to the matrix's largest entry.
+    """
+    rows = weight.shape[0]
+    if rows % num_heads:
+        raise ValueError(f"weight rows ({rows}) must be divisible by num_heads ({num_heads})")
+    d = rows // num_heads
+    idx = kv_head_of(num_heads, num_kv_heads, grouping)
+    per_head = weight.reshape(num_heads, d, *weight.shape[1:])  # (H, d, ...)
+    # the first query head of each group: g itself (strided) or g*C (blocked)
+    step = 1 if grouping == "strided" else num_heads // num_kv_heads
+    block = per_head[torch.arange(num_kv_heads) * step]  # (G, d, ...)
+    scale = weight.abs().max().clamp_min(torch.finfo(weight.dtype).tiny)
+    if (per_head - block[idx]).abs().max() > rtol * scale:
+        return None
+    return block.reshape(num_kv_heads * d, *weight.shape[1:])
+
+
+def is_gqa_representable(weight, num_heads: int, num_kv_heads: int, *,
+                         grouping: str = "strided", rtol: float = 1e-10) -> bool:
+    """Part 11: can this K or V projection be written as G KV heads shared by H query heads?"""
+    t = torch.as_tensor(np.asarray(weight)) if isinstance(weight, np.ndarray) else weight
+    return gqa_block(t, num_heads, num_kv_heads, grouping=grouping, rtol=rtol) is not None
+
+
+def low_rank_factors(weight: torch.Tensor, rank: int):
+    """Best rank-`rank` factorisation W ~ up @ down by truncated SVD (Eckart-Young).
+
+    Returns (up, down, singular_values) with up = U_r (orthonormal columns),
+    down = diag(S_r) V_r^T: the split of Part 9. singular_values are all of them.
+    """
+    m, n = weight.shape
+    if not 1 <= rank <= min(m, n):
+        raise ValueError(f"rank ({rank}) must be between 1 and min{weight.shape} = {min(m, n)}")
+    u, s, vh = torch.linalg.svd(weight, full_matrices=False)
+    return u[:, :rank], s[:rank, None] * vh[:rank], s
+
+
+def rank_for_energy(singular_values: torch.Tensor, energy: float) -> int:
+    """Smallest rank whose squared singular values keep at least `energy` of the total."""
+    if not 0.0 < energy <= 1.0:
+        raise ValueError(f"energy must be in (0, 1], got {energy}")
+    power = singular_values.to(torch.float64) ** 2
+    kept = torch.cumsum(power, 0) / power.sum()
+    # tolerate rounding in the last place so that energy=1.0 gives the numerical rank
+    return min(int((kept < energy - 1e-12).sum()) + 1, len(singular_values))
+
+
+def energy_kept(singular_values: torch.Tensor, rank: int) -> float:
+    power = singular_values.to(torch.float64) ** 2
+    return float(power[:rank].sum() / power.sum())
+
+
+def fold_query(w_q: torch.Tensor, w_uk: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Part 12: stack W_UK_h^T W_Q_h over heads, shape (H*r, D_1).
+
+    w_q is (H*d, D_1), w_uk is (H*d, r). Query head h then produces its latent
+    query directly from x: q_hat_h = (W_UK_h^T W_Q_h) x.
+    """
+    d = w_q.shape[0] // num_heads
+    r = w_uk.shape[1]
+    per_head = w_uk.reshape(num_heads, d, r).transpose(1, 2) @ w_q.reshape(num_heads, d, -1)  # (H, r, D_1)
+    return per_head.reshape(num_heads * r, -1)  # (H*r, D_1)
+
+
+def fold_output(w_o: torch.Tensor, w_uv: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Part 12: the blocks W_O_h W_UV_h side by side, shape (D_1, H*r)."""
+    dim = w_o.shape[0]
+    dv = w_o.shape[1] // num_heads
+    r = w_uv.shape[1]
+    per_head = w_o.reshape(dim, num_heads, dv).transpose(0, 1) @ w_uv.reshape(num_heads, dv, r)  # (H, D_1, r)
+    return per_head.transpose(0, 1).reshape(dim, num_heads * r)  # (D_1, H*r)
+
+
+def default_scale(head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim)

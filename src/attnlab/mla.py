@@ -1,0 +1,237 @@
+"""Multi-head latent attention (DeepSeek-V2/V3's MLA), with the study's absorbed form (Part 12).
+
+Notation: B batch, L query length, S key length, H heads, d = head_dim (the
+no-RoPE part of a query/key head), p = rope_dim, dv = v_head_dim,
+r = latent_dim.
+
+Keys and values of every head come from one latent per position,
+c = W_DKV y (r numbers, optionally RMS-normalised); with rope_dim p > 0 a
+shared key k_R = RoPE(W_KR y) of p numbers sits beside it (DeepSeek's
+decoupled RoPE). A cache holds only [c, k_R]: r + p numbers per token.
+
+Two ways to attend, with the same result:
+- expanded: K_h = W_UK_h c and V_h = W_UV_h c for every head, then ordinary
+  attention. Costs S*r*H*(d + dv) per call just to rebuild K and V.
+- absorbed (Part 12): q_nope_h . (W_UK_h c) = (W_UK_h^T q_nope_h) . c, so each
+  head's query is moved into the latent space, all H heads attend to the one
+  latent in a single product (heads folded into rows), and W_UV_h is applied to
+  the r-dim result afterwards. Nothing is up-projected per cached token.
+A key bias on W_UK adds the same number to every score of a query row, which
+softmax ignores; a value bias on W_UV is added back after attention.
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import nn
+
+from . import checks
+from .attention import attend
+from .base import AttentionModule
+from .cache import LatentCache
+from .rope import RotaryEmbedding
+
+
+class MultiHeadLatentAttention(AttentionModule):
+    """Attention whose keys and values are up-projected from a shared low-rank latent.
+
+    Args:
+        dim, num_heads, head_dim, v_head_dim, context_dim: as in GroupedQueryAttention.
+        latent_dim: r, the size of the latent c = W_DKV y shared by keys and values.
+        rope_dim: p > 0 adds DeepSeek's decoupled RoPE: p extra query dims per head
+            and one shared p-dim rotary key per position, cached beside the latent.
+        q_latent_dim: queries through a low-rank bottleneck W_UQ RMSNorm(W_DQ x).
+        latent_norm: RMSNorm on the latent before it is cached (DeepSeek does).
+        bias: biases on W_Q (or W_UQ), W_UK, W_UV and W_O.
+        latent_bias: biases on the down-projections W_DKV, W_KR and W_DQ.
+        softmax_scale: default 1/sqrt(head_dim + rope_dim).
+        rope_base, rope_interleaved: the rotary embedding of the rope dims.
+    A latent_dim above min(H*(d + dv), context_dim) cannot compress anything; it
+    is allowed (exact conversions may produce it) with a warning.
+    """
+
+    def __init__(self, dim: int, num_heads: int, latent_dim: int, *, head_dim: int | None = None,
+                 v_head_dim: int | None = None, context_dim: int | None = None, rope_dim: int = 0,
+                 q_latent_dim: int | None = None, latent_norm: bool = False, bias: bool = False,
+                 latent_bias: bool = False, softmax_scale: float | None = None, rope_base: float = 10000.0,
+                 rope_interleaved: bool = False, norm_eps: float = 1e-6, device=None, dtype=None):
+        super().__init__()
+        checks.positive_int("dim", dim)
+        checks.positive_int("num_heads", num_heads)
+        checks.positive_int("latent_dim", latent_dim)
+        checks.non_negative_int("rope_dim", rope_dim)
+        if rope_dim % 2:
+            raise ValueError(f"rope_dim must be even (RoPE rotates pairs), got {rope_dim}")
+        if head_dim is None:
+            if dim % num_heads:
+                raise ValueError(f"dim ({dim}) is not divisible by num_heads ({num_heads}); pass head_dim")
+            head_dim = dim // num_heads
+        checks.positive_int("head_dim", head_dim)
+        v_head_dim = checks.positive_int("v_head_dim", v_head_dim if v_head_dim is not None else head_dim)
+        context_dim = checks.positive_int("context_dim", context_dim if context_dim is not None else dim)
+        if q_latent_dim is not None:
+            checks.positive_int("q_latent_dim", q_latent_dim)
+        useful = min(num_heads * (head_dim + v_head_dim), context_dim)
+        if latent_dim > useful:
+            warnings.warn(f"latent_dim ({latent_dim}) exceeds min(H*(head_dim + v_head_dim), context_dim) = "
+                          f"{useful}: the latent cannot have full rank and saves nothing", stacklevel=2)
+        self.dim, self.context_dim, self.num_heads = dim, context_dim, num_heads
+        self.head_dim, self.v_head_dim, self.rope_dim = head_dim, v_head_dim, rope_dim
+        self.latent_dim, self.q_latent_dim = latent_dim, q_latent_dim
+        self.softmax_scale = softmax_scale
+        kw = dict(device=device, dtype=dtype)
+        q_out = num_heads * (head_dim + rope_dim)
+        if q_latent_dim is None:
+            self.W_Q = nn.Linear(dim, q_out, bias=bias, **kw)
+            self.W_DQ = self.q_norm = self.W_UQ = None
+        else:
+            self.W_Q = None
+            self.W_DQ = nn.Linear(dim, q_latent_dim, bias=latent_bias, **kw)
+            self.q_norm = nn.RMSNorm(q_latent_dim, eps=norm_eps, **kw)
+            self.W_UQ = nn.Linear(q_latent_dim, q_out, bias=bias, **kw)
+        self.W_DKV = nn.Linear(context_dim, latent_dim, bias=latent_bias, **kw)
+        self.W_KR = nn.Linear(context_dim, rope_dim, bias=latent_bias, **kw) if rope_dim else None
+        self.kv_norm = nn.RMSNorm(latent_dim, eps=norm_eps, **kw) if latent_norm else None
+        self.W_UK = nn.Linear(latent_dim, num_heads * head_dim, bias=bias, **kw)
+        self.W_UV = nn.Linear(latent_dim, num_heads * v_head_dim, bias=bias, **kw)
+        self.W_O = nn.Linear(num_heads * v_head_dim, dim, bias=bias, **kw)
+        self.rope = RotaryEmbedding(rope_dim, rope_base, interleaved=rope_interleaved) if rope_dim else None
+        self._absorbed_cache: tuple | None = None
+
+    @property
+    def _anchor(self) -> torch.Tensor:
+        return self.W_DKV.weight
+
+    @property
+    def scale(self) -> float:
+        if self.softmax_scale is not None:
+            return self.softmax_scale
+        return (self.head_dim + self.rope_dim) ** -0.5
+
+    @property
+    def kv_values_per_token(self) -> int:
+        """Numbers the cache stores per token (Part 14): r, plus rope_dim for the shared rotary key."""
+        return self.latent_dim + self.rope_dim
+
+    def init_cache(self, batch_size: int, max_len: int, *, dtype=None, device=None) -> LatentCache:
+        """A preallocated cache of the latent (and the shared rotary key) only."""
+        return LatentCache(self, batch_size, max_len, self.latent_dim, self.rope_dim,
+                           dtype=dtype or self._anchor.dtype, device=device or self._anchor.device)
+
+    # -- projections ---------------------------------------------------------------------------
+    def project_query(self, x: torch.Tensor, positions: torch.Tensor):
+        """(q_nope (B, H, L, d), q_rope (B, H, L, p)) with RoPE applied."""
+        B, L, _ = x.shape
+        q = self.W_Q(x) if self.W_Q is not None else self.W_UQ(self.q_norm(self.W_DQ(x)))  # (B, L, H*(d+p))
+        q = q.view(B, L, self.num_heads, self.head_dim + self.rope_dim).transpose(1, 2)  # (B, H, L, d+p)
+        q_nope, q_rope = q.split([self.head_dim, self.rope_dim], dim=-1)  # (B, H, L, d), (B, H, L, p)
+        if self.rope is not None:
+            q_rope = self.rope(q_rope, positions)
+        return q_nope, q_rope
+
+    def compress(self, source: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """What the cache stores for a sequence: [c, k_R], shape (B, S, r + p)."""
+        c = self.W_DKV(source)  # (B, S, r)
+        if self.kv_norm is not None:
+            c = self.kv_norm(c)
+        if self.W_KR is None:
+            return c
+        if positions is None:
+            positions = torch.arange(source.shape[1], device=source.device)
+        k_rope = self.rope(self.W_KR(source)[:, None], positions)[:, 0]  # (B, S, p)
+        return torch.cat([c, k_rope], dim=-1)  # (B, S, r+p)
+
+    # -- absorbed weights (Part 12), derived from the parameters and cached --------------------
+    def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """W_UK per head (H, d, r) and W_UV^T per head (H, r, dv), contiguous for batched products.
+
+        Recomputed whenever either weight is replaced or changed in place (an
+        optimizer step, load_state_dict): the key is each tensor's identity and
+        version counter. Not cached while autograd records (the copy would hold
+        a stale graph) or under torch.compile (which traces the computation).
+        """
+        wk, wv = self.W_UK.weight, self.W_UV.weight
+        key = tuple((id(w), w._version, w.data_ptr(), w.dtype, w.device) for w in (wk, wv))
+        cacheable = not torch.compiler.is_compiling() and not (
+            torch.is_grad_enabled() and (wk.requires_grad or wv.requires_grad))
+        if cacheable and self._absorbed_cache is not None and self._absorbed_cache[0] == key:
+            return self._absorbed_cache[1]
+        H, d, dv, r = self.num_heads, self.head_dim, self.v_head_dim, self.latent_dim
+        w_uk = wk.reshape(H, d, r)  # (H, d, r)
+        w_uv_t = wv.reshape(H, dv, r).transpose(1, 2).contiguous()  # (H, r, dv)
+        if cacheable:
+            self._absorbed_cache = (key, (w_uk, w_uv_t))
+        return w_uk, w_uv_t
+
+    def prefers_absorbed(self, query_len: int, key_len: int) -> bool:
+        """Pick the path with fewer multiply-adds for these lengths (absorbed for decode)."""
+        H, d, dv, r, p = self.num_heads, self.head_dim, self.v_head_dim, self.latent_dim, self.rope_dim
+        expanded = key_len * r * H * (d + dv) + query_len * key_len * H * (d + p + dv)
+        absorbed = query_len * H * r * (d + dv) + query_len * key_len * H * (2 * r + p)
+        return absorbed < expanded
+
+    # -- forward -------------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor, context: torch.Tensor | None = None, *, mask: torch.Tensor | None = None,
+                key_padding_mask: torch.Tensor | None = None, is_causal: bool = False,
+                cache: LatentCache | None = None, positions: torch.Tensor | None = None,
+                absorbed: bool | None = None) -> torch.Tensor:
+        """x (B, L, dim), context (B, S, context_dim) or None -> (B, L, dim).
+
+        Masks, cache and positions as in GroupedQueryAttention.forward.
+        absorbed: True for Part 12's latent-space path, False for the expanded
+        path, None to choose by cost (absorbed when decoding against a cache).
+        """
+        source, offset, positions, mask = self._prepare(x, context, cache, positions, mask,
+                                                        key_padding_mask, self.num_heads)
+        B, L, _ = x.shape
+        q_nope, q_rope = self.project_query(x, positions)  # (B, H, L, d), (B, H, L, p)
+        if cache is not None and cache.static:
+            (kv,) = cache.view()  # (B, S, r+p)
+        else:
+            kv = self.compress(source, positions if context is None else None)  # (B, S_new, r+p)
+            if cache is not None:
+                (kv,) = cache.extend(kv=kv)  # (B, S, r+p)
+                cache.static = context is not None
+        if absorbed is None:
+            absorbed = self.prefers_absorbed(L, kv.shape[1])
+        run = self._absorbed if absorbed else self._expanded
+        o = run(q_nope, q_rope, kv, mask, is_causal)  # (B, H, L, dv)
+        o = o.transpose(1, 2).reshape(B, L, self.num_heads * self.v_head_dim)  # (B, L, H*dv)
+        return self.W_O(o)  # (B, L, dim)
+
+    def _expanded(self, q_nope, q_rope, kv, mask, is_causal):
+        B, S, _ = kv.shape
+        H, r = self.num_heads, self.latent_dim
+        c = kv[..., :r]  # (B, S, r)
+        k = self.W_UK(c).view(B, S, H, self.head_dim).transpose(1, 2)  # (B, H, S, d)
+        v = self.W_UV(c).view(B, S, H, self.v_head_dim).transpose(1, 2)  # (B, H, S, dv)
+        if self.rope_dim:
+            k_rope = kv[:, None, :, r:].expand(B, H, S, self.rope_dim)  # (B, H, S, p)
+            k = torch.cat([k, k_rope], dim=-1)  # (B, H, S, d+p)
+            q = torch.cat([q_nope, q_rope], dim=-1)  # (B, H, L, d+p)
+        else:
+            q = q_nope
+        return attend(q, k, v, mask=mask, is_causal=is_causal, scale=self.scale)  # (B, H, L, dv)
+
+    def _absorbed(self, q_nope, q_rope, kv, mask, is_causal):
+        r = self.latent_dim
+        w_uk, w_uv_t = self.absorbed_weights()  # (H, d, r), (H, r, dv)
+        q = q_nope @ w_uk  # (B, H, L, r): W_UK_h^T q_h
+        if self.rope_dim:
+            q = torch.cat([q, q_rope], dim=-1)  # (B, H, L, r+p)
+        k = kv[:, None]  # (B, 1, S, r+p): one latent "KV head" for all H query heads
+        v = kv[:, None, :, :r]  # (B, 1, S, r)
+        b_v = self.W_UV.bias
+        if b_v is not None:  # carry the softmax weight sum (1, or 0 on a fully masked row) for the value bias
+            v = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)  # (B, 1, S, r+1)
+        o = attend(q, k, v, mask=mask, is_causal=is_causal, scale=self.scale)  # (B, H, L, r[+1])
+        out = o[..., :r] @ w_uv_t  # (B, H, L, dv)
+        if b_v is not None:
+            out = out + o[..., r:] * b_v.view(self.num_heads, 1, self.v_head_dim)  # (B, H, L, dv)
+        return out
+
+    def extra_repr(self) -> str:
+        return (f"dim={self.dim}, context_dim={self.context_dim}, num_heads={self.num_heads}, "
+                f"latent_dim={self.latent_dim}, head_dim={self.head_dim}, v_head_dim={self.v_head_dim}, "
+                f"rope_dim={self.rope_dim}, q_latent_dim={self.q_latent_dim}")

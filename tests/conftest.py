@@ -1,0 +1,59 @@
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from reference import gqa_reference, mla_reference  # noqa: E402
+
+F64 = torch.float64
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+def randomize(module, std=0.5):
+    """Give every parameter (biases and norm weights included) random values."""
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn_like(p) * std + (1.0 if p.dim() == 1 and p.shape == () else 0.0))
+    return module
+
+
+def gqa_ref(m, x, y=None, **kw):
+    """The oracle for a GroupedQueryAttention module, weights read off the module."""
+    y = x if y is None else y
+    biases = tuple(None if lin.bias is None else lin.bias.detach() for lin in (m.W_Q, m.W_K, m.W_V, m.W_O))
+    rope = None if m.rope is None else (m.rope.base, m.rope.interleaved)
+    return gqa_reference(x, y, m.W_Q.weight.detach(), m.W_K.weight.detach(), m.W_V.weight.detach(),
+                         m.W_O.weight.detach(), m.num_heads, m.num_kv_heads, grouping=m.grouping,
+                         biases=biases, rope=rope, **kw)
+
+
+def mla_params(m):
+    p = {}
+    for name in ("W_Q", "W_DQ", "W_UQ", "W_DKV", "W_KR", "W_UK", "W_UV", "W_O"):
+        lin = getattr(m, name)
+        if lin is None:
+            continue
+        p[name] = lin.weight.detach()
+        if lin.bias is not None:
+            p["b_" + name] = lin.bias.detach()
+    if m.q_norm is not None:
+        p["q_norm"] = m.q_norm.weight.detach()
+        p["eps"] = m.q_norm.eps
+    if m.kv_norm is not None:
+        p["kv_norm"] = m.kv_norm.weight.detach()
+        p["eps"] = m.kv_norm.eps
+    if m.rope is not None:
+        p["rope"] = (m.rope.base, m.rope.interleaved)
+    p["scale"] = m.scale
+    return p
+
+
+def mla_ref(m, x, y=None, **kw):
+    return mla_reference(x, x if y is None else y, mla_params(m), m.num_heads, **kw)

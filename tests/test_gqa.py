@@ -1,0 +1,79 @@
+"""MHA and GQA modules against the naive float64 oracle and against torch.nn.MultiheadAttention."""
+import pytest
+import torch
+
+from attnlab import GroupedQueryAttention, MultiHeadAttention
+from conftest import F64, gqa_ref, randomize
+from reference import rel_err
+
+# (B, L1, L2, D1, D2, H, G, d, dv)
+SHAPES = [
+    (2, 3, 3, 8, 8, 4, 4, 2, 2),      # MHA, self-attention sizes
+    (2, 3, 5, 12, 8, 6, 2, 3, 5),     # L1 != L2, D1 != D2, d != dv, proper divisor
+    (1, 4, 2, 6, 10, 4, 1, 4, 3),     # MQA, G = 1
+    (3, 1, 6, 16, 16, 8, 4, 2, 2),    # one query
+]
+
+
+@pytest.mark.parametrize("grouping", ["strided", "blocked"])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_cross_attention_matches_oracle(shape, grouping, bias):
+    B, L1, L2, D1, D2, H, G, d, dv = shape
+    m = randomize(GroupedQueryAttention(D1, H, G, head_dim=d, v_head_dim=dv, context_dim=D2, bias=bias,
+                                        grouping=grouping, dtype=F64))
+    x, y = torch.randn(B, L1, D1, dtype=F64), torch.randn(B, L2, D2, dtype=F64)
+    assert rel_err(m(x, y), gqa_ref(m, x, y)) <= 1e-10
+
+
+@pytest.mark.parametrize("grouping", ["strided", "blocked"])
+@pytest.mark.parametrize("G", [1, 2, 6])
+def test_self_attention_causal_matches_oracle(grouping, G):
+    m = randomize(GroupedQueryAttention(12, 6, G, grouping=grouping, dtype=F64))
+    x = torch.randn(2, 5, 12, dtype=F64)
+    assert rel_err(m(x), gqa_ref(m, x)) <= 1e-10
+    assert rel_err(m(x, is_causal=True), gqa_ref(m, x, causal=True)) <= 1e-10
+
+
+def test_mha_is_gqa_with_g_equal_h():
+    """Part 8: MHA is GQA with G = H; with the same weights the outputs are identical."""
+    mha = randomize(MultiHeadAttention(12, 4, dtype=F64))
+    x = torch.randn(2, 5, 12, dtype=F64)
+    for grouping in ("strided", "blocked"):
+        gqa = GroupedQueryAttention(12, 4, 4, grouping=grouping, dtype=F64)
+        gqa.load_state_dict(mha.state_dict())
+        assert torch.equal(gqa(x), mha(x))
+
+
+def test_kv_heads_are_not_copied():
+    """K/V projections have G heads: the parameter count is that of G heads, not H."""
+    m = GroupedQueryAttention(64, 8, 2)
+    assert m.W_K.weight.shape == (2 * 8, 64) and m.W_V.weight.shape == (2 * 8, 64)
+
+
+def _torch_mha(m: MultiHeadAttention, bias: bool):
+    ref = torch.nn.MultiheadAttention(m.dim, m.num_heads, bias=bias, batch_first=True, dtype=F64)
+    with torch.no_grad():
+        ref.in_proj_weight.copy_(torch.cat([m.W_Q.weight, m.W_K.weight, m.W_V.weight]))
+        ref.out_proj.weight.copy_(m.W_O.weight)
+        if bias:
+            ref.in_proj_bias.copy_(torch.cat([m.W_Q.bias, m.W_K.bias, m.W_V.bias]))
+            ref.out_proj.bias.copy_(m.W_O.bias)
+    return ref.eval()
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_parity_with_torch_multihead_attention(bias):
+    m = randomize(MultiHeadAttention(16, 4, bias=bias, dtype=F64))
+    ref = _torch_mha(m, bias)
+    x, y = torch.randn(2, 5, 16, dtype=F64), torch.randn(2, 7, 16, dtype=F64)
+    expected, _ = ref(x, y, y, need_weights=False)
+    assert rel_err(m(x, y), expected) <= 1e-10
+    # masks: torch's bool masks are True = blocked, ours True = may attend
+    causal = torch.ones(5, 5, dtype=torch.bool).triu(1)
+    expected, _ = ref(x, x, x, attn_mask=causal, need_weights=False)
+    assert rel_err(m(x, is_causal=True), expected) <= 1e-10
+    pad = torch.zeros(2, 7, dtype=torch.bool)
+    pad[0, 4:] = True
+    expected, _ = ref(x, y, y, key_padding_mask=pad, need_weights=False)
+    assert rel_err(m(x, y, key_padding_mask=~pad), expected) <= 1e-10
