@@ -1,0 +1,154 @@
+"""The attnlab command: a thin layer over the library (parse, call, render).
+
+Errors are one line on stderr with exit status 2; --debug shows the traceback.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Run, convert and explain multi-head attention and its KV-sharing variants.")
+console = Console()
+_state = {"debug": False}
+
+
+class UsageProblem(Exception):
+    """A problem with what the user asked for: reported in one line, exit status 2."""
+
+
+@app.callback()
+def _root(debug: bool = typer.Option(False, "--debug", help="Show tracebacks instead of one-line errors.")):
+    _state["debug"] = debug
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    """Write via a temporary file in the same folder, so a failure leaves nothing half-written."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_bytes(data)
+    tmp.replace(path)
+
+
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+# -- tour -----------------------------------------------------------------------------------------
+@app.command()
+def tour(markdown: Optional[Path] = typer.Option(None, "--markdown", help="Also write the tour as Markdown."),
+         plots: Optional[Path] = typer.Option(None, "--plots", help="Write PNG figures into this folder.")):
+    """Walk the study's 14 parts, answering each by running attnlab and checking the answer.
+
+    Example: attnlab tour --markdown tour.md --plots figures/
+    """
+    from .tour import run_tour, to_markdown
+
+    with console.status("running the study's parts...") as status:
+        sections = run_tour(progress=lambda part: status.update(f"parts 1-{part} done..."))
+    failed = 0
+    for s in sections:
+        console.rule(f"[bold]Part {s.part}[/bold]: {s.title}")
+        for line in s.lines:
+            console.print(f"  {line}", highlight=False, markup=False)
+        for c in s.checks:
+            mark = "[green]PASS[/green]" if c.passed else "[red]FAIL[/red]"
+            detail = f" [dim]({c.detail})[/dim]" if c.detail else ""
+            console.print(f"  {mark} {c.name}{detail}", highlight=False)
+            failed += not c.passed
+    total = sum(len(s.checks) for s in sections)
+    colour = "green" if not failed else "red"
+    console.print(f"\n[bold {colour}]{total - failed} of {total} checks passed[/bold {colour}]")
+    if markdown is not None:
+        _write_atomic(markdown, to_markdown(sections).encode())
+        console.print(f"wrote {markdown}")
+    if plots is not None:
+        from .plots import tour_figures
+        for path in tour_figures(plots):
+            console.print(f"wrote {path}")
+    raise typer.Exit(1 if failed else 0)
+
+
+# -- kv -------------------------------------------------------------------------------------------
+@app.command()
+def kv(preset: Optional[str] = typer.Argument(None, help="A preset name; omit for every preset."),
+       context: int = typer.Option(4096, help="Context length in tokens."),
+       batch: int = typer.Option(1, help="Sequences in the batch."),
+       dtype: str = typer.Option("bfloat16", help="Cache dtype: bfloat16, float16, float32, float64, float8."),
+       kind: Optional[str] = typer.Option(None, help="Custom model: 'gqa' or 'mla' (with the size options)."),
+       layers: int = typer.Option(1, help="Custom: number of layers."),
+       dim: int = typer.Option(4096, help="Custom: hidden size."),
+       heads: int = typer.Option(32, help="Custom: query heads."),
+       kv_heads: int = typer.Option(8, help="Custom gqa: key/value heads."),
+       head_dim: int = typer.Option(128, help="Custom: head size."),
+       latent_dim: int = typer.Option(512, help="Custom mla: latent size."),
+       rope_dim: int = typer.Option(64, help="Custom mla: decoupled RoPE size."),
+       json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the table as JSON."),
+       plot: Optional[Path] = typer.Option(None, "--plot", help="PNG of cache memory against context length.")):
+    """KV-cache size per token and for a context, read from real (meta-device) caches.
+
+    Example: attnlab kv llama-3-8b --context 32768 --batch 8
+    """
+    from .presets import PRESETS, AttentionConfig, get_preset, kv_footprint, parse_dtype
+
+    dt = parse_dtype(dtype)
+    if kind is not None:
+        configs = [AttentionConfig("custom", kind, layers, dim, heads, head_dim, num_kv_heads=kv_heads,
+                                   latent_dim=latent_dim, rope_dim=rope_dim)]
+    elif preset is not None:
+        configs = [get_preset(preset)]
+    else:
+        configs = list(PRESETS.values())
+    rows = [kv_footprint(c, context=context, batch=batch, dtype=dt) for c in configs]
+    table = Table(title=f"KV cache, {dtype}, context {context}, batch {batch}")
+    for col in ("model", "kind", "values/token/layer", "bytes/token", "per token", "total"):
+        table.add_column(col, justify="left" if col in ("model", "kind") else "right")
+    for r in rows:
+        table.add_row(r.name, r.kind, str(r.values_per_token_per_layer), str(r.bytes_per_token),
+                      _human_bytes(r.bytes_per_token), _human_bytes(r.bytes_total))
+    console.print(table)
+    if json_out is not None:
+        _write_atomic(json_out, json.dumps([r.to_dict() for r in rows], indent=2).encode())
+    if plot is not None:
+        from .plots import kv_plot
+        kv_plot(configs, dt, plot)
+        console.print(f"wrote {plot}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: run the app, turning expected errors into one line on stderr and status 2."""
+    args = sys.argv[1:] if argv is None else argv
+    debug = "--debug" in args
+    try:
+        rc = app(args=args, prog_name="attnlab", standalone_mode=False)
+    except typer.Exit as e:
+        return e.exit_code
+    except SystemExit as e:
+        return int(e.code or 0)
+    except Exception as e:  # noqa: BLE001 - the one place errors become messages
+        import click
+        if debug:
+            raise
+        if isinstance(e, click.exceptions.UsageError):
+            msg = e.format_message()
+        elif isinstance(e, click.exceptions.Abort):
+            msg = "aborted"
+        else:
+            msg = str(e) or type(e).__name__
+        print(f"attnlab: error: {msg.splitlines()[0] if msg else type(e).__name__}", file=sys.stderr)
+        return 2
+    return rc if isinstance(rc, int) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

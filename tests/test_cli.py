@@ -1,0 +1,85 @@
+"""The attnlab command, in-process (typer's runner) and as a subprocess for exit codes."""
+import json
+import struct
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from attnlab.cli import app, main
+from attnlab.presets import PRESETS, get_preset, kv_footprint
+
+runner = CliRunner()
+
+
+def _png_size(path):
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    return struct.unpack(">II", data[16:24])
+
+
+def test_kv_table_lists_every_preset(tmp_path):
+    out = tmp_path / "kv.json"
+    result = runner.invoke(app, ["kv", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    rows = json.loads(out.read_text())
+    assert [r["name"] for r in rows] == list(PRESETS)
+    for r in rows:  # the footprint comes from a cache, and scales with context
+        assert r["bytes_total"] == r["bytes_per_token"] * 4096
+
+
+def test_kv_presets_follow_part14_formulas():
+    """bytes/token measured from meta-device caches equal 2*G*d*layers*2 (GQA) and (r + p)*layers*2 (MLA)."""
+    llama = get_preset("llama-3-8b")
+    assert kv_footprint(llama).bytes_per_token == 2 * llama.num_kv_heads * llama.head_dim * llama.num_layers * 2
+    v3 = get_preset("deepseek-v3")
+    assert kv_footprint(v3).bytes_per_token == (v3.latent_dim + v3.rope_dim) * v3.num_layers * 2
+
+
+def test_kv_plot_is_a_real_png(tmp_path):
+    plot = tmp_path / "kv.png"
+    result = runner.invoke(app, ["kv", "--plot", str(plot)])
+    assert result.exit_code == 0, result.output
+    w, h = _png_size(plot)
+    assert w > 300 and h > 200
+
+
+def test_unknown_preset_is_one_line_with_status_2(capsys):
+    assert main(["kv", "no-such-model"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "unknown preset 'no-such-model'" in err[0]
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["kv", "--context", "0"], "must be positive"),
+    (["kv", "--dtype", "int3"], "unknown dtype 'int3'"),
+    (["kv", "--kind", "gqa", "--heads", "12", "--kv-heads", "5"], "num_heads (12) must be divisible"),
+])
+def test_bad_sizes_are_one_line_errors(args, fragment):
+    proc = subprocess.run([sys.executable, "-m", "attnlab", *args], capture_output=True, text=True)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and fragment in lines[0], proc.stderr
+
+
+def test_every_subcommand_has_help_with_an_example():
+    for sub in ("tour", "kv"):
+        result = runner.invoke(app, [sub, "--help"])
+        assert result.exit_code == 0 and "Example: attnlab " + sub in result.output
+
+
+@pytest.mark.slow
+def test_tour_passes_every_check(tmp_path):
+    md, figs = tmp_path / "tour.md", tmp_path / "figs"
+    proc = subprocess.run([sys.executable, "-m", "attnlab", "tour", "--markdown", str(md), "--plots", str(figs)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    text = md.read_text()
+    for part in range(1, 15):
+        assert f"## Part {part}:" in text
+    assert "- [ ]" not in text and "checks passed" in text
+    for png in figs.glob("*.png"):
+        w, h = _png_size(png)
+        assert w > 300 and h > 200
+    assert len(list(figs.glob("*.png"))) == 2
