@@ -93,9 +93,9 @@ def gqa_reference(x, y, W_Q, W_K, W_V, W_O, H, G, *, grouping="strided", biases=
     rope: None or (base, interleaved); positions default to 0..L-1 (offset by L2 - L1 for queries
     when causal self-attention continues a cache).
     """
-    x, y = x.to(F64), y.to(F64)
-    W_Q, W_K, W_V, W_O = (w.to(F64) for w in (W_Q, W_K, W_V, W_O))
-    bq, bk, bv, bo = (None if b is None else b.to(F64) for b in biases)
+    x, y = x.detach().to(F64), y.detach().to(F64)
+    W_Q, W_K, W_V, W_O = (w.detach().to(F64) for w in (W_Q, W_K, W_V, W_O))
+    bq, bk, bv, bo = (None if b is None else b.detach().to(F64) for b in biases)
     B, L1, _ = x.shape
     L2 = y.shape[1]
     d = W_Q.shape[0] // H
@@ -138,8 +138,8 @@ def mla_reference(x, y, p, H, *, mask=None, causal=False, q_positions=None, k_po
     W_O, optional W_KR (with rope=(base, interleaved)), kv_norm, biases b_<name>, eps, scale.
     Keys and values are built per head and position: k_h = [W_UK_h c, RoPE(W_KR y)], v_h = W_UV_h c.
     """
-    g = lambda name: None if p.get(name) is None else p[name].to(F64)  # noqa: E731
-    x, y = x.to(F64), y.to(F64)
+    g = lambda name: None if p.get(name) is None else p[name].detach().to(F64)  # noqa: E731
+    x, y = x.detach().to(F64), y.detach().to(F64)
     B, L1, _ = x.shape
     L2 = y.shape[1]
     r = p["W_DKV"].shape[0]
