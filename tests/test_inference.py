@@ -146,8 +146,8 @@ def test_cache_bytes_per_token_are_measured():
     assert gqa.init_cache(3, 10, dtype=torch.bfloat16).bytes_per_token == G * (d + dv) * 2
     assert mla.init_cache(3, 10).bytes_per_token == (12 + 4) * 4
     assert MultiHeadAttention(32, 4).init_cache(1, 4).values_per_token == 2 * 32
-    c = gqa.init_cache(1, 4)
-    assert "k" not in gqa.state_dict() and not c.state_dict()  # buffers are not persistent
+    gqa.init_cache(1, 4)
+    assert set(gqa.state_dict()) == {f"W_{n}.weight" for n in "QKVO"}  # the cache is not module state
 
 
 def test_cache_reset_starts_over():
@@ -158,6 +158,26 @@ def test_cache_reset_starts_over():
     cache.reset()
     assert cache.length == 0
     assert torch.equal(m(x, cache=cache, is_causal=True), first)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["gqa-strided-rope", "mla"])
+def test_compiled_decode_does_not_recompile_per_token(name):
+    from torch._dynamo.testing import CompileCounter
+
+    m = _variants(torch.float32)[name].eval()
+    x = torch.randn(1, 14, 24)
+    cache = m.init_cache(1, 32)  # (a step that fills the buffer exactly may compile once more: strides change)
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    step = torch.compile(m, backend=counter)
+    with torch.no_grad():
+        full = m(x, is_causal=True)
+        outs = [m(x[:, :4], cache=cache, is_causal=True)]
+        outs += [step(x[:, t:t + 1], cache=cache, is_causal=True) for t in range(4, 14)]
+    # the first step compiles with the cache length as a constant, the second makes it dynamic; then no more
+    assert counter.frame_count <= 2
+    assert rel_err(torch.cat(outs, 1), full) <= 1e-5
 
 
 # -- bad input -------------------------------------------------------------------------------------

@@ -1,8 +1,11 @@
 """KV and latent caches: preallocated buffers that grow along the sequence axis.
 
 A cache belongs to the module that made it (`module.init_cache(...)`) and is
-passed back to that module's forward. Buffers are registered with
-persistent=False, so they never end up in a state_dict.
+passed back to that module's forward. It is a plain object, not an nn.Module:
+torch.compile treats int attributes of modules as constants, which would
+recompile a compiled decode step for every token; the length of a plain object
+becomes a dynamic size after its first change, so a compiled step compiles
+twice and then never again. Its tensors never enter a module's state_dict.
 
 - `KVCache` (MHA, GQA): k (B, G, S_max, d) and v (B, G, S_max, dv), only the
   num_kv_heads heads, never the H query heads.
@@ -24,41 +27,49 @@ from torch import nn
 from . import checks
 
 
-class _Cache(nn.Module):
+class _Cache:
     """Named buffers of shape (B, ..., S_max, width) that share a length."""
 
     def __init__(self, owner: nn.Module, batch_size: int, max_len: int, buffers: dict[str, tuple[int, ...]],
                  dtype: torch.dtype, device):
-        super().__init__()
         checks.positive_int("batch_size", batch_size)
         checks.positive_int("max_len", max_len)
         self._owner = weakref.ref(owner)
         self.batch_size, self.max_len = batch_size, max_len
-        self.length = 0
+        self._length = 0
         self.static = False
         for name, shape in buffers.items():
-            self.register_buffer(name, torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+            setattr(self, name, torch.zeros(shape, dtype=dtype, device=device))
+        self._names = list(buffers)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [getattr(self, n) for n in self._names]
 
     @property
     def dtype(self) -> torch.dtype:
-        return next(self.buffers()).dtype
+        return getattr(self, self._names[0]).dtype
 
     @property
     def device(self) -> torch.device:
-        return next(self.buffers()).device
+        return getattr(self, self._names[0]).device
 
     @property
     def values_per_token(self) -> int:
         """Numbers stored per token of one sequence, counted from the allocated buffers."""
-        return sum(b.numel() for b in self.buffers()) // (self.batch_size * self.max_len)
+        return sum(b.numel() for b in self.tensors()) // (self.batch_size * self.max_len)
 
     @property
     def bytes_per_token(self) -> int:
         """Bytes stored per token of one sequence, measured from the allocated buffers."""
-        return sum(b.numel() * b.element_size() for b in self.buffers()) // (self.batch_size * self.max_len)
+        return sum(b.numel() * b.element_size() for b in self.tensors()) // (self.batch_size * self.max_len)
+
+    @property
+    def length(self) -> int:
+        """Tokens held so far."""
+        return self._length
 
     def reset(self) -> None:
-        self.length = 0
+        self._length = 0
         self.static = False
 
     def check_owner(self, module: nn.Module, batch_size: int, dtype: torch.dtype) -> None:
@@ -81,14 +92,14 @@ class _Cache(nn.Module):
             buf = getattr(self, name)
             buf[..., self.length:end, :] = t
             out.append(buf[..., :end, :])
-        self.length = end
+        self._length = end
         return tuple(out)
 
     def view(self) -> tuple[torch.Tensor, ...]:
-        return tuple(b[..., :self.length, :] for b in self.buffers())
+        return tuple(b[..., :self.length, :] for b in self.tensors())
 
-    def extra_repr(self) -> str:
-        return f"batch_size={self.batch_size}, max_len={self.max_len}, length={self.length}, dtype={self.dtype}"
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(batch_size={self.batch_size}, max_len={self.max_len}, length={self.length}, dtype={self.dtype})"
 
 
 class KVCache(_Cache):
