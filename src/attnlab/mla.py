@@ -231,6 +231,54 @@ class MultiHeadLatentAttention(AttentionModule):
             out = out + o[..., r:] * b_v.view(self.num_heads, 1, self.v_head_dim)  # (B, H, L, dv)
         return out
 
+    @classmethod
+    def from_transformers(cls, attn: nn.Module, rotary: nn.Module | None = None) -> "MultiHeadLatentAttention":
+        """Copy a transformers DeepseekV3Attention or DeepseekV2Attention (same weights, same outputs).
+
+        Read by attribute, so transformers need not be imported here. kv_a_proj_with_mqa
+        splits into W_DKV (first kv_lora_rank rows) and W_KR; kv_b_proj, laid out per head as
+        [k_nope (qk_nope_head_dim rows), v (v_head_dim rows)], splits into W_UK and W_UV.
+        rotary: the model's rotary embedding (model.model.rotary_emb), whose inverse
+        frequencies and scaling are copied; without it the default RoPE of rope_theta is used.
+        """
+        cfg = attn.config
+        H, r, p = attn.num_heads, attn.kv_lora_rank, attn.qk_rope_head_dim
+        d, dv = attn.qk_nope_head_dim, attn.v_head_dim
+        w = attn.kv_a_proj_with_mqa.weight
+        rope_params = getattr(cfg, "rope_parameters", None) or {}
+        if rope_params.get("rope_type", "default") != "default" and rotary is None:
+            raise ValueError(f"rope_type {rope_params.get('rope_type')!r} needs rotary=<the model's rotary_emb>")
+        has_bias = attn.o_proj.bias is not None
+        m = cls(attn.hidden_size, H, r, head_dim=d, v_head_dim=dv, rope_dim=p, q_latent_dim=attn.q_lora_rank,
+                latent_norm=True, bias=has_bias, latent_bias=attn.kv_a_proj_with_mqa.bias is not None,
+                softmax_scale=float(attn.scaling), rope_base=float(rope_params.get("rope_theta", 10000.0)),
+                rope_interleaved=bool(getattr(cfg, "rope_interleave", True)),
+                norm_eps=float(attn.kv_a_layernorm.variance_epsilon), device=w.device, dtype=w.dtype)
+        if rotary is not None and m.rope is not None:
+            m.rope = RotaryEmbedding(p, m.rope.base, interleaved=m.rope.interleaved, inv_freq=rotary.inv_freq,
+                                     scaling=float(getattr(rotary, "attention_scaling", 1.0)))
+        kv_b = attn.kv_b_proj.weight.view(H, d + dv, r)
+        with torch.no_grad():
+            for lin in (m.W_Q, m.W_UQ, m.W_UK, m.W_UV):  # attnlab's biases that DeepSeek does not have
+                if lin is not None and lin.bias is not None:
+                    lin.bias.zero_()
+            if m.W_Q is not None:
+                m.W_Q.weight.copy_(attn.q_proj.weight)
+            else:
+                m.W_DQ.load_state_dict(attn.q_a_proj.state_dict())
+                m.q_norm.weight.copy_(attn.q_a_layernorm.weight)
+                m.W_UQ.weight.copy_(attn.q_b_proj.weight)
+            m.W_DKV.weight.copy_(w[:r])
+            m.W_KR.weight.copy_(w[r:])
+            if m.W_DKV.bias is not None:
+                m.W_DKV.bias.copy_(attn.kv_a_proj_with_mqa.bias[:r])
+                m.W_KR.bias.copy_(attn.kv_a_proj_with_mqa.bias[r:])
+            m.kv_norm.weight.copy_(attn.kv_a_layernorm.weight)
+            m.W_UK.weight.copy_(kv_b[:, :d].reshape(H * d, r))
+            m.W_UV.weight.copy_(kv_b[:, d:].reshape(H * dv, r))
+            m.W_O.load_state_dict(attn.o_proj.state_dict())
+        return m
+
     def extra_repr(self) -> str:
         return (f"dim={self.dim}, context_dim={self.context_dim}, num_heads={self.num_heads}, "
                 f"latent_dim={self.latent_dim}, head_dim={self.head_dim}, v_head_dim={self.v_head_dim}, "
