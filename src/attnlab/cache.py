@@ -72,6 +72,12 @@ class _Cache:
         self._length = 0
         self.static = False
 
+    def truncate(self, length: int) -> None:
+        """Forget every token after the first `length` (for example rejected draft tokens)."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"length must be between 0 and the cached {self.length}, got {length}")
+        self._length = length
+
     def check_owner(self, module: nn.Module, batch_size: int, dtype: torch.dtype) -> None:
         if self._owner() is not module:
             raise ValueError(f"this {type(self).__name__} was made by another module; "

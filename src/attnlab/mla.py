@@ -240,6 +240,8 @@ class MultiHeadLatentAttention(AttentionModule):
         [k_nope (qk_nope_head_dim rows), v (v_head_dim rows)], splits into W_UK and W_UV.
         rotary: the model's rotary embedding (model.model.rotary_emb), whose inverse
         frequencies and scaling are copied; without it the default RoPE of rope_theta is used.
+        With rope_interleave, transformers stores rotated keys de-interleaved ([even dims, odd
+        dims]) while attnlab keeps the pairs in place; scores are the same, cache layouts differ.
         """
         cfg = attn.config
         H, r, p = attn.num_heads, attn.kv_lora_rank, attn.qk_rope_head_dim

@@ -65,3 +65,18 @@ def kv_plot(configs, dtype, path: Path) -> Path:
     out = _save(fig, Path(path))
     plt.close(fig)
     return out
+
+
+def decode_plot(rows: list[dict], path: Path) -> Path:
+    """Decode-step time against context length, one line per variant (rows from bench.decode_suite)."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 3.8))
+    for variant in dict.fromkeys(r["variant"] for r in rows):
+        pts = [(r["context"], r["ms"]) for r in rows if r["variant"] == variant]
+        ax.loglog(*zip(*pts), marker="o", label=variant)
+    ax.set(xlabel="context length (tokens)", ylabel="ms per decode step", title="Decode step, B=1, float32")
+    ax.legend(fontsize=8)
+    ax.grid(True, which="both", alpha=0.3)
+    out = _save(fig, Path(path))
+    plt.close(fig)
+    return out
