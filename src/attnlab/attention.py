@@ -77,6 +77,26 @@ def combine_masks(mask, is_causal: bool, shape: tuple[int, int, int, int], dtype
     return m.masked_fill(~c, float("-inf")), False
 
 
+def _rows_attention(q, k, v, attn_mask, scale):
+    """Attention of a few query rows per KV head, q (B, G, R, d): SDPA, or plain products where SDPA is slow.
+
+    SDPA's CPU flash kernel needs q/k and v of one head size; otherwise it falls
+    back to a math path that rescales the whole key tensor on every call. That is
+    MLA's absorbed decode with RoPE (key = [latent, rope key], value = latent),
+    so there the two products are written out: the scale goes on the few query
+    rows, and the softmax runs in at least float32.
+    """
+    if k.shape[-1] == v.shape[-1] or q.device.type != "cpu":
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale)
+    s = (q * (scale if scale is not None else q.shape[-1] ** -0.5)) @ k.transpose(-1, -2)  # (B, G, R, S)
+    if attn_mask is not None:
+        s = s.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else s + attn_mask
+    p = torch.softmax(s, dim=-1, dtype=torch.promote_types(s.dtype, torch.float32))
+    if attn_mask is not None:  # a row with nothing to attend gives zeros, as SDPA does
+        p = p.nan_to_num(0.0)
+    return (p.to(v.dtype) @ v)  # (B, G, R, dv)
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, grouping: str = "blocked",
            mask: torch.Tensor | None = None, is_causal: bool = False,
            scale: float | None = None) -> torch.Tensor:
@@ -104,7 +124,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, grouping: str =
             qf = q.reshape(B, C, G, L, d).transpose(1, 2).reshape(B, G, C * L, d)  # (B, G, C*L, d)
         else:  # head h = g*C + c
             qf = q.reshape(B, G, C * L, d)  # (B, G, C*L, d)
-        o = F.scaled_dot_product_attention(qf, k, v, attn_mask=attn_mask, scale=scale)  # (B, G, C*L, dv)
+        o = _rows_attention(qf, k, v, attn_mask, scale)  # (B, G, C*L, dv)
         if strided:
             return o.reshape(B, G, C, L, dv).transpose(1, 2).reshape(B, H, L, dv)  # (B, H, L, dv)
         return o.reshape(B, H, L, dv)  # (B, H, L, dv)

@@ -219,22 +219,29 @@ def prefill_suite(B=4, L=1024, dim=1024, H=16, G=4, reps=5, progress=None) -> li
 
 # -- memory ----------------------------------------------------------------------------------------
 _PEAK_SCRIPT = r"""
-import resource, sys, torch
+import sys, torch
 from attnlab import GroupedQueryAttention
+
+def status(key):
+    for line in open("/proc/self/status"):
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+
 dim, H, G, B, L = map(int, sys.argv[1:6])
 m = GroupedQueryAttention(dim, H, G, grouping="blocked").eval()
 x = torch.randn(B, L, dim)
 with torch.no_grad():
     m(x[:, :8], is_causal=True)
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset the peak resident set size (VmHWM) to the current one
+    before = status("VmRSS")
     m(x, is_causal=True)
-    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-print((after - before) * 1024)
+    print(status("VmHWM") - before)
 """
 
 
 def peak_forward_bytes(dim: int, H: int, G: int, B: int, L: int) -> int:
-    """Growth of peak resident memory during one forward, in a fresh process."""
+    """Growth of peak resident memory during one forward, in a fresh process (Linux /proc)."""
     out = subprocess.run([sys.executable, "-c", _PEAK_SCRIPT, *map(str, (dim, H, G, B, L))],
                          capture_output=True, text=True, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     return int(out.stdout.strip().splitlines()[-1])

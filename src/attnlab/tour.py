@@ -115,7 +115,7 @@ def part1_to_5(D_1=1024, D_2=768, D_qk=32, D_v=48, H=32) -> list[Section]:
     return out
 
 
-def part6_to_8(D=1024, H=12, G=3) -> list[Section]:
+def part6_to_8(D=768, H=12, G=3) -> list[Section]:
     torch.manual_seed(1)
     d = D // H
     out = []
