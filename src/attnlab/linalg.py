@@ -152,3 +152,50 @@ def fold_output(w_o: torch.Tensor, w_uv: torch.Tensor, num_heads: int) -> torch.
 
 def default_scale(head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim)
+
+
+FACTOR_METHODS = ("select", "block-svd", "tiled-svd")
+
+
+def factor_tiled(block: torch.Tensor, num_heads: int, num_kv_heads: int, grouping: str = "strided",
+                 method: str = "block-svd", rtol: float = 1e-12):
+    """Part 9 for a GQA projection: tile(block) = up @ down with r = rank(block) <= G*d.
+
+    block is the (G*d, D) projection; the tiled (H*d, D) matrix is never formed
+    except by method="tiled-svd" (the study's route, Part 10, kept for comparison).
+    - "select": down = block itself, up = the 0/1 tiling matrix (r = G*d, no arithmetic);
+    - "block-svd": block = U S V^T, up = tile(U) / sqrt(C), down = sqrt(C) S V^T, which is the
+      SVD of the tiled matrix (its singular values are sqrt(C) S), at the cost of a G*d x D SVD;
+    - "tiled-svd": SVD of the tiled H*d x D matrix.
+    Returns (up (H*d, r), down (r, D)).
+    """
+    if method not in FACTOR_METHODS:
+        raise ValueError(f"method must be one of {FACTOR_METHODS}, got {method!r}")
+    C = num_heads // num_kv_heads
+    if method == "select":
+        eye = torch.eye(block.shape[0], dtype=block.dtype, device=block.device)
+        return tile_heads(eye, num_heads, num_kv_heads, grouping), block.clone()
+    if method == "tiled-svd":
+        return svd_factors(tile_heads(block, num_heads, num_kv_heads, grouping), rtol)
+    up, down = svd_factors(block, rtol)
+    return tile_heads(up, num_heads, num_kv_heads, grouping) / C ** 0.5, (C ** 0.5) * down
+
+
+def svd_factors(weight: torch.Tensor, rtol: float = 1e-12):
+    """W = up @ down through its numerical rank r: up = U_r, down = S_r V_r^T (Part 9's split)."""
+    u, s, vh = torch.linalg.svd(weight, full_matrices=False)
+    r = int((s > s[0] * rtol).sum()) if s.numel() and s[0] > 0 else 0
+    return u[:, :r], s[:r, None] * vh[:r]
+
+
+def whitening(calibration: torch.Tensor, ridge: float = 1e-6) -> torch.Tensor:
+    """Lower-triangular L with L L^T = covariance of the calibration inputs (+ a small ridge).
+
+    calibration: (..., D) samples of what a projection reads. For a projection W,
+    the mean squared output over the samples is ||W L||_F^2 / N-normalised, so a
+    truncated SVD of W L is the best low-rank W for those inputs.
+    """
+    y = calibration.reshape(-1, calibration.shape[-1]).to(torch.float64)
+    cov = y.T @ y / y.shape[0]
+    lam = ridge * float(torch.diagonal(cov).mean().clamp_min(1e-30))
+    return torch.linalg.cholesky(cov + lam * torch.eye(cov.shape[0], dtype=cov.dtype))

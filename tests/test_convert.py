@@ -1,0 +1,225 @@
+"""Conversions: exact round trips, lossy ones exact at full rank and improving with rank, bad input."""
+import copy
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from attnlab import GroupedQueryAttention, MultiHeadAttention, MultiHeadLatentAttention
+from attnlab.convert import (absorb, gqa_to_mha, gqa_to_mla, mha_to_gqa, mha_to_mla, mla_to_mha)
+from attnlab.linalg import factor_tiled, tile_heads
+from attnlab.usaaio import reduced_matrices
+from conftest import F64, gqa_ref, mla_ref, randomize
+from reference import rel_err
+
+EXACT = 1e-10
+
+
+def _gqa(H=6, G=2, bias=True, grouping="strided", dim=12, context_dim=None, d=None, dv=None):
+    return randomize(GroupedQueryAttention(dim, H, G, head_dim=d, v_head_dim=dv, context_dim=context_dim,
+                                           bias=bias, grouping=grouping, dtype=F64))
+
+
+def _inputs(m, B=2, L=5, S=7):
+    x = torch.randn(B, L, m.dim, dtype=F64)
+    y = torch.randn(B, S, m.context_dim, dtype=F64)
+    return x, y
+
+
+def _same_output(a, b, tol=EXACT):
+    x, y = _inputs(a)
+    with torch.no_grad():
+        assert rel_err(b(x, y), a(x, y)) <= tol
+        if a.dim == a.context_dim:
+            assert rel_err(b(x, is_causal=True), a(x, is_causal=True)) <= tol
+
+
+def _unchanged(fn, m, *args, **kw):
+    before = copy.deepcopy(m.state_dict())
+    new, report = fn(m, *args, **kw)
+    assert all(torch.equal(before[k], v) for k, v in m.state_dict().items())  # input never mutated
+    return new, report
+
+
+SHAPES = [dict(), dict(H=6, G=3, d=3, dv=5), dict(H=4, G=1, dim=8, context_dim=10), dict(H=6, G=6)]
+
+
+@pytest.mark.parametrize("grouping", ["strided", "blocked"])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_gqa_to_mha_exact(shape, bias, grouping):
+    g = _gqa(bias=bias, grouping=grouping, **shape)
+    mha, report = _unchanged(gqa_to_mha, g)
+    assert isinstance(mha, MultiHeadAttention) and report.exact
+    _same_output(g, mha)
+    assert report.output_error <= EXACT and max(report.matrix_errors.values()) <= EXACT
+    assert report.kv_values_after == g.num_heads // g.num_kv_heads * report.kv_values_before
+
+
+@pytest.mark.parametrize("method", ["select", "block-svd", None])
+@pytest.mark.parametrize("shared", [True, False])
+@pytest.mark.parametrize("grouping", ["strided", "blocked"])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_gqa_to_mla_exact_and_back(shape, grouping, shared, method):
+    if not shared and method == "select":
+        method = "tiled-svd"  # Part 10's route, per matrix
+    g = _gqa(grouping=grouping, **shape)
+    mla, report = _unchanged(gqa_to_mla, g, shared=shared, method=method)
+    assert report.exact and report.output_error <= EXACT
+    _same_output(g, mla)
+    for absorbed in (True, False):
+        x, y = _inputs(g)
+        assert rel_err(mla(x, y, absorbed=absorbed), g(x, y)) <= EXACT
+    back, _ = mla_to_mha(mla)
+    _same_output(g, back)
+
+
+def test_gqa_to_mla_latent_size():
+    """Shared: one latent of r = G*(d + dv) (= 2*G*d) unless the input is narrower; split: rank <= G*d each."""
+    g = _gqa(H=8, G=2, dim=64, bias=False)
+    mla, _ = gqa_to_mla(g)
+    assert mla.latent_dim == 2 * 2 * g.head_dim
+    mla, _ = gqa_to_mla(_gqa(H=6, G=6, dim=12, bias=False))  # 2*G*d = 24 > D_2 = 12
+    assert mla.latent_dim == 12
+    up, down = factor_tiled(g.W_K.weight.detach(), 8, 2, "strided", "block-svd")
+    assert down.shape[0] == 2 * g.head_dim
+    assert rel_err(up @ down, tile_heads(g.W_K.weight.detach(), 8, 2)) <= EXACT
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_mla_to_mha_and_absorb_exact(bias):
+    m = randomize(MultiHeadLatentAttention(12, 3, 5, head_dim=4, v_head_dim=2, context_dim=10, bias=bias,
+                                           latent_bias=bias, softmax_scale=0.3, dtype=F64))
+    x, y = _inputs(m)
+    mha, report = _unchanged(mla_to_mha, m)
+    assert report.exact and rel_err(mha(x, y), mla_ref(m, x, y)) <= EXACT
+    mqa, report = _unchanged(absorb, m)
+    assert report.exact and mqa.num_kv_heads == 1 and mqa.head_dim == m.latent_dim
+    assert rel_err(mqa(x, y), mla_ref(m, x, y)) <= EXACT
+
+
+def test_absorb_shares_the_math_of_reduced_matrices():
+    m = randomize(MultiHeadLatentAttention(16, 4, 6, dtype=F64))
+    mqa, _ = absorb(m)
+    W_K, W_V, W_Q, W_O = reduced_matrices(m.W_DKV.weight, m.W_UK.weight, m.W_UV.weight, m.W_Q.weight,
+                                          m.W_O.weight, 4)
+    assert torch.equal(mqa.W_K.weight, W_K) and torch.equal(mqa.W_O.weight, W_O)
+    assert rel_err(mqa.W_Q.weight, W_Q) <= 1e-14  # the same fold, scaled for the MLA's own softmax scale
+
+
+@pytest.mark.parametrize("method", ["mean", "fit"])
+@pytest.mark.parametrize("grouping", ["strided", "blocked"])
+def test_mha_to_gqa_is_exact_when_heads_already_share(method, grouping):
+    """A GQA expanded to MHA and pooled back gives the GQA's outputs (lossy methods at their exact point)."""
+    g = _gqa(H=6, G=2, grouping=grouping)
+    mha, _ = gqa_to_mha(g)
+    back, report = _unchanged(mha_to_gqa, mha, 2, method=method, grouping=grouping)
+    _same_output(g, back)
+    assert report.output_error <= EXACT
+    same, _ = mha_to_gqa(mha, 6, method=method)  # G = H: nothing to pool
+    _same_output(mha, same)
+
+
+def test_fit_beats_mean_on_output_error():
+    torch.manual_seed(1)
+    m = _gqa(H=8, G=8, dim=32, bias=True)
+    calib = torch.randn(4, 32, 32, dtype=F64) @ torch.diag(torch.logspace(0, -2, 32, dtype=F64))
+    for G in (4, 2, 1):
+        _, mean = mha_to_gqa(m, G, method="mean", calibration=calib)
+        _, fit = mha_to_gqa(m, G, method="fit", calibration=calib)
+        assert fit.output_error < mean.output_error
+        assert fit.matrix_errors["QK"] < mean.matrix_errors["QK"] and fit.matrix_errors["OV"] < mean.matrix_errors["OV"]
+
+
+@pytest.mark.parametrize("joint", [True, False])
+def test_mha_to_mla_full_rank_exact_and_monotone(joint):
+    """The weight error of the stacked [W_K; W_V] never grows with rank (Eckart-Young), and full rank is exact.
+
+    The attention output's error is not monotone in general (softmax is not linear: measured on this very
+    module, joint rank 3 -> 4 raises it), so the monotone claim is made for the weights.
+    """
+    m = _gqa(H=4, G=4, dim=16, bias=True)
+    x, y = _inputs(m)
+    full, report = mha_to_mla(m, joint=joint)
+    assert report.exact and rel_err(full(x, y), m(x, y)) <= EXACT
+    stacked = torch.cat([m.W_K.weight, m.W_V.weight]).detach()
+
+    def weight_error(mla):
+        approx = torch.cat([mla.W_UK.weight @ mla.W_DKV.weight, mla.W_UV.weight @ mla.W_DKV.weight]).detach()
+        return rel_err(approx, stacked)
+
+    top = 16 if joint else 32  # rank of [W_K; W_V] is at most D_2 = 16; split, 16 for each
+    errors = [weight_error(mha_to_mla(m, latent_dim=r, joint=joint)[0]) for r in range(2, top + 1, 2)]
+    assert all(b <= a + 1e-12 for a, b in zip(errors, errors[1:]))
+    assert errors[-1] <= EXACT
+
+
+def test_mha_to_mla_energy_picks_the_smallest_rank():
+    m = _gqa(H=4, G=4, dim=16, bias=False)
+    mla, report = mha_to_mla(m, energy=0.9)
+    assert report.energy_kept >= 0.9
+    _, smaller = mha_to_mla(m, latent_dim=mla.latent_dim - 1)
+    assert smaller.energy_kept < 0.9
+
+
+def test_activation_aware_beats_weight_svd_at_equal_rank():
+    torch.manual_seed(2)
+    m = _gqa(H=4, G=4, dim=32, bias=False)
+    mix = torch.diag(torch.logspace(0, -3, 32, dtype=F64))
+    calib = torch.randn(8, 32, 32, dtype=F64) @ mix
+    probe = torch.randn(8, 32, 32, dtype=F64) @ mix  # held out, same distribution
+    for r in (8, 16, 24):
+        plain, _ = mha_to_mla(m, latent_dim=r)
+        aware, _ = mha_to_mla(m, latent_dim=r, calibration=calib)
+        with torch.no_grad():
+            assert rel_err(aware(probe), m(probe)) < rel_err(plain(probe), m(probe))
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(G=st.sampled_from([1, 2, 3, 6]), d=st.integers(1, 4), dv=st.integers(1, 4), dim=st.integers(2, 20),
+       context_dim=st.integers(2, 20), grouping=st.sampled_from(["strided", "blocked"]), bias=st.booleans(),
+       seed=st.integers(0, 2 ** 16))
+def test_exact_conversions_property(G, d, dv, dim, context_dim, grouping, bias, seed):
+    torch.manual_seed(seed)
+    g = randomize(GroupedQueryAttention(dim, 6, G, head_dim=d, v_head_dim=dv, context_dim=context_dim, bias=bias,
+                                        grouping=grouping, dtype=F64))
+    x, y = torch.randn(2, 3, dim, dtype=F64), torch.randn(2, 4, context_dim, dtype=F64)
+    expected = gqa_ref(g, x, y)
+    for new in (gqa_to_mha(g)[0], gqa_to_mla(g)[0], gqa_to_mla(g, shared=False)[0], mha_to_mla(g)[0]):
+        assert rel_err(new(x, y), expected) <= EXACT
+
+
+# -- bad input -------------------------------------------------------------------------------------
+def test_bad_rank_and_energy():
+    m = _gqa(H=4, G=4, dim=16, bias=False)
+    with pytest.raises(ValueError, match=r"latent_dim must be positive, got 0"):
+        mha_to_mla(m, latent_dim=0)
+    with pytest.raises(ValueError, match=r"latent_dim for \[W_K; W_V\] \(40\) must be between 1 and 16"):
+        mha_to_mla(m, latent_dim=40)
+    for energy in (0.0, 1.5):
+        with pytest.raises(ValueError, match=rf"energy must be in \(0, 1\], got {energy}"):
+            mha_to_mla(m, energy=energy)
+
+
+def test_bad_kv_heads():
+    m = _gqa(H=6, G=6)
+    with pytest.raises(ValueError, match=r"num_heads \(6\) must be divisible by num_kv_heads \(4\)"):
+        mha_to_gqa(m, 4)
+    with pytest.raises(ValueError, match=r"num_kv_heads must be positive, got 0"):
+        mha_to_gqa(m, 0)
+    with pytest.raises(ValueError, match=r"method must be one of \('mean', 'fit'\), got 'median'"):
+        mha_to_gqa(m, 2, method="median")
+
+
+def test_wrong_module_type():
+    mla = MultiHeadLatentAttention(8, 2, 4)
+    with pytest.raises(TypeError, match=r"gqa_to_mla takes a GroupedQueryAttention, got MultiHeadLatentAttention"):
+        gqa_to_mla(mla)
+    with pytest.raises(TypeError, match=r"absorb takes a MultiHeadLatentAttention, got MultiHeadAttention"):
+        absorb(MultiHeadAttention(8, 2))
+
+
+def test_nonlinear_mla_cannot_expand():
+    with pytest.raises(ValueError, match=r"this one has latent_norm, rope_dim > 0"):
+        mla_to_mha(MultiHeadLatentAttention(8, 2, 4, latent_norm=True, rope_dim=2))
