@@ -14,6 +14,8 @@ Suites:
   weights); GQA against the same computation with K/V repeated.
 - memory: peak resident memory of a GQA forward against MHA with the same H,
   each measured in a fresh subprocess.
+- convert: factoring a tiled GQA projection through its rank (Part 9) from the
+  tiling's structure against an SVD of the tiled matrix.
 """
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ from .gqa import GroupedQueryAttention, MultiHeadAttention
 from .mla import MultiHeadLatentAttention
 
 F32 = torch.float32
-SUITES = ("decode", "deepseek", "prefill", "memory")
+SUITES = ("decode", "deepseek", "prefill", "memory", "convert")
 
 
 def median_time(fn: Callable[[], object], reps: int = 5, warmup: int = 1) -> float:
@@ -256,12 +258,34 @@ def memory_suite(dim=4096, H=32, G=8, B=1, L=8192, progress=None) -> list[dict]:
              "gqa_peak_mb": gqa / 2 ** 20, "gqa_over_mha": gqa / max(mha, 1)}]
 
 
+# -- convert ---------------------------------------------------------------------------------------
+def convert_suite(D=4096, H=32, G=8, d=128, reps=3, progress=None) -> list[dict]:
+    """Part 9's factorisation of a tiled GQA projection: the tiling's structure vs an SVD of the tiled matrix."""
+    from .linalg import factor_tiled, tile_heads
+
+    torch.manual_seed(0)
+    block = torch.randn(G * d, D)
+    tiled = tile_heads(block, H, G, "strided")
+    rows, times = [], {}
+    for method in ("select", "block-svd", "tiled-svd"):
+        up, down = factor_tiled(block, H, G, "strided", method)
+        err = float((up @ down - tiled).norm() / tiled.norm())
+        times[method] = median_time(lambda: factor_tiled(block, H, G, "strided", method), reps, warmup=0)
+        rows.append({"method": method, "ms": times[method] * 1e3, "rank": down.shape[0], "relative_error": err})
+        if progress:
+            progress(f"convert {method}")
+    for row in rows:
+        row["speedup_vs_tiled_svd"] = times["tiled-svd"] / times[row["method"]]
+    return rows
+
+
 # -- all -------------------------------------------------------------------------------------------
 QUICK = {
     "decode": dict(contexts=(256,), dim=256, H=4, d=64, G=2, r=64, reps=2),
     "deepseek": dict(context=128, reps=2, hidden=256, heads=4, kv_lora_rank=64, qk_nope=32, qk_rope=16, v_head=32),
     "prefill": dict(B=1, L=64, dim=128, H=4, G=2, reps=2),
     "memory": dict(dim=256, H=4, G=2, B=1, L=256),
+    "convert": dict(D=256, H=8, G=2, d=32, reps=1),
 }
 
 
@@ -272,7 +296,7 @@ def run_benchmarks(suites=SUITES, quick: bool = False, progress=None) -> dict:
     result = {"machine": machine_info(), "rates": measure_rates(reps=3 if quick else 5), "quick": quick}
     for name in suites:
         fn = {"decode": decode_suite, "deepseek": deepseek_suite, "prefill": prefill_suite,
-              "memory": memory_suite}[name]
+              "memory": memory_suite, "convert": convert_suite}[name]
         kw = dict(QUICK[name]) if quick else {}
         if name == "decode":
             kw["rates"] = result["rates"]

@@ -128,8 +128,9 @@ def kv(preset: Optional[str] = typer.Argument(None, help="A preset name; omit fo
 
 # -- bench ----------------------------------------------------------------------------------------
 @app.command()
-def bench(suite: list[str] = typer.Option(["decode", "deepseek", "prefill", "memory"], "--suite",
-                                          help="Suites to run (repeat the option): decode, deepseek, prefill, memory."),
+def bench(suite: list[str] = typer.Option(["decode", "deepseek", "prefill", "memory", "convert"], "--suite",
+                                          help="Suites to run (repeat the option): decode, deepseek, prefill, "
+                                               "memory, convert."),
           quick: bool = typer.Option(False, "--quick", help="Tiny sizes: checks that everything runs, in seconds."),
           json_out: Optional[Path] = typer.Option(None, "--json", help="Write all figures as JSON."),
           plot: Optional[Path] = typer.Option(None, "--plot", help="PNG of decode time against context.")):

@@ -158,7 +158,7 @@ FACTOR_METHODS = ("select", "block-svd", "tiled-svd")
 
 
 def factor_tiled(block: torch.Tensor, num_heads: int, num_kv_heads: int, grouping: str = "strided",
-                 method: str = "block-svd", rtol: float = 1e-12):
+                 method: str = "block-svd", rtol: float | None = None):
     """Part 9 for a GQA projection: tile(block) = up @ down with r = rank(block) <= G*d.
 
     block is the (G*d, D) projection; the tiled (H*d, D) matrix is never formed
@@ -181,8 +181,14 @@ def factor_tiled(block: torch.Tensor, num_heads: int, num_kv_heads: int, groupin
     return tile_heads(up, num_heads, num_kv_heads, grouping) / C ** 0.5, (C ** 0.5) * down
 
 
-def svd_factors(weight: torch.Tensor, rtol: float = 1e-12):
-    """W = up @ down through its numerical rank r: up = U_r, down = S_r V_r^T (Part 9's split)."""
+def svd_factors(weight: torch.Tensor, rtol: float | None = None):
+    """W = up @ down through its numerical rank r: up = U_r, down = S_r V_r^T (Part 9's split).
+
+    Singular values below rtol * the largest count as zero; rtol defaults to
+    max(shape) * machine epsilon of the dtype (numpy's matrix_rank rule).
+    """
+    if rtol is None:
+        rtol = max(weight.shape) * torch.finfo(weight.dtype).eps
     u, s, vh = torch.linalg.svd(weight, full_matrices=False)
     r = int((s > s[0] * rtol).sum()) if s.numel() and s[0] > 0 else 0
     return u[:, :r], s[:r, None] * vh[:r]
