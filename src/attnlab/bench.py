@@ -37,19 +37,26 @@ F32 = torch.float32
 SUITES = ("decode", "deepseek", "prefill", "memory", "convert")
 
 
-def median_time(fn: Callable[[], object], reps: int = 5, warmup: int = 1) -> float:
-    """Median wall time of fn() in seconds."""
+def _sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def median_time(fn: Callable[[], object], reps: int = 5, warmup: int = 1, device="cpu") -> float:
+    """Median wall time of fn() in seconds (synchronising a CUDA device around each call)."""
     for _ in range(warmup):
         fn()
+    _sync(device)
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
         fn()
+        _sync(device)
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
 
-def machine_info() -> dict:
+def machine_info(device="cpu") -> dict:
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
@@ -59,16 +66,21 @@ def machine_info() -> dict:
                     break
     except OSError:
         pass
-    return {"cpu": cpu, "threads": torch.get_num_threads(), "torch": torch.__version__,
-            "python": platform.python_version(), "cuda": torch.cuda.is_available()}
+    info = {"cpu": cpu, "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "python": platform.python_version(), "device": str(device)}
+    if torch.device(device).type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    return info
 
 
-def measure_rates(reps: int = 5, n: int = 2048, mbytes: int = 512) -> dict:
+def measure_rates(reps: int = 5, n: int = 2048, mbytes: int = 512, device="cpu") -> dict:
     """float32 matrix-multiply rate (FLOP/s, an n x n GEMM) and read bandwidth (bytes/s, a big sum)."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    t = median_time(lambda: a @ b, reps)
-    big = torch.randn(mbytes * 2 ** 20 // 4)
-    t_bw = median_time(lambda: big.sum(), reps)
+    if torch.device(device).type == "cuda":
+        n, mbytes = 8192, 2048
+    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+    t = median_time(lambda: a @ b, reps, device=device)
+    big = torch.randn(mbytes * 2 ** 20 // 4, device=device)
+    t_bw = median_time(lambda: big.sum(), reps, device=device)
     return {"flops_per_s": 2 * n ** 3 / t, "bytes_per_s": big.numel() * 4 / t_bw}
 
 
@@ -89,7 +101,7 @@ def _decode_cost(kind: str, dim: int, H: int, d: int, G: int, r: int, S: int, el
 
 def _decode_step_fn(module, cache, S: int, x: torch.Tensor | None = None, **kw):
     """One decode step from S - 1 cached tokens to S (the cache is truncated back before each call)."""
-    x = torch.randn(1, 1, module.dim) if x is None else x
+    x = torch.randn(1, 1, module.dim, device=cache.device) if x is None else x
 
     def step():
         cache.truncate(S - 1)
@@ -99,14 +111,15 @@ def _decode_step_fn(module, cache, S: int, x: torch.Tensor | None = None, **kw):
 
 
 def decode_suite(contexts=(1024, 4096, 16384), dim=4096, H=32, d=128, G=8, r=512, reps=5,
-                 rates: dict | None = None, progress=None) -> list[dict]:
+                 rates: dict | None = None, progress=None, device="cpu") -> list[dict]:
     torch.manual_seed(0)
-    rates = rates or measure_rates()
+    rates = rates or measure_rates(device=device)
+    where = dict(device=device)
     variants = {
-        "mha": (MultiHeadAttention(dim, H, head_dim=d), {}),
-        "gqa": (GroupedQueryAttention(dim, H, G, head_dim=d, grouping="blocked"), {}),
-        "mla-expanded": (MultiHeadLatentAttention(dim, H, r, head_dim=d), {"absorbed": False}),
-        "mla-absorbed": (MultiHeadLatentAttention(dim, H, r, head_dim=d), {"absorbed": True}),
+        "mha": (MultiHeadAttention(dim, H, head_dim=d, **where), {}),
+        "gqa": (GroupedQueryAttention(dim, H, G, head_dim=d, grouping="blocked", **where), {}),
+        "mla-expanded": (MultiHeadLatentAttention(dim, H, r, head_dim=d, **where), {"absorbed": False}),
+        "mla-absorbed": (MultiHeadLatentAttention(dim, H, r, head_dim=d, **where), {"absorbed": True}),
     }
     rows = []
     for S in contexts:
@@ -117,7 +130,7 @@ def decode_suite(contexts=(1024, 4096, 16384), dim=4096, H=32, d=128, G=8, r=512
             for t in cache.tensors():
                 t.normal_()
             cache._length = S  # the cache content is random; only its size matters for time
-            times[name] = median_time(_decode_step_fn(module, cache, S, **kw), reps)
+            times[name] = median_time(_decode_step_fn(module, cache, S, **kw), reps, device=device)
             flops, nbytes = _decode_cost(name, dim, H, d, G if name == "gqa" else H, r, S)
             roof = max(flops / rates["flops_per_s"], nbytes / rates["bytes_per_s"])
             rows.append({"context": S, "variant": name, "ms": times[name] * 1e3, "gflop": flops / 1e9,
@@ -132,7 +145,7 @@ def decode_suite(contexts=(1024, 4096, 16384), dim=4096, H=32, d=128, G=8, r=512
 
 # -- deepseek --------------------------------------------------------------------------------------
 def deepseek_suite(context=4096, reps=5, hidden=2048, heads=16, kv_lora_rank=512, qk_nope=128, qk_rope=64,
-                   v_head=128, progress=None) -> list[dict]:
+                   v_head=128, progress=None, device="cpu") -> list[dict]:
     """attnlab absorbed decode vs transformers' DeepseekV3Attention (re-expands the cache each step)."""
     from transformers import DeepseekV3Config
     from transformers.cache_utils import DynamicCache
@@ -144,17 +157,18 @@ def deepseek_suite(context=4096, reps=5, hidden=2048, heads=16, kv_lora_rank=512
                            kv_lora_rank=kv_lora_rank, q_lora_rank=None, qk_nope_head_dim=qk_nope,
                            qk_rope_head_dim=qk_rope, v_head_dim=v_head, num_hidden_layers=1)
     cfg._attn_implementation = "sdpa"
-    theirs = DeepseekV3Attention(cfg, layer_idx=0).eval()
+    theirs = DeepseekV3Attention(cfg, layer_idx=0).eval().to(device)
     with torch.no_grad():
         for p in theirs.parameters():
             p.normal_(0, 0.02)
-    rotary = DeepseekV3RotaryEmbedding(cfg)
+    rotary = DeepseekV3RotaryEmbedding(cfg).to(device)
     ours = MultiHeadLatentAttention.from_transformers(theirs, rotary=rotary).eval()
-    x = torch.randn(1, 1, hidden)
-    latent, k_rot = torch.randn(1, 1, context - 1, kv_lora_rank), torch.randn(1, 1, context - 1, qk_rope)
+    x = torch.randn(1, 1, hidden, device=device)
+    latent = torch.randn(1, 1, context - 1, kv_lora_rank, device=device)
+    k_rot = torch.randn(1, 1, context - 1, qk_rope, device=device)
     hf_cache = DynamicCache(config=cfg)
     hf_cache.update(latent, k_rot, 0)
-    pos = torch.tensor([[context - 1]])
+    pos = torch.tensor([[context - 1]], device=device)
     pe = rotary(x, pos)
 
     def theirs_step():
@@ -173,8 +187,8 @@ def deepseek_suite(context=4096, reps=5, hidden=2048, heads=16, kv_lora_rank=512
     with torch.no_grad():
         a, b = theirs_step(), ours_step()
     agree = float((a - b).norm() / a.norm())
-    t_theirs = median_time(theirs_step, reps)
-    t_ours = median_time(ours_step, reps)
+    t_theirs = median_time(theirs_step, reps, device=device)
+    t_ours = median_time(ours_step, reps, device=device)
     if progress:
         progress("deepseek")
     return [{"context": context, "transformers_ms": t_theirs * 1e3, "attnlab_ms": t_ours * 1e3,
@@ -289,17 +303,21 @@ QUICK = {
 }
 
 
-def run_benchmarks(suites=SUITES, quick: bool = False, progress=None) -> dict:
+def run_benchmarks(suites=SUITES, quick: bool = False, progress=None, device="cpu") -> dict:
+    """Run the named suites; decode and deepseek run on `device`, the others on the CPU."""
     unknown = [s for s in suites if s not in SUITES]
     if unknown:
         raise ValueError(f"unknown suite(s) {unknown}; choose from {list(SUITES)}")
-    result = {"machine": machine_info(), "rates": measure_rates(reps=3 if quick else 5), "quick": quick}
+    result = {"machine": machine_info(device), "rates": measure_rates(reps=3 if quick else 5, device=device),
+              "quick": quick}
     for name in suites:
         fn = {"decode": decode_suite, "deepseek": deepseek_suite, "prefill": prefill_suite,
               "memory": memory_suite, "convert": convert_suite}[name]
         kw = dict(QUICK[name]) if quick else {}
         if name == "decode":
             kw["rates"] = result["rates"]
+        if name in ("decode", "deepseek"):
+            kw["device"] = device
         result[name] = fn(progress=progress, **kw)
     return result
 

@@ -132,6 +132,7 @@ def bench(suite: list[str] = typer.Option(["decode", "deepseek", "prefill", "mem
                                           help="Suites to run (repeat the option): decode, deepseek, prefill, "
                                                "memory, convert."),
           quick: bool = typer.Option(False, "--quick", help="Tiny sizes: checks that everything runs, in seconds."),
+          device: str = typer.Option("cpu", "--device", help="Where decode and deepseek run: cpu or cuda."),
           json_out: Optional[Path] = typer.Option(None, "--json", help="Write all figures as JSON."),
           plot: Optional[Path] = typer.Option(None, "--plot", help="PNG of decode time against context.")):
     """Time attnlab against torch and transformers in one process; print tables of medians and ratios.
@@ -145,10 +146,10 @@ def bench(suite: list[str] = typer.Option(["decode", "deepseek", "prefill", "mem
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console,
                   transient=True) as bar:
         task = bar.add_task("measuring the machine...", total=None)
-        result = run_benchmarks(tuple(suite), quick=quick,
+        result = run_benchmarks(tuple(suite), quick=quick, device=device,
                                 progress=lambda what: bar.update(task, description=f"done: {what}"))
     m, rates = result["machine"], result["rates"]
-    console.print(f"machine: {m['cpu']}, {m['threads']} threads, torch {m['torch']}; "
+    console.print(f"machine: {m.get('gpu', m['cpu'])}, {m['threads']} threads, torch {m['torch']}; "
                   f"matmul {rates['flops_per_s'] / 1e9:.1f} GFLOP/s, read bandwidth {rates['bytes_per_s'] / 1e9:.1f} GB/s")
     for name in suite:
         rows = result[name]

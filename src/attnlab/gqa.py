@@ -67,6 +67,13 @@ class GroupedQueryAttention(AttentionModule):
     def _anchor(self) -> torch.Tensor:
         return self.W_Q.weight
 
+    def config(self) -> dict:
+        """Constructor arguments that rebuild this module's shape (see attnlab.io)."""
+        return dict(dim=self.dim, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+                    v_head_dim=self.v_head_dim, context_dim=self.context_dim, bias=self.W_Q.bias is not None,
+                    grouping=self.grouping, rope_base=None if self.rope is None else self.rope.base,
+                    rope_interleaved=False if self.rope is None else self.rope.interleaved)
+
     @property
     def scale(self) -> float:
         return self.head_dim ** -0.5

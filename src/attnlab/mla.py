@@ -103,6 +103,18 @@ class MultiHeadLatentAttention(AttentionModule):
     def _anchor(self) -> torch.Tensor:
         return self.W_DKV.weight
 
+    def config(self) -> dict:
+        """Constructor arguments that rebuild this module's shape (see attnlab.io)."""
+        q_proj = self.W_Q if self.W_Q is not None else self.W_UQ
+        norm = self.kv_norm or self.q_norm
+        return dict(dim=self.dim, num_heads=self.num_heads, latent_dim=self.latent_dim, head_dim=self.head_dim,
+                    v_head_dim=self.v_head_dim, context_dim=self.context_dim, rope_dim=self.rope_dim,
+                    q_latent_dim=self.q_latent_dim, latent_norm=self.kv_norm is not None,
+                    bias=q_proj.bias is not None, latent_bias=self.W_DKV.bias is not None,
+                    softmax_scale=self.softmax_scale, rope_base=self.rope.base if self.rope else 10000.0,
+                    rope_interleaved=bool(self.rope and self.rope.interleaved),
+                    norm_eps=norm.eps if norm is not None else 1e-6)
+
     @property
     def scale(self) -> float:
         if self.softmax_scale is not None:
