@@ -77,16 +77,23 @@ def combine_masks(mask, is_causal: bool, shape: tuple[int, int, int, int], dtype
     return m.masked_fill(~c, float("-inf")), False
 
 
-def _rows_attention(q, k, v, attn_mask, scale):
-    """Attention of a few query rows per KV head, q (B, G, R, d): SDPA, or plain products where SDPA is slow.
+ROWS_WRITTEN_OUT = 64  # at most this many query rows per KV head take the plain-products route
 
-    SDPA's CPU flash kernel needs q/k and v of one head size; otherwise it falls
-    back to a math path that rescales the whole key tensor on every call. That is
-    MLA's absorbed decode with RoPE (key = [latent, rope key], value = latent),
-    so there the two products are written out: the scale goes on the few query
-    rows, and the softmax runs in at least float32.
+
+def _rows_attention(q, k, v, attn_mask, scale):
+    """Attention of the query rows that share one KV head, q (B, G, R, d) -> (B, G, R, dv).
+
+    Fused SDPA kernels are the wrong tool for a few rows against a long cache in two
+    cases, measured (docs/performance.md): on the CPU, when q/k and v head sizes
+    differ (MLA's absorbed decode with RoPE: key = [latent, rope key], value =
+    latent), SDPA falls back to a math path that rescales the whole key tensor on
+    every call; on CUDA, a kernel that parallelises over query blocks gets one block
+    per KV head, leaving most of the GPU idle. There the two products are written
+    out (cuBLAS splits the long key axis across the GPU): the scale goes on the few
+    query rows, and the softmax runs in at least float32.
     """
-    if k.shape[-1] == v.shape[-1] or q.device.type != "cpu":
+    few = q.shape[-2] <= ROWS_WRITTEN_OUT
+    if not few or (q.device.type == "cpu" and k.shape[-1] == v.shape[-1]):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale)
     s = (q * (scale if scale is not None else q.shape[-1] ** -0.5)) @ k.transpose(-1, -2)  # (B, G, R, S)
     if attn_mask is not None:
@@ -94,7 +101,7 @@ def _rows_attention(q, k, v, attn_mask, scale):
     p = torch.softmax(s, dim=-1, dtype=torch.promote_types(s.dtype, torch.float32))
     if attn_mask is not None:  # a row with nothing to attend gives zeros, as SDPA does
         p = p.nan_to_num(0.0)
-    return (p.to(v.dtype) @ v)  # (B, G, R, dv)
+    return p.to(v.dtype) @ v  # (B, G, R, dv)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, grouping: str = "blocked",
@@ -114,11 +121,11 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, grouping: str =
     C = H // G
     attn_mask, native_causal = combine_masks(mask, is_causal, (B, H, L, S), q.dtype, q.device)
 
-    if C == 1:
+    foldable = not native_causal and (attn_mask is None or (L == 1 and attn_mask.shape[1] == 1))
+    if C == 1 and not (foldable and q.device.type != "cpu" and L <= ROWS_WRITTEN_OUT):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=native_causal, scale=scale)
 
     strided = grouping == "strided"
-    foldable = not native_causal and (attn_mask is None or (L == 1 and attn_mask.shape[1] == 1))
     if foldable:
         if strided:  # head h = c*G + g
             qf = q.reshape(B, C, G, L, d).transpose(1, 2).reshape(B, G, C * L, d)  # (B, G, C*L, d)
