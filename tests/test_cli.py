@@ -64,7 +64,7 @@ def test_bad_sizes_are_one_line_errors(args, fragment):
 
 
 def test_every_subcommand_has_help_with_an_example():
-    for sub in ("tour", "kv"):
+    for sub in ("tour", "kv", "bench", "convert"):
         result = runner.invoke(app, [sub, "--help"])
         assert result.exit_code == 0 and "Example: attnlab " + sub in result.output
 
@@ -83,3 +83,73 @@ def test_tour_passes_every_check(tmp_path):
         w, h = _png_size(png)
         assert w > 300 and h > 200
     assert len(list(figs.glob("*.png"))) == 2
+
+
+# -- convert and checkpoints ------------------------------------------------------------------------
+import torch  # noqa: E402
+
+from attnlab import GroupedQueryAttention, MultiHeadLatentAttention  # noqa: E402
+from attnlab.io import load_module, save_module  # noqa: E402
+
+
+@pytest.mark.parametrize("module", [GroupedQueryAttention(32, 8, 2, bias=True, grouping="blocked", rope_base=1e4),
+                                    MultiHeadLatentAttention(32, 4, 12, rope_dim=4, latent_norm=True, q_latent_dim=8)])
+def test_checkpoint_round_trip(tmp_path, module):
+    save_module(module, tmp_path / "ck")
+    back = load_module(tmp_path / "ck")
+    assert type(back) is type(module) and back.config() == module.config()
+    x = torch.randn(2, 5, 32)
+    with torch.no_grad():
+        assert torch.equal(back(x, is_causal=True), module(x, is_causal=True))
+
+
+def test_convert_command_writes_an_exact_mla(tmp_path):
+    torch.manual_seed(0)
+    gqa = GroupedQueryAttention(32, 8, 2, bias=True).to(torch.float64)
+    save_module(gqa, tmp_path / "gqa")
+    result = runner.invoke(app, ["convert", str(tmp_path / "gqa"), "--to", "mla", "--out", str(tmp_path / "mla"),
+                                 "--report", str(tmp_path / "report.json")])
+    assert result.exit_code == 0, result.output
+    mla = load_module(tmp_path / "mla")
+    x = torch.randn(2, 5, 32, dtype=torch.float64)
+    with torch.no_grad():
+        assert float((mla(x) - gqa(x)).norm() / gqa(x).norm()) <= 1e-10
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["exact"] and report["kv_values_after"] == mla.latent_dim
+
+
+def test_convert_lossy_reports_its_error(tmp_path):
+    save_module(GroupedQueryAttention(32, 8, 8), tmp_path / "mha")
+    result = runner.invoke(app, ["convert", str(tmp_path / "mha"), "--to", "gqa", "--kv-heads", "2",
+                                 "--method", "fit", "--out", str(tmp_path / "gqa")])
+    assert result.exit_code == 0, result.output
+    assert "lossy" in result.output and load_module(tmp_path / "gqa").num_kv_heads == 2
+
+
+@pytest.mark.parametrize("setup, fragment", [
+    ("missing", "is not an attnlab checkpoint"),
+    ("truncated", "cannot read"),
+    ("bad-json", "is not valid JSON"),
+])
+def test_convert_bad_checkpoints_write_nothing(tmp_path, setup, fragment):
+    ck = tmp_path / "ck"
+    if setup != "missing":
+        save_module(GroupedQueryAttention(32, 8, 2), ck)
+        if setup == "truncated":
+            data = (ck / "model.safetensors").read_bytes()
+            (ck / "model.safetensors").write_bytes(data[: len(data) // 2])
+        else:
+            (ck / "config.json").write_text("{not json")
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "attnlab", "convert", str(ck), "--to", "mha", "--out", str(out)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and fragment in lines[0], proc.stderr
+    assert not out.exists() and not any(p.name.startswith(".out") for p in tmp_path.iterdir())
+
+
+def test_convert_unknown_target(capsys, tmp_path):
+    save_module(GroupedQueryAttention(32, 8, 2), tmp_path / "ck")
+    assert main(["convert", str(tmp_path / "ck"), "--to", "rnn", "--out", str(tmp_path / "o")]) == 2
+    assert "unknown target 'rnn'" in capsys.readouterr().err

@@ -168,6 +168,50 @@ def bench(suite: list[str] = typer.Option(["decode", "deepseek", "prefill", "mem
         console.print(f"wrote {plot}")
 
 
+# -- convert --------------------------------------------------------------------------------------
+def _report_table(report) -> Table:
+    table = Table(title=f"{report.source} -> {report.target} ({'exact' if report.exact else 'lossy'})")
+    table.add_column("quantity")
+    table.add_column("value", justify="right")
+    table.add_row("output error (probe, float64)", f"{report.output_error:.3e}")
+    for name, err in report.matrix_errors.items():
+        table.add_row(f"matrix error {name}", f"{err:.3e}")
+    if report.energy_kept is not None:
+        table.add_row("energy kept", f"{report.energy_kept:.4f}")
+    table.add_row("KV values per token", f"{report.kv_values_before} -> {report.kv_values_after}")
+    for note in report.notes:
+        table.add_row("note", note)
+    return table
+
+
+@app.command()
+def convert(source: str = typer.Argument(..., help="An attnlab checkpoint folder (config.json + model.safetensors)."),
+            to: str = typer.Option(..., "--to", help="Target family: mha, gqa, mla, absorbed."),
+            out: Path = typer.Option(..., "--out", help="Folder to write the converted checkpoint to."),
+            kv_heads: Optional[int] = typer.Option(None, "--kv-heads", help="gqa: number of KV heads."),
+            method: Optional[str] = typer.Option(None, "--method", help="gqa: mean or fit."),
+            latent_dim: Optional[int] = typer.Option(None, "--latent-dim", help="mla: latent size (lossy)."),
+            energy: Optional[float] = typer.Option(None, "--energy", help="mla: keep this fraction of energy."),
+            split: bool = typer.Option(False, "--split", help="mla: factor K and V separately."),
+            report_json: Optional[Path] = typer.Option(None, "--report", help="Also write the report as JSON.")):
+    """Convert a saved attention module to another family; write safetensors + config.json and print the report.
+
+    Example: attnlab convert ckpt/gqa --to mla --latent-dim 64 --out ckpt/mla64
+    """
+    from .convert import convert as run_conversion
+    from .io import load_module, save_module
+
+    module = load_module(source)
+    new, report = run_conversion(module, to, num_kv_heads=kv_heads, method=method, latent_dim=latent_dim,
+                                 energy=energy, joint=not split)
+    save_module(new, out, extra={"conversion": report.to_dict()})
+    console.print(_report_table(report))
+    console.print(str(report), highlight=False)
+    if report_json is not None:
+        _write_atomic(report_json, report.to_json().encode())
+    console.print(f"wrote {out}")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point: run the app, turning expected errors into one line on stderr and status 2."""
     args = sys.argv[1:] if argv is None else argv
