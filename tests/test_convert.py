@@ -223,3 +223,22 @@ def test_wrong_module_type():
 def test_nonlinear_mla_cannot_expand():
     with pytest.raises(ValueError, match=r"this one has latent_norm, rope_dim > 0"):
         mla_to_mha(MultiHeadLatentAttention(8, 2, 4, latent_norm=True, rope_dim=2))
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_rope_gqa_to_mla_rotates_after_the_up_projection(interleaved):
+    g = randomize(GroupedQueryAttention(24, 6, 2, grouping="blocked", rope_base=1000.0, rope_interleaved=interleaved,
+                                        dtype=F64))
+    mla, report = gqa_to_mla(g)
+    assert mla.rope_after_up and report.exact and mla.latent_dim == 2 * 2 * 4
+    x = torch.randn(2, 7, 24, dtype=F64)
+    expected = gqa_ref(g, x, causal=True)
+    assert rel_err(mla(x, is_causal=True), expected) <= EXACT
+    cache = mla.init_cache(2, 7)
+    steps = [mla(x[:, :3], cache=cache, is_causal=True)] + [mla(x[:, t:t + 1], cache=cache, is_causal=True)
+                                                           for t in range(3, 7)]
+    assert rel_err(torch.cat(steps, 1), expected) <= EXACT
+    back, _ = mla_to_mha(mla)
+    assert rel_err(back(x, is_causal=True), expected) <= EXACT
+    with pytest.raises(ValueError, match=r"rope_after_up has no absorbed path"):
+        mla(x, absorbed=True)

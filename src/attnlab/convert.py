@@ -82,9 +82,10 @@ def _no_rope(module, fn: str):
                          f"(rotary embeddings do not commute with the maps this conversion folds)")
 
 
-def _linear_mla(mla: MultiHeadLatentAttention, fn: str):
+def _linear_mla(mla: MultiHeadLatentAttention, fn: str, allow_rope_after_up: bool = False):
     problems = [name for name, bad in (("latent_norm", mla.kv_norm is not None), ("rope_dim > 0", mla.rope_dim > 0),
-                                       ("q_latent_dim", mla.W_DQ is not None)) if bad]
+                                       ("q_latent_dim", mla.W_DQ is not None),
+                                       ("rope_after_up", mla.rope_after_up and not allow_rope_after_up)) if bad]
     if problems:
         raise ValueError(f"{fn} needs an MLA whose keys and values are linear in the input; "
                          f"this one has {', '.join(problems)}")
@@ -212,10 +213,11 @@ def gqa_to_mla(gqa: GroupedQueryAttention, *, shared: bool = True, method: str |
     when G*(d+dv) <= D_2, else block-svd.
     shared=False: Part 9 per matrix, K and V each factored through their own
     r = rank <= G*d latent by the block SVD; the MLA latent is the two side by side.
-    K/V biases move to the up-projections (W_UK, W_UV), exactly.
+    K/V biases move to the up-projections (W_UK, W_UV), exactly. A GQA with RoPE becomes
+    an MLA with rope_after_up=True: the latent holds the keys before rotation and RoPE
+    is applied after the up-projection, as the GQA applied it (expanded path only).
     """
     _expect(gqa, GroupedQueryAttention, "gqa_to_mla")
-    _no_rope(gqa, "gqa_to_mla")
     H, G, d, dv = gqa.num_heads, gqa.num_kv_heads, gqa.head_dim, gqa.v_head_dim
     wk, wv = gqa.W_K.weight.detach(), gqa.W_V.weight.detach()
     if shared:
@@ -254,25 +256,30 @@ def gqa_to_mla(gqa: GroupedQueryAttention, *, shared: bool = True, method: str |
 
 
 def _mla(src, latent_dim: int, bias: bool) -> MultiHeadLatentAttention:
+    """An MLA with src's geometry; a RoPE'd src gives rope_after_up with src's rotary embedding."""
     import warnings
     with warnings.catch_warnings():  # exact conversions may need a latent as wide as the input
         warnings.simplefilter("ignore", UserWarning)
-        return MultiHeadLatentAttention(src.dim, src.num_heads, latent_dim, head_dim=src.head_dim,
-                                        v_head_dim=src.v_head_dim, context_dim=src.context_dim, bias=bias,
-                                        **_like(src))
+        mla = MultiHeadLatentAttention(src.dim, src.num_heads, latent_dim, head_dim=src.head_dim,
+                                       v_head_dim=src.v_head_dim, context_dim=src.context_dim, bias=bias,
+                                       rope_after_up=src.rope is not None, **_like(src))
+    mla.rope = copy.deepcopy(src.rope)
+    return mla
 
 
 def mla_to_mha(mla: MultiHeadLatentAttention):
     """MLA -> MHA, exact: W_K = W_UK W_DKV, W_V = W_UV W_DKV (biases: W_UK b_DKV + b_UK).
 
     The MLA's softmax scale is folded into W_Q (and its bias) when it is not 1/sqrt(d).
-    Needs a linear MLA: no latent norm, no decoupled RoPE, no low-rank query.
+    Needs a linear MLA: no latent norm, no decoupled RoPE, no low-rank query
+    (rope_after_up is fine: the MHA applies the same RoPE to its keys).
     """
     _expect(mla, MultiHeadLatentAttention, "mla_to_mha")
-    _linear_mla(mla, "mla_to_mha")
+    _linear_mla(mla, "mla_to_mha", allow_rope_after_up=True)
     has_bias = any(lin.bias is not None for lin in (mla.W_Q, mla.W_DKV, mla.W_UK, mla.W_UV, mla.W_O))
     mha = MultiHeadAttention(mla.dim, mla.num_heads, head_dim=mla.head_dim, v_head_dim=mla.v_head_dim,
                              context_dim=mla.context_dim, bias=has_bias, **_like(mla))
+    mha.rope = copy.deepcopy(mla.rope) if mla.rope_after_up else None
     factor = mla.scale * math.sqrt(mla.head_dim)
     b_c = _bias(mla.W_DKV)
 

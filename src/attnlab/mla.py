@@ -18,6 +18,13 @@ Two ways to attend, with the same result:
   the r-dim result afterwards. Nothing is up-projected per cached token.
 A key bias on W_UK adds the same number to every score of a query row, which
 softmax ignores; a value bias on W_UV is added back after attention.
+
+A third layout, `rope_after_up=True`, is what an exact conversion of a RoPE'd GQA
+model produces: the latent holds the keys before rotation, and RoPE (over the whole
+head_dim) is applied to queries and to the up-projected keys. Rotation sits
+between W_UK and the dot product, so this layout has only the expanded path; it
+saves cache memory but not the per-step up-projection. Cached keys are taken to
+sit at positions 0, 1, ..., S-1.
 """
 from __future__ import annotations
 
@@ -47,6 +54,8 @@ class MultiHeadLatentAttention(AttentionModule):
         latent_bias: biases on the down-projections W_DKV, W_KR and W_DQ.
         softmax_scale: default 1/sqrt(head_dim + rope_dim).
         rope_base, rope_interleaved: the rotary embedding of the rope dims.
+        rope_after_up: instead of decoupled RoPE, rotate queries and up-projected keys over
+            the whole head_dim (exact GQA -> MLA of RoPE models; expanded path only).
     A latent_dim above min(H*(d + dv), context_dim) cannot compress anything; it
     is allowed (exact conversions may produce it) with a warning.
     """
@@ -55,7 +64,8 @@ class MultiHeadLatentAttention(AttentionModule):
                  v_head_dim: int | None = None, context_dim: int | None = None, rope_dim: int = 0,
                  q_latent_dim: int | None = None, latent_norm: bool = False, bias: bool = False,
                  latent_bias: bool = False, softmax_scale: float | None = None, rope_base: float = 10000.0,
-                 rope_interleaved: bool = False, norm_eps: float = 1e-6, device=None, dtype=None):
+                 rope_interleaved: bool = False, rope_after_up: bool = False, norm_eps: float = 1e-6,
+                 device=None, dtype=None):
         super().__init__()
         checks.positive_int("dim", dim)
         checks.positive_int("num_heads", num_heads)
@@ -63,6 +73,8 @@ class MultiHeadLatentAttention(AttentionModule):
         checks.non_negative_int("rope_dim", rope_dim)
         if rope_dim % 2:
             raise ValueError(f"rope_dim must be even (RoPE rotates pairs), got {rope_dim}")
+        if rope_after_up and rope_dim:
+            raise ValueError(f"rope_after_up rotates the whole head; it excludes a decoupled rope_dim ({rope_dim})")
         if head_dim is None:
             if dim % num_heads:
                 raise ValueError(f"dim ({dim}) is not divisible by num_heads ({num_heads}); pass head_dim")
@@ -96,7 +108,9 @@ class MultiHeadLatentAttention(AttentionModule):
         self.W_UK = nn.Linear(latent_dim, num_heads * head_dim, bias=bias, **kw)
         self.W_UV = nn.Linear(latent_dim, num_heads * v_head_dim, bias=bias, **kw)
         self.W_O = nn.Linear(num_heads * v_head_dim, dim, bias=bias, **kw)
-        self.rope = RotaryEmbedding(rope_dim, rope_base, interleaved=rope_interleaved) if rope_dim else None
+        self.rope_after_up = bool(rope_after_up)
+        rotated = head_dim if rope_after_up else rope_dim
+        self.rope = RotaryEmbedding(rotated, rope_base, interleaved=rope_interleaved) if rotated else None
         self._absorbed_cache: tuple | None = None
 
     @property
@@ -112,7 +126,7 @@ class MultiHeadLatentAttention(AttentionModule):
                     q_latent_dim=self.q_latent_dim, latent_norm=self.kv_norm is not None,
                     bias=q_proj.bias is not None, latent_bias=self.W_DKV.bias is not None,
                     softmax_scale=self.softmax_scale, rope_base=self.rope.base if self.rope else 10000.0,
-                    rope_interleaved=bool(self.rope and self.rope.interleaved),
+                    rope_interleaved=bool(self.rope and self.rope.interleaved), rope_after_up=self.rope_after_up,
                     norm_eps=norm.eps if norm is not None else 1e-6)
 
     @property
@@ -138,7 +152,9 @@ class MultiHeadLatentAttention(AttentionModule):
         q = self.W_Q(x) if self.W_Q is not None else self.W_UQ(self.q_norm(self.W_DQ(x)))  # (B, L, H*(d+p))
         q = q.view(B, L, self.num_heads, self.head_dim + self.rope_dim).transpose(1, 2)  # (B, H, L, d+p)
         q_nope, q_rope = q.split([self.head_dim, self.rope_dim], dim=-1)  # (B, H, L, d), (B, H, L, p)
-        if self.rope is not None:
+        if self.rope_after_up:
+            q_nope = self.rope(q_nope, positions)
+        elif self.rope is not None:
             q_rope = self.rope(q_rope, positions)
         return q_nope, q_rope
 
@@ -148,7 +164,7 @@ class MultiHeadLatentAttention(AttentionModule):
         if self.kv_norm is not None:
             c = self.kv_norm(c)
         if self.W_KR is None:
-            return c
+            return c  # (B, S, r); with rope_after_up the keys are rotated after the up-projection
         if positions is None:
             positions = torch.arange(source.shape[1], device=source.device)
         k_rope = self.rope(self.W_KR(source)[:, None], positions)[:, 0]  # (B, S, p)
@@ -205,18 +221,28 @@ class MultiHeadLatentAttention(AttentionModule):
             if cache is not None:
                 (kv,) = cache.extend(kv=kv)  # (B, S, r+p)
                 cache.static = context is not None
+        key_positions = None
+        if self.rope_after_up:
+            if absorbed:
+                raise ValueError("rope_after_up has no absorbed path: RoPE sits between W_UK and the scores")
+            absorbed = False
+            key_positions = positions if cache is None and context is None else None
         if absorbed is None:
             absorbed = self.prefers_absorbed(L, kv.shape[1])
-        run = self._absorbed if absorbed else self._expanded
-        o = run(q_nope, q_rope, kv, mask, is_causal)  # (B, H, L, dv)
+        if absorbed:
+            o = self._absorbed(q_nope, q_rope, kv, mask, is_causal)  # (B, H, L, dv)
+        else:
+            o = self._expanded(q_nope, q_rope, kv, mask, is_causal, key_positions)  # (B, H, L, dv)
         o = o.transpose(1, 2).reshape(B, L, self.num_heads * self.v_head_dim)  # (B, L, H*dv)
         return self.W_O(o)  # (B, L, dim)
 
-    def _expanded(self, q_nope, q_rope, kv, mask, is_causal):
+    def _expanded(self, q_nope, q_rope, kv, mask, is_causal, key_positions=None):
         B, S, _ = kv.shape
         H, r = self.num_heads, self.latent_dim
         c = kv[..., :r]  # (B, S, r)
         k = self.W_UK(c).view(B, S, H, self.head_dim).transpose(1, 2)  # (B, H, S, d)
+        if self.rope_after_up:
+            k = self.rope(k, key_positions if key_positions is not None else torch.arange(S, device=kv.device))
         v = self.W_UV(c).view(B, S, H, self.v_head_dim).transpose(1, 2)  # (B, H, S, dv)
         if self.rope_dim:
             k_rope = kv[:, None, :, r:].expand(B, H, S, self.rope_dim)  # (B, H, S, p)
