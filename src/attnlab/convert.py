@@ -31,6 +31,7 @@ from .gqa import GroupedQueryAttention, MultiHeadAttention
 from .linalg import (factor_tiled, fold_output, fold_query, kv_head_of, rank_for_energy, svd_factors,
                      tile_heads, whitening)
 from .mla import MultiHeadLatentAttention
+from .rope import RotaryEmbedding
 
 F64 = torch.float64
 
@@ -117,12 +118,14 @@ def _gqa(src, num_kv_heads: int, *, bias: bool, grouping: str, head_dim=None, v_
 
 
 def _heads(m: nn.Module):
-    """Per-query-head (scale * W_Q_h, W_K_h, W_V_h, W_O_h): (H, d, D_1), (H, d, D_2), (H, dv, D_2), (H, D_1, dv)."""
+    """Per-query-head (RoPE and norms left out) (scale * W_Q_h, W_K_h, W_V_h, W_O_h): (H, d, D_1), (H, d, D_2), (H, dv, D_2), (H, D_1, dv)."""
     H = m.num_heads
-    if isinstance(m, MultiHeadLatentAttention):
-        d, dv = m.head_dim, m.v_head_dim
-        wq = m.W_Q.weight
-        wk = m.W_UK.weight @ m.W_DKV.weight
+    if isinstance(m, MultiHeadLatentAttention):  # a decoupled rotary key joins every head's key rows
+        d, dv = m.head_dim + m.rope_dim, m.v_head_dim
+        wq = m.W_Q.weight if m.W_Q is not None else m.W_UQ.weight @ m.W_DQ.weight
+        wk = (m.W_UK.weight @ m.W_DKV.weight).reshape(H, m.head_dim, -1)
+        if m.W_KR is not None:
+            wk = torch.cat([wk, m.W_KR.weight.expand(H, -1, -1)], dim=1)
         wv = m.W_UV.weight @ m.W_DKV.weight
     else:
         d, dv = m.head_dim, m.v_head_dim
@@ -537,3 +540,73 @@ def convert(module: nn.Module, to: str, *, num_kv_heads: int | None = None, meth
             return gqa_to_mla(module)
         return mha_to_mla(module, latent_dim=latent_dim, energy=energy, joint=joint, calibration=calibration)
     raise ValueError("'absorbed' applies to an MLA; convert to 'mla' first")
+
+
+def gqa_to_mla_decoupled(gqa: GroupedQueryAttention, latent_dim: int, rope_pairs: int, *,
+                         calibration: torch.Tensor | None = None):
+    """GQA with RoPE -> MLA with DeepSeek's decoupled RoPE, lossy (the MHA2MLA recipe, without training).
+
+    Of each KV head's d/2 rotary pairs, the `rope_pairs` fastest-turning (highest
+    frequency) keep their rotation: they move, for all G KV heads, into the shared
+    rotary key k_R (rope_dim = 2 * G * rope_pairs, with each pair's own frequency), and
+    each query head's rotary part is non-zero only in its own KV head's slots, so that
+    part of the scores is exact. The other pairs lose their rotation (the loss) and,
+    with the values, go through a latent of `latent_dim` by the SVD of `mha_to_mla`
+    (whitened by `calibration` when given). The softmax scale stays 1/sqrt(d).
+    KV values per token: latent_dim + 2 * G * rope_pairs.
+    """
+    _expect(gqa, GroupedQueryAttention, "gqa_to_mla_decoupled")
+    if gqa.rope is None:
+        raise ValueError("gqa_to_mla_decoupled needs a GQA with RoPE; use mha_to_mla for one without")
+    if gqa.W_Q.bias is not None:
+        raise ValueError("gqa_to_mla_decoupled does not carry biases yet")
+    H, G, d = gqa.num_heads, gqa.num_kv_heads, gqa.head_dim
+    checks.non_negative_int("rope_pairs", rope_pairs)
+    if rope_pairs >= d // 2:
+        raise ValueError(f"rope_pairs ({rope_pairs}) must be below head_dim / 2 ({d // 2}); "
+                         "keeping every pair is the exact gqa_to_mla")
+    half, n = d // 2, rope_pairs
+    order = torch.argsort(gqa.rope.inv_freq, descending=True)  # fastest-turning pairs first
+    kept = order[:n].sort().values
+    # the two dims of pair i within a head: (i, i + d/2) rotate-half, (2i, 2i+1) interleaved
+    first = kept * 2 if gqa.rope.interleaved else kept
+    second = first + 1 if gqa.rope.interleaved else kept + half
+    rotary = torch.zeros(d, dtype=torch.bool)
+    rotary[first], rotary[second] = True, True
+    nope = torch.nonzero(~rotary).flatten()  # (d - 2n,)
+
+    wq = gqa.W_Q.weight.detach().reshape(H, d, -1)
+    wk = gqa.W_K.weight.detach().reshape(G, d, -1)
+    nope_gqa = _gqa(gqa, G, bias=False, grouping=gqa.grouping, head_dim=d - 2 * n)
+    nope_gqa.rope = None
+    _set(nope_gqa.W_Q, wq[:, nope].reshape(H * (d - 2 * n), -1))
+    _set(nope_gqa.W_K, wk[:, nope].reshape(G * (d - 2 * n), -1))
+    _set(nope_gqa.W_V, gqa.W_V.weight)
+    _set(nope_gqa.W_O, gqa.W_O.weight)
+    base, _ = mha_to_mla(nope_gqa, latent_dim=latent_dim, calibration=calibration)
+
+    p = 2 * G * n
+    mla = MultiHeadLatentAttention(gqa.dim, H, latent_dim, head_dim=d - 2 * n, v_head_dim=gqa.v_head_dim,
+                                   context_dim=gqa.context_dim, rope_dim=p, softmax_scale=gqa.scale, **_like(gqa))
+    if p:
+        slot_freq = gqa.rope.inv_freq[kept].repeat(G)  # slot g*n + k has pair kept[k]'s frequency
+        mla.rope = RotaryEmbedding(p, gqa.rope.base, inv_freq=slot_freq, scaling=gqa.rope.scaling)
+    owner = kv_head_of(H, G, gqa.grouping)
+    q = torch.zeros(H, d - 2 * n + p, wq.shape[-1], dtype=wq.dtype, device=wq.device)
+    q[:, :d - 2 * n] = wq[:, nope]
+    kr = torch.zeros(p, wk.shape[-1], dtype=wk.dtype, device=wk.device)
+    for g in range(G):
+        slots = torch.arange(g * n, (g + 1) * n)
+        kr[slots], kr[slots + p // 2] = wk[g, first], wk[g, second]
+        heads = torch.nonzero(owner == g).flatten()
+        for h in heads.tolist():
+            q[h, d - 2 * n + slots], q[h, d - 2 * n + slots + p // 2] = wq[h, first], wq[h, second]
+    _set(mla.W_Q, q.reshape(H * (d - 2 * n + p), -1))
+    if p:
+        _set(mla.W_KR, kr)
+    for name in ("W_DKV", "W_UK", "W_UV", "W_O"):
+        _set(getattr(mla, name), getattr(base, name).weight, _bias(getattr(base, name)))
+    notes = [f"rope pairs kept per KV head: {n} of {half} (fastest turning); rope_dim {p}",
+             f"latent r = {latent_dim}" + (", whitened by calibration" if calibration is not None else "")]
+    return mla, _report(gqa, mla, False, bases=False, probe=calibration if _is_probe(calibration, gqa) else None,
+                        notes=notes)
