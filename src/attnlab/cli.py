@@ -184,23 +184,71 @@ def _report_table(report) -> Table:
     return table
 
 
+def _convert_model(source, to, out, latent_dim, rope_dim, kv_heads, method, calibration, calibration_tokens,
+                   report_json):
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+    from . import hf
+
+    model, tok, meta = hf.load_model(source)
+    ids = hf.read_text_ids(tok, calibration, calibration_tokens) if calibration is not None else None
+    n = len(hf.attnlab_modules(model))
+    before = hf.kv_bytes_per_token(model)
+    with Progress(TextColumn("converting layers"), BarColumn(), MofNCompleteColumn(), console=console,
+                  transient=True) as bar:
+        task = bar.add_task("layers", total=n)
+        reports = hf.convert_model(model, to, latent_dim=latent_dim, rope_dim=rope_dim, num_kv_heads=kv_heads,
+                                   method=method, calibration_ids=ids,
+                                   progress=lambda i: bar.update(task, completed=i + 1))
+    after = hf.kv_bytes_per_token(model)
+    table = Table(title=f"{source} -> {to}: {reports[0].source} -> {reports[0].target} per layer")
+    for col in ("layer", "exact", "output error", "QK error", "OV error", "KV values/token"):
+        table.add_column(col, justify="right")
+    for i, r in enumerate(reports):
+        table.add_row(str(i), "yes" if r.exact else "no", f"{r.output_error:.2e}",
+                      f"{r.matrix_errors.get('QK', 0):.2e}", f"{r.matrix_errors.get('OV', 0):.2e}",
+                      f"{r.kv_values_before} -> {r.kv_values_after}")
+    console.print(table)
+    console.print(f"KV cache bytes per token (whole model, {hf.attnlab_modules(model)[0]._anchor.dtype}): "
+                  f"{before} -> {after}")
+    summary = {"source": source, "to": to, "latent_dim": latent_dim, "rope_dim": rope_dim,
+               "kv_bytes_per_token_before": before, "kv_bytes_per_token_after": after,
+               "layers": [r.to_dict() for r in reports]}
+    hf.save_model(model, meta["base"], out, extra={"conversion": summary})
+    if report_json is not None:
+        _write_atomic(report_json, json.dumps(summary, indent=2).encode())
+    console.print(f"wrote {out}")
+
+
 @app.command()
-def convert(source: str = typer.Argument(..., help="An attnlab checkpoint folder (config.json + model.safetensors)."),
+def convert(source: str = typer.Argument(..., help="An attnlab checkpoint folder, or a model: smollm2, minilm."),
             to: str = typer.Option(..., "--to", help="Target family: mha, gqa, mla, absorbed."),
             out: Path = typer.Option(..., "--out", help="Folder to write the converted checkpoint to."),
             kv_heads: Optional[int] = typer.Option(None, "--kv-heads", help="gqa: number of KV heads."),
             method: Optional[str] = typer.Option(None, "--method", help="gqa: mean or fit."),
             latent_dim: Optional[int] = typer.Option(None, "--latent-dim", help="mla: latent size (lossy)."),
+            rope_dim: Optional[int] = typer.Option(None, "--rope-dim",
+                                                   help="mla of a RoPE model: decoupled rotary dims kept."),
             energy: Optional[float] = typer.Option(None, "--energy", help="mla: keep this fraction of energy."),
             split: bool = typer.Option(False, "--split", help="mla: factor K and V separately."),
+            calibration: Optional[Path] = typer.Option(None, "--calibration",
+                                                       help="Model conversions: a text file whose activations "
+                                                            "whiten the SVDs."),
+            calibration_tokens: int = typer.Option(2048, "--calibration-tokens", help="Tokens of it to use."),
             report_json: Optional[Path] = typer.Option(None, "--report", help="Also write the report as JSON.")):
-    """Convert a saved attention module to another family; write safetensors + config.json and print the report.
+    """Convert a saved attention module, or every layer of a real model, to another family.
 
+    Writes safetensors + config.json and prints the report table.
+    Example: attnlab convert smollm2 --to mla --latent-dim 256 --out smollm2-mla256
     Example: attnlab convert ckpt/gqa --to mla --latent-dim 64 --out ckpt/mla64
     """
+    from . import hf
     from .convert import convert as run_conversion
     from .io import load_module, save_module
 
+    if source in hf.LOADERS or (Path(source) / "attention.safetensors").exists():
+        return _convert_model(source, to, out, latent_dim, rope_dim, kv_heads, method, calibration,
+                              calibration_tokens, report_json)
     module = load_module(source)
     new, report = run_conversion(module, to, num_kv_heads=kv_heads, method=method, latent_dim=latent_dim,
                                  energy=energy, joint=not split)
@@ -210,6 +258,46 @@ def convert(source: str = typer.Argument(..., help="An attnlab checkpoint folder
     if report_json is not None:
         _write_atomic(report_json, report.to_json().encode())
     console.print(f"wrote {out}")
+
+
+# -- eval / generate -------------------------------------------------------------------------------
+@app.command(name="eval")
+def eval_(source: str = typer.Argument(..., help="A model (smollm2) or a folder written by attnlab convert."),
+          text: Path = typer.Option(..., "--text", help="An English text file to score."),
+          max_tokens: int = typer.Option(2048, "--max-tokens", help="Score at most this many tokens."),
+          window: int = typer.Option(512, "--window", help="Tokens per forward pass.")):
+    """Perplexity of a causal model on a text, and its KV-cache bytes per token.
+
+    Example: attnlab eval smollm2-mla256 --text /usr/share/common-licenses/GPL-3
+    """
+    from . import hf
+
+    model, tok, meta = hf.load_model(source)
+    if hf.family(model) != "llama":
+        raise UsageProblem("eval scores causal language models (smollm2 and its conversions)")
+    ids = hf.read_text_ids(tok, text, max_tokens)
+    ppl = hf.perplexity(model, ids, window=window)
+    print(f"perplexity: {ppl:.4f}")
+    print(f"tokens: {ids.shape[1]}")
+    print(f"kv bytes per token: {hf.kv_bytes_per_token(model)}")
+
+
+@app.command()
+def generate(source: str = typer.Argument(..., help="A model (smollm2) or a folder written by attnlab convert."),
+             prompt: str = typer.Argument(..., help="The prompt."),
+             max_new_tokens: int = typer.Option(32, "--max-new-tokens", help="Tokens to generate (greedy).")):
+    """Greedy continuation of a prompt.
+
+    Example: attnlab generate smollm2-mla256 "The capital of France is" --max-new-tokens 16
+    """
+    from . import hf
+
+    model, tok, _ = hf.load_model(source)
+    if hf.family(model) != "llama":
+        raise UsageProblem("generate needs a causal language model (smollm2 and its conversions)")
+    enc = tok(prompt, return_tensors="pt")
+    out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False)
+    print(tok.decode(out[0, enc.input_ids.shape[1]:], skip_special_tokens=True))
 
 
 def main(argv: list[str] | None = None) -> int:

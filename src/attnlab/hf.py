@@ -52,8 +52,16 @@ def load_smollm2(dtype: torch.dtype = torch.float32):
     if not gguf:
         raise ValueError(f"no .gguf file in {folder}")
     logging.disable_progress_bar()
-    tok = AutoTokenizer.from_pretrained(str(folder), gguf_file=gguf[0].name)
-    model = AutoModelForCausalLM.from_pretrained(str(folder), gguf_file=gguf[0].name, dtype=dtype).eval()
+    quiet = os.environ.get("TQDM_DISABLE")
+    os.environ["TQDM_DISABLE"] = "1"  # the GGUF de-quantiser draws its own progress bar
+    try:
+        tok = AutoTokenizer.from_pretrained(str(folder), gguf_file=gguf[0].name)
+        model = AutoModelForCausalLM.from_pretrained(str(folder), gguf_file=gguf[0].name, dtype=dtype).eval()
+    finally:
+        if quiet is None:
+            del os.environ["TQDM_DISABLE"]
+        else:
+            os.environ["TQDM_DISABLE"] = quiet
     return model, tok
 
 
@@ -342,3 +350,120 @@ def kv_bytes_per_token(model, dtype: torch.dtype | None = None) -> int:
         cache = m.init_cache(1, 1, dtype=dtype or m._anchor.dtype, device="meta")
         total += cache.bytes_per_token
     return total
+
+
+# -- whole converted models on disk ---------------------------------------------------------------
+MODEL_FORMAT = "attnlab-model"
+LOADERS = {"smollm2": load_smollm2, "minilm": load_minilm}
+
+
+def save_model(model, base: str, folder, *, extra: dict | None = None):
+    """Write the attention layers of an attnlab'd model: attention.safetensors + config.json.
+
+    Everything else comes back from the base model's package on load, so the folder
+    holds only what a conversion changed. Written atomically (nothing half-written).
+    """
+    import json
+
+    from safetensors.torch import save_file
+
+    from .io import module_record, write_folder
+
+    if base not in LOADERS:
+        raise ValueError(f"unknown base model {base!r}; known: {', '.join(LOADERS)}")
+    modules = attnlab_modules(model)
+    state = {f"layers.{i}.{k}": v.detach().contiguous().cpu()
+             for i, m in enumerate(modules) for k, v in m.state_dict().items()}
+    meta = {"format": MODEL_FORMAT, "version": 1, "base": base, "layers": [module_record(m) for m in modules],
+            **(extra or {})}
+
+    def write(tmp):
+        save_file(state, str(tmp / "attention.safetensors"))
+        (tmp / "config.json").write_text(json.dumps(meta, indent=2))
+    return write_folder(folder, write)
+
+
+def load_model(source: str):
+    """(model, tokenizer, meta) for a base model name ("smollm2", "minilm") or a folder from save_model.
+
+    The model comes back attnlab'd (to_attnlab); a folder's attention layers replace the base's.
+    """
+    from pathlib import Path
+
+    from .io import load_weights, module_from_record, read_json, read_tensors
+
+    if source in LOADERS:
+        model, tok = LOADERS[source]()
+        return to_attnlab(model), tok, {"base": source}
+    folder = Path(source)
+    if not folder.is_dir():
+        raise ValueError(f"{source!r} is neither a model name ({', '.join(LOADERS)}) nor a converted-model folder")
+    meta = read_json(folder / "config.json")
+    if meta.get("format") != MODEL_FORMAT or meta.get("base") not in LOADERS:
+        raise ValueError(f"{folder / 'config.json'} is not an attnlab converted model")
+    state = read_tensors(folder / "attention.safetensors")
+    modules = []
+    for i, record in enumerate(meta["layers"]):
+        m = module_from_record(record, f"{folder / 'config.json'} layer {i}")
+        prefix = f"layers.{i}."
+        load_weights(m, {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)},
+                     f"{folder / 'attention.safetensors'} layer {i}")
+        modules.append(m)
+    model, tok = LOADERS[meta["base"]]()
+    to_attnlab(model)
+    replace_attention(model, modules)
+    return model, tok, meta
+
+
+def read_text_ids(tok, path, max_tokens: int | None = None) -> torch.Tensor:
+    """Token ids (1, N) of a text file."""
+    from pathlib import Path
+
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"no such text file: {path}")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except (UnicodeDecodeError, OSError) as e:
+        raise ValueError(f"cannot read {path} as text: {e}") from None
+    ids = tok(text, return_tensors="pt").input_ids
+    return ids[:, :max_tokens] if max_tokens else ids
+
+
+DEFAULT_ROPE_PAIRS = 16  # per KV head when only a latent size is given: half the pairs (rope_dim 2 * G * 16)
+
+
+def convert_model(model, to: str, *, latent_dim: int | None = None, rope_dim: int | None = None,
+                  num_kv_heads: int | None = None, method: str | None = None,
+                  calibration_ids: torch.Tensor | None = None, progress=None):
+    """Convert every attention layer of an attnlab'd model in place; returns the per-layer reports.
+
+    Llama (RoPE GQA) -> "mla": without latent_dim, the exact gqa_to_mla (the latent holds
+    pre-RoPE K and V); with latent_dim, gqa_to_mla_decoupled keeping rope_dim / (2 G) rotary
+    pairs per KV head (default rope_dim = 2 G * 16, half the pairs). BERT (MHA) -> "gqa" (num_kv_heads, method)
+    or "mla" (latent_dim). calibration_ids: token ids whose attention inputs whiten the SVDs.
+    """
+    from .convert import convert as convert_module
+    from .convert import gqa_to_mla, gqa_to_mla_decoupled
+
+    fam = family(model)
+    first = attnlab_modules(model)[0]
+    if fam == "llama":
+        if to != "mla":
+            raise ValueError(f"a Llama model converts to 'mla', not {to!r}")
+        if latent_dim is None:
+            if rope_dim is not None or calibration_ids is not None:
+                raise ValueError("--rope-dim and calibration apply to a compressed MLA: give --latent-dim too")
+            return convert_layers(model, lambda m, x: gqa_to_mla(m), progress=progress)
+        G = first.num_kv_heads
+        rope_dim = 2 * G * DEFAULT_ROPE_PAIRS if rope_dim is None else rope_dim
+        if rope_dim < 0 or rope_dim % (2 * G):
+            raise ValueError(f"rope_dim ({rope_dim}) must be a non-negative multiple of 2 * num_kv_heads ({2 * G})")
+        pairs = rope_dim // (2 * G)
+        return convert_layers(model, lambda m, x: gqa_to_mla_decoupled(m, latent_dim, pairs, calibration=x),
+                              calibration_ids=calibration_ids, progress=progress)
+    if rope_dim is not None:
+        raise ValueError("rope_dim applies to RoPE models (Llama); BERT has no RoPE")
+    return convert_layers(model, lambda m, x: convert_module(m, to, num_kv_heads=num_kv_heads, method=method,
+                                                              latent_dim=latent_dim, calibration=x),
+                          calibration_ids=calibration_ids, progress=progress)

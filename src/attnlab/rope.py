@@ -28,7 +28,8 @@ class RotaryEmbedding(nn.Module):
             inv_freq = base ** (-torch.arange(0, dim, 2, dtype=torch.float64) / dim)
         elif inv_freq.shape != (dim // 2,):
             raise ValueError(f"inv_freq must have shape ({dim // 2},), got {tuple(inv_freq.shape)}")
-        self.register_buffer("inv_freq", inv_freq.detach().to(torch.float64), persistent=False)
+        # persistent: converted models carry their own frequencies (e.g. one per kept pair)
+        self.register_buffer("inv_freq", inv_freq.detach().to(torch.float64))
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}, base={self.base}, interleaved={self.interleaved}"
