@@ -41,7 +41,7 @@ def smollm2(quick: bool) -> list[dict]:
     del exact
     latents = (128, 256) if quick else (64, 128, 192, 256)
     settings = [(r, 96, m) for r in latents for m in ("weights", "calibrated")]
-    settings += [] if quick else [(256, p, "calibrated") for p in (0, 24, 48, 144)]
+    settings += [] if quick else [(192, p, "calibrated") for p in (0, 24, 48, 144)]
     for r, p, method in settings:
         t0 = time.perf_counter()
         m = copy.deepcopy(base)
@@ -89,8 +89,8 @@ def plot(rows: list[dict], path: Path) -> None:
         if pts:
             ax.plot(*zip(*pts), marker=marker, label=f"decoupled MLA, rope_dim 96, {method} SVD")
     pts = sorted((r["kv_bytes_per_token"] / 1024, r["perplexity"]) for r in rows
-                 if r["latent_dim"] == 256 and r["method"] == "calibrated")
-    ax.plot(*zip(*pts), ls=":", marker="^", label="r = 256, calibrated, rope_dim 0..144")
+                 if r["latent_dim"] == 192 and r["method"] == "calibrated")
+    ax.plot(*zip(*pts), ls=":", marker="^", label="r = 192, calibrated, rope_dim 0..144")
     for r in rows:
         if r["method"] in ("-", "exact"):
             ax.scatter(r["kv_bytes_per_token"] / 1024, r["perplexity"], marker="*", s=120, zorder=3,

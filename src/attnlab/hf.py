@@ -279,7 +279,7 @@ def from_attnlab(model):
             with torch.no_grad():
                 a.k_proj.weight.copy_(wk)
                 a.v_proj.weight.copy_(wv)
-            layer.self_attn = a
+            layer.self_attn = a.train(model.training)
         else:
             from transformers.models.bert.modeling_bert import BertAttention
             adapter = layer.attention
@@ -288,7 +288,7 @@ def from_attnlab(model):
                              (a.output.dense, m.W_O)):
                 _copy_linear(dst, src)
             a.output.LayerNorm = adapter.LayerNorm
-            layer.attention = a
+            layer.attention = a.train(model.training)  # a fresh module is in training mode (dropout on)
     return model
 
 
