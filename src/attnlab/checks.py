@@ -48,3 +48,15 @@ def same_batch(x: torch.Tensor, context: torch.Tensor) -> None:
         raise ValueError(
             f"x and context must have the same batch size, got {x.shape[0]} and {context.shape[0]}"
         )
+
+
+def head_sizes(dim: int, num_heads: int, head_dim, v_head_dim, context_dim) -> tuple[int, int, int]:
+    """Resolve the defaults head_dim = dim // num_heads, v_head_dim = head_dim, context_dim = dim."""
+    if head_dim is None:
+        if dim % num_heads:
+            raise ValueError(f"dim ({dim}) is not divisible by num_heads ({num_heads}); pass head_dim")
+        head_dim = dim // num_heads
+    positive_int("head_dim", head_dim)
+    v_head_dim = positive_int("v_head_dim", v_head_dim if v_head_dim is not None else head_dim)
+    context_dim = positive_int("context_dim", context_dim if context_dim is not None else dim)
+    return head_dim, v_head_dim, context_dim

@@ -45,13 +45,7 @@ class GroupedQueryAttention(AttentionModule):
         checks.positive_int("num_heads", num_heads)
         checks.positive_int("num_kv_heads", num_kv_heads)
         checks.divides(num_heads, num_kv_heads)
-        if head_dim is None:
-            if dim % num_heads:
-                raise ValueError(f"dim ({dim}) is not divisible by num_heads ({num_heads}); pass head_dim")
-            head_dim = dim // num_heads
-        checks.positive_int("head_dim", head_dim)
-        v_head_dim = checks.positive_int("v_head_dim", v_head_dim if v_head_dim is not None else head_dim)
-        context_dim = checks.positive_int("context_dim", context_dim if context_dim is not None else dim)
+        head_dim, v_head_dim, context_dim = checks.head_sizes(dim, num_heads, head_dim, v_head_dim, context_dim)
         self.dim, self.context_dim = dim, context_dim
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
         self.head_dim, self.v_head_dim = head_dim, v_head_dim

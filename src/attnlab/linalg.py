@@ -49,13 +49,16 @@ def tile_heads(weight: torch.Tensor, num_heads: int, num_kv_heads: int, grouping
     With grouping="strided" this is the study's tilde-W of Part 6: C copies of
     the whole matrix stacked along axis 0.
     """
-    rows = weight.shape[0]
-    if rows % num_kv_heads:
-        raise ValueError(f"weight rows ({rows}) must be divisible by num_kv_heads ({num_kv_heads})")
-    d = rows // num_kv_heads
+    per_head = _per_head(weight, num_kv_heads, "num_kv_heads")  # (G, d, ...)
     idx = kv_head_of(num_heads, num_kv_heads, grouping)
-    per_head = weight.reshape(num_kv_heads, d, *weight.shape[1:])  # (G, d, ...)
-    return per_head[idx.to(weight.device)].reshape(num_heads * d, *weight.shape[1:])  # (H*d, ...)
+    return per_head[idx.to(weight.device)].flatten(0, 1)  # (H*d, ...)
+
+
+def _per_head(weight: torch.Tensor, heads: int, name: str) -> torch.Tensor:
+    """(heads * d, ...) rows -> (heads, d, ...)."""
+    if weight.shape[0] % heads:
+        raise ValueError(f"weight rows ({weight.shape[0]}) must be divisible by {name} ({heads})")
+    return weight.reshape(heads, weight.shape[0] // heads, *weight.shape[1:])
 
 
 def matrix_rank(weight, rtol: float | None = None) -> int:
@@ -79,19 +82,15 @@ def gqa_block(weight: torch.Tensor, num_heads: int, num_kv_heads: int, *,
     Returns None when some query head's rows differ from those of the first head
     in its group by more than rtol relative to the matrix's largest entry.
     """
-    rows = weight.shape[0]
-    if rows % num_heads:
-        raise ValueError(f"weight rows ({rows}) must be divisible by num_heads ({num_heads})")
-    d = rows // num_heads
     idx = kv_head_of(num_heads, num_kv_heads, grouping)
-    per_head = weight.reshape(num_heads, d, *weight.shape[1:])  # (H, d, ...)
+    per_head = _per_head(weight, num_heads, "num_heads")  # (H, d, ...)
     # the first query head of each group: g itself (strided) or g*C (blocked)
     step = 1 if grouping == "strided" else num_heads // num_kv_heads
     block = per_head[torch.arange(num_kv_heads) * step]  # (G, d, ...)
     scale = weight.abs().max().clamp_min(torch.finfo(weight.dtype).tiny)
     if (per_head - block[idx]).abs().max() > rtol * scale:
         return None
-    return block.reshape(num_kv_heads * d, *weight.shape[1:])
+    return block.flatten(0, 1)  # (G*d, ...)
 
 
 def is_gqa_representable(weight, num_heads: int, num_kv_heads: int, *,

@@ -75,13 +75,7 @@ class MultiHeadLatentAttention(AttentionModule):
             raise ValueError(f"rope_dim must be even (RoPE rotates pairs), got {rope_dim}")
         if rope_after_up and rope_dim:
             raise ValueError(f"rope_after_up rotates the whole head; it excludes a decoupled rope_dim ({rope_dim})")
-        if head_dim is None:
-            if dim % num_heads:
-                raise ValueError(f"dim ({dim}) is not divisible by num_heads ({num_heads}); pass head_dim")
-            head_dim = dim // num_heads
-        checks.positive_int("head_dim", head_dim)
-        v_head_dim = checks.positive_int("v_head_dim", v_head_dim if v_head_dim is not None else head_dim)
-        context_dim = checks.positive_int("context_dim", context_dim if context_dim is not None else dim)
+        head_dim, v_head_dim, context_dim = checks.head_sizes(dim, num_heads, head_dim, v_head_dim, context_dim)
         if q_latent_dim is not None:
             checks.positive_int("q_latent_dim", q_latent_dim)
         useful = min(num_heads * (head_dim + v_head_dim), context_dim)
