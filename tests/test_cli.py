@@ -64,7 +64,7 @@ def test_bad_sizes_are_one_line_errors(args, fragment):
 
 
 def test_every_subcommand_has_help_with_an_example():
-    for sub in ("tour", "kv", "bench", "convert"):
+    for sub in ("tour", "kv", "bench", "convert", "eval", "generate"):
         result = runner.invoke(app, [sub, "--help"])
         assert result.exit_code == 0 and "Example: attnlab " + sub in result.output
 
@@ -153,3 +153,28 @@ def test_convert_unknown_target(capsys, tmp_path):
     save_module(GroupedQueryAttention(32, 8, 2), tmp_path / "ck")
     assert main(["convert", str(tmp_path / "ck"), "--to", "rnn", "--out", str(tmp_path / "o")]) == 2
     assert "unknown target 'rnn'" in capsys.readouterr().err
+
+
+def test_bench_quick_writes_json_and_plot(tmp_path):
+    """The bench command end to end at tiny sizes: ratios are consistent with the times they divide."""
+    out, png = tmp_path / "b.json", tmp_path / "b.png"
+    result = runner.invoke(app, ["bench", "--quick", "--suite", "decode", "--suite", "prefill", "--suite", "convert",
+                                 "--suite", "deepseek", "--json", str(out), "--plot", str(png)])
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    decode = {r["variant"]: r for r in data["decode"]}
+    for r in decode.values():
+        assert r["speedup_of_absorbed"] == pytest.approx(r["ms"] / decode["mla-absorbed"]["ms"])
+        assert r["roofline_fraction"] == pytest.approx(r["roofline_ms"] / r["ms"])
+    for r in data["prefill"]:
+        assert r["ratio"] == pytest.approx(r["attnlab_ms"] / r["peer_ms"])
+    assert {r["method"] for r in data["convert"]} == {"select", "block-svd", "tiled-svd"}
+    assert data["deepseek"][0]["relative_difference"] <= 1e-4  # the timed peers compute the same thing
+    assert all(r["relative_error"] <= 1e-5 for r in data["convert"])
+    w, h = _png_size(png)
+    assert w > 300 and h > 200
+
+
+def test_bench_unknown_suite(capsys):
+    assert main(["bench", "--suite", "warp"]) == 2
+    assert "unknown suite(s) ['warp']" in capsys.readouterr().err
