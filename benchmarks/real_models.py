@@ -42,10 +42,12 @@ def smollm2(quick: bool) -> list[dict]:
     latents = (128, 256) if quick else (64, 128, 192, 256)
     settings = [(r, 96, m) for r in latents for m in ("weights", "calibrated")]
     settings += [] if quick else [(192, p, "calibrated") for p in (0, 24, 48, 144)]
+    settings += [] if quick else [(r, p, "calibrated, norm pairs") for r, p in ((192, 48), (192, 96), (128, 96))]
     for r, p, method in settings:
         t0 = time.perf_counter()
         m = copy.deepcopy(base)
-        hf.convert_model(m, "mla", latent_dim=r, rope_dim=p, calibration_ids=calib_ids if method == "calibrated" else None)
+        hf.convert_model(m, "mla", latent_dim=r, rope_dim=p, calibration_ids=None if method == "weights" else calib_ids,
+                         pair_selection="norm" if "norm" in method else "frequency")
         rows.append({"model": "MLA decoupled RoPE", "latent_dim": r, "rope_dim": p, "method": method,
                      "kv_bytes_per_token": hf.kv_bytes_per_token(m), "perplexity": hf.perplexity(m, eval_ids)})
         print(f"  smollm2 r={r} rope={p} {method}: ppl {rows[-1]['perplexity']:.2f} "

@@ -271,3 +271,24 @@ def test_decoupled_rope_is_exact_where_dropped_rotations_do_not_matter(interleav
     with torch.no_grad():  # and where they do matter, the same conversion is lossy
         g.W_Q.weight.view(H, d, -1)[:, dims] = torch.randn(H, len(dims), 48, dtype=F64)
     assert gqa_to_mla_decoupled(g, r, n)[1].output_error > 1e-3
+
+
+def test_norm_pair_selection_finds_the_pairs_queries_use():
+    """Queries live only on the slowest pairs: the 2-norm criterion keeps those (exact), frequency does not."""
+    from attnlab.convert import gqa_to_mla_decoupled
+
+    H, G, d, n = 4, 2, 8, 2
+    g = randomize(GroupedQueryAttention(32, H, G, head_dim=d, rope_base=50.0, grouping="blocked", dtype=F64))
+    fast = torch.argsort(g.rope.inv_freq, descending=True)[: d // 2 - n]  # zero the queries on these
+    with torch.no_grad():
+        g.W_Q.weight.view(H, d, -1)[:, torch.cat([fast, fast + d // 2])] = 0
+    calib = torch.randn(4, 16, 32, dtype=F64)
+    r = G * (d - 2 * n + d)
+    by_norm, report = gqa_to_mla_decoupled(g, r, n, calibration=calib, pair_selection="norm")
+    by_freq, _ = gqa_to_mla_decoupled(g, r, n, calibration=calib, pair_selection="frequency")
+    x = torch.randn(2, 6, 32, dtype=F64)
+    expected = gqa_ref(g, x, causal=True)
+    assert rel_err(by_norm(x, is_causal=True), expected) <= EXACT
+    assert rel_err(by_freq(x, is_causal=True), expected) > 1e-3
+    with pytest.raises(ValueError, match=r"pair_selection='norm' needs calibration inputs"):
+        gqa_to_mla_decoupled(g, r, n, pair_selection="norm")

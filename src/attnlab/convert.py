@@ -230,10 +230,9 @@ def gqa_to_mla(gqa: GroupedQueryAttention, *, shared: bool = True, method: str |
             raise ValueError(f"method must be 'select' or 'block-svd', got {method!r}")
         if method == "select":
             down = stacked
-            up_k = tile_heads(torch.eye(stacked.shape[0], dtype=wk.dtype, device=wk.device)[:G * d], H, G,
-                              gqa.grouping)  # (H*d, r)
-            up_v = tile_heads(torch.eye(stacked.shape[0], dtype=wk.dtype, device=wk.device)[G * d:], H, G,
-                              gqa.grouping)  # (H*dv, r)
+            eye = torch.eye(stacked.shape[0], dtype=wk.dtype, device=wk.device)  # latent entry j = row j
+            up_k = tile_heads(eye[:G * d], H, G, gqa.grouping)  # (H*d, r)
+            up_v = tile_heads(eye[G * d:], H, G, gqa.grouping)  # (H*dv, r)
         else:
             u, down = svd_factors(stacked.to(F64))
             down = down.to(wk.dtype)
@@ -543,17 +542,19 @@ def convert(module: nn.Module, to: str, *, num_kv_heads: int | None = None, meth
 
 
 def gqa_to_mla_decoupled(gqa: GroupedQueryAttention, latent_dim: int, rope_pairs: int, *,
-                         calibration: torch.Tensor | None = None):
+                         calibration: torch.Tensor | None = None, pair_selection: str = "frequency"):
     """GQA with RoPE -> MLA with DeepSeek's decoupled RoPE, lossy (the MHA2MLA recipe, without training).
 
-    Of each KV head's d/2 rotary pairs, the `rope_pairs` fastest-turning (highest
-    frequency) keep their rotation: they move, for all G KV heads, into the shared
-    rotary key k_R (rope_dim = 2 * G * rope_pairs, with each pair's own frequency), and
-    each query head's rotary part is non-zero only in its own KV head's slots, so that
-    part of the scores is exact. The other pairs lose their rotation (the loss) and,
-    with the values, go through a latent of `latent_dim` by the SVD of `mha_to_mla`
-    (whitened by `calibration` when given). The softmax scale stays 1/sqrt(d).
-    KV values per token: latent_dim + 2 * G * rope_pairs.
+    Of each KV head's d/2 rotary pairs, `rope_pairs` keep their rotation: they move, for
+    all G KV heads, into the shared rotary key k_R (rope_dim = 2 * G * rope_pairs, each
+    slot with its own pair's frequency), and each query head's rotary part is non-zero
+    only in its own KV head's slots, so that part of the scores is exact. The other pairs
+    lose their rotation (the loss) and, with the values, go through a latent of
+    `latent_dim` by the SVD of `mha_to_mla` (whitened by `calibration` when given). The
+    softmax scale stays 1/sqrt(d). KV values per token: latent_dim + 2 * G * rope_pairs.
+    pair_selection: "frequency" (default) keeps the fastest-turning pairs; "norm" (needs
+    calibration inputs) keeps, per KV head, the pairs with the largest mean |q| * |k| on
+    them, the 2-norm criterion of MHA2MLA (on SmolLM2 it measured worse: docs/real-models.md).
     """
     _expect(gqa, GroupedQueryAttention, "gqa_to_mla_decoupled")
     if gqa.rope is None:
@@ -565,48 +566,64 @@ def gqa_to_mla_decoupled(gqa: GroupedQueryAttention, latent_dim: int, rope_pairs
     if rope_pairs >= d // 2:
         raise ValueError(f"rope_pairs ({rope_pairs}) must be below head_dim / 2 ({d // 2}); "
                          "keeping every pair is the exact gqa_to_mla")
+    if pair_selection not in ("frequency", "norm"):
+        raise ValueError(f"pair_selection must be 'frequency' or 'norm', got {pair_selection!r}")
+    if pair_selection == "norm" and calibration is None:
+        raise ValueError("pair_selection='norm' needs calibration inputs")
     half, n = d // 2, rope_pairs
-    order = torch.argsort(gqa.rope.inv_freq, descending=True)  # fastest-turning pairs first
-    kept = order[:n].sort().values
+    wq = gqa.W_Q.weight.detach().reshape(H, d, -1)  # (H, d, D_1)
+    wk = gqa.W_K.weight.detach().reshape(G, d, -1)  # (G, d, D_2)
+    owner = kv_head_of(H, G, gqa.grouping)
+    pairs = torch.arange(half)
     # the two dims of pair i within a head: (i, i + d/2) rotate-half, (2i, 2i+1) interleaved
-    first = kept * 2 if gqa.rope.interleaved else kept
-    second = first + 1 if gqa.rope.interleaved else kept + half
-    rotary = torch.zeros(d, dtype=torch.bool)
-    rotary[first], rotary[second] = True, True
-    nope = torch.nonzero(~rotary).flatten()  # (d - 2n,)
+    dims_a = pairs * 2 if gqa.rope.interleaved else pairs
+    dims_b = dims_a + 1 if gqa.rope.interleaved else pairs + half
+    if pair_selection == "frequency":
+        kept = torch.argsort(gqa.rope.inv_freq, descending=True)[:n].sort().values.expand(G, n)  # (G, n)
+    else:
+        x = calibration.reshape(-1, calibration.shape[-1]).to(wk.dtype)
+        q_all = (x @ wq.reshape(H * d, -1).T).reshape(-1, H, d)  # (N, H, d)
+        k_all = (x @ wk.reshape(G * d, -1).T).reshape(-1, G, d)  # (N, G, d)
+        pair_norm = lambda t: (t[..., dims_a] ** 2 + t[..., dims_b] ** 2).sqrt().mean(0)  # noqa: E731
+        q_norm, k_norm = pair_norm(q_all), pair_norm(k_all)  # (H, half), (G, half)
+        score = torch.stack([q_norm[owner == g].mean(0) * k_norm[g] for g in range(G)])  # (G, half)
+        kept = torch.topk(score, n, dim=1).indices.sort(dim=1).values  # (G, n)
+    first, second = dims_a[kept], dims_b[kept]  # (G, n) each
+    nope = []
+    for g in range(G):
+        rotary = torch.zeros(d, dtype=torch.bool)
+        rotary[first[g]], rotary[second[g]] = True, True
+        nope.append(torch.nonzero(~rotary).flatten())  # (d - 2n,)
+    dn = d - 2 * n
 
-    wq = gqa.W_Q.weight.detach().reshape(H, d, -1)
-    wk = gqa.W_K.weight.detach().reshape(G, d, -1)
-    nope_gqa = _gqa(gqa, G, bias=False, grouping=gqa.grouping, head_dim=d - 2 * n)
+    nope_gqa = _gqa(gqa, G, bias=False, grouping=gqa.grouping, head_dim=dn)
     nope_gqa.rope = None
-    _set(nope_gqa.W_Q, wq[:, nope].reshape(H * (d - 2 * n), -1))
-    _set(nope_gqa.W_K, wk[:, nope].reshape(G * (d - 2 * n), -1))
+    _set(nope_gqa.W_Q, torch.stack([wq[h, nope[int(owner[h])]] for h in range(H)]).reshape(H * dn, -1))
+    _set(nope_gqa.W_K, torch.stack([wk[g, nope[g]] for g in range(G)]).reshape(G * dn, -1))
     _set(nope_gqa.W_V, gqa.W_V.weight)
     _set(nope_gqa.W_O, gqa.W_O.weight)
     base, _ = mha_to_mla(nope_gqa, latent_dim=latent_dim, calibration=calibration)
 
     p = 2 * G * n
-    mla = MultiHeadLatentAttention(gqa.dim, H, latent_dim, head_dim=d - 2 * n, v_head_dim=gqa.v_head_dim,
+    mla = MultiHeadLatentAttention(gqa.dim, H, latent_dim, head_dim=dn, v_head_dim=gqa.v_head_dim,
                                    context_dim=gqa.context_dim, rope_dim=p, softmax_scale=gqa.scale, **_like(gqa))
-    if p:
-        slot_freq = gqa.rope.inv_freq[kept].repeat(G)  # slot g*n + k has pair kept[k]'s frequency
-        mla.rope = RotaryEmbedding(p, gqa.rope.base, inv_freq=slot_freq, scaling=gqa.rope.scaling)
-    owner = kv_head_of(H, G, gqa.grouping)
-    q = torch.zeros(H, d - 2 * n + p, wq.shape[-1], dtype=wq.dtype, device=wq.device)
-    q[:, :d - 2 * n] = wq[:, nope]
+    if p:  # slot g*n + k rotates like pair kept[g, k] of KV head g
+        mla.rope = RotaryEmbedding(p, gqa.rope.base, inv_freq=gqa.rope.inv_freq[kept.reshape(-1)],
+                                   scaling=gqa.rope.scaling)
+    q = torch.zeros(H, dn + p, wq.shape[-1], dtype=wq.dtype, device=wq.device)
     kr = torch.zeros(p, wk.shape[-1], dtype=wk.dtype, device=wk.device)
-    for g in range(G):
+    for h in range(H):
+        g = int(owner[h])
         slots = torch.arange(g * n, (g + 1) * n)
-        kr[slots], kr[slots + p // 2] = wk[g, first], wk[g, second]
-        heads = torch.nonzero(owner == g).flatten()
-        for h in heads.tolist():
-            q[h, d - 2 * n + slots], q[h, d - 2 * n + slots + p // 2] = wq[h, first], wq[h, second]
-    _set(mla.W_Q, q.reshape(H * (d - 2 * n + p), -1))
+        q[h, :dn] = wq[h, nope[g]]
+        q[h, dn + slots], q[h, dn + slots + p // 2] = wq[h, first[g]], wq[h, second[g]]
+        kr[slots], kr[slots + p // 2] = wk[g, first[g]], wk[g, second[g]]
+    _set(mla.W_Q, q.reshape(H * (dn + p), -1))
     if p:
         _set(mla.W_KR, kr)
     for name in ("W_DKV", "W_UK", "W_UV", "W_O"):
         _set(getattr(mla, name), getattr(base, name).weight, _bias(getattr(base, name)))
-    notes = [f"rope pairs kept per KV head: {n} of {half} (fastest turning); rope_dim {p}",
+    notes = [f"rope pairs kept per KV head: {n} of {half} (by {pair_selection}); rope_dim {p}",
              f"latent r = {latent_dim}" + (", whitened by calibration" if calibration is not None else "")]
     return mla, _report(gqa, mla, False, bases=False, probe=calibration if _is_probe(calibration, gqa) else None,
                         notes=notes)
