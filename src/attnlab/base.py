@@ -21,7 +21,7 @@ class AttentionModule(nn.Module):
     context_dim: int
 
     def _prepare(self, x, context, cache: _Cache | None, positions, mask, key_padding_mask, query_heads: int):
-        """Validate; return (source of keys, cache offset, query positions, merged mask or None)."""
+        """Validate; return (source of keys, query positions, merged mask or None)."""
         anchor = self._anchor
         checks.sequence("x", x, self.dim, anchor)
         B, L, _ = x.shape
@@ -54,4 +54,4 @@ class AttentionModule(nn.Module):
         else:
             S = source.shape[1] + (cache.length if cache is not None and context is None else 0)
         mask = with_key_padding(mask, key_padding_mask, (B, query_heads, L, S), x.dtype)
-        return source, offset, positions, mask
+        return source, positions, mask

@@ -101,8 +101,8 @@ class GroupedQueryAttention(AttentionModule):
         cache: from init_cache(); the new K/V are appended and everything cached is attended.
         positions: RoPE positions of x, (L,) or (B, L); default cache.length + arange(L).
         """
-        source, offset, positions, mask = self._prepare(x, context, cache, positions, mask,
-                                                        key_padding_mask, self.num_heads)
+        source, positions, mask = self._prepare(x, context, cache, positions, mask,
+                                                key_padding_mask, self.num_heads)
         B, L, _ = x.shape
         q = self.W_Q(x).view(B, L, self.num_heads, self.head_dim).transpose(1, 2)  # (B, H, L, d)
         if self.rope is not None:

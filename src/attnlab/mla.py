@@ -204,8 +204,8 @@ class MultiHeadLatentAttention(AttentionModule):
         absorbed: True for Part 12's latent-space path, False for the expanded
         path, None to choose by cost (absorbed when decoding against a cache).
         """
-        source, offset, positions, mask = self._prepare(x, context, cache, positions, mask,
-                                                        key_padding_mask, self.num_heads)
+        source, positions, mask = self._prepare(x, context, cache, positions, mask,
+                                                key_padding_mask, self.num_heads)
         B, L, _ = x.shape
         q_nope, q_rope = self.project_query(x, positions)  # (B, H, L, d), (B, H, L, p)
         if cache is not None and cache.static:
