@@ -180,7 +180,9 @@ def probe_error(old: nn.Module, new: nn.Module, probe: torch.Tensor | None = Non
     return _rel(ya, yb)
 
 
-def _report(old, new, exact, *, bases=True, probe=None, energy=None, notes=()) -> ConversionReport:
+def _report(old, new, exact, *, bases=True, calibration=None, energy=None, notes=()) -> ConversionReport:
+    """The report; calibration inputs of a self-attention module double as the probe batch."""
+    probe = calibration if _is_probe(calibration, old) else None
     return ConversionReport(_describe(old), _describe(new), exact, matrix_errors(old, new, bases=bases),
                             probe_error(old, new, probe), old.kv_values_per_token, new.kv_values_per_token,
                             energy, list(notes))
@@ -378,7 +380,7 @@ def mha_to_gqa(mha: GroupedQueryAttention, num_kv_heads: int, *, method: str = "
         _set(new.W_K, pool(wk, d), None if bk is None else pool(bk[:, None], d)[:, 0])
         _set(new.W_V, pool(wv, dv), None if bv is None else pool(bv[:, None], dv)[:, 0])
         _set(new.W_O, mha.W_O.weight, _bias(mha.W_O))
-        return new, _report(mha, new, False, probe=calibration if _is_probe(calibration, mha) else None,
+        return new, _report(mha, new, False, calibration=calibration,
                             notes=["mean pooling of each group's K/V projections and biases"])
     _no_rope(mha, "mha_to_gqa(method='fit')")
     L = _augmented_whitening(calibration, mha.context_dim, has_bias)
@@ -398,7 +400,7 @@ def mha_to_gqa(mha: GroupedQueryAttention, num_kv_heads: int, *, method: str = "
     _set(new.W_O, o_new.to(dt), _bias(mha.W_O))
     notes = ["shared subspace per group (SVD), per-head maps folded into W_Q / W_O",
              "whitened by calibration inputs" if calibration is not None else "weight space (no calibration)"]
-    return new, _report(mha, new, False, bases=False, probe=calibration if _is_probe(calibration, mha) else None,
+    return new, _report(mha, new, False, bases=False, calibration=calibration,
                         notes=notes)
 
 
@@ -455,6 +457,12 @@ def mha_to_mla(module: GroupedQueryAttention, *, latent_dim: int | None = None, 
     """
     _expect(module, GroupedQueryAttention, "mha_to_mla")
     _no_rope(module, "mha_to_mla")
+    mla, exact, energy_fraction, notes = _svd_latent(module, latent_dim, energy, joint, calibration)
+    return mla, _report(module, mla, exact, calibration=calibration, energy=energy_fraction, notes=notes)
+
+
+def _svd_latent(module: GroupedQueryAttention, latent_dim, energy, joint, calibration):
+    """mha_to_mla's MLA without its report: (mla, exact?, energy kept, notes)."""
     if latent_dim is not None and energy is not None:
         raise ValueError("give latent_dim or energy, not both")
     if latent_dim is not None:
@@ -504,8 +512,7 @@ def mha_to_mla(module: GroupedQueryAttention, *, latent_dim: int | None = None, 
     _set(mla.W_O, module.W_O.weight, _bias(module.W_O))
     notes = [f"latent r = {down.shape[0]}, {'joint' if joint else 'split'} SVD"
              + (", whitened by calibration" if L is not None else "")]
-    return mla, _report(module, mla, exact, probe=calibration if _is_probe(calibration, module) else None,
-                        energy=kept / total, notes=notes)
+    return mla, exact, kept / total, notes
 
 
 TARGETS = ("mha", "gqa", "mla", "absorbed")
@@ -602,7 +609,7 @@ def gqa_to_mla_decoupled(gqa: GroupedQueryAttention, latent_dim: int, rope_pairs
     _set(nope_gqa.W_K, torch.stack([wk[g, nope[g]] for g in range(G)]).reshape(G * dn, -1))
     _set(nope_gqa.W_V, gqa.W_V.weight)
     _set(nope_gqa.W_O, gqa.W_O.weight)
-    base, _ = mha_to_mla(nope_gqa, latent_dim=latent_dim, calibration=calibration)
+    base = _svd_latent(nope_gqa, latent_dim, None, True, calibration)[0]  # its report would be thrown away
 
     p = 2 * G * n
     mla = MultiHeadLatentAttention(gqa.dim, H, latent_dim, head_dim=dn, v_head_dim=gqa.v_head_dim,
@@ -625,5 +632,5 @@ def gqa_to_mla_decoupled(gqa: GroupedQueryAttention, latent_dim: int, rope_pairs
         _set(getattr(mla, name), getattr(base, name).weight, _bias(getattr(base, name)))
     notes = [f"rope pairs kept per KV head: {n} of {half} (by {pair_selection}); rope_dim {p}",
              f"latent r = {latent_dim}" + (", whitened by calibration" if calibration is not None else "")]
-    return mla, _report(gqa, mla, False, bases=False, probe=calibration if _is_probe(calibration, gqa) else None,
+    return mla, _report(gqa, mla, False, bases=False, calibration=calibration,
                         notes=notes)
