@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from attnlab import hf
+from attnlab import models as hf
 
 HERE = Path(__file__).parent
 CALIBRATION = "/usr/share/common-licenses/MPL-2.0"

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")
-from attnlab import hf  # noqa: E402
+from attnlab import models as hf  # noqa: E402
 from attnlab.convert import gqa_to_mla  # noqa: E402
 from reference import rel_err  # noqa: E402
 

@@ -188,7 +188,7 @@ def _convert_model(source, to, out, latent_dim, rope_dim, kv_heads, method, cali
                    report_json):
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-    from . import hf
+    from . import models as hf
 
     model, tok, meta = hf.load_model(source)
     ids = hf.read_text_ids(tok, calibration, calibration_tokens) if calibration is not None else None
@@ -242,7 +242,7 @@ def convert(source: str = typer.Argument(..., help="An attnlab checkpoint folder
     Example: attnlab convert smollm2 --to mla --latent-dim 256 --out smollm2-mla256
     Example: attnlab convert ckpt/gqa --to mla --latent-dim 64 --out ckpt/mla64
     """
-    from . import hf
+    from . import models as hf
     from .convert import convert as run_conversion
     from .io import load_module, save_module
 
@@ -270,7 +270,7 @@ def eval_(source: str = typer.Argument(..., help="A model (smollm2) or a folder 
 
     Example: attnlab eval smollm2-mla256 --text /usr/share/common-licenses/GPL-3
     """
-    from . import hf
+    from . import models as hf
 
     model, tok, meta = hf.load_model(source)
     if hf.family(model) != "llama":
@@ -290,7 +290,7 @@ def generate(source: str = typer.Argument(..., help="A model (smollm2) or a fold
 
     Example: attnlab generate smollm2-mla256 "The capital of France is" --max-new-tokens 16
     """
-    from . import hf
+    from . import models as hf
 
     model, tok, _ = hf.load_model(source)
     if hf.family(model) != "llama":

@@ -1,0 +1,20 @@
+"""Whole transformers models with attnlab attention (extra [hf]).
+
+- bundled.py   the two real models that pip packages carry (SmolLM2, MiniLM)
+- adapters.py  swap a model's attention for attnlab modules and back
+- convert.py   convert every layer of a swapped model, calibrated
+- evaluate.py  perplexity, sentence embeddings, KV bytes per token
+- store.py     save and reload converted models
+"""
+from .adapters import (FAMILIES, BertAttentionAdapter, LlamaAttentionAdapter, TransformersCache, attnlab_modules,
+                       family, from_attnlab, replace_attention, to_attnlab)
+from .bundled import MODELS, load_minilm, load_smollm2
+from .convert import DEFAULT_ROPE_PAIRS, convert_layers, convert_model
+from .evaluate import attention_inputs, kv_bytes_per_token, perplexity, read_text_ids, sentence_embeddings
+from .store import LOADERS, MODEL_FORMAT, load_model, save_model
+
+__all__ = ["FAMILIES", "BertAttentionAdapter", "LlamaAttentionAdapter", "TransformersCache", "attnlab_modules",
+           "family", "from_attnlab", "replace_attention", "to_attnlab", "MODELS", "load_minilm", "load_smollm2",
+           "DEFAULT_ROPE_PAIRS", "convert_layers", "convert_model", "attention_inputs", "kv_bytes_per_token",
+           "perplexity", "read_text_ids", "sentence_embeddings", "LOADERS", "MODEL_FORMAT", "load_model",
+           "save_model"]

@@ -1,0 +1,229 @@
+"""Swap the attention of a transformers model for attnlab modules and back.
+
+Supported families: Llama (LlamaForCausalLM / LlamaModel: GQA, blocked grouping,
+rotate-half RoPE) and BERT (BertModel: MHA with biases).
+
+After `to_attnlab(model)` every attention layer is an adapter around an attnlab
+module (GroupedQueryAttention, or after a conversion MultiHeadLatentAttention).
+During transformers' generate() the cache is transformers' own DynamicCache: the
+adapter stores what the attnlab module would cache in it (K and V for G heads; for
+an MLA the latent and shared rotary key, and nothing else).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..cache import _Cache
+from ..gqa import GroupedQueryAttention, MultiHeadAttention
+from ..linalg import gqa_block
+from ..mla import MultiHeadLatentAttention
+from ..rope import RotaryEmbedding
+
+FAMILIES = ("llama", "bert")
+
+
+def family(model) -> str:
+    name = type(getattr(model, "config", None)).__name__
+    if name == "LlamaConfig":
+        return "llama"
+    if name == "BertConfig":
+        return "bert"
+    raise ValueError(f"unsupported model family {name.removesuffix('Config') or type(model).__name__!r}; "
+                     f"supported: {', '.join(FAMILIES)}")
+
+
+def _layers(model):
+    base = getattr(model, "model", None) or getattr(model, "bert", None) or model
+    if family(model) == "llama":
+        return list(base.layers)
+    return list(base.encoder.layer)
+
+
+# -- the cache adapter -----------------------------------------------------------------------------
+class TransformersCache(_Cache):
+    """Lets an attnlab module keep its cache inside a transformers Cache (one layer of it).
+
+    K/V (B, G, S, d) go in as they are; an MLA's [latent, rope key] (B, S, r+p) goes in as a
+    one-head key with an empty value, as transformers' own DeepSeek attention stores its latent.
+    """
+
+    def __init__(self, hf_cache, layer_idx: int):  # no buffers of its own
+        self.hf_cache, self.layer_idx = hf_cache, layer_idx
+        self.static = False
+
+    @property
+    def length(self) -> int:
+        return self.hf_cache.get_seq_length(self.layer_idx)
+
+    def check_owner(self, module, batch_size, dtype) -> None:
+        return None
+
+    def extend(self, **new):
+        if set(new) == {"k", "v"}:
+            return self.hf_cache.update(new["k"], new["v"], self.layer_idx)
+        kv = new["kv"][:, None]  # (B, 1, S, r+p)
+        keys, _ = self.hf_cache.update(kv, kv[..., :0], self.layer_idx)
+        return (keys[:, 0],)
+
+
+# -- adapters --------------------------------------------------------------------------------------
+class LlamaAttentionAdapter(nn.Module):
+    """Stands in for LlamaAttention: same call and return, computed by an attnlab module."""
+
+    def __init__(self, attn: nn.Module, layer_idx: int):
+        super().__init__()
+        self.attn, self.layer_idx = attn, layer_idx
+
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None,
+                position_ids=None, **kwargs):
+        cache = None if past_key_values is None else TransformersCache(past_key_values, self.layer_idx)
+        L = hidden_states.shape[1]
+        positions = position_ids[0] if position_ids is not None and position_ids.shape[0] == 1 else position_ids
+        if positions is None:
+            start = 0 if cache is None else cache.length
+            positions = torch.arange(start, start + L, device=hidden_states.device)
+        mask = attention_mask
+        if mask is not None and mask.dtype != torch.bool:
+            mask = mask.to(hidden_states.dtype)
+        out = self.attn(hidden_states, cache=cache, positions=positions, mask=mask, is_causal=mask is None)
+        return out, None
+
+
+class BertAttentionAdapter(nn.Module):
+    """Stands in for BertAttention (self-attention + output dense + residual LayerNorm)."""
+
+    def __init__(self, attn: nn.Module, output: nn.Module):
+        super().__init__()
+        self.attn = attn
+        self.dropout, self.LayerNorm = output.dropout, output.LayerNorm
+
+    def forward(self, hidden_states, attention_mask=None, *args, **kwargs):
+        mask = attention_mask
+        if mask is not None:
+            mask = mask if mask.dtype == torch.bool else mask.to(hidden_states.dtype)
+            mask = mask.reshape(mask.shape[0], 1, -1, mask.shape[-1]) if mask.dim() == 4 else mask
+        out = self.attn(hidden_states, mask=mask)
+        return self.LayerNorm(self.dropout(out) + hidden_states), None
+
+
+# -- swapping --------------------------------------------------------------------------------------
+def _copy_linear(dst: nn.Linear, src: nn.Linear) -> None:
+    with torch.no_grad():
+        dst.weight.copy_(src.weight)
+        if dst.bias is not None:
+            dst.bias.copy_(src.bias if src.bias is not None else torch.zeros_like(dst.bias))
+
+
+def _llama_rope(model) -> RotaryEmbedding:
+    base = getattr(model, "model", model)
+    rot = base.rotary_emb
+    cfg = model.config
+    params = getattr(cfg, "rope_parameters", None) or {"rope_theta": getattr(cfg, "rope_theta", 10000.0)}
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return RotaryEmbedding(head_dim, float(params.get("rope_theta", 10000.0)), inv_freq=rot.inv_freq,
+                           scaling=float(getattr(rot, "attention_scaling", 1.0)))
+
+
+def attnlab_modules(model) -> list[nn.Module]:
+    """The attnlab module of every layer (after to_attnlab)."""
+    fam = family(model)
+    mods = []
+    for layer in _layers(model):
+        adapter = layer.self_attn if fam == "llama" else layer.attention
+        if not isinstance(adapter, (LlamaAttentionAdapter, BertAttentionAdapter)):
+            raise ValueError("the model's attention is not attnlab's yet; call to_attnlab(model) first")
+        mods.append(adapter.attn)
+    return mods
+
+
+def to_attnlab(model):
+    """Replace every attention layer by an adapter around an attnlab module with the same weights (in place)."""
+    fam = family(model)
+    cfg = model.config
+    for i, layer in enumerate(_layers(model)):
+        if fam == "llama":
+            a = layer.self_attn
+            if isinstance(a, LlamaAttentionAdapter):
+                continue
+            w = a.q_proj.weight
+            rope = _llama_rope(model)
+            m = GroupedQueryAttention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
+                                      head_dim=a.head_dim, bias=a.q_proj.bias is not None, grouping="blocked",
+                                      rope_base=rope.base, device=w.device, dtype=w.dtype)
+            m.rope = rope
+            for dst, src in ((m.W_Q, a.q_proj), (m.W_K, a.k_proj), (m.W_V, a.v_proj), (m.W_O, a.o_proj)):
+                _copy_linear(dst, src)
+            layer.self_attn = LlamaAttentionAdapter(m, i)
+        else:
+            a = layer.attention
+            if isinstance(a, BertAttentionAdapter):
+                continue
+            s = a.self
+            w = s.query.weight
+            m = MultiHeadAttention(cfg.hidden_size, cfg.num_attention_heads, bias=True, device=w.device,
+                                   dtype=w.dtype)
+            for dst, src in ((m.W_Q, s.query), (m.W_K, s.key), (m.W_V, s.value), (m.W_O, a.output.dense)):
+                _copy_linear(dst, src)
+            layer.attention = BertAttentionAdapter(m, a.output)
+    return model
+
+
+def replace_attention(model, modules: list[nn.Module]):
+    """Put the given attnlab modules (one per layer, e.g. converted ones) into an attnlab'd model, in place."""
+    fam = family(model)
+    layers = _layers(model)
+    if len(modules) != len(layers):
+        raise ValueError(f"got {len(modules)} modules for {len(layers)} layers")
+    attnlab_modules(model)  # checks to_attnlab was called
+    for layer, m in zip(layers, modules):
+        (layer.self_attn if fam == "llama" else layer.attention).attn = m
+    return model
+
+
+def from_attnlab(model):
+    """Swap back: transformers attention layers carrying the attnlab modules' weights (in place).
+
+    Needs GQA/MHA modules of the model's own shape. An MLA is first expanded with
+    convert.mla_to_mha; for Llama its keys and values must then be a tiling of the
+    config's KV heads (true after an exact gqa_to_mla), found with linalg.gqa_block.
+    Biases of Llama layers are not carried back (SmolLM2 and Llama have none).
+    """
+    from ..convert import mla_to_mha
+
+    fam = family(model)
+    cfg = model.config
+    for i, (layer, m) in enumerate(zip(_layers(model), attnlab_modules(model))):
+        if isinstance(m, MultiHeadLatentAttention):
+            m, _ = mla_to_mha(m)
+        if fam == "llama":
+            from transformers.models.llama.modeling_llama import LlamaAttention
+            G = cfg.num_key_value_heads
+            wk, wv = m.W_K.weight.detach(), m.W_V.weight.detach()
+            if m.num_kv_heads != G:  # e.g. an expanded MLA: recover the G-head block if it is a tiling
+                if m.num_kv_heads != m.num_heads:
+                    raise ValueError(f"layer {i} has {m.num_kv_heads} KV heads; the config says {G}")
+                wk = gqa_block(wk, m.num_heads, G, grouping="blocked", rtol=1e-5)
+                wv = gqa_block(wv, m.num_heads, G, grouping="blocked", rtol=1e-5)
+                if wk is None or wv is None:
+                    raise ValueError(f"layer {i}'s keys/values are not {G} shared heads (Part 11): "
+                                     "they do not fit the model's config")
+            a = LlamaAttention(cfg, i).to(m._anchor.device, m._anchor.dtype)
+            for dst, src in ((a.q_proj, m.W_Q), (a.o_proj, m.W_O)):
+                _copy_linear(dst, src)
+            with torch.no_grad():
+                a.k_proj.weight.copy_(wk)
+                a.v_proj.weight.copy_(wv)
+            layer.self_attn = a.train(model.training)
+        else:
+            from transformers.models.bert.modeling_bert import BertAttention
+            adapter = layer.attention
+            a = BertAttention(cfg, layer_idx=i).to(m._anchor.device, m._anchor.dtype)
+            for dst, src in ((a.self.query, m.W_Q), (a.self.key, m.W_K), (a.self.value, m.W_V),
+                             (a.output.dense, m.W_O)):
+                _copy_linear(dst, src)
+            a.output.LayerNorm = adapter.LayerNorm
+            layer.attention = a.train(model.training)  # a fresh module is in training mode (dropout on)
+    return model
+
+

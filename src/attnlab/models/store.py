@@ -1,0 +1,69 @@
+"""Whole converted models on disk: attention.safetensors + config.json beside a base model."""
+from __future__ import annotations
+
+from .adapters import attnlab_modules, replace_attention, to_attnlab
+from .bundled import load_minilm, load_smollm2
+
+# -- whole converted models on disk ---------------------------------------------------------------
+MODEL_FORMAT = "attnlab-model"
+LOADERS = {"smollm2": load_smollm2, "minilm": load_minilm}
+
+
+def save_model(model, base: str, folder, *, extra: dict | None = None):
+    """Write the attention layers of an attnlab'd model: attention.safetensors + config.json.
+
+    Everything else comes back from the base model's package on load, so the folder
+    holds only what a conversion changed. Written atomically (nothing half-written).
+    """
+    import json
+
+    from safetensors.torch import save_file
+
+    from ..io import module_record, write_folder
+
+    if base not in LOADERS:
+        raise ValueError(f"unknown base model {base!r}; known: {', '.join(LOADERS)}")
+    modules = attnlab_modules(model)
+    state = {f"layers.{i}.{k}": v.detach().contiguous().cpu()
+             for i, m in enumerate(modules) for k, v in m.state_dict().items()}
+    meta = {"format": MODEL_FORMAT, "version": 1, "base": base, "layers": [module_record(m) for m in modules],
+            **(extra or {})}
+
+    def write(tmp):
+        save_file(state, str(tmp / "attention.safetensors"))
+        (tmp / "config.json").write_text(json.dumps(meta, indent=2))
+    return write_folder(folder, write)
+
+
+def load_model(source: str):
+    """(model, tokenizer, meta) for a base model name ("smollm2", "minilm") or a folder from save_model.
+
+    The model comes back attnlab'd (to_attnlab); a folder's attention layers replace the base's.
+    """
+    from pathlib import Path
+
+    from ..io import load_weights, module_from_record, read_json, read_tensors
+
+    if source in LOADERS:
+        model, tok = LOADERS[source]()
+        return to_attnlab(model), tok, {"base": source}
+    folder = Path(source)
+    if not folder.is_dir():
+        raise ValueError(f"{source!r} is neither a model name ({', '.join(LOADERS)}) nor a converted-model folder")
+    meta = read_json(folder / "config.json")
+    if meta.get("format") != MODEL_FORMAT or meta.get("base") not in LOADERS:
+        raise ValueError(f"{folder / 'config.json'} is not an attnlab converted model")
+    state = read_tensors(folder / "attention.safetensors")
+    modules = []
+    for i, record in enumerate(meta["layers"]):
+        m = module_from_record(record, f"{folder / 'config.json'} layer {i}")
+        prefix = f"layers.{i}."
+        load_weights(m, {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)},
+                     f"{folder / 'attention.safetensors'} layer {i}")
+        modules.append(m)
+    model, tok = LOADERS[meta["base"]]()
+    to_attnlab(model)
+    replace_attention(model, modules)
+    return model, tok, meta
+
+
