@@ -37,6 +37,7 @@ from . import checks
 from .attention import attend
 from .base import AttentionModule
 from .cache import LatentCache
+from .kernels import mla_decode
 from .rope import RotaryEmbedding
 
 
@@ -252,9 +253,13 @@ class MultiHeadLatentAttention(AttentionModule):
         q = q_nope @ w_uk  # (B, H, L, r): W_UK_h^T q_h
         if self.rope_dim:
             q = torch.cat([q, q_rope], dim=-1)  # (B, H, L, r+p)
+        b_v = self.W_UV.bias
+        if b_v is None:  # one decode row per sequence on CUDA: the Triton kernel (kernels/mla_decode.py)
+            o = mla_decode.try_decode(q, kv, mask, self.scale, r)  # (B, H, 1, r) or None where it does not apply
+            if o is not None:
+                return o @ w_uv_t  # (B, H, 1, dv)
         k = kv[:, None]  # (B, 1, S, r+p): one latent "KV head" for all H query heads
         v = kv[:, None, :, :r]  # (B, 1, S, r)
-        b_v = self.W_UV.bias
         if b_v is not None:  # carry the softmax weight sum (1, or 0 on a fully masked row) for the value bias
             v = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)  # (B, 1, S, r+1)
         o = attend(q, k, v, mask=mask, is_causal=is_causal, scale=self.scale)  # (B, H, L, r[+1])

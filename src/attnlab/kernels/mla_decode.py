@@ -1,0 +1,229 @@
+"""MLA's absorbed decode in one pass over the latent cache: a Triton kernel and its PyTorch twin.
+
+Notation: B batch, H heads, S cache rows (the buffer may be longer than the
+tokens held; `lengths` says how many count), r = latent_dim, p = rope_dim.
+
+For each sequence b and head h, with the cache row j = [c_j, k_rope_j] (r + p)
+and the absorbed query q[b, h] = [W_UK_h^T q_nope, q_rope] (r + p):
+    s_j = (q[b, h] . kv[b, j]) * scale        for j < lengths[b] and key_padding_mask[b, j]
+    o[b, h] = sum_j softmax(s)_j c_j           (r numbers; W_UV is applied by the module)
+Softmax and accumulation run in float32 for bfloat16, float16 and float32
+inputs; the output has the input dtype. A head with no key to attend gets zeros
+(as the attention core does).
+
+- `absorbed_decode_reference`: plain torch ops, the oracle and the fallback anywhere.
+- `absorbed_decode`: the Triton kernel (mla_decode_triton.py), split along the
+  sequence for long contexts (flash-decoding); on CPU tensors it runs in
+  triton's interpreter (slow; tests only).
+- `try_decode`: what MultiHeadLatentAttention._absorbed calls; the kernel's
+  output when it applies and is selected, else None.
+
+Selection, by the environment variable ATTNLAB_MLA_DECODE (read on every call):
+"auto" (default) uses the kernel on CUDA when triton imports; "torch" never
+uses it; "triton" always does (CPU tensors go through the interpreter).
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+
+ENV = "ATTNLAB_MLA_DECODE"
+MODES = ("auto", "torch", "triton")
+
+
+def _triton_importable() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def available(tensor: torch.Tensor, *, interpret: bool = False) -> bool:
+    """True where the kernel can run on `tensor`'s device: CUDA with triton importable,
+    or any device through triton's CPU interpreter when interpret=True."""
+    return _triton_importable() and (tensor.is_cuda or interpret)
+
+
+def mode() -> str:
+    """The selection policy from ATTNLAB_MLA_DECODE: "auto", "torch" or "triton"."""
+    m = os.environ.get(ENV, "auto").strip().lower() or "auto"
+    if m not in MODES:
+        raise ValueError(f"{ENV} must be one of {', '.join(MODES)}, got {m!r}")
+    return m
+
+
+# -- inputs --------------------------------------------------------------------------------------
+def _check(q, kv, lengths, latent_dim, key_padding_mask) -> torch.Tensor:
+    """Validate; return lengths as a (B,) int32 tensor on kv's device."""
+    for name, t, dims in (("q", q, "(B, H, r+p)"), ("kv", kv, "(B, S, r+p)")):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor {dims}, got {type(t).__name__}")
+        if t.dim() != 3:
+            raise ValueError(f"{name} must have shape {dims}, got {tuple(t.shape)}")
+    if not q.is_floating_point() or q.dtype != kv.dtype or q.device != kv.device:
+        raise TypeError(f"q and kv must share a floating dtype and a device, got q {q.dtype} on {q.device}, "
+                        f"kv {kv.dtype} on {kv.device}")
+    B, S, width = kv.shape
+    if q.shape[0] != B or q.shape[2] != width:
+        raise ValueError(f"q {tuple(q.shape)} must be (B, H, r+p) = ({B}, H, {width}) to match kv {tuple(kv.shape)}")
+    if isinstance(latent_dim, bool) or not isinstance(latent_dim, int) or not 0 < latent_dim <= width:
+        raise ValueError(f"latent_dim must be an int in 1..{width} (the cache row width), got {latent_dim!r}")
+    if isinstance(lengths, int) and not isinstance(lengths, bool):
+        if not 0 <= lengths <= S:
+            raise ValueError(f"lengths must lie in 0..{S} (the cache rows), got {lengths}")
+        lengths = torch.full((B,), lengths, dtype=torch.int32, device=kv.device)
+    elif isinstance(lengths, torch.Tensor) and not lengths.is_floating_point() and lengths.dtype != torch.bool:
+        if tuple(lengths.shape) != (B,):
+            raise ValueError(f"lengths must be an int or a (B,) = ({B},) tensor, got shape {tuple(lengths.shape)}")
+        lengths = lengths.to(device=kv.device, dtype=torch.int32)
+    else:
+        raise TypeError(f"lengths must be an int or an integer tensor of shape (B,), got {type(lengths).__name__}")
+    if key_padding_mask is not None:
+        if not isinstance(key_padding_mask, torch.Tensor) or key_padding_mask.dtype != torch.bool:
+            raise TypeError("key_padding_mask must be a bool tensor (True = may attend)")
+        if tuple(key_padding_mask.shape) != (B, S):
+            raise ValueError(f"key_padding_mask must have shape (B, S) = {(B, S)}, "
+                             f"got {tuple(key_padding_mask.shape)}")
+    return lengths
+
+
+# -- the PyTorch twin ----------------------------------------------------------------------------
+def absorbed_decode_reference(q: torch.Tensor, kv: torch.Tensor, lengths, scale: float, latent_dim: int,
+                         key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """q (B, H, r+p), kv (B, S, r+p) -> (B, H, r), with the kernel's arithmetic in plain torch ops.
+
+    Scores and softmax in at least float32 (float64 stays float64); the softmax
+    weights are rounded to the input dtype before the weighted sum, as the kernel does.
+    """
+    lengths = _check(q, kv, lengths, latent_dim, key_padding_mask)
+    B, S, _ = kv.shape
+    work = torch.promote_types(q.dtype, torch.float32)
+    keep = torch.arange(S, device=kv.device)[None, :] < lengths[:, None]  # (B, S)
+    if key_padding_mask is not None:
+        keep = keep & key_padding_mask.to(kv.device)
+    s = (q.to(work) @ kv.to(work).transpose(1, 2)) * scale  # (B, H, S)
+    s = s.masked_fill(~keep[:, None, :], float("-inf"))  # (B, H, S)
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # (B, H, S), zeros for a head with nothing to attend
+    return (p.to(kv.dtype) @ kv[..., :latent_dim]).to(q.dtype)  # (B, H, r)
+
+
+# -- the Triton kernel ---------------------------------------------------------------------------
+def _pow2(n: int, least: int = 16) -> int:
+    return max(least, 1 << (max(n, 1) - 1).bit_length())
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # the interpreter: a few splits, so tests exercise the combine step
+
+
+def plan(batch: int, num_heads: int, rows: int, latent_dim: int, device: torch.device,
+         num_splits: int | None = None, block_n: int | None = None) -> dict:
+    """Launch geometry: heads per program, rows per tile, splits of the sequence.
+
+    Heads per program (a power of two, >= 16 for tl.dot) are capped so that the
+    float32 accumulator stays at 16 x 512 values. Without num_splits, the sequence
+    is split until there are about two programs per SM, keeping at least 4 tiles
+    per split so the partial accumulators stay small beside the cache they summarise.
+    """
+    BR = _pow2(latent_dim)
+    BH = max(16, min(64, _pow2(num_heads), (16 * 512) // BR))
+    BN = block_n if block_n is not None else (32 if BR >= 512 else 64)
+    if BN < 16 or BN & (BN - 1):
+        raise ValueError(f"block_n must be a power of two >= 16, got {BN}")
+    head_blocks = -(-num_heads // BH)
+    tiles = max(1, -(-rows // BN))
+    if num_splits is None:
+        num_splits = max(1, min(-(-2 * _sm_count(device) // (batch * head_blocks)), tiles // 4))
+    elif isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
+        raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
+    num_splits = min(num_splits, tiles)
+    chunk = -(-tiles // num_splits) * BN  # rows per split, a whole number of tiles
+    num_splits = -(-max(rows, 1) // chunk)
+    return dict(BH=BH, BN=BN, BR=BR, head_blocks=head_blocks, num_splits=num_splits, chunk=chunk,
+                num_warps=8 if BR >= 256 else 4)
+
+
+def absorbed_decode(q: torch.Tensor, kv: torch.Tensor, lengths, scale: float, latent_dim: int,
+               key_padding_mask: torch.Tensor | None = None, *, num_splits: int | None = None,
+               block_n: int | None = None) -> torch.Tensor:
+    """The Triton kernel: q (B, H, r+p), kv (B, S, r+p) -> (B, H, r); same contract as the twin.
+
+    num_splits and block_n override the launch plan (see `plan`). CUDA tensors are
+    compiled for the GPU; CPU tensors run in triton's interpreter. The grid depends
+    only on the shapes, not on `lengths`, so a static cache buffer with a lengths
+    tensor can be captured in a CUDA graph.
+    """
+    lengths = _check(q, kv, lengths, latent_dim, key_padding_mask)
+    B, S, width = kv.shape
+    H, r, p = q.shape[1], latent_dim, width - latent_dim
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if kv.stride(-1) != 1:
+        kv = kv.contiguous()
+    from . import mla_decode_triton as kernels
+    interpreted = kernels.interpreted()
+    if not kv.is_cuda and not interpreted:
+        raise ValueError(f"the Triton kernel needs CUDA tensors, got {kv.device}; on the CPU it runs only when "
+                         "triton was imported with TRITON_INTERPRET=1 (tests); use absorbed_decode_reference")
+    g = plan(B, H, S, r, kv.device, num_splits, block_n)
+    T, BR = g["num_splits"], g["BR"]
+    out = torch.empty(B, H, r, dtype=q.dtype, device=q.device)  # (B, H, r)
+    if T > 1:
+        m_part = torch.empty(B, H, T, dtype=torch.float32, device=q.device)  # (B, H, T)
+        l_part = torch.empty_like(m_part)  # (B, H, T)
+        acc_part = torch.empty(B, H, T, BR, dtype=torch.float32, device=q.device)  # (B, H, T, BR)
+    else:
+        m_part = l_part = acc_part = out  # unused by the kernel when it writes the output itself
+    if key_padding_mask is not None:
+        keep = key_padding_mask.to(kv.device).view(torch.uint8)  # (B, S), 1 = may attend
+        keep = keep if keep.stride(-1) == 1 else keep.contiguous()
+    else:
+        keep = lengths  # a placeholder pointer, never read
+    dot_f32 = interpreted and kv.dtype == torch.bfloat16  # see mla_decode_triton's docstring
+    precision = "ieee" if kv.dtype == torch.float32 else "tf32"  # fp32: no TF32 rounding; 16-bit: ignored
+    kernels.split_kernel[(B, g["head_blocks"], T)](
+        q, kv, lengths, keep, out, m_part, l_part, acc_part,
+        H, r, p, g["chunk"], float(scale) * kernels.LOG2E,
+        q.stride(0), q.stride(1), kv.stride(0), kv.stride(1), keep.stride(0),
+        out.stride(0), out.stride(1), H * T, T, 1,
+        BH=g["BH"], BN=g["BN"], BR=BR, BP=_pow2(p), HAS_ROPE=p > 0, HAS_KEEP=key_padding_mask is not None,
+        SPLIT=T > 1, PRECISION=precision,
+        DOT_F32=dot_f32, num_warps=g["num_warps"], num_stages=2)
+    if T > 1:
+        kernels.combine_kernel[(B, H)](out, m_part, l_part, acc_part, r, T, out.stride(0), out.stride(1), H * T, T, 1,
+                                       BT=_pow2(T, least=2), BR=BR, DOT_F32=dot_f32, num_warps=4)
+    return out
+
+
+# -- dispatch from the module --------------------------------------------------------------------
+def _key_mask(mask, B: int, S: int):
+    """A mask that only hides keys, same for every head: (B, S) bool, None for no mask, False if it is more."""
+    if mask is None:
+        return None
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.dim() not in (2, 3, 4):
+        return False
+    m = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))  # (B|1, H|1, L|1, S) for L == 1
+    if m.shape[1] != 1 or m.shape[2] != 1 or m.shape[0] not in (1, B) or m.shape[3] != S:
+        return False
+    return m[:, 0, 0, :].expand(B, S)  # (B, S)
+
+
+def try_decode(q: torch.Tensor, kv: torch.Tensor, mask, scale: float, latent_dim: int) -> torch.Tensor | None:
+    """The kernel's (B, H, 1, r) for an absorbed decode step q (B, H, 1, r+p) against kv (B, S, r+p),
+    or None where it does not apply (several query rows, a float or per-head mask, autograd)
+    or is not selected (ATTNLAB_MLA_DECODE, device)."""
+    m = mode()
+    if m == "torch" or q.shape[2] != 1:
+        return None
+    if m == "auto" and not available(q):
+        return None
+    if torch.is_grad_enabled() and (q.requires_grad or kv.requires_grad):
+        return None
+    B, S = kv.shape[0], kv.shape[1]
+    keys = _key_mask(mask, B, S)
+    if keys is False:
+        return None
+    if m == "triton" and not _triton_importable():
+        raise ValueError(f"{ENV}=triton but triton is not installed (pip install 'attnlab[kernels]')")
+    return absorbed_decode(q[:, :, 0], kv, S, scale, latent_dim, key_padding_mask=keys)[:, :, None]  # (B, H, 1, r)

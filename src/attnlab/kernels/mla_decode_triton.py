@@ -1,0 +1,150 @@
+"""Triton kernels of MLA's absorbed decode (imports triton; reached only through mla_decode.py).
+
+Notation: B batch, H heads, S cached length, r = latent_dim, p = rope_dim,
+BH heads per program, BN cache rows per tile, BR/BP = r/p rounded up to a
+power of two (masked), T splits of the sequence.
+
+Flash-decoding in two launches:
+1. `split_kernel`, grid (B, cdiv(H, BH), T): program (b, hb, t) walks its
+   chunk of the cache rows of sequence b, tile by tile. The BH heads are the
+   rows of one matrix product, so each tile of the latent (BN, r) and rope key
+   (BN, p) is read once for all of them:
+       s = (q_lat c^T + q_rope k_rope^T) * scale     (BH, BN), float32
+       online softmax (running max m, running sum l), acc += p c   (BH, r)
+   With T == 1 it normalises and writes the output directly; otherwise it
+   writes the partial (m, l, acc) in float32.
+2. `combine_kernel`, grid (B, H): merges the T partials of one head,
+   o = sum_t 2^(m_t - M) acc_t / sum_t 2^(m_t - M) l_t with M = max_t m_t.
+DOT_F32 (bfloat16 in triton's CPU interpreter only, never on a GPU) works around two
+interpreter gaps of triton 3.9: tl.dot multiplies bfloat16 bit patterns as integers, so
+operands are widened to float32 first (values unchanged), and float32 -> bfloat16 casts
+truncate, so values are first rounded to nearest-even by hand (_round_to_bfloat16),
+as the GPU's casts do.
+Scores are kept in base 2 (scale * log2(e) folded in once), so exp is exp2.
+Masked or empty keys score -inf; a head with nothing to attend gets zeros.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _round_to_bfloat16(x):
+    """float32 x rounded to the nearest bfloat16 (ties to even), still as float32; finite x only."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def split_kernel(Q, KV, LENGTHS, KEEP, OUT, M_PART, L_PART, ACC_PART,
+                  num_heads, latent_dim, rope_dim, chunk, qk_scale,
+                  stride_qb, stride_qh, stride_kvb, stride_kvs, stride_keepb,
+                  stride_ob, stride_oh, stride_pb, stride_ph, stride_pt,
+                  BH: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr, BP: tl.constexpr,
+                  HAS_ROPE: tl.constexpr, HAS_KEEP: tl.constexpr, SPLIT: tl.constexpr,
+                  PRECISION: tl.constexpr, DOT_F32: tl.constexpr):
+    b = tl.program_id(0)
+    hb = tl.program_id(1)
+    t = tl.program_id(2)
+    offs_h = hb * BH + tl.arange(0, BH)  # (BH,)
+    offs_r = tl.arange(0, BR)  # (BR,)
+    offs_n = tl.arange(0, BN)  # (BN,)
+    h_ok = offs_h < num_heads
+    r_ok = offs_r < latent_dim
+
+    q_rows = Q + b * stride_qb + offs_h[:, None] * stride_qh  # (BH, 1)
+    q_lat = tl.load(q_rows + offs_r[None, :], mask=h_ok[:, None] & r_ok[None, :], other=0.0)  # (BH, BR)
+    if HAS_ROPE:
+        offs_p = tl.arange(0, BP)  # (BP,)
+        p_ok = offs_p < rope_dim
+        q_rope = tl.load(q_rows + latent_dim + offs_p[None, :], mask=h_ok[:, None] & p_ok[None, :],
+                         other=0.0)  # (BH, BP)
+        if DOT_F32:
+            q_rope = q_rope.to(tl.float32)
+    if DOT_F32:
+        q_lat = q_lat.to(tl.float32)
+
+    length = tl.load(LENGTHS + b)
+    lo = t * chunk
+    hi = tl.minimum(lo + chunk, length)
+    m_i = tl.full((BH,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BH,), tl.float32)
+    acc = tl.zeros((BH, BR), tl.float32)
+    row0 = KV + b * stride_kvb
+    for start in range(lo, hi, BN):
+        n = start + offs_n  # (BN,)
+        n_ok = n < hi
+        rows = row0 + n[:, None] * stride_kvs  # (BN, 1)
+        c = tl.load(rows + offs_r[None, :], mask=n_ok[:, None] & r_ok[None, :], other=0.0)  # (BN, BR)
+        if DOT_F32:
+            c = c.to(tl.float32)
+        s = tl.dot(q_lat, tl.trans(c), input_precision=PRECISION)  # (BH, BN)
+        if HAS_ROPE:
+            k_rope = tl.load(rows + latent_dim + offs_p[None, :], mask=n_ok[:, None] & p_ok[None, :],
+                             other=0.0)  # (BN, BP)
+            if DOT_F32:
+                k_rope = k_rope.to(tl.float32)
+            s += tl.dot(q_rope, tl.trans(k_rope), input_precision=PRECISION)  # (BH, BN)
+        s = s * qk_scale
+        ok = n_ok
+        if HAS_KEEP:
+            keep = tl.load(KEEP + b * stride_keepb + n, mask=n_ok, other=0)  # (BN,)
+            ok = ok & (keep != 0)
+        s = tl.where(ok[None, :], s, float("-inf"))  # (BH, BN)
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # (BH,)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing seen yet: keep exp2 finite
+        alpha = tl.exp2(m_i - m_safe)  # (BH,)
+        w = tl.exp2(s - m_safe[:, None])  # (BH, BN)
+        l_i = l_i * alpha + tl.sum(w, axis=1)
+        if DOT_F32:  # the bfloat16 value, kept in float32
+            w = _round_to_bfloat16(w)
+        else:
+            w = w.to(KV.dtype.element_ty)  # rounded to the cache dtype for the product
+        acc = acc * alpha[:, None] + tl.dot(w, c, input_precision=PRECISION)  # (BH, BR)
+        m_i = m_new
+
+    if SPLIT:
+        part = b * stride_pb + offs_h * stride_ph + t * stride_pt  # (BH,)
+        tl.store(M_PART + part, m_i, mask=h_ok)
+        tl.store(L_PART + part, l_i, mask=h_ok)
+        tl.store(ACC_PART + part[:, None] * BR + offs_r[None, :], acc, mask=h_ok[:, None] & r_ok[None, :])
+    else:
+        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # (BH, BR)
+        out = OUT + b * stride_ob + offs_h[:, None] * stride_oh + offs_r[None, :]
+        if DOT_F32:
+            o = _round_to_bfloat16(o)
+        tl.store(out, o.to(OUT.dtype.element_ty), mask=h_ok[:, None] & r_ok[None, :])
+
+
+@triton.jit
+def combine_kernel(OUT, M_PART, L_PART, ACC_PART, latent_dim, num_splits,
+                    stride_ob, stride_oh, stride_pb, stride_ph, stride_pt,
+                    BT: tl.constexpr, BR: tl.constexpr, DOT_F32: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_t = tl.arange(0, BT)  # (BT,)
+    offs_r = tl.arange(0, BR)  # (BR,)
+    t_ok = offs_t < num_splits
+    part = b * stride_pb + h * stride_ph + offs_t * stride_pt  # (BT,)
+    m = tl.load(M_PART + part, mask=t_ok, other=float("-inf"))  # (BT,)
+    l = tl.load(L_PART + part, mask=t_ok, other=0.0)  # (BT,)
+    m_max = tl.max(m, axis=0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.exp2(m - m_max)  # (BT,), 0 for empty splits
+    total = tl.sum(w * l, axis=0)
+    acc = tl.load(ACC_PART + part[:, None] * BR + offs_r[None, :], mask=t_ok[:, None], other=0.0)  # (BT, BR)
+    o = tl.sum(acc * w[:, None], axis=0) / tl.where(total > 0, total, 1.0)  # (BR,)
+    if DOT_F32:
+        o = _round_to_bfloat16(o)
+    tl.store(OUT + b * stride_ob + h * stride_oh + offs_r, o.to(OUT.dtype.element_ty), mask=offs_r < latent_dim)
+
+
+def interpreted() -> bool:
+    """True when triton was imported with TRITON_INTERPRET=1: every kernel then runs on the CPU
+    interpreter. Triton decides this once, when it decorates its own library at import."""
+    from triton.runtime.interpreter import InterpretedFunction
+    return isinstance(tl.zeros, InterpretedFunction)
