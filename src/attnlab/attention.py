@@ -77,6 +77,28 @@ def combine_masks(mask, is_causal: bool, shape: tuple[int, int, int, int], dtype
     return m.masked_fill(~c, float("-inf")), False
 
 
+def fused_sdpa(q, k, v, *, attn_mask=None, is_causal=False, scale=None, enable_gqa=False):
+    """torch's scaled_dot_product_attention, kept on its fused kernels when head sizes differ.
+
+    With query-key size d != value size dv (decoupled-RoPE MLA: d + p vs dv), SDPA's fused
+    CPU and CUDA kernels refuse the call and its math fallback materialises every score
+    (4-10x slower prefill, measured in docs/performance.md). Zero columns change nothing:
+    V is padded to d and the output sliced back (dv < d), or q and k are padded to dv (dv > d,
+    same scores). The default scale stays 1/sqrt(d).
+    """
+    d, dv = q.shape[-1], v.shape[-1]
+    if d == dv:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
+                                              enable_gqa=enable_gqa)
+    scale = d ** -0.5 if scale is None else scale
+    if dv < d:
+        o = F.scaled_dot_product_attention(q, k, F.pad(v, (0, d - dv)), attn_mask=attn_mask, is_causal=is_causal,
+                                           scale=scale, enable_gqa=enable_gqa)  # (B, H, L, d)
+        return o[..., :dv]  # (B, H, L, dv)
+    return F.scaled_dot_product_attention(F.pad(q, (0, dv - d)), F.pad(k, (0, dv - d)), v, attn_mask=attn_mask,
+                                          is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)  # (B, H, L, dv)
+
+
 ROWS_WRITTEN_OUT = 64  # at most this many query rows per KV head take the plain-products route
 
 
@@ -94,7 +116,7 @@ def _rows_attention(q, k, v, attn_mask, scale):
     """
     few = q.shape[-2] <= ROWS_WRITTEN_OUT
     if not few or (q.device.type == "cpu" and k.shape[-1] == v.shape[-1]):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale)
+        return fused_sdpa(q, k, v, attn_mask=attn_mask, scale=scale)
     s = (q * (scale if scale is not None else q.shape[-1] ** -0.5)) @ k.transpose(-1, -2)  # (B, G, R, S)
     if attn_mask is not None:
         s = s.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else s + attn_mask
@@ -123,7 +145,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, grouping: str =
 
     foldable = not native_causal and (attn_mask is None or (L == 1 and attn_mask.shape[1] == 1))
     if C == 1 and not (foldable and q.device.type != "cpu" and L <= ROWS_WRITTEN_OUT):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=native_causal, scale=scale)
+        return fused_sdpa(q, k, v, attn_mask=attn_mask, is_causal=native_causal, scale=scale)
 
     strided = grouping == "strided"
     if foldable:
@@ -142,8 +164,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, grouping: str =
             mb = attn_mask.shape[0]
             attn_mask = attn_mask.reshape(mb, C, G, *attn_mask.shape[2:]).transpose(1, 2).reshape(
                 mb, H, *attn_mask.shape[2:])  # (B|1, H, L|1, S) blocked order
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=native_causal,
-                                       scale=scale, enable_gqa=True)  # (B, H, L, dv)
+    o = fused_sdpa(q, k, v, attn_mask=attn_mask, is_causal=native_causal, scale=scale,
+                   enable_gqa=True)  # (B, H, L, dv)
     if strided:
         o = o.reshape(B, G, C, L, dv).transpose(1, 2).reshape(B, H, L, dv)  # (B, H, L, dv) strided order
     return o

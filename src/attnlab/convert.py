@@ -221,6 +221,8 @@ def gqa_to_mla(gqa: GroupedQueryAttention, *, shared: bool = True, method: str |
     K/V biases move to the up-projections (W_UK, W_UV), exactly. A GQA with RoPE becomes
     an MLA with rope_after_up=True: the latent holds the keys before rotation and RoPE
     is applied after the up-projection, as the GQA applied it (expanded path only).
+    With method "select" the MLA records its kv_tiling and attends on slices of its
+    cache as the GQA did (MultiHeadLatentAttention's docstring), at the GQA's cost.
     """
     _expect(gqa, GroupedQueryAttention, "gqa_to_mla")
     H, G, d, dv = gqa.num_heads, gqa.num_kv_heads, gqa.head_dim, gqa.v_head_dim
@@ -256,6 +258,8 @@ def gqa_to_mla(gqa: GroupedQueryAttention, *, shared: bool = True, method: str |
     _set(mla.W_UV, up_v, tile(_bias(gqa.W_V)))
     _set(mla.W_O, gqa.W_O.weight, _bias(gqa.W_O))
     notes = [f"latent r = {down.shape[0]} ({'shared' if shared else 'per matrix'}, method {method})"]
+    if mla.detect_kv_tiling():  # method "select": attend on latent slices as the GQA does (mla.py)
+        notes.append(f"W_UK/W_UV are the GQA tiling ({mla.kv_tiling}): decode reads latent slices, no up-projection")
     return mla, _report(gqa, mla, True, notes=notes)
 
 

@@ -25,6 +25,17 @@ head_dim) is applied to queries and to the up-projected keys. Rotation sits
 between W_UK and the dot product, so this layout has only the expanded path; it
 saves cache memory but not the per-step up-projection. Cached keys are taken to
 sit at positions 0, 1, ..., S-1.
+
+The *GQA tiling* (`kv_tiling`, found by `detect_kv_tiling`, set by the exact
+convert.gqa_to_mla): the latent is [K of G heads, V of G heads] (r = G*(d + dv))
+and W_UK, W_UV are 0/1 matrices that hand each query head its group's slices.
+Then no up-projection is needed at all: the cache stores exactly what the GQA's
+KV cache would (keys already rotated at their positions and with their bias,
+values with theirs: selection commutes with RoPE), and attention reads (B, G, S, d)
+views of the latent as GQA reads its cache. Checked against the weights before
+every call (cheaply, by version counter): once W_UK/W_UV stop being that tiling
+(training), the general paths take over, and a cache filled in the tiled layout
+is refused. An explicit `absorbed=` also takes the general paths.
 """
 from __future__ import annotations
 
@@ -38,6 +49,7 @@ from .attention import attend
 from .base import AttentionModule
 from .cache import LatentCache
 from .kernels import mla_decode
+from .linalg import check_grouping, gqa_block, tile_heads
 from .rope import RotaryEmbedding
 
 
@@ -57,6 +69,9 @@ class MultiHeadLatentAttention(AttentionModule):
         rope_base, rope_interleaved: the rotary embedding of the rope dims.
         rope_after_up: instead of decoupled RoPE, rotate queries and up-projected keys over
             the whole head_dim (exact GQA -> MLA of RoPE models; expanded path only).
+        kv_tiling: "strided" or "blocked" when W_UK/W_UV are the 0/1 GQA tiling of a latent
+            [K of G heads, V of G heads], G = latent_dim / (head_dim + v_head_dim) (see the
+            module docstring); the fresh module's W_UK/W_UV are set to that tiling.
     A latent_dim above min(H*(d + dv), context_dim) cannot compress anything; it
     is allowed (exact conversions may produce it) with a warning.
     """
@@ -66,7 +81,7 @@ class MultiHeadLatentAttention(AttentionModule):
                  q_latent_dim: int | None = None, latent_norm: bool = False, bias: bool = False,
                  latent_bias: bool = False, softmax_scale: float | None = None, rope_base: float = 10000.0,
                  rope_interleaved: bool = False, rope_after_up: bool = False, norm_eps: float = 1e-6,
-                 device=None, dtype=None):
+                 kv_tiling: str | None = None, device=None, dtype=None):
         super().__init__()
         checks.positive_int("dim", dim)
         checks.positive_int("num_heads", num_heads)
@@ -107,6 +122,20 @@ class MultiHeadLatentAttention(AttentionModule):
         rotated = head_dim if rope_after_up else rope_dim
         self.rope = RotaryEmbedding(rotated, rope_base, interleaved=rope_interleaved) if rotated else None
         self._absorbed_cache: tuple | None = None
+        self._tiling_verdict: tuple | None = None
+        self.kv_tiling = None
+        if kv_tiling is not None:
+            check_grouping(kv_tiling)
+            G = self._tiling_groups()
+            if G is None or rope_dim:
+                raise ValueError(f"kv_tiling needs rope_dim 0 (got {rope_dim}) and latent_dim ({latent_dim}) = G * "
+                                 f"(head_dim + v_head_dim) = G * {head_dim + v_head_dim} with G dividing num_heads "
+                                 f"({num_heads})")
+            up_k, up_v = self._tiling_weights(G, kv_tiling)
+            with torch.no_grad():
+                self.W_UK.weight.copy_(up_k)
+                self.W_UV.weight.copy_(up_v)
+            self.kv_tiling = kv_tiling
 
     @property
     def _anchor(self) -> torch.Tensor:
@@ -122,7 +151,7 @@ class MultiHeadLatentAttention(AttentionModule):
                     bias=q_proj.bias is not None, latent_bias=self.W_DKV.bias is not None,
                     softmax_scale=self.softmax_scale, rope_base=self.rope.base if self.rope else 10000.0,
                     rope_interleaved=bool(self.rope and self.rope.interleaved), rope_after_up=self.rope_after_up,
-                    norm_eps=norm.eps if norm is not None else 1e-6)
+                    norm_eps=norm.eps if norm is not None else 1e-6, kv_tiling=self.kv_tiling)
 
     @property
     def scale(self) -> float:
@@ -187,6 +216,90 @@ class MultiHeadLatentAttention(AttentionModule):
             self._absorbed_cache = (key, (w_uk, w_uv_t))
         return w_uk, w_uv_t
 
+    # -- the GQA tiling (exact conversions of a GQA) -------------------------------------------
+    def _tiling_groups(self) -> int | None:
+        """G with latent_dim = G * (head_dim + v_head_dim) and G | num_heads, else None."""
+        G, rest = divmod(self.latent_dim, self.head_dim + self.v_head_dim)
+        return G if not rest and G and not self.num_heads % G else None
+
+    def _tiling_weights(self, G: int, grouping: str):
+        """The 0/1 W_UK (H*d, r) and W_UV (H*dv, r) that hand query head h its group's slices."""
+        H, d = self.num_heads, self.head_dim
+        w = self.W_UK.weight
+        eye = torch.eye(self.latent_dim, dtype=w.dtype, device=w.device)  # latent entry j = row j
+        return tile_heads(eye[:G * d], H, G, grouping), tile_heads(eye[G * d:], H, G, grouping)
+
+    def _is_tiling(self, grouping: str) -> bool:
+        G = self._tiling_groups()
+        if G is None or self.rope_dim:
+            return False
+        up_k, up_v = self._tiling_weights(G, grouping)
+        if not (torch.equal(self.W_UK.weight, up_k) and torch.equal(self.W_UV.weight, up_v)):
+            return False
+        return all(lin.bias is None or gqa_block(lin.bias.detach(), self.num_heads, G, grouping=grouping, rtol=0.0)
+                   is not None for lin in (self.W_UK, self.W_UV))
+
+    def detect_kv_tiling(self) -> str | None:
+        """Set (and return) kv_tiling if W_UK/W_UV are a GQA tiling of the latent, else None."""
+        self.kv_tiling = next((g for g in ("blocked", "strided") if self._is_tiling(g)), None)
+        self._tiling_verdict = None
+        return self.kv_tiling
+
+    def kv_tiling_holds(self) -> bool:
+        """kv_tiling is set and the weights still are that tiling (re-checked when they change)."""
+        if self.kv_tiling is None:
+            return False
+        tensors = [t for lin in (self.W_UK, self.W_UV) for t in (lin.weight, lin.bias) if t is not None]
+        key = tuple((id(t), t._version, t.data_ptr(), t.dtype) for t in tensors)
+        if self._tiling_verdict is None or self._tiling_verdict[0] != key:
+            self._tiling_verdict = (key, self._is_tiling(self.kv_tiling))
+        return self._tiling_verdict[1]
+
+    def _tiled_kv(self, source: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+        """What a tiled cache stores: the GQA's K (rotated, with bias) and V (with bias), (B, S, r)."""
+        G, d, dv = self._tiling_groups(), self.head_dim, self.v_head_dim
+        c = self.W_DKV(source)  # (B, S, r)
+        if self.kv_norm is not None:
+            c = self.kv_norm(c)
+        k, v = c.split([G * d, G * dv], dim=-1)  # (B, S, G*d), (B, S, G*dv)
+        block = lambda b: gqa_block(b, self.num_heads, G, grouping=self.kv_tiling, rtol=0.0)  # noqa: E731
+        if self.W_UK.bias is not None:
+            k = k + block(self.W_UK.bias)  # (B, S, G*d)
+        if self.W_UV.bias is not None:
+            v = v + block(self.W_UV.bias)  # (B, S, G*dv)
+        if self.rope_after_up:
+            B, S, _ = k.shape
+            if positions is None:
+                positions = torch.arange(S, device=source.device)
+            k = self.rope(k.view(B, S, G, d).transpose(1, 2), positions).transpose(1, 2).reshape(B, S, G * d)
+        return torch.cat([k, v], dim=-1)  # (B, S, r)
+
+    def _tiled(self, q, kv, mask, is_causal):
+        """Attention on (B, G, S, d) views of a tiled cache, grouped heads folded as GQA does."""
+        B, S, _ = kv.shape
+        G, d, dv = self._tiling_groups(), self.head_dim, self.v_head_dim
+        k = kv[..., :G * d].unflatten(-1, (G, d)).transpose(1, 2)  # (B, G, S, d), a view
+        v = kv[..., G * d:].unflatten(-1, (G, dv)).transpose(1, 2)  # (B, G, S, dv), a view
+        return attend(q, k, v, grouping=self.kv_tiling, mask=mask, is_causal=is_causal, scale=self.scale)
+
+    def _choose_tiled(self, cache, absorbed) -> bool:
+        """Use the tiled path? Checks that a cache was filled in the layout this call reads."""
+        tiled = absorbed is None and self.kv_tiling_holds() and not (
+            torch.is_grad_enabled() and (self.W_UK.weight.requires_grad or self.W_UV.weight.requires_grad))
+        if cache is None:
+            return tiled
+        holder = getattr(cache, "hf_cache", cache)  # a TransformersCache is made anew for every call
+        layouts = holder.__dict__.setdefault("_attnlab_tiled", {})
+        slot = getattr(cache, "layer_idx", None)
+        if cache.length == 0:
+            layouts[slot] = tiled
+        elif layouts.get(slot, False) and not tiled:
+            why = ("absorbed= asks for a general path" if absorbed is not None else
+                   "W_UK/W_UV are no longer the GQA tiling" if not self.kv_tiling_holds() else
+                   "autograd records and W_UK/W_UV require grad")
+            raise ValueError(f"this cache holds GQA-tiled keys and values but {why}; start a fresh cache")
+        return layouts.get(slot, False)
+
     def prefers_absorbed(self, query_len: int, key_len: int) -> bool:
         """Pick the path with fewer multiply-adds for these lengths (absorbed for decode)."""
         H, d, dv, r, p = self.num_heads, self.head_dim, self.v_head_dim, self.latent_dim, self.rope_dim
@@ -209,14 +322,23 @@ class MultiHeadLatentAttention(AttentionModule):
                                                 key_padding_mask, self.num_heads)
         B, L, _ = x.shape
         q_nope, q_rope = self.project_query(x, positions)  # (B, H, L, d), (B, H, L, p)
+        tiled = self._choose_tiled(cache, absorbed)
         if cache is not None and cache.static:
             (kv,) = cache.view()  # (B, S, r+p)
+        elif tiled:
+            kv = self._tiled_kv(source, positions if context is None else None)  # (B, S_new, r)
+            if cache is not None:
+                (kv,) = cache.extend(kv=kv)  # (B, S, r)
+                cache.static = context is not None
         else:
             kv = self.compress(source, positions if context is None else None)  # (B, S_new, r+p)
             if cache is not None:
                 (kv,) = cache.extend(kv=kv)  # (B, S, r+p)
                 cache.static = context is not None
         key_positions = None
+        if tiled:
+            o = self._tiled(q_nope, kv, mask, is_causal)  # (B, H, L, dv)
+            return self.W_O(o.transpose(1, 2).reshape(B, L, self.num_heads * self.v_head_dim))  # (B, L, dim)
         if self.rope_after_up:
             if absorbed:
                 raise ValueError("rope_after_up has no absorbed path: RoPE sits between W_UK and the scores")
