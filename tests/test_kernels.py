@@ -206,6 +206,15 @@ def test_plan_covers_every_row_once(rows, splits):
     assert (g["num_splits"] - 1) * g["chunk"] < rows  # no split starts past the end
 
 
+def test_benchmark_without_cuda_says_so_and_exits_cleanly():
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: the benchmark would run for real")
+    here = Path(__file__).parent.parent
+    run = subprocess.run([sys.executable, str(here / "benchmarks" / "kernels.py"), "--device", "cpu"],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and "needs a CUDA device" in run.stdout, run.stdout + run.stderr
+
+
 # -- the kernel in triton's interpreter ---------------------------------------------------------------
 @pytest.mark.skipif(INTERPRETED or not HAS_TRITON, reason="this is the parent; needs triton")
 def test_interpreted_kernel_tests():

@@ -117,24 +117,33 @@ def _sm_count(device: torch.device) -> int:
     return 4  # the interpreter: a few splits, so tests exercise the combine step
 
 
+PARTIAL_SHARE = 8  # a split reads at least this many times the bytes its partial result writes and rereads
+
+
 def plan(batch: int, num_heads: int, rows: int, latent_dim: int, device: torch.device,
-         num_splits: int | None = None, block_n: int | None = None) -> dict:
+         num_splits: int | None = None, block_n: int | None = None, row_bytes: int | None = None) -> dict:
     """Launch geometry: heads per program, rows per tile, splits of the sequence.
 
     Heads per program (a power of two, >= 16 for tl.dot) are capped so that the
     float32 accumulator stays at 16 x 512 values. Without num_splits, the sequence
-    is split until there are about two programs per SM, keeping at least 4 tiles
-    per split so the partial accumulators stay small beside the cache they summarise.
+    is split until there are about two programs per SM, but each split keeps at
+    least 4 tiles and reads at least PARTIAL_SHARE times the bytes of its float32
+    partial accumulator (written once, read once by the combine step), so that the
+    partials cost at most about 1/PARTIAL_SHARE of the cache traffic.
+    row_bytes: bytes of one cache row, default 2 * latent_dim (16-bit, no rope).
     """
     BR = _pow2(latent_dim)
     BH = max(16, min(64, _pow2(num_heads), (16 * 512) // BR))
     BN = block_n if block_n is not None else (32 if BR >= 512 else 64)
-    if BN < 16 or BN & (BN - 1):
-        raise ValueError(f"block_n must be a power of two >= 16, got {BN}")
+    if isinstance(BN, bool) or not isinstance(BN, int) or BN < 16 or BN & (BN - 1):
+        raise ValueError(f"block_n must be a power of two >= 16, got {BN!r}")
     head_blocks = -(-num_heads // BH)
     tiles = max(1, -(-rows // BN))
     if num_splits is None:
-        num_splits = max(1, min(-(-2 * _sm_count(device) // (batch * head_blocks)), tiles // 4))
+        partial = 2 * num_heads * BR * 4  # bytes per split: float32 accumulators, written and read back
+        min_rows = max(4 * BN, PARTIAL_SHARE * partial // (row_bytes or 2 * latent_dim))
+        wanted = -(-2 * _sm_count(device) // (batch * head_blocks))
+        num_splits = max(1, min(wanted, rows // min_rows))
     elif isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
         raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
     num_splits = min(num_splits, tiles)
@@ -166,7 +175,7 @@ def absorbed_decode(q: torch.Tensor, kv: torch.Tensor, lengths, scale: float, la
     if not kv.is_cuda and not interpreted:
         raise ValueError(f"the Triton kernel needs CUDA tensors, got {kv.device}; on the CPU it runs only when "
                          "triton was imported with TRITON_INTERPRET=1 (tests); use absorbed_decode_reference")
-    g = plan(B, H, S, r, kv.device, num_splits, block_n)
+    g = plan(B, H, S, r, kv.device, num_splits, block_n, row_bytes=width * kv.element_size())
     T, BR = g["num_splits"], g["BR"]
     out = torch.empty(B, H, r, dtype=q.dtype, device=q.device)  # (B, H, r)
     if T > 1:

@@ -74,7 +74,7 @@ def split_kernel(Q, KV, LENGTHS, KEEP, OUT, M_PART, L_PART, ACC_PART,
     m_i = tl.full((BH,), float("-inf"), tl.float32)
     l_i = tl.zeros((BH,), tl.float32)
     acc = tl.zeros((BH, BR), tl.float32)
-    row0 = KV + b * stride_kvb
+    row0 = KV + b.to(tl.int64) * stride_kvb  # 64-bit: B * S_max * (r + p) may pass 2^31
     for start in range(lo, hi, BN):
         n = start + offs_n  # (BN,)
         n_ok = n < hi
