@@ -162,3 +162,88 @@ def test_decoupled_mla_prefill_through_attend_is_exact():
                                                                                                       dtype=F64)
     math = F.scaled_dot_product_attention(q, k.repeat_interleave(3, 1), v.repeat_interleave(3, 1), is_causal=True)
     assert rel_err(attend(q, k, v, is_causal=True), math) <= EXACT
+
+
+# -- bfloat16 --------------------------------------------------------------------------------------
+def _tiny_llama(tmp_seed=0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(tmp_seed)
+    return LlamaForCausalLM(LlamaConfig(hidden_size=96, intermediate_size=192, num_hidden_layers=2,
+                                        num_attention_heads=6, num_key_value_heads=2, head_dim=16, vocab_size=128,
+                                        tie_word_embeddings=True)).eval()
+
+
+def test_bf16_absorbed_decode_is_as_accurate_as_bf16_allows():
+    """Tolerance: the bf16 expanded path's own error against float64 (same bf16-rounded weights), x2."""
+    m = randomize(MultiHeadLatentAttention(96, 6, 24, head_dim=16, rope_dim=8, dtype=F64), std=0.2)
+    m16 = MultiHeadLatentAttention(96, 6, 24, head_dim=16, rope_dim=8, dtype=torch.bfloat16)
+    m16.load_state_dict(m.state_dict())
+    with torch.no_grad():
+        m.load_state_dict(m16.state_dict())  # float64 copy of the rounded weights: the truth
+    x = torch.randn(2, 40, 96, dtype=F64).to(torch.bfloat16).to(F64)
+    with torch.no_grad():
+        truth = m(x, is_causal=True)[:, -8:]
+        outs = {}
+        for absorbed in (True, False):
+            cache = m16.init_cache(2, 40)
+            m16(x[:, :32].bfloat16(), cache=cache, is_causal=True, absorbed=absorbed)
+            outs[absorbed] = torch.cat([m16(x[:, t:t + 1].bfloat16(), cache=cache, is_causal=True,
+                                            absorbed=absorbed) for t in range(32, 40)], 1)
+    assert outs[True].dtype == torch.bfloat16
+    err_abs, err_exp = rel_err(outs[True].double(), truth), rel_err(outs[False].double(), truth)
+    assert err_abs <= 2 * err_exp, (err_abs, err_exp)
+
+
+def test_generator_runs_bf16_models_within_bf16_of_float32():
+    """Whole model through the static-cache loop: bf16 logits of each attnlab variant vs its own float32
+    logits, within 2x the deviation that the bf16 GQA swap itself has from the float32 GQA swap."""
+    from attnlab.bench_model import _GeneratorLoop
+    from attnlab.models import convert_model, to_attnlab
+
+    base = _tiny_llama()
+    ids = torch.randint(0, 128, (2, 12))
+
+    def logits(model):
+        loop = _GeneratorLoop(model, 2, 16, "cpu")
+        out = [loop.prefill(ids)]
+        for _ in range(3):
+            out.append(loop.step(out[-1].argmax(-1)))
+        return torch.stack(out).double()
+
+    import copy
+    dev = {}
+    for name in ("gqa", "mla-exact", "mla-compressed"):
+        model = to_attnlab(copy.deepcopy(base))
+        if name == "mla-exact":
+            convert_model(model, "mla")
+        elif name == "mla-compressed":
+            convert_model(model, "mla", latent_dim=24, rope_dim=12)
+        f32 = logits(model)
+        b16 = logits(model.to(torch.bfloat16))
+        dev[name] = rel_err(b16, f32)
+    assert dev["mla-exact"] <= 2 * dev["gqa"] and dev["mla-compressed"] <= 2 * dev["gqa"], dev
+
+
+# -- the whole-model benchmark (invariants only, no timings) --------------------------------------
+def test_model_benchmark_quick_writes_consistent_json(tmp_path):
+    import json
+
+    from attnlab.cli import main
+
+    out = tmp_path / "model.json"
+    assert main(["bench", "--suite", "model", "--quick", "--json", str(out)]) in (0, None)
+    rows = json.loads(out.read_text())["model"]
+    variants = {r["variant"] for r in rows}
+    assert {"hf-eager", "hf-sdpa", "gqa", "mla-exact", "gqa-bf16"} <= variants
+    for r in rows:
+        ref = next(g for g in rows if g["variant"] == ("gqa-bf16" if r["dtype"] == "bfloat16" else "gqa"))
+        assert r["prefill_vs_gqa"] == pytest.approx(r["prefill_ms"] / ref["prefill_ms"], rel=1e-12)
+        assert r["decode_time_vs_gqa"] == pytest.approx(r["decode_ms"] / ref["decode_ms"], rel=1e-12)
+        assert r["decode_tok_s"] == pytest.approx(r["batch"] * 1e3 / r["decode_ms"], rel=1e-12)
+        assert 0 < r["decode_roofline"] and 0 < r["prefill_roofline"]
+    by = {r["variant"]: r for r in rows}
+    # KV bytes per token from the allocated caches: exact MLA keeps the GQA's, bf16 halves it
+    assert by["mla-exact"]["kv_bytes_per_token"] == by["gqa"]["kv_bytes_per_token"] == 2 * by["gqa-bf16"][
+        "kv_bytes_per_token"]
+    assert by["hf-sdpa"]["kv_bytes_per_token"] == by["gqa"]["kv_bytes_per_token"]

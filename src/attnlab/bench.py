@@ -16,6 +16,8 @@ Suites:
   each measured in a fresh subprocess.
 - convert: factoring a tiled GQA projection through its rank (Part 9) from the
   tiling's structure against an SVD of the tiled matrix.
+- model: whole models (SmolLM2 on CPU, the Llama-3.2-1B shape on CUDA), prefill and
+  decode of transformers and attnlab's swapped and converted models (bench_model.py).
 """
 from __future__ import annotations
 
@@ -34,7 +36,7 @@ from .gqa import GroupedQueryAttention, MultiHeadAttention
 from .mla import MultiHeadLatentAttention
 
 F32 = torch.float32
-SUITES = ("decode", "deepseek", "prefill", "memory", "convert")
+SUITES = ("decode", "deepseek", "prefill", "memory", "convert", "model")
 
 
 def _sync(device) -> None:
@@ -300,6 +302,7 @@ QUICK = {
     "prefill": dict(B=1, L=64, dim=128, H=4, G=2, reps=2),
     "memory": dict(dim=256, H=4, G=2, B=1, L=256),
     "convert": dict(D=256, H=8, G=2, d=32, reps=1),
+    "model": dict(quick=True),
 }
 
 
@@ -311,6 +314,10 @@ def run_benchmarks(suites=SUITES, quick: bool = False, progress=None, device="cp
     result = {"machine": machine_info(device), "rates": measure_rates(reps=3 if quick else 5, device=device),
               "quick": quick}
     for name in suites:
+        if name == "model":  # whole models: its own rates, in its own rows
+            from .bench_model import model_suite
+            result[name] = model_suite(device=device, progress=progress, **(QUICK[name] if quick else {}))
+            continue
         fn = {"decode": decode_suite, "deepseek": deepseek_suite, "prefill": prefill_suite,
               "memory": memory_suite, "convert": convert_suite}[name]
         kw = dict(QUICK[name]) if quick else {}

@@ -130,7 +130,7 @@ def kv(preset: Optional[str] = typer.Argument(None, help="A preset name; omit fo
 @app.command()
 def bench(suite: list[str] = typer.Option(["decode", "deepseek", "prefill", "memory", "convert"], "--suite",
                                           help="Suites to run (repeat the option): decode, deepseek, prefill, "
-                                               "memory, convert."),
+                                               "memory, convert, model (whole models, minutes; not by default)."),
           quick: bool = typer.Option(False, "--quick", help="Tiny sizes: checks that everything runs, in seconds."),
           device: str = typer.Option("cpu", "--device", help="Where decode and deepseek run: cpu or cuda."),
           json_out: Optional[Path] = typer.Option(None, "--json", help="Write all figures as JSON."),
