@@ -20,6 +20,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -290,6 +291,45 @@ def test_interpreted_module_decode_kernel_equals_pytorch_path(monkeypatch, dtype
     with torch.no_grad():
         expanded = m64(x.double(), is_causal=True, key_padding_mask=pad, absorbed=False)
     assert rel_err(exact[:, steps][real], expanded[:, steps][real]) <= 1e-10
+
+
+@pytest.mark.skipif(INTERPRETED or not HAS_TRITON, reason="compiles with triton's real compiler")
+@pytest.mark.parametrize("H, r, p", [(16, 512, 64), (32, 256, 64)])
+def test_kernel_compiles_for_hopper_without_spills(H, r, p):
+    """No GPU needed: triton compiles to PTX and its bundled ptxas assembles for sm_90a. The launch must
+    fit an H100 (shared memory <= 227 KiB per block) and keep its accumulators in registers (no spills).
+    Integers are marked divisible by 16 as triton's launcher specialises them for these sizes."""
+    import inspect
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+    except ImportError:
+        pytest.skip("triton without its NVIDIA backend")
+    from attnlab.kernels import mla_decode_triton as K
+
+    g = mla_decode.plan(1, H, 32768, r, torch.device("cpu"), row_bytes=2 * (r + p))
+    names = list(inspect.signature(K.split_kernel.fn).parameters)
+    ptrs = dict(Q="*bf16", KV="*bf16", LENGTHS="*i32", KEEP="*u8", OUT="*bf16", M_PART="*fp32", L_PART="*fp32",
+                ACC_PART="*fp32")
+    consts = dict(BH=g["BH"], BN=g["BN"], BR=g["BR"], BP=p, HAS_ROPE=True, HAS_KEEP=True, SPLIT=True,
+                  PRECISION="tf32", DOT_F32=False)
+    signature = {n: "constexpr" if n in consts else ptrs.get(n, "fp32" if n == "qk_scale" else "i32") for n in names}
+    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+               if n in ptrs or n in ("chunk", "latent_dim", "rope_dim", "num_heads")
+               or (n.startswith("stride_") and n != "stride_keepb")}
+    k = triton.compile(ASTSource(fn=K.split_kernel, signature=signature, constexprs=consts, attrs=aligned),
+                       target=GPUTarget("cuda", 90, 128), options=dict(num_warps=g["num_warps"], num_stages=3))
+    assert k.metadata.shared <= 227 * 1024
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = Path(tmp) / "k.ptx"
+        ptx.write_text(k.asm["ptx"])
+        run = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name", "sm_90a", str(ptx), "-o", str(ptx) + ".cubin"],
+                             capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "0 bytes spill stores, 0 bytes spill loads" in run.stderr, run.stderr[-2000:]
 
 
 # -- the kernel compiled on a GPU ---------------------------------------------------------------------

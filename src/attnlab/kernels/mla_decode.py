@@ -134,7 +134,7 @@ def plan(batch: int, num_heads: int, rows: int, latent_dim: int, device: torch.d
     """
     BR = _pow2(latent_dim)
     BH = max(16, min(64, _pow2(num_heads), (16 * 512) // BR))
-    BN = block_n if block_n is not None else (32 if BR >= 512 else 64)
+    BN = block_n if block_n is not None else (32 if BR >= 256 else 64)
     if isinstance(BN, bool) or not isinstance(BN, int) or BN < 16 or BN & (BN - 1):
         raise ValueError(f"block_n must be a power of two >= 16, got {BN!r}")
     head_blocks = -(-num_heads // BH)
@@ -198,7 +198,7 @@ def absorbed_decode(q: torch.Tensor, kv: torch.Tensor, lengths, scale: float, la
         out.stride(0), out.stride(1), H * T, T, 1,
         BH=g["BH"], BN=g["BN"], BR=BR, BP=_pow2(p), HAS_ROPE=p > 0, HAS_KEEP=key_padding_mask is not None,
         SPLIT=T > 1, PRECISION=precision,
-        DOT_F32=dot_f32, num_warps=g["num_warps"], num_stages=2)
+        DOT_F32=dot_f32, num_warps=g["num_warps"], num_stages=3)
     if T > 1:
         kernels.combine_kernel[(B, H)](out, m_part, l_part, acc_part, r, T, out.stride(0), out.stride(1), H * T, T, 1,
                                        BT=_pow2(T, least=2), BR=BR, DOT_F32=dot_f32, num_warps=4)
