@@ -117,7 +117,7 @@ def _sm_count(device: torch.device) -> int:
     return 4  # the interpreter: a few splits, so tests exercise the combine step
 
 
-PARTIAL_SHARE = 8  # a split reads at least this many times the bytes its partial result writes and rereads
+PARTIAL_SHARE = 4  # a split reads at least this many times the bytes its partial result writes and rereads
 
 
 def plan(batch: int, num_heads: int, rows: int, latent_dim: int, device: torch.device,
@@ -126,7 +126,7 @@ def plan(batch: int, num_heads: int, rows: int, latent_dim: int, device: torch.d
 
     Heads per program (a power of two, >= 16 for tl.dot) are capped so that the
     float32 accumulator stays at 16 x 512 values. Without num_splits, the sequence
-    is split until there are about two programs per SM, but each split keeps at
+    is split until there is about one program per SM, but each split keeps at
     least 4 tiles and reads at least PARTIAL_SHARE times the bytes of its float32
     partial accumulator (written once, read once by the combine step), so that the
     partials cost at most about 1/PARTIAL_SHARE of the cache traffic.
@@ -142,7 +142,7 @@ def plan(batch: int, num_heads: int, rows: int, latent_dim: int, device: torch.d
     if num_splits is None:
         partial = 2 * num_heads * BR * 4  # bytes per split: float32 accumulators, written and read back
         min_rows = max(4 * BN, PARTIAL_SHARE * partial // (row_bytes or 2 * latent_dim))
-        wanted = -(-2 * _sm_count(device) // (batch * head_blocks))
+        wanted = -(-_sm_count(device) // (batch * head_blocks))
         num_splits = max(1, min(wanted, rows // min_rows))
     elif isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
         raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
