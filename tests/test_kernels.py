@@ -332,6 +332,22 @@ def test_kernel_compiles_for_hopper_without_spills(H, r, p):
     assert "0 bytes spill stores, 0 bytes spill loads" in run.stderr, run.stderr[-2000:]
 
 
+@interpreted_only
+def test_interpreted_dispatch_compiles_without_graph_break(monkeypatch):
+    """Under torch.compile the kernel is an opaque operator (attnlab::mla_absorbed_decode): the whole
+    dispatch traces as one graph, so a compiled decode step (CUDA graphs) keeps it, and it computes the same."""
+    monkeypatch.setenv(mla_decode.ENV, "triton")
+    torch._dynamo.reset()
+    q, kv = _inputs(2, 3, 40, 16, 8, dtype=torch.float32)
+    _, keep = _ragged(2, 40)
+    step = torch.compile(lambda q, kv, mask: mla_decode.try_decode(q, kv, mask, 0.3, 16),
+                         fullgraph=True, backend="eager")
+    got = step(q[:, :, None], kv, keep[:, None, None, :])[:, :, 0]  # (B, H, r)
+    exact = absorbed_decode_reference(q.double(), kv.double(), 40, 0.3, 16, keep)
+    twin = absorbed_decode_reference(q, kv, 40, 0.3, 16, keep)
+    assert rel_err(got, exact) <= tolerance(torch.float32, rel_err(twin, exact))
+
+
 # -- the kernel compiled on a GPU ---------------------------------------------------------------------
 GPU_CASES = [  # DeepSeek-like latent (r 512, p 64) and attnlab's compressed presets (r 256 / 128)
     (1, 16, 8193, 512, 64, None),

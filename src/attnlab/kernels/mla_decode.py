@@ -33,6 +33,7 @@ ENV = "ATTNLAB_MLA_DECODE"
 MODES = ("auto", "torch", "triton")
 
 
+@torch.compiler.assume_constant_result  # traced once by torch.compile, not re-checked per step
 def _triton_importable() -> bool:
     return importlib.util.find_spec("triton") is not None
 
@@ -43,6 +44,7 @@ def available(tensor: torch.Tensor, *, interpret: bool = False) -> bool:
     return _triton_importable() and (tensor.is_cuda or interpret)
 
 
+@torch.compiler.assume_constant_result
 def mode() -> str:
     """The selection policy from ATTNLAB_MLA_DECODE: "auto", "torch" or "triton"."""
     m = os.environ.get(ENV, "auto").strip().lower() or "auto"
@@ -205,6 +207,19 @@ def absorbed_decode(q: torch.Tensor, kv: torch.Tensor, lengths, scale: float, la
     return out
 
 
+# The kernel as an opaque torch operator, for torch.compile: dynamo does not trace the launch
+# (no graph break), and a CUDA graph captures its two kernels like any other op.
+@torch.library.custom_op("attnlab::mla_absorbed_decode", mutates_args=())
+def _absorbed_decode_op(q: torch.Tensor, kv: torch.Tensor, length: int, scale: float, latent_dim: int,
+                        key_padding_mask: torch.Tensor | None) -> torch.Tensor:
+    return absorbed_decode(q, kv, length, scale, latent_dim, key_padding_mask)
+
+
+@_absorbed_decode_op.register_fake
+def _(q, kv, length, scale, latent_dim, key_padding_mask):
+    return q.new_empty(q.shape[0], q.shape[1], latent_dim)  # (B, H, r)
+
+
 # -- dispatch from the module --------------------------------------------------------------------
 def _key_mask(mask, B: int, S: int):
     """A mask that only hides keys, same for every head: (B, S) bool, None for no mask, False if it is more."""
@@ -235,4 +250,5 @@ def try_decode(q: torch.Tensor, kv: torch.Tensor, mask, scale: float, latent_dim
         return None
     if m == "triton" and not _triton_importable():
         raise ValueError(f"{ENV}=triton but triton is not installed (pip install 'attnlab[kernels]')")
-    return absorbed_decode(q[:, :, 0], kv, S, scale, latent_dim, key_padding_mask=keys)[:, :, None]  # (B, H, 1, r)
+    run = _absorbed_decode_op if torch.compiler.is_compiling() else absorbed_decode
+    return run(q[:, :, 0], kv, S, scale, latent_dim, keys)[:, :, None]  # (B, H, 1, r)
