@@ -185,12 +185,18 @@ def _report_table(report) -> Table:
 
 
 def _convert_model(source, to, out, latent_dim, rope_dim, kv_heads, method, calibration, calibration_tokens,
-                   report_json):
+                   report_json, fmt="attnlab", force=False):
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
     from . import models as hf
 
+    if fmt not in ("attnlab", "deepseek"):
+        raise UsageProblem(f"--format must be attnlab or deepseek, not {fmt!r}")
+    if Path(out).exists() and not force:
+        raise UsageProblem(f"{out} exists; pass --force to overwrite it")
     model, tok, meta = hf.load_model(source)
+    if fmt == "deepseek":
+        hf.check_deepseek_request(model, to, latent_dim)
     ids = hf.read_text_ids(tok, calibration, calibration_tokens) if calibration is not None else None
     n = len(hf.attnlab_modules(model))
     before = hf.kv_bytes_per_token(model)
@@ -214,14 +220,21 @@ def _convert_model(source, to, out, latent_dim, rope_dim, kv_heads, method, cali
     summary = {"source": source, "to": to, "latent_dim": latent_dim, "rope_dim": rope_dim,
                "kv_bytes_per_token_before": before, "kv_bytes_per_token_after": after,
                "layers": [r.to_dict() for r in reports]}
-    hf.save_model(model, meta["base"], out, extra={"conversion": summary})
+    if fmt == "deepseek":  # DeepSeek always normalises the latent: add the norm, measure it, export
+        summary["latent_norm_output_errors"] = errors = hf.add_latent_norms(model, ids)
+        console.print("latent norm (kv_a_layernorm) output error per layer: "
+                      + ", ".join(f"{e:.2e}" for e in errors))
+        hf.export_deepseek(model, out, tokenizer=None if hasattr(model, "attnlab_source") else tok, force=True)
+    else:
+        hf.save_model(model, meta["base"], out, extra={"conversion": summary})
     if report_json is not None:
         _write_atomic(report_json, json.dumps(summary, indent=2).encode())
     console.print(f"wrote {out}")
 
 
 @app.command()
-def convert(source: str = typer.Argument(..., help="An attnlab checkpoint folder, or a model: smollm2, minilm."),
+def convert(source: str = typer.Argument(..., help="An attnlab checkpoint folder, a model (smollm2, minilm), or "
+                                                     "a transformers folder / GGUF file (Llama, Mistral, Qwen2)."),
             to: str = typer.Option(..., "--to", help="Target family: mha, gqa, mla, absorbed."),
             out: Path = typer.Option(..., "--out", help="Folder to write the converted checkpoint to."),
             kv_heads: Optional[int] = typer.Option(None, "--kv-heads", help="gqa: number of KV heads."),
@@ -235,20 +248,24 @@ def convert(source: str = typer.Argument(..., help="An attnlab checkpoint folder
                                                        help="Model conversions: a text file whose activations "
                                                             "whiten the SVDs."),
             calibration_tokens: int = typer.Option(2048, "--calibration-tokens", help="Tokens of it to use."),
-            report_json: Optional[Path] = typer.Option(None, "--report", help="Also write the report as JSON.")):
+            report_json: Optional[Path] = typer.Option(None, "--report", help="Also write the report as JSON."),
+            fmt: str = typer.Option("attnlab", "--format", help="Models: attnlab (attention layers beside the base) "
+                                    "or deepseek (a DeepseekV3 checkpoint transformers loads alone)."),
+            force: bool = typer.Option(False, "--force", help="Models: overwrite an existing --out folder.")):
     """Convert a saved attention module, or every layer of a real model, to another family.
 
     Writes safetensors + config.json and prints the report table.
     Example: attnlab convert smollm2 --to mla --latent-dim 256 --out smollm2-mla256
     Example: attnlab convert ckpt/gqa --to mla --latent-dim 64 --out ckpt/mla64
+    Example: attnlab convert ~/Llama-3.2-1B --to mla --latent-dim 256 --format deepseek --out llama-mla
     """
     from . import models as hf
     from .convert import convert as run_conversion
     from .io import load_module, save_module
 
-    if source in hf.LOADERS or (Path(source) / "attention.safetensors").exists():
+    if source in hf.LOADERS or (Path(source) / "attention.safetensors").exists() or hf.is_checkpoint(source):
         return _convert_model(source, to, out, latent_dim, rope_dim, kv_heads, method, calibration,
-                              calibration_tokens, report_json)
+                              calibration_tokens, report_json, fmt, force)
     module = load_module(source)
     new, report = run_conversion(module, to, num_kv_heads=kv_heads, method=method, latent_dim=latent_dim,
                                  energy=energy, joint=not split)

@@ -5,16 +5,22 @@
 - convert.py   convert every layer of a swapped model, calibrated
 - evaluate.py  perplexity, sentence embeddings, KV bytes per token
 - store.py     save and reload converted models
+- load.py      the user's own checkpoint: a transformers folder or a GGUF file (Llama, Mistral, Qwen2)
+- export.py    a converted model as a standard DeepSeek-V3 checkpoint (transformers loads it alone)
+- stream.py    convert a checkpoint folder layer by layer, in bounded memory
 """
 from .adapters import (FAMILIES, BertAttentionAdapter, LlamaAttentionAdapter, TransformersCache, attnlab_modules,
                        family, from_attnlab, replace_attention, to_attnlab)
 from .bundled import MODELS, load_minilm, load_smollm2
 from .convert import DEFAULT_ROPE_PAIRS, convert_layers, convert_model
 from .evaluate import attention_inputs, kv_bytes_per_token, perplexity, read_text_ids, sentence_embeddings
+from .export import add_latent_norm, add_latent_norms, check_deepseek_request, export_deepseek
+from .load import inspect_checkpoint, is_checkpoint, load_checkpoint
 from .store import LOADERS, MODEL_FORMAT, load_model, save_model
 
 __all__ = ["FAMILIES", "BertAttentionAdapter", "LlamaAttentionAdapter", "TransformersCache", "attnlab_modules",
            "family", "from_attnlab", "replace_attention", "to_attnlab", "MODELS", "load_minilm", "load_smollm2",
            "DEFAULT_ROPE_PAIRS", "convert_layers", "convert_model", "attention_inputs", "kv_bytes_per_token",
            "perplexity", "read_text_ids", "sentence_embeddings", "LOADERS", "MODEL_FORMAT", "load_model",
-           "save_model"]
+           "save_model", "add_latent_norm", "add_latent_norms", "check_deepseek_request", "export_deepseek",
+           "inspect_checkpoint", "is_checkpoint", "load_checkpoint"]

@@ -21,16 +21,22 @@ from ..mla import MultiHeadLatentAttention
 from ..rope import RotaryEmbedding
 
 FAMILIES = ("llama", "bert")
+LLAMA_LIKE = ("LlamaConfig", "MistralConfig", "Qwen2Config")  # same attention: GQA, rotate-half RoPE
 
 
 def family(model) -> str:
+    """"llama" for Llama, Mistral and Qwen2 models (one attention layout), "bert" for BERT."""
     name = type(getattr(model, "config", None)).__name__
-    if name == "LlamaConfig":
+    if name in LLAMA_LIKE:
+        from .load import check_supported
+        check_supported(model.config.to_dict(), f"{name}")  # sliding windows, ...
         return "llama"
     if name == "BertConfig":
         return "bert"
-    raise ValueError(f"unsupported model family {name.removesuffix('Config') or type(model).__name__!r}; "
-                     f"supported: {', '.join(FAMILIES)}")
+    if name == "Qwen3Config":
+        raise ValueError("not supported: Qwen3 normalises each query and key head (q_norm, k_norm) before RoPE")
+    raise ValueError(f"not supported: model family {name.removesuffix('Config') or type(model).__name__!r}; "
+                     f"supported: Llama, Mistral, Qwen2, BERT")
 
 
 def _layers(model):
@@ -125,6 +131,15 @@ def _llama_rope(model) -> RotaryEmbedding:
                            scaling=float(getattr(rot, "attention_scaling", 1.0)))
 
 
+def _attention_class(model):
+    """The transformers attention class of a Llama-like model (LlamaAttention, MistralAttention, Qwen2Attention)."""
+    import importlib
+
+    name = type(model.config).__name__.removesuffix("Config")
+    mod = importlib.import_module(f"transformers.models.{name.lower()}.modeling_{name.lower()}")
+    return getattr(mod, f"{name}Attention")
+
+
 def attnlab_modules(model) -> list[nn.Module]:
     """The attnlab module of every layer (after to_attnlab)."""
     fam = family(model)
@@ -197,7 +212,7 @@ def from_attnlab(model):
         if isinstance(m, MultiHeadLatentAttention):
             m, _ = mla_to_mha(m)
         if fam == "llama":
-            from transformers.models.llama.modeling_llama import LlamaAttention
+            LlamaAttention = _attention_class(model)
             G = cfg.num_key_value_heads
             wk, wv = m.W_K.weight.detach(), m.W_V.weight.detach()
             if m.num_kv_heads != G:  # e.g. an expanded MLA: recover the G-head block if it is a tiling
@@ -214,6 +229,13 @@ def from_attnlab(model):
             with torch.no_grad():
                 a.k_proj.weight.copy_(wk)
                 a.v_proj.weight.copy_(wv)
+                if a.k_proj.bias is not None:  # Qwen2: Q/K/V biases (an expanded MLA's are a tiling too)
+                    for lin, src, name in ((a.k_proj, m.W_K, "key"), (a.v_proj, m.W_V, "value")):
+                        b = src.bias.detach() if m.num_kv_heads == G else gqa_block(
+                            src.bias.detach()[:, None], m.num_heads, G, grouping="blocked", rtol=1e-5)
+                        if b is None:
+                            raise ValueError(f"layer {i}'s {name} biases are not {G} shared heads")
+                        lin.bias.copy_(b.reshape(-1))
             layer.self_attn = a.train(model.training)
         else:
             from transformers.models.bert.modeling_bert import BertAttention

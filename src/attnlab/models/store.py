@@ -1,4 +1,8 @@
-"""Whole converted models on disk: attention.safetensors + config.json beside a base model."""
+"""Whole converted models on disk: attention.safetensors + config.json beside a base model.
+
+The base is a bundled model's name or the path of the checkpoint (folder or GGUF file)
+the conversion started from; for a folder that stands alone, export it (models/export.py).
+"""
 from __future__ import annotations
 
 from .adapters import attnlab_modules, replace_attention, to_attnlab
@@ -21,8 +25,14 @@ def save_model(model, base: str, folder, *, extra: dict | None = None):
 
     from ..io import module_record, write_folder
 
+    from pathlib import Path
+
+    from .load import is_checkpoint
+
     if base not in LOADERS:
-        raise ValueError(f"unknown base model {base!r}; known: {', '.join(LOADERS)}")
+        if not is_checkpoint(base):
+            raise ValueError(f"unknown base model {base!r}; known: {', '.join(LOADERS)}, or a checkpoint path")
+        base = str(Path(base).resolve())  # the folder (or GGUF file) the rest of the model is read from
     modules = attnlab_modules(model)
     state = {f"layers.{i}.{k}": v.detach().contiguous().cpu()
              for i, m in enumerate(modules) for k, v in m.state_dict().items()}
@@ -44,15 +54,21 @@ def load_model(source: str):
 
     from ..io import load_weights, module_from_record, read_json, read_tensors
 
+    from .load import is_checkpoint, load_checkpoint
+
     if source in LOADERS:
         model, tok = LOADERS[source]()
         return to_attnlab(model), tok, {"base": source}
+    if is_checkpoint(source) and not (Path(source) / "attention.safetensors").exists():
+        model, tok = load_checkpoint(source)
+        return to_attnlab(model), tok, {"base": str(Path(source).resolve())}
     folder = Path(source)
     if not folder.is_dir():
         raise ValueError(f"{source!r} is neither a model name ({', '.join(LOADERS)}) nor a converted-model folder")
     meta = read_json(folder / "config.json")
-    if meta.get("format") != MODEL_FORMAT or meta.get("base") not in LOADERS:
-        raise ValueError(f"{folder / 'config.json'} is not an attnlab converted model")
+    if meta.get("format") != MODEL_FORMAT or not (meta.get("base") in LOADERS or is_checkpoint(meta.get("base"))):
+        raise ValueError(f"{folder / 'config.json'} is not an attnlab converted model (or its base "
+                         f"{meta.get('base')!r} is gone)")
     state = read_tensors(folder / "attention.safetensors")
     modules = []
     for i, record in enumerate(meta["layers"]):
@@ -61,7 +77,8 @@ def load_model(source: str):
         load_weights(m, {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)},
                      f"{folder / 'attention.safetensors'} layer {i}")
         modules.append(m)
-    model, tok = LOADERS[meta["base"]]()
+    base = meta["base"]
+    model, tok = LOADERS[base]() if base in LOADERS else load_checkpoint(base)
     to_attnlab(model)
     replace_attention(model, modules)
     return model, tok, meta

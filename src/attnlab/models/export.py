@@ -1,0 +1,315 @@
+"""Write a converted Llama-family model as a standard DeepSeek-V3 checkpoint (transformers loads it alone).
+
+The folder holds config.json (model_type deepseek_v3, every layer dense:
+first_k_dense_replace = num_hidden_layers, no query low-rank unless the MLA has one),
+safetensors shards with an index, and the source's tokenizer files. Mapping of one
+layer (attnlab -> DeepSeek):
+
+    W_Q * (attnlab scale / DeepSeek scale)  -> q_proj        (the scale difference, exact)
+    [W_DKV; W_KR]                           -> kv_a_proj_with_mqa
+    kv_norm (RMSNorm of the latent)         -> kv_a_layernorm
+    per head [W_UK_h; W_UV_h]               -> kv_b_proj
+    W_O                                     -> o_proj
+
+DeepSeek's softmax scale is 1/sqrt(qk_nope + qk_rope); attnlab's conversions keep the
+original 1/sqrt(head_dim), so the ratio multiplies q_proj. DeepSeek derives the rotary
+frequencies from rope_theta and qk_rope_head_dim, while a conversion keeps each original
+pair's own frequency: they are carried exactly by a "longrope" rope type whose
+short_factor = long_factor = default / kept (one factor per pair), with factor 1,
+attention_factor = the source's rotary scaling, and original_max_position_embeddings ==
+max_position_embeddings (so the long set is never switched to and no extra scale applies).
+
+Only the decoupled-RoPE layout (`gqa_to_mla_decoupled`) maps to DeepSeek: the exact
+`rope_after_up` layout rotates keys after the up-projection, which DeepSeek cannot
+express. DeepSeek always normalises the latent (kv_a_layernorm); `add_latent_norm`
+gives a converted MLA that norm, initialised from calibration statistics, and reports
+the error it introduces.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+from ..mla import MultiHeadLatentAttention
+from .adapters import _layers, attnlab_modules, family
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "generation_config.json")
+SHARD_BYTES = 2 * 1024 ** 3
+
+
+# -- the latent norm DeepSeek always applies ---------------------------------------------------------
+def add_latent_norm(mla: MultiHeadLatentAttention, calibration: torch.Tensor | None = None, *, eps: float = 1e-6):
+    """A copy of `mla` with an RMSNorm on its latent, and the relative output error it introduces.
+
+    The norm divides each token's latent c by rms(c); per latent channel j the weight
+    w_j = sum(c_j n_j) / sum(n_j^2) (n = c / rms(c), over the calibration inputs (..., context_dim))
+    makes w * n the least-squares fit of c. The weight is then folded into the columns of
+    W_UK and W_UV (the norm's own weight stays 1), which is exact. Without calibration,
+    unit-variance Gaussian inputs stand in. The error is the output error of the normed
+    module against `mla` on the calibration inputs (float64): the norm is not linear, so a
+    token whose latent is larger or smaller than typical has its key and value rescaled.
+    """
+    from ..convert import probe_error
+
+    if mla.kv_norm is not None:
+        raise ValueError("the MLA already normalises its latent")
+    if mla.W_DKV.bias is not None:
+        raise ValueError("add_latent_norm needs an MLA without a latent bias")
+    if calibration is None:
+        g = torch.Generator().manual_seed(0)
+        calibration = torch.randn(1024, mla.context_dim, generator=g, dtype=torch.float64)
+    x = calibration.reshape(-1, mla.context_dim).to(torch.float64)
+    c = x @ mla.W_DKV.weight.detach().to(torch.float64).T  # (N, r)
+    n = c * torch.rsqrt(c.pow(2).mean(-1, keepdim=True) + eps)  # (N, r)
+    w = (c * n).sum(0) / n.pow(2).sum(0).clamp_min(1e-300)  # (r,)
+    cfg = mla.config()
+    cfg.update(latent_norm=True, norm_eps=eps, kv_tiling=None)
+    dt = mla._anchor.dtype
+    new = MultiHeadLatentAttention(**cfg, device=mla._anchor.device, dtype=dt)
+    new.load_state_dict(mla.state_dict(), strict=False)  # everything but kv_norm.weight (ones)
+    with torch.no_grad():
+        for lin in (new.W_UK, new.W_UV):
+            lin.weight.copy_((lin.weight.to(torch.float64) * w.to(lin.weight.device)).to(dt))
+    probe = calibration.reshape(1, -1, mla.context_dim)[:, :512]
+    return new, probe_error(mla, new, probe)
+
+
+# -- checks ---------------------------------------------------------------------------------------------
+def check_exportable(modules) -> None:
+    """Refuse, naming the layer and the reason, what DeepSeek's layout cannot hold."""
+    first = modules[0]
+    for i, m in enumerate(modules):
+        if not isinstance(m, MultiHeadLatentAttention):
+            raise ValueError(f"layer {i} is {type(m).__name__}, not an MLA: convert with --to mla first")
+        if m.rope_after_up:
+            raise ValueError(f"layer {i} has the exact rope_after_up layout (keys rotated after the up-projection), "
+                             "which DeepSeek cannot express; convert with --latent-dim (decoupled RoPE)")
+        if not m.rope_dim:
+            raise ValueError(f"layer {i} has no decoupled rope key (rope_dim 0); DeepSeek needs qk_rope_head_dim > 0")
+        if m.kv_norm is None:
+            raise ValueError(f"layer {i}'s latent has no norm; DeepSeek always applies kv_a_layernorm: "
+                             "add one with add_latent_norm (attnlab convert --format deepseek does)")
+        q = m.W_Q if m.W_Q is not None else m.W_UQ
+        if q.bias is not None and bool(q.bias.detach().any()):
+            raise ValueError(f"layer {i} has a query bias (Qwen2's q_proj bias): DeepSeek's q_proj has none, and "
+                             "the bias's product with each key varies from key to key, so it cannot be folded")
+        if m.W_UV.bias is not None and bool(m.W_UV.bias.detach().any()) or \
+                m.W_DKV.bias is not None and bool(m.W_DKV.bias.detach().any()):
+            raise ValueError(f"layer {i} has latent or value biases; this export does not fold them")
+        if m.config() != first.config():
+            raise ValueError(f"layer {i}'s shape differs from layer 0's ({m.config()} vs {first.config()}); "
+                             "a DeepSeek config holds one shape for all layers")
+        if not torch.equal(m.rope.inv_freq, first.rope.inv_freq) or m.rope.scaling != first.rope.scaling:
+            raise ValueError(f"layer {i} keeps other rotary frequencies than layer 0 (pair_selection 'norm'?); "
+                             "DeepSeek has one rotary embedding for all layers: use pair_selection 'frequency'")
+
+
+# -- one layer ----------------------------------------------------------------------------------------
+def deepseek_scale(m: MultiHeadLatentAttention) -> float:
+    return (m.head_dim + m.rope_dim) ** -0.5
+
+
+def deepseek_attention_tensors(m: MultiHeadLatentAttention, prefix: str) -> dict[str, torch.Tensor]:
+    """DeepseekV3Attention's tensors for one attnlab MLA (names under `prefix`, source dtype kept)."""
+    H, d, dv, r = m.num_heads, m.head_dim, m.v_head_dim, m.latent_dim
+    ratio = m.scale / deepseek_scale(m)
+    w = lambda lin: lin.weight.detach()  # noqa: E731
+    scaled = lambda lin: (w(lin).to(torch.float64) * ratio).to(w(lin).dtype)  # noqa: E731
+    out = {}
+    if m.W_Q is not None:
+        out["q_proj.weight"] = scaled(m.W_Q)
+    else:
+        out["q_a_proj.weight"] = w(m.W_DQ)
+        out["q_a_layernorm.weight"] = m.q_norm.weight.detach()
+        out["q_b_proj.weight"] = scaled(m.W_UQ)
+    out["kv_a_proj_with_mqa.weight"] = torch.cat([w(m.W_DKV), w(m.W_KR)])  # (r + p, D)
+    out["kv_a_layernorm.weight"] = m.kv_norm.weight.detach()
+    kv_b = torch.cat([w(m.W_UK).reshape(H, d, r), w(m.W_UV).reshape(H, dv, r)], 1)  # (H, d + dv, r)
+    out["kv_b_proj.weight"] = kv_b.reshape(H * (d + dv), r)
+    out["o_proj.weight"] = w(m.W_O)
+    if m.W_O.bias is not None:  # attention_bias: DeepSeek then also has (zero) latent biases
+        out["o_proj.bias"] = m.W_O.bias.detach()
+        out["kv_a_proj_with_mqa.bias"] = torch.zeros(r + m.rope_dim, dtype=m.W_O.bias.dtype)
+        if m.W_Q is None:
+            out["q_a_proj.bias"] = torch.zeros(m.q_latent_dim, dtype=m.W_O.bias.dtype)
+    return {prefix + k: v.contiguous() for k, v in out.items()}
+
+
+def rope_parameters(m: MultiHeadLatentAttention, max_position_embeddings: int) -> dict:
+    """DeepSeek rope parameters that reproduce the MLA's kept per-pair frequencies exactly."""
+    p, base = m.rope_dim, m.rope.base
+    default = base ** (-torch.arange(0, p, 2, dtype=torch.float64) / p)  # (p/2,)
+    kept = m.rope.inv_freq.to(torch.float64)
+    if torch.allclose(kept, default, rtol=1e-12, atol=0) and m.rope.scaling == 1.0:
+        return {"rope_type": "default", "rope_theta": base}
+    factors = (default / kept).tolist()
+    return {"rope_type": "longrope", "rope_theta": base, "short_factor": factors, "long_factor": factors,
+            "factor": 1.0, "attention_factor": m.rope.scaling,
+            "original_max_position_embeddings": max_position_embeddings}
+
+
+def deepseek_config(src: dict, m: MultiHeadLatentAttention, *, dtype: str) -> dict:
+    """config.json of the exported model, from the source's (dict) and one layer's MLA."""
+    L = src["num_hidden_layers"]
+    max_pos = int(src.get("max_position_embeddings") or 4096)
+    return {
+        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+        "vocab_size": src["vocab_size"], "hidden_size": src["hidden_size"],
+        "intermediate_size": src["intermediate_size"], "moe_intermediate_size": src["intermediate_size"],
+        "num_hidden_layers": L, "first_k_dense_replace": L, "n_routed_experts": 1, "n_shared_experts": 1,
+        "num_experts_per_tok": 1, "n_group": 1, "topk_group": 1, "num_mtp_layers": 0,
+        "num_attention_heads": m.num_heads, "num_key_value_heads": m.num_heads,
+        "kv_lora_rank": m.latent_dim, "q_lora_rank": m.q_latent_dim, "qk_rope_head_dim": m.rope_dim,
+        "qk_nope_head_dim": m.head_dim, "v_head_dim": m.v_head_dim,
+        "hidden_act": src.get("hidden_act", "silu"), "max_position_embeddings": max_pos,
+        "rms_norm_eps": src.get("rms_norm_eps", 1e-6), "tie_word_embeddings": bool(src.get("tie_word_embeddings")),
+        "rope_parameters": rope_parameters(m, max_pos), "rope_interleave": bool(m.rope.interleaved),
+        "attention_bias": m.W_O.bias is not None, "attention_dropout": 0.0,
+        "bos_token_id": src.get("bos_token_id"), "eos_token_id": src.get("eos_token_id"),
+        "pad_token_id": src.get("pad_token_id"), "dtype": dtype, "use_cache": True,
+    }
+
+
+def check_source_config(src: dict) -> None:
+    if src.get("mlp_bias"):
+        raise ValueError("the source MLP has biases (mlp_bias); DeepSeek's dense MLP has none")
+
+
+# -- writing ------------------------------------------------------------------------------------------
+class ShardWriter:
+    """Write tensors into safetensors shards of at most max_bytes as they come, then an index."""
+
+    def __init__(self, folder: Path, max_bytes: int = SHARD_BYTES):
+        self.folder, self.max_bytes = Path(folder), max_bytes
+        self.pending: dict[str, torch.Tensor] = {}
+        self.size, self.files, self.weight_map, self.total = 0, [], {}, 0
+
+    def add(self, name: str, t: torch.Tensor) -> None:
+        n = t.numel() * t.element_size()
+        if self.pending and self.size + n > self.max_bytes:
+            self.flush()
+        self.pending[name] = t.detach().contiguous().cpu()
+        self.size += n
+        self.total += n
+
+    def flush(self) -> None:
+        from safetensors.torch import save_file
+
+        if not self.pending:
+            return
+        name = f"part-{len(self.files):05d}.safetensors"
+        save_file(self.pending, str(self.folder / name), metadata={"format": "pt"})
+        self.files.append(name)
+        self.weight_map.update({k: name for k in self.pending})
+        self.pending, self.size = {}, 0
+
+    def close(self) -> None:
+        """Name the shards model(-0000i-of-0000n).safetensors and write the index when there are several."""
+        self.flush()
+        n = len(self.files)
+        final = {f: ("model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors")
+                 for i, f in enumerate(self.files)}
+        for old, new in final.items():
+            (self.folder / old).rename(self.folder / new)
+        if n > 1:
+            index = {"metadata": {"total_size": self.total},
+                     "weight_map": {k: final[v] for k, v in sorted(self.weight_map.items())}}
+            (self.folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+def copy_tokenizer(source, folder: Path) -> None:
+    """Copy the tokenizer (and generation config) files that sit beside the source checkpoint."""
+    if source is None:
+        return
+    src = Path(source)
+    src = src.parent if src.is_file() else src
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file():
+            shutil.copy2(src / name, folder / name)
+
+
+def export_deepseek(model, folder, tokenizer=None, *, force: bool = False,
+                    shard_bytes: int = SHARD_BYTES) -> Path:
+    """Write an attnlab'd, converted Llama-family model as a DeepSeek-V3 checkpoint folder (atomically).
+
+    Every layer must be a decoupled-RoPE MLA with a latent norm (see check_exportable).
+    tokenizer: saved with save_pretrained; without it, tokenizer files beside the source
+    checkpoint (model.attnlab_source, set by load_checkpoint) are copied.
+    """
+    from ..io import write_folder
+
+    folder = Path(folder)
+    if folder.exists() and not force:
+        raise ValueError(f"{folder} exists; pass force=True (--force) to overwrite it")
+    if family(model) != "llama":
+        raise ValueError("export_deepseek takes a Llama-family causal LM (Llama, Mistral, Qwen2)")
+    modules = attnlab_modules(model)
+    check_exportable(modules)
+    src = model.config.to_dict()
+    check_source_config(src)
+    src["tie_word_embeddings"] = bool(getattr(model.config, "tie_word_embeddings", False))
+    dtype = str(modules[0]._anchor.dtype).removeprefix("torch.")
+    config = deepseek_config(src, modules[0], dtype=dtype)
+    base = model.model
+
+    def write(tmp: Path) -> None:
+        shards = ShardWriter(tmp, shard_bytes)
+        shards.add("model.embed_tokens.weight", base.embed_tokens.weight)
+        for i, (layer, m) in enumerate(zip(_layers(model), modules)):
+            prefix = f"model.layers.{i}."
+            for k, v in deepseek_attention_tensors(m, prefix + "self_attn.").items():
+                shards.add(k, v)
+            for name in ("input_layernorm", "post_attention_layernorm"):
+                shards.add(f"{prefix}{name}.weight", getattr(layer, name).weight)
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                shards.add(f"{prefix}mlp.{name}.weight", getattr(layer.mlp, name).weight)
+        shards.add("model.norm.weight", base.norm.weight)
+        if not config["tie_word_embeddings"]:
+            shards.add("lm_head.weight", model.lm_head.weight)
+        shards.close()
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp))
+        else:
+            copy_tokenizer(getattr(model, "attnlab_source", None), tmp)
+    return write_folder(folder, write)
+
+
+def add_latent_norms(model, calibration_ids: torch.Tensor | None = None) -> list[float]:
+    """add_latent_norm on every layer of a converted model (in place); returns each layer's output error.
+
+    Calibration inputs of layer i are what layer i reads in the converted model with
+    layers < i already normed (one forward per layer: the norms' errors compound as they
+    will in use). Without calibration_ids, unit-variance Gaussian inputs stand in.
+    """
+    from .adapters import replace_attention
+    from .evaluate import attention_inputs
+
+    modules = list(attnlab_modules(model))
+    errors = []
+    for i in range(len(modules)):
+        x = attention_inputs(model, calibration_ids)[i] if calibration_ids is not None else None
+        modules[i], err = add_latent_norm(modules[i], x)
+        errors.append(err)
+        replace_attention(model, modules)
+    return errors
+
+
+def check_deepseek_request(model, to: str, latent_dim: int | None) -> None:
+    """Before converting: refuse what cannot end as a DeepSeek checkpoint, with the reason."""
+    if to != "mla":
+        raise ValueError(f"--format deepseek writes an MLA: use --to mla, not {to!r}")
+    if family(model) != "llama":
+        raise ValueError("--format deepseek takes a Llama-family causal LM (Llama, Mistral, Qwen2)")
+    if latent_dim is None:
+        raise ValueError("--format deepseek needs --latent-dim: the exact conversion's rope_after_up layout rotates "
+                         "keys after the up-projection, which DeepSeek cannot express (decoupled RoPE only)")
+    for i, m in enumerate(attnlab_modules(model)):
+        q = getattr(m, "W_Q", None)
+        if q is not None and q.bias is not None and bool(q.bias.detach().any()):
+            raise ValueError(f"layer {i} has a query bias (Qwen2's q_proj bias): DeepSeek's q_proj has none, and "
+                             "the bias's product with each key varies from key to key, so it cannot be folded")
