@@ -294,8 +294,8 @@ def test_interpreted_module_decode_kernel_equals_pytorch_path(monkeypatch, dtype
 
 
 @pytest.mark.skipif(INTERPRETED or not HAS_TRITON, reason="compiles with triton's real compiler")
-@pytest.mark.parametrize("H, r, p", [(16, 512, 64), (32, 256, 64)])
-def test_kernel_compiles_for_hopper_without_spills(H, r, p):
+@pytest.mark.parametrize("H, r, p, dtype", [(16, 512, 64, "bf16"), (32, 256, 64, "bf16"), (16, 512, 64, "fp32")])
+def test_kernel_compiles_for_hopper_without_spills(H, r, p, dtype):
     """No GPU needed: triton compiles to PTX and its bundled ptxas assembles for sm_90a. The launch must
     fit an H100 (shared memory <= 227 KiB per block) and keep its accumulators in registers (no spills).
     Integers are marked divisible by 16 as triton's launcher specialises them for these sizes."""
@@ -310,18 +310,19 @@ def test_kernel_compiles_for_hopper_without_spills(H, r, p):
         pytest.skip("triton without its NVIDIA backend")
     from attnlab.kernels import mla_decode_triton as K
 
-    g = mla_decode.plan(1, H, 32768, r, torch.device("cpu"), row_bytes=2 * (r + p))
+    size = 4 if dtype == "fp32" else 2
+    g = mla_decode.plan(1, H, 32768, r, torch.device("cpu"), row_bytes=size * (r + p), element_size=size)
     names = list(inspect.signature(K.split_kernel.fn).parameters)
-    ptrs = dict(Q="*bf16", KV="*bf16", LENGTHS="*i32", KEEP="*u8", OUT="*bf16", M_PART="*fp32", L_PART="*fp32",
-                ACC_PART="*fp32")
+    ptrs = dict(Q="*" + dtype, KV="*" + dtype, LENGTHS="*i32", KEEP="*u8", OUT="*" + dtype, M_PART="*fp32",
+                L_PART="*fp32", ACC_PART="*fp32")
     consts = dict(BH=g["BH"], BN=g["BN"], BR=g["BR"], BP=p, HAS_ROPE=True, HAS_KEEP=True, SPLIT=True,
-                  PRECISION="tf32", DOT_F32=False)
+                  PRECISION="ieee" if dtype == "fp32" else "tf32", DOT_F32=False)
     signature = {n: "constexpr" if n in consts else ptrs.get(n, "fp32" if n == "qk_scale" else "i32") for n in names}
     aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
                if n in ptrs or n in ("chunk", "latent_dim", "rope_dim", "num_heads")
                or (n.startswith("stride_") and n != "stride_keepb")}
     k = triton.compile(ASTSource(fn=K.split_kernel, signature=signature, constexprs=consts, attrs=aligned),
-                       target=GPUTarget("cuda", 90, 128), options=dict(num_warps=g["num_warps"], num_stages=3))
+                       target=GPUTarget("cuda", 90, 128), options=dict(num_warps=g["num_warps"], num_stages=g["num_stages"]))
     assert k.metadata.shared <= 227 * 1024
     with tempfile.TemporaryDirectory() as tmp:
         ptx = Path(tmp) / "k.ptx"

@@ -123,11 +123,14 @@ PARTIAL_SHARE = 4  # a split reads at least this many times the bytes its partia
 
 
 def plan(batch: int, num_heads: int, rows: int, latent_dim: int, device: torch.device,
-         num_splits: int | None = None, block_n: int | None = None, row_bytes: int | None = None) -> dict:
+         num_splits: int | None = None, block_n: int | None = None, row_bytes: int | None = None,
+         element_size: int = 2) -> dict:
     """Launch geometry: heads per program, rows per tile, splits of the sequence.
 
     Heads per program (a power of two, >= 16 for tl.dot) are capped so that the
-    float32 accumulator stays at 16 x 512 values. Without num_splits, the sequence
+    float32 accumulator stays at 16 x 512 values; float32 inputs (element_size 4, whose
+    tl.dot runs on CUDA cores in full precision) take 16 heads and 2 pipeline stages,
+    which compile for sm_90 without register spills. Without num_splits, the sequence
     is split until there is about one program per SM, but each split keeps at
     least 4 tiles and reads at least PARTIAL_SHARE times the bytes of its float32
     partial accumulator (written once, read once by the combine step), so that the
@@ -135,8 +138,9 @@ def plan(batch: int, num_heads: int, rows: int, latent_dim: int, device: torch.d
     row_bytes: bytes of one cache row, default 2 * latent_dim (16-bit, no rope).
     """
     BR = _pow2(latent_dim)
-    BH = max(16, min(64, _pow2(num_heads), (16 * 512) // BR))
-    BN = block_n if block_n is not None else (32 if BR >= 256 else 64)
+    wide = element_size >= 4
+    BH = 16 if wide else max(16, min(64, _pow2(num_heads), (16 * 512) // BR))
+    BN = block_n if block_n is not None else (32 if BR >= 256 or wide else 64)
     if isinstance(BN, bool) or not isinstance(BN, int) or BN < 16 or BN & (BN - 1):
         raise ValueError(f"block_n must be a power of two >= 16, got {BN!r}")
     head_blocks = -(-num_heads // BH)
@@ -152,7 +156,7 @@ def plan(batch: int, num_heads: int, rows: int, latent_dim: int, device: torch.d
     chunk = -(-tiles // num_splits) * BN  # rows per split, a whole number of tiles
     num_splits = -(-max(rows, 1) // chunk)
     return dict(BH=BH, BN=BN, BR=BR, head_blocks=head_blocks, num_splits=num_splits, chunk=chunk,
-                num_warps=8 if BR >= 256 else 4)
+                num_warps=8 if BR >= 256 or wide else 4, num_stages=2 if wide else 3)
 
 
 def absorbed_decode(q: torch.Tensor, kv: torch.Tensor, lengths, scale: float, latent_dim: int,
@@ -177,7 +181,8 @@ def absorbed_decode(q: torch.Tensor, kv: torch.Tensor, lengths, scale: float, la
     if not kv.is_cuda and not interpreted:
         raise ValueError(f"the Triton kernel needs CUDA tensors, got {kv.device}; on the CPU it runs only when "
                          "triton was imported with TRITON_INTERPRET=1 (tests); use absorbed_decode_reference")
-    g = plan(B, H, S, r, kv.device, num_splits, block_n, row_bytes=width * kv.element_size())
+    g = plan(B, H, S, r, kv.device, num_splits, block_n, row_bytes=width * kv.element_size(),
+             element_size=kv.element_size())
     T, BR = g["num_splits"], g["BR"]
     out = torch.empty(B, H, r, dtype=q.dtype, device=q.device)  # (B, H, r)
     if T > 1:
@@ -200,7 +205,7 @@ def absorbed_decode(q: torch.Tensor, kv: torch.Tensor, lengths, scale: float, la
         out.stride(0), out.stride(1), H * T, T, 1,
         BH=g["BH"], BN=g["BN"], BR=BR, BP=_pow2(p), HAS_ROPE=p > 0, HAS_KEEP=key_padding_mask is not None,
         SPLIT=T > 1, PRECISION=precision,
-        DOT_F32=dot_f32, num_warps=g["num_warps"], num_stages=3)
+        DOT_F32=dot_f32, num_warps=g["num_warps"], num_stages=g["num_stages"])
     if T > 1:
         kernels.combine_kernel[(B, H)](out, m_part, l_part, acc_part, r, T, out.stride(0), out.stride(1), H * T, T, 1,
                                        BT=_pow2(T, least=2), BR=BR, DOT_F32=dot_f32, num_warps=4)
