@@ -182,6 +182,20 @@ def test_module_dispatch_through_twin_equals_expanded_float64(monkeypatch, bias)
     assert len(calls) == (0 if bias else 4)
 
 
+@pytest.mark.parametrize("shape", [(1, 9), (2, 1, 9), (1, 1, 9), (2, 1, 1, 9), (1, 1, 1, 9)])
+def test_dispatch_reads_key_masks_of_every_layout(monkeypatch, shape):
+    """Bool masks that hide keys only, in each layout the attention core accepts, reach the kernel
+    (here its twin) as the (B, S) mask they mean."""
+    monkeypatch.setattr(mla_decode, "absorbed_decode", absorbed_decode_reference)
+    monkeypatch.setenv(mla_decode.ENV, "triton")
+    q, kv = _inputs(2, 3, 9, 4, 2)
+    _, keep = _ragged(2, 9)
+    mask = keep[: shape[0]].reshape(shape)
+    got = mla_decode.try_decode(q[:, :, None], kv, mask, 0.7, 4)[:, :, 0]  # (B, H, r)
+    want = absorbed_decode_reference(q, kv, 9, 0.7, 4, keep[: shape[0]].expand(2, 9))
+    assert torch.equal(got, want)
+
+
 def test_dispatch_declines_what_the_kernel_does_not_do(monkeypatch):
     monkeypatch.setenv(mla_decode.ENV, "triton")
     q, kv = _inputs(2, 3, 9, 4, 2, dtype=torch.float32)
@@ -197,7 +211,7 @@ def test_dispatch_declines_what_the_kernel_does_not_do(monkeypatch):
     monkeypatch.setenv(mla_decode.ENV, "auto")
     assert mla_decode.try_decode(q4, kv, None, 1.0, 4) is None  # CPU tensors: the PyTorch path
     assert mla_decode.available(q) == (q.is_cuda and HAS_TRITON)
-    assert mla_decode.available(q, interpret=True) == HAS_TRITON
+    assert mla_decode.available(q, interpret=True) == (HAS_TRITON and INTERPRETED)
 
 
 @pytest.mark.parametrize("rows, splits", [(100, None), (4096, None), (4096, 3), (33, 5), (1, None)])

@@ -18,7 +18,9 @@ inputs; the output has the input dtype. A head with no key to attend gets zeros
 - `try_decode`: what MultiHeadLatentAttention._absorbed calls; the kernel's
   output when it applies and is selected, else None.
 
-Selection, by the environment variable ATTNLAB_MLA_DECODE (read on every call):
+Selection, by the environment variable ATTNLAB_MLA_DECODE (read on every eager call;
+under torch.compile, once when the step is traced, where the kernel is the opaque
+operator attnlab::mla_absorbed_decode):
 "auto" (default) uses the kernel on CUDA when triton imports; "torch" never
 uses it; "triton" always does (CPU tensors go through the interpreter).
 """
@@ -39,9 +41,11 @@ def _triton_importable() -> bool:
 
 
 def available(tensor: torch.Tensor, *, interpret: bool = False) -> bool:
-    """True where the kernel can run on `tensor`'s device: CUDA with triton importable,
-    or any device through triton's CPU interpreter when interpret=True."""
-    return _triton_importable() and (tensor.is_cuda or interpret)
+    """True where the kernel can run on `tensor`'s device: CUDA with triton importable; with
+    interpret=True also the CPU when TRITON_INTERPRET=1 (which triton reads once, when imported)."""
+    if not _triton_importable():
+        return False
+    return tensor.is_cuda or (interpret and os.environ.get("TRITON_INTERPRET") == "1")
 
 
 @torch.compiler.assume_constant_result
@@ -232,7 +236,8 @@ def _key_mask(mask, B: int, S: int):
         return None
     if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.dim() not in (2, 3, 4):
         return False
-    m = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))  # (B|1, H|1, L|1, S) for L == 1
+    # read as the attention core does: (L, S), (B, L, S) or (B|1, H|1, L|1, S), here with L == 1
+    m = mask[None, None] if mask.dim() == 2 else mask[:, None] if mask.dim() == 3 else mask  # (B|1, H|1, 1, S)
     if m.shape[1] != 1 or m.shape[2] != 1 or m.shape[0] not in (1, B) or m.shape[3] != S:
         return False
     return m[:, 0, 0, :].expand(B, S)  # (B, S)
