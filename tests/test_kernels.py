@@ -231,6 +231,7 @@ def test_benchmark_without_cuda_says_so_and_exits_cleanly():
 
 
 # -- the kernel in triton's interpreter ---------------------------------------------------------------
+@pytest.mark.slow  # one child pytest for all the interpreter tests: ~10 s of imports and interpreted kernels
 @pytest.mark.skipif(INTERPRETED or not HAS_TRITON, reason="this is the parent; needs triton")
 def test_interpreted_kernel_tests():
     """Run this file's interpreter tests in a child pytest with TRITON_INTERPRET=1 (see the docstring)."""
