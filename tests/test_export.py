@@ -1,0 +1,174 @@
+"""DeepSeek-format export: transformers alone (a child process that never imports attnlab) loads the folder
+as DeepseekV3ForCausalLM and must give attnlab's logits (float32 noise, <= 1e-4 relative) and the same 32
+greedy tokens; its KV cache holds the latent and the rope key only.
+"""
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+from safetensors.torch import load_file, save_file  # noqa: E402
+
+from attnlab import models as hf  # noqa: E402
+from attnlab.cli import main  # noqa: E402
+from attnlab.models.export import add_latent_norm, export_deepseek  # noqa: E402
+from attnlab.models.load import load_checkpoint  # noqa: E402
+from reference import rel_err  # noqa: E402
+from tiny_checkpoints import TEXT, make_checkpoint  # noqa: E402
+
+TOL = 1e-4  # float32: same weights, other operation order and float32 rotary frequencies (measured ~2e-7)
+LATENT, ROPE = 24, 8
+
+CHILD = textwrap.dedent('''
+    import json, os, sys
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM, DynamicCache
+    jobs = json.loads(sys.argv[1])
+    for job in jobs:
+        model = AutoModelForCausalLM.from_pretrained(job["folder"], dtype=torch.float32).eval()
+        t = load_file(job["inputs"])
+        cache = DynamicCache(config=model.config)
+        with torch.no_grad():
+            logits = model(t["ids"], past_key_values=cache, use_cache=True).logits
+            greedy = model.generate(t["prompt"], max_new_tokens=32, min_new_tokens=32, do_sample=False)
+        layer = cache.layers[0]
+        save_file({"logits": logits.contiguous(), "greedy": greedy}, job["result"])
+        with open(job["result"] + ".json", "w") as f:
+            json.dump({"class": type(model).__name__, "cache_keys": list(layer.keys.shape),
+                       "cache_values": list(layer.values.shape),
+                       "attnlab_imported": any(m.split(".")[0] == "attnlab" for m in sys.modules)}, f)
+''')
+
+
+def _convert(folder, ids):
+    """attnlab's DeepSeek-compatible conversion: calibrated decoupled-RoPE MLA + latent norm."""
+    model, tok = load_checkpoint(folder)
+    hf.to_attnlab(model)
+    hf.convert_model(model, "mla", latent_dim=LATENT, rope_dim=ROPE, calibration_ids=ids)
+    errors = hf.add_latent_norms(model, ids)
+    return model, tok, errors
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """llama (Llama 3 rope scaling, tied embeddings as Llama 3.2 and SmolLM2) and mistral (untied): converted,
+    exported, run by the child."""
+    root = tmp_path_factory.mktemp("export")
+    cases = {"llama": ("llama", {"tie_word_embeddings": True}), "mistral": ("mistral", {})}
+    jobs, ours = [], {}
+    for name, (kind, kw) in cases.items():
+        src = root / f"src-{name}"
+        _, tok = make_checkpoint(kind, src, **kw)
+        ids = tok(TEXT, return_tensors="pt").input_ids[:, :64]
+        prompt = ids[:, :6].clone()
+        model, _, errors = _convert(src, ids)
+        with torch.no_grad():
+            logits = model(ids).logits
+        greedy = model.generate(prompt, max_new_tokens=32, min_new_tokens=32, do_sample=False)
+        out = export_deepseek(model, root / f"ds-{name}")
+        save_file({"ids": ids, "prompt": prompt}, str(root / f"in-{name}.safetensors"))
+        jobs.append({"folder": str(out), "inputs": str(root / f"in-{name}.safetensors"),
+                     "result": str(root / f"out-{name}.safetensors")})
+        ours[name] = dict(logits=logits, greedy=greedy, model=model, folder=out, errors=errors)
+    script = root / "child.py"
+    script.write_text(CHILD)
+    proc = subprocess.run([sys.executable, str(script), json.dumps(jobs)], capture_output=True, text=True,
+                          cwd=str(root))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    for name, job in zip(cases, jobs):
+        ours[name]["theirs"] = load_file(job["result"])
+        ours[name]["info"] = json.loads(open(job["result"] + ".json").read())
+    return ours
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral"])
+def test_transformers_alone_matches_attnlab(exported, name):
+    e = exported[name]
+    assert e["info"]["class"] == "DeepseekV3ForCausalLM" and not e["info"]["attnlab_imported"]
+    assert rel_err(e["theirs"]["logits"], e["logits"]) <= TOL
+    assert torch.equal(e["theirs"]["greedy"], e["greedy"])
+
+
+def test_exported_cache_holds_latent_and_rope_key_only(exported):
+    e = exported["llama"]
+    S = e["logits"].shape[1]
+    assert e["info"]["cache_keys"] == [1, 1, S, LATENT]  # transformers caches kv_a_layernorm(latent) ...
+    assert e["info"]["cache_values"] == [1, 1, S, ROPE]  # ... and the rotated shared key
+
+
+def test_config_and_files(exported):
+    cfg = json.loads((exported["llama"]["folder"] / "config.json").read_text())
+    assert cfg["model_type"] == "deepseek_v3" and cfg["first_k_dense_replace"] == cfg["num_hidden_layers"] == 2
+    assert cfg["q_lora_rank"] is None and cfg["rope_parameters"]["rope_type"] == "longrope"
+    assert (exported["llama"]["folder"] / "tokenizer.json").is_file()
+    assert cfg["tie_word_embeddings"] is True
+    assert json.loads((exported["mistral"]["folder"] / "config.json").read_text())["tie_word_embeddings"] is False
+
+
+def test_latent_norm_is_least_squares_fit(exported):
+    """Folding w into W_UK/W_UV is exact; the norm's error is what it is, and a constant-rms latent has none."""
+    m = hf.attnlab_modules(exported["llama"]["model"])[0]
+    assert m.kv_norm is not None and torch.equal(m.kv_norm.weight, torch.ones_like(m.kv_norm.weight))
+    assert all(0 < err < 1 for err in exported["llama"]["errors"])
+    from attnlab import MultiHeadLatentAttention
+    torch.manual_seed(0)
+    mla = MultiHeadLatentAttention(16, 2, 4, rope_dim=4, dtype=torch.float64)
+    # inputs whose latent has the same rms at every token: the norm is then a fixed linear map, so exact
+    u = torch.linalg.qr(mla.W_DKV.weight.detach().T)[0]  # (16, 4), orthonormal columns spanning W_DKV's rows
+    z = torch.nn.functional.normalize(torch.randn(1, 40, 4, dtype=torch.float64), dim=-1)
+    x = z @ torch.linalg.pinv(mla.W_DKV.weight.detach() @ u) .T @ u.T * 3.0  # W_DKV x = 3 z
+    _, err = add_latent_norm(mla, x)
+    assert err <= 1e-10
+
+
+# -- refusals ------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    root = tmp_path_factory.mktemp("src")
+    for kind in ("llama", "qwen2"):
+        make_checkpoint(kind, root / kind)
+    return root
+
+
+def test_exact_layout_refused(sources, tmp_path):
+    model, _ = load_checkpoint(sources / "llama")
+    hf.to_attnlab(model)
+    hf.convert_model(model, "mla")
+    with pytest.raises(ValueError, match="rope_after_up layout .* DeepSeek cannot express"):
+        export_deepseek(model, tmp_path / "x")
+    assert main(["convert", str(sources / "llama"), "--to", "mla", "--format", "deepseek",
+                 "--out", str(tmp_path / "y")]) == 2
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+def test_missing_latent_norm_refused(sources, tmp_path):
+    model, _ = load_checkpoint(sources / "llama")
+    hf.to_attnlab(model)
+    hf.convert_model(model, "mla", latent_dim=LATENT, rope_dim=ROPE)
+    with pytest.raises(ValueError, match="DeepSeek always applies kv_a_layernorm"):
+        export_deepseek(model, tmp_path / "x")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_qwen2_query_bias_refused(sources, tmp_path, capsys):
+    assert main(["convert", str(sources / "qwen2"), "--to", "mla", "--latent-dim", str(LATENT), "--format", "deepseek",
+                 "--out", str(tmp_path / "q")]) == 2
+    assert "query bias (Qwen2's q_proj bias): DeepSeek's q_proj has none" in capsys.readouterr().err
+    assert not (tmp_path / "q").exists()
+
+
+def test_cli_format_deepseek_and_force(sources, tmp_path, capsys):
+    out = tmp_path / "ds"
+    argv = ["convert", str(sources / "llama"), "--to", "mla", "--latent-dim", str(LATENT), "--rope-dim", str(ROPE),
+            "--format", "deepseek", "--out", str(out)]
+    assert main(argv) == 0
+    assert "latent norm (kv_a_layernorm) output error per layer" in capsys.readouterr().out
+    assert json.loads((out / "config.json").read_text())["model_type"] == "deepseek_v3"
+    assert main(argv) == 2 and "pass --force" in capsys.readouterr().err
+    assert main(argv + ["--force"]) == 0

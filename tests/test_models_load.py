@@ -1,0 +1,176 @@
+"""The user's own checkpoint in: tiny random Llama / Mistral / Qwen2 folders (sharded safetensors).
+
+Oracles: the transformers model itself (attnlab's attention swapped in must give its
+logits), exact conversions (logits unchanged), and exact save/reload round trips.
+Bad input: each refusal's message, and nothing half-written on disk.
+"""
+import json
+import shutil
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+from attnlab import models as hf  # noqa: E402
+from attnlab.cli import main  # noqa: E402
+from attnlab.models.load import inspect_checkpoint, load_checkpoint  # noqa: E402
+from reference import rel_err  # noqa: E402
+from tiny_checkpoints import FAMILIES, TEXT, make_checkpoint  # noqa: E402
+
+TOL = 1e-5  # float32 logits of the same computation in another order (measured ~1e-7)
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpt")
+    out = {}
+    for kind in FAMILIES:
+        model, tok = make_checkpoint(kind, root / kind)
+        ids = tok(TEXT, return_tensors="pt").input_ids[:, :48]
+        with torch.no_grad():
+            out[kind] = dict(folder=root / kind, ids=ids, logits=model(ids).logits)
+    return out
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(ids).logits
+
+
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_load_matches_transformers(folders, kind):
+    f = folders[kind]
+    model, tok = load_checkpoint(f["folder"])
+    assert tok is not None and hf.family(model) == "llama"
+    hf.to_attnlab(model)
+    assert rel_err(_logits(model, f["ids"]), f["logits"]) <= TOL
+
+
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_exact_mla_and_back(folders, kind):
+    """The exact conversion (Qwen2's biases included) keeps the logits; from_attnlab gives transformers layers back."""
+    f = folders[kind]
+    model, _ = load_checkpoint(f["folder"])
+    hf.to_attnlab(model)
+    reports = hf.convert_model(model, "mla")
+    assert all(r.exact for r in reports)
+    assert rel_err(_logits(model, f["ids"]), f["logits"]) <= TOL
+    hf.from_attnlab(model)
+    assert not any(isinstance(layer.self_attn, hf.LlamaAttentionAdapter) for layer in model.model.layers)
+    assert rel_err(_logits(model, f["ids"]), f["logits"]) <= TOL
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral"])
+def test_compressed_mla_saved_and_reloaded(folders, kind, tmp_path):
+    """Calibrated decoupled-RoPE MLA; saved beside the checkpoint path and reloaded bit for bit."""
+    f = folders[kind]
+    model, _ = load_checkpoint(f["folder"])
+    hf.to_attnlab(model)
+    hf.convert_model(model, "mla", latent_dim=24, rope_dim=8, calibration_ids=f["ids"])
+    before = _logits(model, f["ids"])
+    hf.save_model(model, str(f["folder"]), tmp_path / "conv")
+    meta = json.loads((tmp_path / "conv" / "config.json").read_text())
+    assert meta["base"] == str(f["folder"].resolve())
+    again, tok, _ = hf.load_model(str(tmp_path / "conv"))
+    assert tok is not None
+    assert torch.equal(_logits(again, f["ids"]), before)
+
+
+def test_qwen2_compressed_refuses_biases(folders):
+    model, _ = load_checkpoint(folders["qwen2"]["folder"])
+    hf.to_attnlab(model)
+    with pytest.raises(ValueError, match="does not carry biases"):
+        hf.convert_model(model, "mla", latent_dim=24, rope_dim=8)
+
+
+def test_cli_convert_folder_then_eval(folders, tmp_path, capsys):
+    f = folders["llama"]
+    text = tmp_path / "t.txt"
+    text.write_text(TEXT)
+    out = tmp_path / "mla"
+    assert main(["convert", str(f["folder"]), "--to", "mla", "--latent-dim", "24", "--rope-dim", "8",
+                 "--calibration", str(text), "--out", str(out)]) == 0
+    assert main(["eval", str(out), "--text", str(text), "--window", "32"]) == 0
+    assert "perplexity:" in capsys.readouterr().out
+
+
+# -- bad input -------------------------------------------------------------------------------------
+def _copy(folders, tmp_path, kind="llama"):
+    dst = tmp_path / "copy"
+    shutil.copytree(folders[kind]["folder"], dst)
+    return dst
+
+
+def _edit_config(folder, **changes):
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg.update(changes)
+    (folder / "config.json").write_text(json.dumps(cfg))
+
+
+def test_folder_without_config(folders, tmp_path):
+    d = _copy(folders, tmp_path)
+    (d / "config.json").unlink()
+    with pytest.raises(ValueError, match="has no config.json"):
+        inspect_checkpoint(d)
+
+
+def test_unknown_model_type(folders, tmp_path):
+    d = _copy(folders, tmp_path)
+    _edit_config(d, model_type="rwkv")
+    with pytest.raises(ValueError, match="not supported: unknown model_type 'rwkv'"):
+        inspect_checkpoint(d)
+
+
+def test_qwen3_refused_with_reason(folders, tmp_path):
+    d = _copy(folders, tmp_path)
+    _edit_config(d, model_type="qwen3")
+    with pytest.raises(ValueError, match="not supported: model_type 'qwen3': .*q_norm, k_norm"):
+        inspect_checkpoint(d)
+
+
+def test_mistral_sliding_window_refused(folders, tmp_path):
+    d = _copy(folders, tmp_path, "mistral")
+    _edit_config(d, sliding_window=128)
+    with pytest.raises(ValueError, match="not supported: sliding_window 128 < max_position_embeddings 256"):
+        inspect_checkpoint(d)
+
+
+def test_missing_shard(folders, tmp_path):
+    d = _copy(folders, tmp_path)
+    (d / "model-00002-of-00005.safetensors").unlink()
+    with pytest.raises(ValueError, match="missing shard model-00002-of-00005.safetensors"):
+        inspect_checkpoint(d)
+
+
+def test_truncated_shard(folders, tmp_path):
+    d = _copy(folders, tmp_path)
+    shard = d / "model-00003-of-00005.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-100])
+    with pytest.raises(ValueError, match="model-00003-of-00005.safetensors: .*(truncated|unreadable)"):
+        inspect_checkpoint(d)
+
+
+def test_tensors_not_matching_config(folders, tmp_path):
+    d = _copy(folders, tmp_path)
+    _edit_config(d, num_key_value_heads=1)
+    with pytest.raises(ValueError, match=r"k_proj.weight has shape \[32, 64\], config.json implies \[16, 64\]"):
+        inspect_checkpoint(d)
+    _edit_config(d, num_key_value_heads=2, num_hidden_layers=3)
+    with pytest.raises(ValueError, match="lacks model.embed_tokens.weight|lacks model.layers.2"):
+        inspect_checkpoint(d)
+
+
+def test_cli_refuses_existing_output_and_leaves_nothing(folders, tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    argv = ["convert", str(folders["llama"]["folder"]), "--to", "mla", "--latent-dim", "24", "--out", str(out)]
+    assert main(argv) == 2
+    assert "exists; pass --force" in capsys.readouterr().err
+    assert (out / "keep.txt").read_text() == "mine"
+    # a failure during the conversion leaves no folder (and no temporary one) behind
+    bad = tmp_path / "bad"
+    assert main(["convert", str(folders["llama"]["folder"]), "--to", "mla", "--latent-dim", "24", "--rope-dim", "7",
+                 "--out", str(bad)]) == 2
+    assert "rope_dim (7)" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
