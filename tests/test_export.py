@@ -17,6 +17,7 @@ from attnlab import models as hf  # noqa: E402
 from attnlab.cli import main  # noqa: E402
 from attnlab.models.export import add_latent_norm, export_deepseek  # noqa: E402
 from attnlab.models.load import load_checkpoint  # noqa: E402
+from attnlab.models.stream import convert_checkpoint  # noqa: E402
 from reference import rel_err  # noqa: E402
 from tiny_checkpoints import TEXT, make_checkpoint  # noqa: E402
 
@@ -75,7 +76,7 @@ def exported(tmp_path_factory):
         save_file({"ids": ids, "prompt": prompt}, str(root / f"in-{name}.safetensors"))
         jobs.append({"folder": str(out), "inputs": str(root / f"in-{name}.safetensors"),
                      "result": str(root / f"out-{name}.safetensors")})
-        ours[name] = dict(logits=logits, greedy=greedy, model=model, folder=out, errors=errors)
+        ours[name] = dict(logits=logits, greedy=greedy, model=model, folder=out, errors=errors, src=src, ids=ids)
     script = root / "child.py"
     script.write_text(CHILD)
     proc = subprocess.run([sys.executable, str(script), json.dumps(jobs)], capture_output=True, text=True,
@@ -125,6 +126,47 @@ def test_latent_norm_is_least_squares_fit(exported):
     x = z @ torch.linalg.pinv(mla.W_DKV.weight.detach() @ u) .T @ u.T * 3.0  # W_DKV x = 3 z
     _, err = add_latent_norm(mla, x)
     assert err <= 1e-10
+
+
+# -- streamed conversion -----------------------------------------------------------------------------
+def _tensors(folder):
+    out = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral"])
+def test_streamed_equals_in_memory(exported, name, tmp_path):
+    """Layer by layer from the shards (small output shards, an index) gives the in-memory export, bit for bit."""
+    e = exported[name]
+    out = convert_checkpoint(e["src"], tmp_path / "st", latent_dim=LATENT, rope_dim=ROPE, calibration_ids=e["ids"],
+                             shard_bytes=60_000)["out"]
+    index = json.loads((tmp_path / "st" / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    ours, theirs = _tensors(tmp_path / "st"), _tensors(e["folder"])
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    assert json.loads((e["folder"] / "config.json").read_text()) == json.loads((tmp_path / "st" / "config.json")
+                                                                              .read_text())
+    assert out == str(tmp_path / "st") and (tmp_path / "st" / "tokenizer.json").is_file()
+
+
+def test_streamed_keeps_source_dtype(tmp_path):
+    make_checkpoint("mistral", tmp_path / "bf16", dtype=torch.bfloat16)
+    convert_checkpoint(tmp_path / "bf16", tmp_path / "out", latent_dim=LATENT, rope_dim=ROPE)
+    assert {t.dtype for t in _tensors(tmp_path / "out").values()} == {torch.bfloat16}
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["dtype"] == "bfloat16"
+    with pytest.raises(ValueError, match="out exists; pass force=True"):
+        convert_checkpoint(tmp_path / "bf16", tmp_path / "out", latent_dim=LATENT, rope_dim=ROPE)
+
+
+def test_streamed_failure_leaves_nothing(exported, tmp_path):
+    with pytest.raises(ValueError, match=r"rope_dim \(6\) must be a positive multiple of 2 \* num_kv_heads \(4\)"):
+        convert_checkpoint(exported["llama"]["src"], tmp_path / "x", latent_dim=LATENT, rope_dim=6)
+    # fails inside the first layer, after the embedding went into the temporary folder
+    with pytest.raises(ValueError, match="latent_dim must be positive, got 0"):
+        convert_checkpoint(exported["llama"]["src"], tmp_path / "x", latent_dim=0, rope_dim=ROPE)
+    assert list(tmp_path.iterdir()) == []
 
 
 # -- refusals ------------------------------------------------------------------------------------------

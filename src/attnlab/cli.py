@@ -194,6 +194,9 @@ def _convert_model(source, to, out, latent_dim, rope_dim, kv_heads, method, cali
         raise UsageProblem(f"--format must be attnlab or deepseek, not {fmt!r}")
     if Path(out).exists() and not force:
         raise UsageProblem(f"{out} exists; pass --force to overwrite it")
+    if fmt == "deepseek" and Path(source).is_dir() and hf.is_checkpoint(source):
+        return _convert_streamed(source, to, out, latent_dim, rope_dim, calibration, calibration_tokens,
+                                 report_json, force)
     model, tok, meta = hf.load_model(source)
     if fmt == "deepseek":
         hf.check_deepseek_request(model, to, latent_dim)
@@ -227,6 +230,29 @@ def _convert_model(source, to, out, latent_dim, rope_dim, kv_heads, method, cali
         hf.export_deepseek(model, out, tokenizer=None if hasattr(model, "attnlab_source") else tok, force=True)
     else:
         hf.save_model(model, meta["base"], out, extra={"conversion": summary})
+    if report_json is not None:
+        _write_atomic(report_json, json.dumps(summary, indent=2).encode())
+    console.print(f"wrote {out}")
+
+
+def _convert_streamed(source, to, out, latent_dim, rope_dim, calibration, calibration_tokens, report_json, force):
+    """A transformers folder to a DeepSeek checkpoint, one layer at a time (models/stream.py)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from .models.stream import calibration_ids_for, convert_checkpoint
+
+    if to != "mla":
+        raise UsageProblem(f"--format deepseek writes an MLA: use --to mla, not {to!r}")
+    ids = calibration_ids_for(source, calibration, calibration_tokens) if calibration is not None else None
+    with Progress(TextColumn("converting layers (streamed)"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), console=console, transient=True) as bar:
+        task = bar.add_task("layers", total=None)
+        summary = convert_checkpoint(source, out, latent_dim=latent_dim, rope_dim=rope_dim, calibration_ids=ids,
+                                     force=force, progress=lambda i, n: bar.update(task, completed=i + 1, total=n))
+    console.print("latent norm (kv_a_layernorm) output error per layer: "
+                  + ", ".join(f"{e:.2e}" for e in summary["latent_norm_output_errors"]))
+    before, after = summary["kv_values_per_token_per_layer"]
+    console.print(f"KV values per token per layer: {before} -> {after}")
     if report_json is not None:
         _write_atomic(report_json, json.dumps(summary, indent=2).encode())
     console.print(f"wrote {out}")

@@ -123,8 +123,11 @@ def _copy_linear(dst: nn.Linear, src: nn.Linear) -> None:
 
 def _llama_rope(model) -> RotaryEmbedding:
     base = getattr(model, "model", model)
-    rot = base.rotary_emb
-    cfg = model.config
+    return rope_from_rotary(model.config, base.rotary_emb)
+
+
+def rope_from_rotary(cfg, rot) -> RotaryEmbedding:
+    """attnlab's RoPE with a transformers rotary module's frequencies (any rope scaling) and attention scaling."""
     params = getattr(cfg, "rope_parameters", None) or {"rope_theta": getattr(cfg, "rope_theta", 10000.0)}
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     return RotaryEmbedding(head_dim, float(params.get("rope_theta", 10000.0)), inv_freq=rot.inv_freq,

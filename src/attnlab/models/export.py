@@ -39,6 +39,8 @@ from .adapters import _layers, attnlab_modules, family
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "generation_config.json")
 SHARD_BYTES = 2 * 1024 ** 3
+NEEDS_LATENT = ("--format deepseek needs --latent-dim: the exact conversion's rope_after_up layout rotates keys "
+                "after the up-projection, which DeepSeek cannot express (decoupled RoPE only)")
 
 
 # -- the latent norm DeepSeek always applies ---------------------------------------------------------
@@ -306,8 +308,7 @@ def check_deepseek_request(model, to: str, latent_dim: int | None) -> None:
     if family(model) != "llama":
         raise ValueError("--format deepseek takes a Llama-family causal LM (Llama, Mistral, Qwen2)")
     if latent_dim is None:
-        raise ValueError("--format deepseek needs --latent-dim: the exact conversion's rope_after_up layout rotates "
-                         "keys after the up-projection, which DeepSeek cannot express (decoupled RoPE only)")
+        raise ValueError(NEEDS_LATENT)
     for i, m in enumerate(attnlab_modules(model)):
         q = getattr(m, "W_Q", None)
         if q is not None and q.bias is not None and bool(q.bias.detach().any()):

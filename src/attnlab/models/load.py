@@ -128,8 +128,8 @@ def _check_length(path: Path, size: int) -> None:
 
 
 def expected_shapes(cfg: dict) -> dict[str, tuple]:
-    """The shape every attention and embedding tensor must have, from the config."""
-    D, H = cfg["hidden_size"], cfg["num_attention_heads"]
+    """The shape every attention, MLP, norm and embedding tensor must have, from the config."""
+    D, H, F = cfg["hidden_size"], cfg["num_attention_heads"], cfg.get("intermediate_size")
     G = cfg.get("num_key_value_heads") or H
     d = cfg.get("head_dim") or D // H
     shapes = {"model.embed_tokens.weight": (cfg["vocab_size"], D)}
@@ -137,6 +137,11 @@ def expected_shapes(cfg: dict) -> dict[str, tuple]:
         p = f"model.layers.{i}.self_attn."
         shapes.update({p + "q_proj.weight": (H * d, D), p + "k_proj.weight": (G * d, D),
                        p + "v_proj.weight": (G * d, D), p + "o_proj.weight": (D, H * d)})
+        m = f"model.layers.{i}."
+        shapes.update({m + "input_layernorm.weight": (D,), m + "post_attention_layernorm.weight": (D,),
+                       m + "mlp.gate_proj.weight": (F, D), m + "mlp.up_proj.weight": (F, D),
+                       m + "mlp.down_proj.weight": (D, F)})
+    shapes["model.norm.weight"] = (D,)
     return shapes
 
 

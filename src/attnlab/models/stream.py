@@ -1,0 +1,212 @@
+"""Convert a transformers checkpoint folder to a DeepSeek-V3 MLA checkpoint one layer at a time.
+
+Nothing holds the whole model: tensors are read lazily from the shards (safetensors'
+safe_open, one tensor at a time, the file closed again), each layer is converted
+(float32 arithmetic) and written in the source dtype into output shards as it comes,
+with an index file. The output goes to a temporary folder beside `out` that is renamed
+into place at the end (nothing half-written is left on error).
+
+Calibration, optional: the token ids' hidden states are carried through the layers as
+they are read, twice: through the original layers (their inputs whiten each layer's SVD,
+as convert_model does from one forward of the original model) and through the converted
+ones (their inputs fit the latent norm, as add_latent_norms does). The result equals the
+in-memory convert_model + add_latent_norms + export_deepseek (tests/test_export.py).
+"""
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from ..gqa import GroupedQueryAttention
+from .export import (NEEDS_LATENT, SHARD_BYTES, ShardWriter, add_latent_norm, check_exportable, check_source_config,
+                     copy_tokenizer, deepseek_attention_tensors, deepseek_config)
+from .load import inspect_checkpoint, open_shards
+
+F32 = torch.float32
+
+
+class LazyTensors:
+    """Tensors of a checkpoint by name, read one at a time (the shard is opened and closed per read)."""
+
+    def __init__(self, folder: Path):
+        self.where = open_shards(folder)
+        self.bytes_read = 0
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.where
+
+    def get(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        if name not in self.where:
+            raise ValueError(f"the checkpoint lacks {name}")
+        path, _ = self.where[name]
+        with safe_open(str(path), framework="pt") as f:
+            t = f.get_tensor(name).clone()  # own the memory: nothing stays mapped once the file is closed
+        self.bytes_read += t.numel() * t.element_size()
+        return t
+
+
+def _rope(folder: Path):
+    """attnlab's RoPE with the checkpoint's own rotary frequencies (transformers' rotary module, no weights)."""
+    import importlib
+
+    from transformers import AutoConfig
+
+    from .adapters import rope_from_rotary
+
+    cfg = AutoConfig.from_pretrained(str(folder))
+    name = type(cfg).__name__.removesuffix("Config")
+    module = importlib.import_module(f"transformers.models.{name.lower()}.modeling_{name.lower()}")
+    return cfg, rope_from_rotary(cfg, getattr(module, f"{name}RotaryEmbedding")(cfg))
+
+
+def _attention(cfg: dict, rope, tensors: LazyTensors, i: int) -> GroupedQueryAttention:
+    """Layer i's attention as an attnlab GQA (float32), as adapters.to_attnlab builds it."""
+    D, H = cfg["hidden_size"], cfg["num_attention_heads"]
+    G = cfg.get("num_key_value_heads") or H
+    d = cfg.get("head_dim") or D // H
+    p = f"model.layers.{i}.self_attn."
+    bias = p + "q_proj.bias" in tensors
+    m = GroupedQueryAttention(D, H, G, head_dim=d, bias=bias, grouping="blocked", rope_base=rope.base, dtype=F32)
+    m.rope = rope
+    with torch.no_grad():
+        for lin, name in ((m.W_Q, "q_proj"), (m.W_K, "k_proj"), (m.W_V, "v_proj"), (m.W_O, "o_proj")):
+            lin.weight.copy_(tensors.get(p + name + ".weight"))
+            if lin.bias is not None:
+                b = p + name + ".bias"
+                lin.bias.copy_(tensors.get(b) if b in tensors else torch.zeros_like(lin.bias))
+    return m
+
+
+def _rms_norm(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return weight.to(F32) * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps))  # (N, D)
+
+
+class _Block:
+    """Norms and MLP of one decoder layer (float32), to carry calibration hidden states through it."""
+
+    def __init__(self, cfg: dict, tensors: LazyTensors, i: int):
+        from transformers.activations import ACT2FN
+
+        p = f"model.layers.{i}."
+        self.eps = float(cfg.get("rms_norm_eps", 1e-6))
+        self.act = ACT2FN[cfg.get("hidden_act", "silu")]
+        self.tensors = {k: tensors.get(p + k) for k in ("input_layernorm.weight", "post_attention_layernorm.weight",
+                                                          "mlp.gate_proj.weight", "mlp.up_proj.weight",
+                                                          "mlp.down_proj.weight")}
+
+    def attention_input(self, h: torch.Tensor) -> torch.Tensor:
+        return _rms_norm(h, self.tensors["input_layernorm.weight"], self.eps)
+
+    def forward(self, h: torch.Tensor, attn) -> torch.Tensor:
+        """h (N, D) -> the layer's output, with `attn` as its attention (one causal sequence)."""
+        t = {k: v.to(F32) for k, v in self.tensors.items()}
+        with torch.no_grad():
+            h = h + attn(self.attention_input(h)[None], is_causal=True)[0]
+            x = _rms_norm(h, t["post_attention_layernorm.weight"], self.eps)
+            return h + (self.act(x @ t["mlp.gate_proj.weight"].T) * (x @ t["mlp.up_proj.weight"].T)) \
+                @ t["mlp.down_proj.weight"].T  # (N, D)
+
+
+def calibration_ids_for(folder, text, max_tokens: int | None = None) -> torch.Tensor:
+    """Token ids (1, N) of a text file, with the checkpoint's own tokenizer."""
+    from transformers import AutoTokenizer
+
+    from .evaluate import read_text_ids
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(folder))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{folder}: calibration needs the checkpoint's tokenizer files: {e}") from None
+    return read_text_ids(tok, text, max_tokens)
+
+
+def convert_checkpoint(source, out, *, latent_dim: int | None, rope_dim: int | None = None,
+                       calibration_ids: torch.Tensor | None = None, pair_selection: str = "frequency",
+                       force: bool = False, shard_bytes: int = SHARD_BYTES // 4, progress=None) -> dict:
+    """Stream a Llama/Mistral/Qwen2 folder into a DeepSeek-V3 MLA checkpoint at `out`; returns a summary.
+
+    latent_dim, rope_dim, pair_selection: as convert_model (decoupled RoPE; rope_dim defaults to
+    2 * num_kv_heads * 16). calibration_ids (1, N): token ids whose activations whiten the SVDs
+    and fit the latent norms. progress(i, n) is called after each layer.
+    """
+    from ..convert import gqa_to_mla_decoupled
+    from .convert import DEFAULT_ROPE_PAIRS
+
+    folder, out = Path(str(source)), Path(str(out))
+    if latent_dim is None:
+        raise ValueError(NEEDS_LATENT)
+    cfg = inspect_checkpoint(folder)
+    check_source_config(cfg)
+    if out.exists() and not force:
+        raise ValueError(f"{out} exists; pass force=True (--force) to overwrite it")
+    tensors = LazyTensors(folder)
+    hf_cfg, rope = _rope(folder)
+    L, G = cfg["num_hidden_layers"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    rope_dim = 2 * G * DEFAULT_ROPE_PAIRS if rope_dim is None else rope_dim
+    if rope_dim <= 0 or rope_dim % (2 * G):
+        raise ValueError(f"rope_dim ({rope_dim}) must be a positive multiple of 2 * num_kv_heads ({2 * G})")
+    if any(f"model.layers.{i}.self_attn.q_proj.bias" in tensors for i in range(L)):
+        raise ValueError(f"{folder}: query bias (Qwen2's q_proj bias): DeepSeek's q_proj has none, and the bias's "
+                         "product with each key varies from key to key, so it cannot be folded")
+    dtype = tensors.get("model.layers.0.self_attn.q_proj.weight").dtype
+    tied = bool(getattr(hf_cfg, "tie_word_embeddings", False))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        shards = ShardWriter(tmp, shard_bytes)
+        embed = tensors.get("model.embed_tokens.weight")
+        h_orig = h_conv = None
+        if calibration_ids is not None:
+            h_orig = h_conv = embed[calibration_ids.reshape(-1)].to(F32)  # (N, D)
+        shards.add("model.embed_tokens.weight", embed)
+        del embed
+        shards.flush()
+        errors, first = [], None
+        for i in range(L):
+            gqa = _attention(cfg, rope, tensors, i)
+            block = _Block(cfg, tensors, i)
+            x_orig = block.attention_input(h_orig) if h_orig is not None else None
+            x_conv = block.attention_input(h_conv) if h_conv is not None else None
+            mla, _ = gqa_to_mla_decoupled(gqa, latent_dim, rope_dim // (2 * G), calibration=x_orig,
+                                          pair_selection=pair_selection)
+            mla, err = add_latent_norm(mla, x_conv)
+            check_exportable([first or mla, mla])
+            first = first or mla
+            errors.append(err)
+            p = f"model.layers.{i}."
+            for k, v in deepseek_attention_tensors(mla, p + "self_attn.").items():
+                shards.add(k, v.to(dtype))
+            for k, v in block.tensors.items():
+                shards.add(p + k, v)
+            if h_orig is not None:
+                h_orig, h_conv = block.forward(h_orig, gqa), block.forward(h_conv, mla)
+            del gqa, mla, block
+            if progress:
+                progress(i, L)
+        shards.add("model.norm.weight", tensors.get("model.norm.weight"))
+        if not tied:
+            shards.add("lm_head.weight", tensors.get("lm_head.weight"))
+        shards.close()
+        src = dict(cfg, tie_word_embeddings=tied)
+        config = deepseek_config(src, first, dtype=str(dtype).removeprefix("torch."))
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        copy_tokenizer(folder, tmp)
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    kv_before = 2 * G * (cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
+    return {"source": str(folder), "out": str(out), "layers": L, "latent_dim": latent_dim, "rope_dim": rope_dim,
+            "kv_values_per_token_per_layer": [kv_before, latent_dim + rope_dim],
+            "latent_norm_output_errors": errors, "bytes_read": tensors.bytes_read,
+            "calibration_tokens": 0 if calibration_ids is None else int(calibration_ids.numel()),
+            "rms_latent_norm_error": math.sqrt(sum(e * e for e in errors) / max(len(errors), 1))}
