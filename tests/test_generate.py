@@ -131,6 +131,70 @@ def test_generator_reuses_its_caches_for_a_smaller_batch(pair, batch):
     assert gen.kv_bytes_per_token == layer_values * 4  # float32
 
 
+# -- fixed-shape decode (CUDA graphs) -------------------------------------------------------------
+FIXED_TOL = 1e-5  # float32: the same softmax over more keys, the extra ones masked (measured ~4e-7)
+
+
+def _variant(pair, variant):
+    if variant == "gqa":
+        return pair[1]
+    model = _converted(pair, **({"latent_dim": 40, "rope_dim": 8} if variant == "compressed" else {}))
+    if variant == "exact-general":
+        for m in attnlab_modules(model):
+            m.kv_tiling = None
+    return model
+
+
+@pytest.mark.parametrize("variant", ["gqa", "exact", "exact-general", "compressed"])
+def test_fixed_shape_step_equals_the_normal_step(pair, batch, variant):
+    _, ids, mask = batch
+    model = _variant(pair, variant)
+    normal, fixed = Generator(model, 3, 20), Generator(model, 3, 20, fixed_shape=True)
+    for rows in (slice(0, 3), slice(0, 2)):  # a second prefill, on a smaller batch, reuses the caches
+        a, b = normal.prefill(ids[rows], mask[rows]), fixed.prefill(ids[rows], mask[rows])
+        assert torch.equal(a, b)
+        for _ in range(6):
+            nxt = a.argmax(-1)
+            a, b = normal.step(nxt), fixed.step(nxt)
+            assert (a - b).norm() <= FIXED_TOL * a.norm()
+            assert torch.equal(a.argmax(-1), b.argmax(-1))
+    assert fixed.caches[0].length == normal.caches[0].length == ids.shape[1] + 6
+
+
+@pytest.mark.parametrize("variant", ["gqa", "exact", "compressed"])
+def test_fixed_shape_step_is_one_graph_compiled_once(pair, batch, variant):
+    """torch.compile traces the step whole (fullgraph) and never recompiles: what a CUDA graph capture needs."""
+    import torch._dynamo
+
+    _, ids, mask = batch
+    model = _variant(pair, variant)
+    eager, gen = Generator(model, 3, 16, fixed_shape=True), Generator(model, 3, 16, fixed_shape=True)
+    torch._dynamo.reset()
+    gen._decode = torch.compile(gen._fixed_step, backend="eager", fullgraph=True)
+    a, b = eager.prefill(ids, mask), gen.prefill(ids, mask)
+    b = gen.step(a.argmax(-1))  # compiles
+    a = eager.step(a.argmax(-1))
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for _ in range(4):
+            nxt = a.argmax(-1)
+            a, b = eager.step(nxt), gen.step(nxt)
+            assert (a - b).norm() <= FIXED_TOL * a.norm()
+        gen.prefill(ids, mask)  # a new prompt batch of the same size replays the same graph
+        gen.step(nxt)
+
+
+def test_generate_reuses_a_given_generator(pair, batch):
+    _, ours = pair
+    _, ids, mask = batch
+    gen = Generator(ours, 3, 24, fixed_shape=True)
+    expected = generate(ours, ids, mask, max_new_tokens=NEW)
+    assert torch.equal(generate(ours, ids, mask, max_new_tokens=NEW, generator=gen), expected)
+    with pytest.raises(ValueError, match="max_len 30 differs from the given generator's max_len 24"):
+        generate(ours, ids, mask, max_new_tokens=NEW, generator=gen, max_len=30)
+    with pytest.raises(ValueError, match="9 prompt tokens \\+ max_new_tokens 16 = 25 exceed max_len 24"):
+        generate(ours, ids, mask, max_new_tokens=16, generator=gen)
+
+
 # -- sampling ------------------------------------------------------------------------------------
 def test_same_seed_same_tokens_and_top_k_1_is_greedy(pair, batch):
     _, ours = pair

@@ -66,8 +66,32 @@ class _Cache:
 
     @property
     def length(self) -> int:
-        """Tokens held so far."""
-        return self._length
+        """Tokens held so far (for a fixed_slot view: max_len - 1, see there)."""
+        return self._length if self._slot is None else self.max_len - 1
+
+    _slot: torch.Tensor | None = None
+
+    def fixed_slot(self, slot: torch.Tensor) -> "_Cache":
+        """A fixed-shape view of this cache for one-token decode steps (CUDA graphs, torch.compile).
+
+        extend() writes the one new token at `slot`, a 1-element int64 tensor (its value is
+        data, not a Python int, so every step runs the same operations on the same shapes), and
+        returns the whole max_len buffers; attention must then mask the slots not yet written
+        (a key-padding mask over max_len). The view shares this cache's memory and reports
+        length max_len - 1, so a module attends to max_len keys; after the steps, tell this
+        cache how far it is filled with mark_filled().
+        """
+        if not isinstance(slot, torch.Tensor) or slot.dtype != torch.int64 or slot.numel() != 1:
+            raise TypeError(f"slot must be a 1-element int64 tensor, got {slot!r}")
+        part = copy.copy(self)
+        part._slot = slot.view(1)
+        return part
+
+    def mark_filled(self, length: int) -> None:
+        """Declare the first `length` slots written (by steps through a fixed_slot view)."""
+        if not 0 <= length <= self.max_len:
+            raise ValueError(f"length must be between 0 and max_len {self.max_len}, got {length}")
+        self._length = length
 
     def reset(self) -> None:
         self._length = 0
@@ -91,6 +115,13 @@ class _Cache:
     def extend(self, **new: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Write the new tokens after the cached ones; return each buffer up to the new length."""
         n = next(iter(new.values())).shape[-2]
+        if self._slot is not None:
+            if n != 1:
+                raise ValueError(f"a fixed_slot view writes one token per call, got {n}")
+            for name, t in new.items():
+                buf = getattr(self, name)
+                buf.index_copy_(buf.dim() - 2, self._slot, t)
+            return tuple(self.tensors())
         if self.length + n > self.max_len:
             raise ValueError(f"cannot append {n} tokens: the cache holds {self.length} of max_len {self.max_len}")
         end = self.length + n

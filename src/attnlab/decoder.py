@@ -20,6 +20,13 @@ of its tokens, so every real query-key pair has the same offset, and pads are
 masked. (An exact MLA in the `rope_after_up` layout rotates cached keys at slots
 0..S-1 by construction, so slot indices are the one choice that fits every module.)
 In float32 the result differs from per-row positions only by rounding of the angles.
+
+CUDA graphs. A decode step normally attends to the S tokens cached so far, a shape
+that changes every step. With `fixed_shape` it attends to all S_max slots instead,
+those not yet written hidden by the key-padding mask, and writes its token at a slot
+held in a tensor (`_Cache.fixed_slot`), so every step runs the same kernels on the
+same shapes and torch.compile(mode="reduce-overhead") captures it once as a CUDA graph.
+It reads more keys than it needs (S_max instead of S): the price of replaying one graph.
 """
 from __future__ import annotations
 
@@ -51,12 +58,18 @@ class Generator:
         max_len: tokens per row the caches hold (prompt, padding included, plus generated).
         dtype, device: of the caches and activations; default the model's. The model's
             weights must already have them (convert with model.to(...) first).
+        fixed_shape: decode with steps of one fixed shape (default: on CUDA): each step writes
+            its token at a slot given as a tensor and attends to all max_len slots, those not
+            yet written masked, so the step can be captured once and replayed.
+        compile: run that step through torch.compile(mode="reduce-overhead"), i.e. as a CUDA
+            graph on CUDA (default: on CUDA). Reuse one Generator across prompts to reuse the graph.
 
     prefill(input_ids, attention_mask) -> logits (B, V) of the last position; step(ids (B,))
     -> logits (B, V) of the token just fed. `kv_bytes_per_token` is measured from the caches.
     """
 
-    def __init__(self, model, max_batch_size: int, max_len: int, dtype: torch.dtype | None = None, device=None):
+    def __init__(self, model, max_batch_size: int, max_len: int, dtype: torch.dtype | None = None, device=None,
+                 *, fixed_shape: bool | None = None, compile: bool | None = None):
         checks.positive_int("max_batch_size", max_batch_size)
         checks.positive_int("max_len", max_len)
         self.embed, self.layers, self.norm, self.lm_head, self.modules = _llama_parts(model)
@@ -70,8 +83,19 @@ class Generator:
         self.max_batch_size, self.max_len = max_batch_size, max_len
         self._full = [m.init_cache(max_batch_size, max_len, dtype=dtype, device=self.device) for m in self.modules]
         self.caches = self._full
+        self._views: dict[int, tuple[list, list | None]] = {}  # batch size -> (caches, their fixed_slot views)
         self._valid = torch.zeros(max_batch_size, max_len, dtype=torch.bool, device=self.device)  # real keys
         self.batch_size, self.length, self.padded = 0, 0, False
+        on_cuda = self.device.type == "cuda"
+        self.fixed_shape = on_cuda if fixed_shape is None else bool(fixed_shape)
+        compile = self.fixed_shape and on_cuda if compile is None else bool(compile)
+        if compile and not self.fixed_shape:
+            raise ValueError("compile=True captures the fixed-shape decode step: pass fixed_shape=True too")
+        self._slot = torch.zeros(1, dtype=torch.int64, device=self.device)  # the slot a fixed-shape step writes
+        self._fixed = None
+        self._decode = self._fixed_step
+        if compile:  # captured once as a CUDA graph on CUDA, replayed every step
+            self._decode = torch.compile(self._fixed_step, mode="reduce-overhead", fullgraph=True)
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -82,13 +106,14 @@ class Generator:
         """Forget every cached token (the buffers stay allocated)."""
         for c in self._full:
             c.reset()
-        self.caches, self.batch_size, self.length, self.padded = self._full, 0, 0, False
+        self.caches, self._fixed, self.batch_size, self.length, self.padded = self._full, None, 0, 0, False
 
     # -- the model, layer by layer -------------------------------------------------------------
-    def _layers(self, x: torch.Tensor, mask, key_padding_mask, is_causal: bool) -> torch.Tensor:
-        for layer, attn, cache in zip(self.layers, self.modules, self.caches):
+    def _layers(self, x: torch.Tensor, caches, mask, key_padding_mask, is_causal: bool,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        for layer, attn, cache in zip(self.layers, self.modules, caches):
             h = x + attn(layer.input_layernorm(x), cache=cache, mask=mask, key_padding_mask=key_padding_mask,
-                         is_causal=is_causal)  # (B, L, dim)
+                         is_causal=is_causal, positions=positions)  # (B, L, dim)
             x = h + layer.mlp(layer.post_attention_layernorm(h))  # (B, L, dim)
         return x
 
@@ -116,18 +141,27 @@ class Generator:
             raise ValueError("input_ids holds empty prompts (length 0)")
         real = self._check_mask(attention_mask, B, P)
         self.reset()
-        self.caches = [c.batch_view(B) for c in self._full]
+        if B not in self._views:  # made once per batch size, so that a compiled step sees the same objects
+            self._views[B] = ([c.batch_view(B) for c in self._full], None)
+        self.caches, self._fixed = self._views[B]
+        for c in self.caches:
+            c.reset()
         self.batch_size, self.padded = B, real is not None
         ids = input_ids.to(self.device)
         mask = None
+        self._valid[:B] = False
+        self._valid[:B, :P] = True if real is None else real
         if real is not None:
-            self._valid[:B, :P] = real
             # causal, pad keys hidden; each token also sees itself so that no pad row is empty
             causal = torch.ones(P, P, dtype=torch.bool, device=self.device).tril()  # (P, P)
             mask = causal & (real[:, None, :] | torch.eye(P, dtype=torch.bool, device=self.device))  # (B, P, P)
             mask = mask[:, None]  # (B, 1, P, P)
-        x = self._layers(self.embed(ids), mask, None, is_causal=mask is None)  # (B, P, dim)
+        x = self._layers(self.embed(ids), self.caches, mask, None, is_causal=mask is None)  # (B, P, dim)
         self.length = P
+        if self.fixed_shape and self._fixed is None:
+            # made after a prefill: a view shares the layout an MLA records in its cache while it is empty
+            self._fixed = [c.fixed_slot(self._slot) for c in self.caches]
+            self._views[B] = (self.caches, self._fixed)
         return self._logits(x[:, -1:])
 
     def _check_mask(self, attention_mask, B: int, P: int):
@@ -160,10 +194,25 @@ class Generator:
             raise ValueError(f"cannot generate past max_len {self.max_len}: the caches hold {self.length} tokens "
                              "per row (make the Generator with a larger max_len)")
         B, S = self.batch_size, self.length + 1
-        kpm = None
-        if self.padded:
-            self._valid[:B, S - 1] = True
-            kpm = self._valid[:B, :S]  # (B, S)
-        x = self._layers(self.embed(next_ids.to(self.device)[:, None]), None, kpm, is_causal=True)  # (B, 1, dim)
+        ids = next_ids.to(self.device)
+        if self.fixed_shape:
+            self._slot.fill_(S - 1)
+            logits = self._decode(ids).clone()  # a replayed graph overwrites its output
+            for c in self.caches:
+                c.mark_filled(S)
+            self.length = S
+            return logits
+        self._valid[:B, S - 1] = True
+        kpm = self._valid[:B, :S] if self.padded else None  # (B, S)
+        x = self._layers(self.embed(ids[:, None]), self.caches, None, kpm, is_causal=True)  # (B, 1, dim)
         self.length = S
+        return self._logits(x)
+
+    def _fixed_step(self, ids: torch.Tensor) -> torch.Tensor:
+        """One decode step with the same shapes at every length: it writes slot `_slot` and attends to all
+        max_len slots, the unwritten ones masked. ids (B,) -> logits (B, V)."""
+        valid = self._valid[:ids.shape[0]]  # (B, S_max)
+        valid.index_fill_(1, self._slot, True)
+        x = self._layers(self.embed(ids[:, None]), self._fixed, None, valid, is_causal=False,
+                         positions=self._slot)  # (B, 1, dim)
         return self._logits(x)

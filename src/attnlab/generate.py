@@ -78,7 +78,7 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
              seed: int | None = None, eos_token_id: int | Iterable[int] | None = None,
              pad_token_id: int | None = None, stream: Callable[[torch.Tensor], None] | None = None,
-             max_len: int | None = None) -> torch.Tensor:
+             max_len: int | None = None, generator: Generator | None = None) -> torch.Tensor:
     """Continue a batch of left-padded prompts (B, P); returns (B, P + new) token ids.
 
     model: a Llama-family causal LM after attnlab.models.to_attnlab (GQA), possibly converted
@@ -88,6 +88,8 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     None never stops early. A finished row gets pad_token_id (default the model config's
     pad_token_id, else the first EOS id). stream(column) is called with each new (B,) column
     as it is chosen. max_len: tokens per row the caches hold, default P + max_new_tokens.
+    generator: a decoder.Generator of this model to reuse (its caches, and on CUDA its captured
+    decode step) instead of making one; it must hold B rows of P + max_new_tokens tokens.
     """
     checks.positive_int("max_new_tokens", max_new_tokens)
     check_sampling(temperature, top_k, top_p)
@@ -95,7 +97,13 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
         shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
         raise ValueError(f"input_ids must be a (batch, length) tensor, got {shape}")
     B, P = input_ids.shape
-    if max_len is None:
+    if generator is not None:
+        if max_len is not None and max_len != generator.max_len:
+            raise ValueError(f"max_len {max_len} differs from the given generator's max_len {generator.max_len}")
+        if generator.model is not model:
+            raise ValueError("the given generator was made for another model")
+        max_len = generator.max_len
+    elif max_len is None:
         max_len = P + max_new_tokens
     checks.positive_int("max_len", max_len)
     if P > max_len:
@@ -103,7 +111,7 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     if P + max_new_tokens > max_len:
         raise ValueError(f"{P} prompt tokens + max_new_tokens {max_new_tokens} = {P + max_new_tokens} exceed "
                          f"max_len {max_len}")
-    gen = Generator(model, B, max_len)
+    gen = Generator(model, B, max_len) if generator is None else generator
     device = gen.device
     eos = _eos_ids(eos_token_id, device)
     if pad_token_id is None and eos is not None:

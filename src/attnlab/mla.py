@@ -204,9 +204,9 @@ class MultiHeadLatentAttention(AttentionModule):
         a stale graph) or under torch.compile (which traces the computation).
         """
         wk, wv = self.W_UK.weight, self.W_UV.weight
-        key = tuple((id(w), w._version, w.data_ptr(), w.dtype, w.device) for w in (wk, wv))
         cacheable = not torch.compiler.is_compiling() and not (
             torch.is_grad_enabled() and (wk.requires_grad or wv.requires_grad))
+        key = tuple((id(w), w._version, w.data_ptr(), w.dtype, w.device) for w in (wk, wv)) if cacheable else None
         if cacheable and self._absorbed_cache is not None and self._absorbed_cache[0] == key:
             return self._absorbed_cache[1]
         H, d, dv, r = self.num_heads, self.head_dim, self.v_head_dim, self.latent_dim
@@ -249,6 +249,8 @@ class MultiHeadLatentAttention(AttentionModule):
         """kv_tiling is set and the weights still are that tiling (re-checked when they change)."""
         if self.kv_tiling is None:
             return False
+        if torch.compiler.is_compiling() and self._tiling_verdict is not None:
+            return self._tiling_verdict[1]  # traced code keeps the verdict of the last eager call
         tensors = [t for lin in (self.W_UK, self.W_UV) for t in (lin.weight, lin.bias) if t is not None]
         key = tuple((id(t), t._version, t.data_ptr(), t.dtype) for t in tensors)
         if self._tiling_verdict is None or self._tiling_verdict[0] != key:
