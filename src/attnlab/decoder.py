@@ -66,6 +66,7 @@ class Generator:
 
     prefill(input_ids, attention_mask) -> logits (B, V) of the last position; step(ids (B,))
     -> logits (B, V) of the token just fed. `kv_bytes_per_token` is measured from the caches.
+    The layers' attention modules are read when the Generator is made: make it after any conversion.
     """
 
     def __init__(self, model, max_batch_size: int, max_len: int, dtype: torch.dtype | None = None, device=None,
