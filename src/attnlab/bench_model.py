@@ -8,9 +8,10 @@ The attnlab rows decode through attnlab.generate.Generator (static caches) when 
 else through the transformers cache adapter (the JSON says which: "loop").
 
 Columns: prefill ms (one prompt of `prompt` tokens, B rows), decode tokens/s (B / the median
-step), peak memory (CPU: the process's resident high-water mark, reset before each row through
-/proc/self/clear_refs; CUDA: torch's peak allocation), KV bytes/token, roofline fractions and
-ratios against the GQA swap of the same dtype, batch and prompt.
+step), peak memory beyond the weights (caches + prefill activations: CPU, the process's resident
+high-water mark, reset through /proc/self/clear_refs, less the resident set before the caches
+were made; CUDA, torch's peak allocation less the allocation before), KV bytes/token, roofline
+fractions and ratios against the GQA swap of the same dtype, batch and prompt.
 Rooflines: a decode step must read every weight once (tied embedding once; a GQA-tiled MLA
 skips W_UK/W_UV) plus B * context * KV bytes/token, at the copy bandwidth measured here (bytes
 read + written by a large copy); prefill must do 2 * B * L * (weights in matrix products) plus
@@ -27,13 +28,14 @@ import torch
 F32, BF16 = torch.float32, torch.bfloat16
 
 # (batch, prompt, decode steps): this 2-core CPU cannot run the issue's B in {1, 16, 64} x {2k, 8k}
-# grid (SmolLM2 prefills 2k tokens in about 5 s at B=1); docs/performance.md says what was cut.
-CPU_GRID = ((1, 2048, 16), (16, 2048, 8), (1, 8192, 4))
+# grid (SmolLM2 prefills 2k tokens in 5-8 s at B=1, 16 rows in 2-4 minutes); docs/performance.md
+# says what was cut. All variants of a point are in memory at once (they take turns).
+CPU_GRID = ((1, 2048, 24), (16, 2048, 8))
 CPU_VARIANTS = {  # which variants run at each grid point (the others cost minutes each)
     (1, 2048): ("hf-eager", "hf-sdpa", "gqa", "mla-exact", "mla-r128-p96", "mla-r64-p48",
                 "gqa-bf16", "mla-exact-bf16", "mla-r128-p96-bf16"),
-    (16, 2048): ("gqa", "mla-exact", "mla-r128-p96", "mla-r64-p48"),
-    (1, 8192): ("gqa", "mla-r128-p96"),
+    (16, 2048): ("gqa", "mla-r128-p96"),
+    (1, 8192): ("gqa", "mla-exact", "mla-r128-p96"),  # not in CPU_GRID: pass grid=((1, 8192, 4),)
 }
 QUICK_GRID = ((2, 48, 3),)
 CUDA_GRID = ((1, 8192, 32), (16, 4096, 32), (64, 8192, 16), (1, 32768, 16))
@@ -87,13 +89,15 @@ def _reset_peak(device) -> None:
         pass
 
 
-def _peak_mb(device) -> float | None:
+def _memory_mb(device, peak: bool) -> float | None:
+    """CUDA: torch's (peak) allocation; CPU: the process's resident set (VmRSS) or its high-water mark (VmHWM)."""
     if torch.device(device).type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2 ** 20
+        return (torch.cuda.max_memory_allocated if peak else torch.cuda.memory_allocated)(device) / 2 ** 20
+    field = "VmHWM:" if peak else "VmRSS:"
     try:
         with open("/proc/self/status") as f:
             for line in f:
-                if line.startswith("VmHWM:"):
+                if line.startswith(field):
                     return int(line.split()[1]) / 1024
     except OSError:
         return None
@@ -215,38 +219,51 @@ def _loop(model, name, B, max_len, device):
     return _TransformersLoop(model), "transformers-cache"
 
 
-def _run_row(model, name, B, L, steps, device, rate, vocab) -> dict:
-    dtype = next(model.parameters()).dtype
+def _measure_point(models: dict, B: int, L: int, steps: int, device, rate, vocab, progress=None) -> list[dict]:
+    """Rows of one (batch, prompt) point. Variants take turns, step by step, so that the load of a
+    shared machine falls on all of them alike; each variant's prefill is timed once after a warm-up."""
     ids = torch.randint(0, vocab, (B, L), generator=torch.Generator().manual_seed(0)).to(device)
-    loop, kind = _loop(model, name, B, L + steps + 2, device)
+    loops, out = {}, {}
     with torch.inference_mode():
-        nxt = loop.prefill(ids[:, :16]).argmax(-1)  # warm-up of both paths, (B,)
-        loop.step(nxt)
-        _reset_peak(device)
-        _sync(device)
-        t0 = time.perf_counter()
-        logits = loop.prefill(ids)
-        _sync(device)
-        prefill_s = time.perf_counter() - t0
-        nxt = logits.argmax(-1)  # (B,)
-        times = []
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            nxt = loop.step(nxt).argmax(-1)
+        for name, model in models.items():
+            _reset_peak(device)
+            before = _memory_mb(device, peak=False)
+            loop, kind = _loop(model, name, B, L + steps + 2, device)
+            nxt = loop.prefill(ids[:, :16]).argmax(-1)  # warm-up of both paths, (B,)
+            loop.step(nxt)
             _sync(device)
-            times.append(time.perf_counter() - t0)
-    step_s = statistics.median(times)
-    kv = _kv_bytes(model, dtype)
-    weights = _weight_bytes(model)
-    context = L + steps // 2
-    read = weights + B * context * kv
-    flops = _prefill_flops(model, B, L)
-    gemm = rate[f"gemm_flops_per_s_{str(dtype).removeprefix('torch.')}"]
-    return {"variant": name, "dtype": str(dtype).removeprefix("torch."), "batch": B, "prompt": L, "loop": kind,
-            "prefill_ms": prefill_s * 1e3, "decode_ms": step_s * 1e3, "decode_tok_s": B / step_s,
-            "peak_mb": _peak_mb(device), "kv_bytes_per_token": kv,
-            "decode_read_mb": read / 1e6, "decode_roofline": read / rate["copy_bytes_per_s"] / step_s,
-            "prefill_gflop": flops / 1e9, "prefill_roofline": flops / gemm / prefill_s}
+            t0 = time.perf_counter()
+            logits = loop.prefill(ids)
+            _sync(device)
+            peak = _memory_mb(device, peak=True)
+            out[name] = {"loop": kind, "prefill_s": time.perf_counter() - t0, "steps": [],
+                         "next": logits.argmax(-1),  # (B,)
+                         "peak_mb": None if peak is None or before is None else peak - before}
+            loops[name] = loop
+            if progress:
+                progress(f"model {name} B={B} L={L}: prefill {out[name]['prefill_s'] * 1e3:.0f} ms")
+        for _ in range(steps):
+            for name, loop in loops.items():
+                o = out[name]
+                t0 = time.perf_counter()
+                o["next"] = loop.step(o["next"]).argmax(-1)
+                _sync(device)
+                o["steps"].append(time.perf_counter() - t0)
+    rows = []
+    for name, model in models.items():
+        o = out[name]
+        dtype = next(model.parameters()).dtype
+        step_s = statistics.median(o["steps"])
+        kv = _kv_bytes(model, dtype)
+        read = _weight_bytes(model) + B * (L + steps // 2) * kv
+        flops = _prefill_flops(model, B, L)
+        gemm = rate[f"gemm_flops_per_s_{str(dtype).removeprefix('torch.')}"]
+        rows.append({"variant": name, "dtype": str(dtype).removeprefix("torch."), "batch": B, "prompt": L,
+                     "loop": o["loop"], "prefill_ms": o["prefill_s"] * 1e3, "decode_ms": step_s * 1e3,
+                     "decode_tok_s": B / step_s, "peak_mb": o["peak_mb"], "kv_bytes_per_token": kv,
+                     "decode_read_mb": read / 1e6, "decode_roofline": read / rate["copy_bytes_per_s"] / step_s,
+                     "prefill_gflop": flops / 1e9, "prefill_roofline": flops / gemm / o["prefill_s"]})
+    return rows
 
 
 def _ratios(rows: list[dict]) -> None:
@@ -304,17 +321,12 @@ def model_suite(quick: bool = False, device: str = "cpu", grid=None, variants=No
     rate = rates(device, dtypes=(BF16,) if cuda else (F32, BF16))
     vocab = base.config.vocab_size
     rows = []
-    built = {}
     for B, L, steps in grid:
-        for name in plan[(B, L)]:
-            if name not in built:
-                built.clear()  # one converted model in memory at a time
-                built[name] = _variant(base, name, compressed).to(device)
-                if cuda and name.startswith("hf-"):
-                    built[name] = built[name].to(BF16)
-            rows.append(_run_row(built[name], name, B, L, steps, device, rate, vocab))
-            if progress:
-                progress(f"model {name} B={B} L={L}")
+        models = {name: _variant(base, name, compressed).to(device) for name in plan[(B, L)]}
+        if cuda:
+            models = {k: m.to(BF16) for k, m in models.items()}
+        rows += _measure_point(models, B, L, steps, device, rate, vocab, progress)
+        del models
     _ratios(rows)
     for r in rows:
         r["copy_gb_s"] = rate["copy_bytes_per_s"] / 1e9
@@ -325,7 +337,7 @@ def model_suite(quick: bool = False, device: str = "cpu", grid=None, variants=No
 COLUMNS = (("variant", "variant", "{}"), ("batch", "B", "{}"), ("prompt", "prompt", "{}"),
            ("prefill_ms", "prefill ms", "{:.0f}"), ("prefill_vs_gqa", "prefill / GQA", "{:.2f}"),
            ("decode_tok_s", "decode tok/s", "{:.1f}"), ("decode_time_vs_gqa", "step time / GQA", "{:.2f}"),
-           ("peak_mb", "peak MB", "{:.0f}"), ("kv_bytes_per_token", "KV B/token", "{}"),
+           ("peak_mb", "peak MB over weights", "{:.0f}"), ("kv_bytes_per_token", "KV B/token", "{}"),
            ("decode_roofline", "decode roofline", "{:.0%}"), ("prefill_roofline", "prefill roofline", "{:.0%}"))
 
 
