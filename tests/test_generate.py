@@ -284,6 +284,22 @@ def test_attention_mask_must_match_input_ids_and_pad_on_the_left(pair, batch):
         generate(ours, ids, mask.flip(1), max_new_tokens=2)
 
 
+def test_generator_misuse_is_refused(pair, batch):
+    _, ours = pair
+    _, ids, mask = batch
+    with pytest.raises(ValueError, match="weights are torch.float32 on cpu but the Generator was asked for "
+                                         "torch.bfloat16 on cpu"):
+        Generator(ours, 3, 16, dtype=torch.bfloat16)
+    gen = Generator(ours, 2, 16)
+    with pytest.raises(ValueError, match=r"step\(\) before prefill\(\)"):
+        gen.step(ids[:2, 0])
+    with pytest.raises(ValueError, match="a batch of 3 prompts exceeds max_batch_size 2"):
+        gen.prefill(ids, mask)
+    gen.prefill(ids[:2], mask[:2])
+    with pytest.raises(ValueError, match="next_ids has 3 rows but the prompt batch had 2"):
+        gen.step(ids[:, 0])
+
+
 def test_unsupported_models_are_refused():
     torch.manual_seed(0)
     plain = LlamaForCausalLM(_config()).eval()
