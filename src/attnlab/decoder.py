@@ -95,8 +95,10 @@ class Generator:
         self._slot = torch.zeros(1, dtype=torch.int64, device=self.device)  # the slot a fixed-shape step writes
         self._fixed = None
         self._decode = self._fixed_step
+        self.compiled = compile
         if compile:  # captured once as a CUDA graph on CUDA, replayed every step
             self._decode = torch.compile(self._fixed_step, mode="reduce-overhead", fullgraph=True)
+            self._static([self._valid, self._slot])
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -108,6 +110,12 @@ class Generator:
         for c in self._full:
             c.reset()
         self.caches, self._fixed, self.batch_size, self.length, self.padded = self._full, None, 0, 0, False
+
+    @staticmethod
+    def _static(tensors) -> None:
+        """Tell torch.compile these tensors keep their memory, so a CUDA graph reads and writes them in place."""
+        for t in tensors:
+            torch._dynamo.mark_static_address(t)
 
     # -- the model, layer by layer -------------------------------------------------------------
     def _layers(self, x: torch.Tensor, caches, mask, key_padding_mask, is_causal: bool,
@@ -163,6 +171,8 @@ class Generator:
             # made after a prefill: a view shares the layout an MLA records in its cache while it is empty
             self._fixed = [c.fixed_slot(self._slot) for c in self.caches]
             self._views[B] = (self.caches, self._fixed)
+            if self.compiled:
+                self._static([t for c in self._fixed for t in c.tensors()])
         return self._logits(x[:, -1:])
 
     def _check_mask(self, attention_mask, B: int, P: int):
