@@ -16,6 +16,7 @@ from .convert import DEFAULT_ROPE_PAIRS, convert_layers, convert_model
 from .evaluate import attention_inputs, kv_bytes_per_token, perplexity, read_text_ids, sentence_embeddings
 from .export import add_latent_norm, add_latent_norms, check_deepseek_request, export_deepseek
 from .load import inspect_checkpoint, is_checkpoint, load_checkpoint
+from .stream import convert_checkpoint
 from .store import LOADERS, MODEL_FORMAT, load_model, save_model
 
 __all__ = ["FAMILIES", "BertAttentionAdapter", "LlamaAttentionAdapter", "TransformersCache", "attnlab_modules",
@@ -23,4 +24,4 @@ __all__ = ["FAMILIES", "BertAttentionAdapter", "LlamaAttentionAdapter", "Transfo
            "DEFAULT_ROPE_PAIRS", "convert_layers", "convert_model", "attention_inputs", "kv_bytes_per_token",
            "perplexity", "read_text_ids", "sentence_embeddings", "LOADERS", "MODEL_FORMAT", "load_model",
            "save_model", "add_latent_norm", "add_latent_norms", "check_deepseek_request", "export_deepseek",
-           "inspect_checkpoint", "is_checkpoint", "load_checkpoint"]
+           "inspect_checkpoint", "is_checkpoint", "load_checkpoint", "convert_checkpoint"]

@@ -285,20 +285,41 @@ def add_latent_norms(model, calibration_ids: torch.Tensor | None = None) -> list
     """add_latent_norm on every layer of a converted model (in place); returns each layer's output error.
 
     Calibration inputs of layer i are what layer i reads in the converted model with
-    layers < i already normed (one forward per layer: the norms' errors compound as they
-    will in use). Without calibration_ids, unit-variance Gaussian inputs stand in.
+    layers < i already normed (the norms' errors compound as they will in use), all from
+    one forward: each layer fits its norm on its input, then runs with it. Without
+    calibration_ids, unit-variance Gaussian inputs stand in.
     """
     from .adapters import replace_attention
-    from .evaluate import attention_inputs
 
     modules = list(attnlab_modules(model))
-    errors = []
-    for i in range(len(modules)):
-        x = attention_inputs(model, calibration_ids)[i] if calibration_ids is not None else None
-        modules[i], err = add_latent_norm(modules[i], x)
-        errors.append(err)
-        replace_attention(model, modules)
-    return errors
+    if calibration_ids is None:
+        fitted = [add_latent_norm(m) for m in modules]
+    else:
+        fitted = []
+        replace_attention(model, [_FitNorm(m, fitted) for m in modules])
+        try:
+            with torch.no_grad():
+                model(calibration_ids)
+        finally:
+            replace_attention(model, modules)
+        if len(fitted) != len(modules):
+            raise ValueError(f"the calibration forward reached {len(fitted)} of {len(modules)} layers")
+    replace_attention(model, [m for m, _ in fitted])
+    return [err for _, err in fitted]
+
+
+class _FitNorm(torch.nn.Module):
+    """Stands in for one layer during add_latent_norms' forward: fits the norm on its input, runs with it."""
+
+    def __init__(self, mla, out: list):
+        super().__init__()
+        self.mla, self.out = mla, out
+        self.dim = mla.dim
+
+    def forward(self, x, *args, **kwargs):
+        normed, err = add_latent_norm(self.mla, x.detach().reshape(-1, self.mla.dim))
+        self.out.append((normed, err))
+        return normed(x, *args, **kwargs)
 
 
 def check_deepseek_request(model, to: str, latent_dim: int | None) -> None:
