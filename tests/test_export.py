@@ -47,19 +47,20 @@ CHILD = textwrap.dedent('''
 ''')
 
 
-def _convert(folder, ids):
-    """attnlab's DeepSeek-compatible conversion: calibrated decoupled-RoPE MLA + latent norm."""
+def _convert(folder, ids, norm):
+    """Calibrated decoupled-RoPE MLA; norm "fit": with a fitted latent norm, "constant": without (the export's
+    constant channel makes DeepSeek's kv_a_layernorm linear)."""
     model, tok = load_checkpoint(folder)
     hf.to_attnlab(model)
     hf.convert_model(model, "mla", latent_dim=LATENT, rope_dim=ROPE, calibration_ids=ids)
-    errors = hf.add_latent_norms(model, ids)
+    errors = hf.add_latent_norms(model, ids) if norm == "fit" else None
     return model, tok, errors
 
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
-    """llama (Llama 3 rope scaling, tied embeddings as Llama 3.2 and SmolLM2) and mistral (untied): converted,
-    exported, run by the child."""
+    """llama (Llama 3 rope scaling, tied embeddings as Llama 3.2 and SmolLM2; fitted latent norm) and mistral
+    (untied; no latent norm: the constant channel): converted, exported, run by the child."""
     root = tmp_path_factory.mktemp("export")
     cases = {"llama": ("llama", {"tie_word_embeddings": True}), "mistral": ("mistral", {})}
     jobs, ours = [], {}
@@ -68,7 +69,8 @@ def exported(tmp_path_factory):
         _, tok = make_checkpoint(kind, src, **kw)
         ids = tok(TEXT, return_tensors="pt").input_ids[:, :64]
         prompt = ids[:, :6].clone()
-        model, _, errors = _convert(src, ids)
+        norm = "fit" if name == "llama" else "constant"
+        model, _, errors = _convert(src, ids, norm)
         with torch.no_grad():
             logits = model(ids).logits
         greedy = model.generate(prompt, max_new_tokens=32, min_new_tokens=32, do_sample=False)
@@ -76,7 +78,8 @@ def exported(tmp_path_factory):
         save_file({"ids": ids, "prompt": prompt}, str(root / f"in-{name}.safetensors"))
         jobs.append({"folder": str(out), "inputs": str(root / f"in-{name}.safetensors"),
                      "result": str(root / f"out-{name}.safetensors")})
-        ours[name] = dict(logits=logits, greedy=greedy, model=model, folder=out, errors=errors, src=src, ids=ids)
+        ours[name] = dict(logits=logits, greedy=greedy, model=model, folder=out, errors=errors, src=src, ids=ids,
+                          norm=norm)
     script = root / "child.py"
     script.write_text(CHILD)
     proc = subprocess.run([sys.executable, str(script), json.dumps(jobs)], capture_output=True, text=True,
@@ -96,10 +99,12 @@ def test_transformers_alone_matches_attnlab(exported, name):
     assert torch.equal(e["theirs"]["greedy"], e["greedy"])
 
 
-def test_exported_cache_holds_latent_and_rope_key_only(exported):
-    e = exported["llama"]
+@pytest.mark.parametrize("name", ["llama", "mistral"])
+def test_exported_cache_holds_latent_and_rope_key_only(exported, name):
+    e = exported[name]
     S = e["logits"].shape[1]
-    assert e["info"]["cache_keys"] == [1, 1, S, LATENT]  # transformers caches kv_a_layernorm(latent) ...
+    extra = e["norm"] == "constant"  # the constant channel is one more cached number
+    assert e["info"]["cache_keys"] == [1, 1, S, LATENT + extra]  # transformers caches kv_a_layernorm(latent) ...
     assert e["info"]["cache_values"] == [1, 1, S, ROPE]  # ... and the rotated shared key
 
 
@@ -109,7 +114,9 @@ def test_config_and_files(exported):
     assert cfg["q_lora_rank"] is None and cfg["rope_parameters"]["rope_type"] == "longrope"
     assert (exported["llama"]["folder"] / "tokenizer.json").is_file()
     assert cfg["tie_word_embeddings"] is True
-    assert json.loads((exported["mistral"]["folder"] / "config.json").read_text())["tie_word_embeddings"] is False
+    mistral = json.loads((exported["mistral"]["folder"] / "config.json").read_text())
+    assert mistral["tie_word_embeddings"] is False and mistral["kv_lora_rank"] == LATENT + 1
+    assert mistral["attention_bias"] is True and cfg["attention_bias"] is False
 
 
 def test_latent_norm_is_least_squares_fit(exported):
@@ -141,7 +148,7 @@ def test_streamed_equals_in_memory(exported, name, tmp_path):
     """Layer by layer from the shards (small output shards, an index) gives the in-memory export, bit for bit."""
     e = exported[name]
     out = convert_checkpoint(e["src"], tmp_path / "st", latent_dim=LATENT, rope_dim=ROPE, calibration_ids=e["ids"],
-                             shard_bytes=60_000)["out"]
+                             shard_bytes=60_000, latent_norm=e["norm"])["out"]
     index = json.loads((tmp_path / "st" / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1
     ours, theirs = _tensors(tmp_path / "st"), _tensors(e["folder"])
@@ -189,15 +196,6 @@ def test_exact_layout_refused(sources, tmp_path):
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
 
 
-def test_missing_latent_norm_refused(sources, tmp_path):
-    model, _ = load_checkpoint(sources / "llama")
-    hf.to_attnlab(model)
-    hf.convert_model(model, "mla", latent_dim=LATENT, rope_dim=ROPE)
-    with pytest.raises(ValueError, match="DeepSeek always applies kv_a_layernorm"):
-        export_deepseek(model, tmp_path / "x")
-    assert list(tmp_path.iterdir()) == []
-
-
 def test_qwen2_query_bias_refused(sources, tmp_path, capsys):
     assert main(["convert", str(sources / "qwen2"), "--to", "mla", "--latent-dim", str(LATENT), "--format", "deepseek",
                  "--out", str(tmp_path / "q")]) == 2
@@ -210,7 +208,7 @@ def test_cli_format_deepseek_and_force(sources, tmp_path, capsys):
     argv = ["convert", str(sources / "llama"), "--to", "mla", "--latent-dim", str(LATENT), "--rope-dim", str(ROPE),
             "--format", "deepseek", "--out", str(out)]
     assert main(argv) == 0
-    assert "latent norm (kv_a_layernorm) output error per layer" in capsys.readouterr().out
+    assert "wrote" in capsys.readouterr().out
     assert json.loads((out / "config.json").read_text())["model_type"] == "deepseek_v3"
     assert main(argv) == 2 and "pass --force" in capsys.readouterr().err
     assert main(argv + ["--force"]) == 0

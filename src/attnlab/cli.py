@@ -223,10 +223,7 @@ def _convert_model(source, to, out, latent_dim, rope_dim, kv_heads, method, cali
     summary = {"source": source, "to": to, "latent_dim": latent_dim, "rope_dim": rope_dim,
                "kv_bytes_per_token_before": before, "kv_bytes_per_token_after": after,
                "layers": [r.to_dict() for r in reports]}
-    if fmt == "deepseek":  # DeepSeek always normalises the latent: add the norm, measure it, export
-        summary["latent_norm_output_errors"] = errors = hf.add_latent_norms(model, ids)
-        console.print("latent norm (kv_a_layernorm) output error per layer: "
-                      + ", ".join(f"{e:.2e}" for e in errors))
+    if fmt == "deepseek":  # kv_a_layernorm made linear by a constant latent channel (export.constant_channel)
         hf.export_deepseek(model, out, tokenizer=None if hasattr(model, "attnlab_source") else tok, force=True)
     else:
         hf.save_model(model, meta["base"], out, extra={"conversion": summary})
@@ -249,8 +246,6 @@ def _convert_streamed(source, to, out, latent_dim, rope_dim, calibration, calibr
         task = bar.add_task("layers", total=None)
         summary = convert_checkpoint(source, out, latent_dim=latent_dim, rope_dim=rope_dim, calibration_ids=ids,
                                      force=force, progress=lambda i, n: bar.update(task, completed=i + 1, total=n))
-    console.print("latent norm (kv_a_layernorm) output error per layer: "
-                  + ", ".join(f"{e:.2e}" for e in summary["latent_norm_output_errors"]))
     before, after = summary["kv_values_per_token_per_layer"]
     console.print(f"KV values per token per layer: {before} -> {after}")
     if report_json is not None:

@@ -28,6 +28,7 @@ the error it introduces.
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -92,9 +93,6 @@ def check_exportable(modules) -> None:
                              "which DeepSeek cannot express; convert with --latent-dim (decoupled RoPE)")
         if not m.rope_dim:
             raise ValueError(f"layer {i} has no decoupled rope key (rope_dim 0); DeepSeek needs qk_rope_head_dim > 0")
-        if m.kv_norm is None:
-            raise ValueError(f"layer {i}'s latent has no norm; DeepSeek always applies kv_a_layernorm: "
-                             "add one with add_latent_norm (attnlab convert --format deepseek does)")
         q = m.W_Q if m.W_Q is not None else m.W_UQ
         if q.bias is not None and bool(q.bias.detach().any()):
             raise ValueError(f"layer {i} has a query bias (Qwen2's q_proj bias): DeepSeek's q_proj has none, and "
@@ -116,7 +114,10 @@ def deepseek_scale(m: MultiHeadLatentAttention) -> float:
 
 
 def deepseek_attention_tensors(m: MultiHeadLatentAttention, prefix: str) -> dict[str, torch.Tensor]:
-    """DeepseekV3Attention's tensors for one attnlab MLA (names under `prefix`, source dtype kept)."""
+    """DeepseekV3Attention's tensors for one attnlab MLA (names under `prefix`, source dtype kept).
+
+    An MLA without a latent norm gets the constant channel (see constant_channel): latent r + 1.
+    """
     H, d, dv, r = m.num_heads, m.head_dim, m.v_head_dim, m.latent_dim
     ratio = m.scale / deepseek_scale(m)
     w = lambda lin: lin.weight.detach()  # noqa: E731
@@ -128,17 +129,47 @@ def deepseek_attention_tensors(m: MultiHeadLatentAttention, prefix: str) -> dict
         out["q_a_proj.weight"] = w(m.W_DQ)
         out["q_a_layernorm.weight"] = m.q_norm.weight.detach()
         out["q_b_proj.weight"] = scaled(m.W_UQ)
-    out["kv_a_proj_with_mqa.weight"] = torch.cat([w(m.W_DKV), w(m.W_KR)])  # (r + p, D)
-    out["kv_a_layernorm.weight"] = m.kv_norm.weight.detach()
     kv_b = torch.cat([w(m.W_UK).reshape(H, d, r), w(m.W_UV).reshape(H, dv, r)], 1)  # (H, d + dv, r)
+    dt = m.W_DKV.weight.dtype
+    kv_a_bias = torch.zeros(r + m.rope_dim, dtype=dt)
+    if m.kv_norm is not None:
+        out["kv_a_proj_with_mqa.weight"] = torch.cat([w(m.W_DKV), w(m.W_KR)])  # (r + p, D)
+        out["kv_a_layernorm.weight"] = m.kv_norm.weight.detach()
+    else:  # the constant channel: rms(latent) ~ K / sqrt(r + 1) for every token, so the norm is a fixed scale
+        K, weight, fold = constant_channel(m)
+        zero = torch.zeros(1, m.dim if m.context_dim is None else m.context_dim, dtype=dt)
+        out["kv_a_proj_with_mqa.weight"] = torch.cat([w(m.W_DKV), zero, w(m.W_KR)])  # (r + 1 + p, D)
+        kv_a_bias = torch.cat([kv_a_bias[:r], torch.tensor([K], dtype=dt), kv_a_bias[r:]])
+        out["kv_a_layernorm.weight"] = torch.full((r + 1,), weight, dtype=dt)
+        kv_b = torch.cat([(kv_b.to(torch.float64) * fold).to(dt), torch.zeros(H, d + dv, 1, dtype=dt)], -1)
+        r = r + 1
     out["kv_b_proj.weight"] = kv_b.reshape(H * (d + dv), r)
     out["o_proj.weight"] = w(m.W_O)
-    if m.W_O.bias is not None:  # attention_bias: DeepSeek then also has (zero) latent biases
-        out["o_proj.bias"] = m.W_O.bias.detach()
-        out["kv_a_proj_with_mqa.bias"] = torch.zeros(r + m.rope_dim, dtype=m.W_O.bias.dtype)
+    if m.W_O.bias is not None or m.kv_norm is None:  # attention_bias: o_proj, kv_a_proj (and q_a_proj) biases
+        out["o_proj.bias"] = m.W_O.bias.detach() if m.W_O.bias is not None else torch.zeros(m.dim, dtype=dt)
+        out["kv_a_proj_with_mqa.bias"] = kv_a_bias
         if m.W_Q is None:
-            out["q_a_proj.bias"] = torch.zeros(m.q_latent_dim, dtype=m.W_O.bias.dtype)
+            out["q_a_proj.bias"] = torch.zeros(m.q_latent_dim, dtype=dt)
     return {prefix + k: v.contiguous() for k, v in out.items()}
+
+
+def constant_channel(m: MultiHeadLatentAttention, margin: float = 2.0 ** 12):
+    """(K, norm weight, fold) for exporting an MLA without a latent norm through DeepSeek's kv_a_layernorm.
+
+    One extra latent channel holds the constant K (a kv_a_proj_with_mqa bias; its kv_b_proj
+    column is zero). K is 2^12 times a bound on |c| for inputs of rms 1 per entry scaled by the
+    largest W_DKV row norm times sqrt(dim), so mean(latent^2) = (|c|^2 + K^2) / (r + 1) is
+    K^2 / (r + 1) to within |c|^2 / K^2 (float32 cannot tell the difference) and the norm
+    multiplies every token's latent by the same sqrt(r + 1) / K: a linear map. The norm
+    weight is the power of two nearest K / sqrt(r + 1) (exact in bfloat16 too) and the rest
+    of the undo, `fold`, multiplies kv_b_proj. Costs one cached number per token.
+    """
+    w = m.W_DKV.weight.detach().to(torch.float64)
+    bound = float(w.norm(dim=1).max() * math.sqrt(m.context_dim)) * 16  # post-norm inputs of a few x rms 1
+    K = 2.0 ** math.ceil(math.log2(max(bound, 1.0) * margin))
+    exact = K / math.sqrt(m.latent_dim + 1)
+    weight = 2.0 ** round(math.log2(exact))
+    return K, weight, exact / weight
 
 
 def rope_parameters(m: MultiHeadLatentAttention, max_position_embeddings: int) -> dict:
@@ -165,12 +196,12 @@ def deepseek_config(src: dict, m: MultiHeadLatentAttention, *, dtype: str) -> di
         "num_hidden_layers": L, "first_k_dense_replace": L, "n_routed_experts": 1, "n_shared_experts": 1,
         "num_experts_per_tok": 1, "n_group": 1, "topk_group": 1, "num_mtp_layers": 0,
         "num_attention_heads": m.num_heads, "num_key_value_heads": m.num_heads,
-        "kv_lora_rank": m.latent_dim, "q_lora_rank": m.q_latent_dim, "qk_rope_head_dim": m.rope_dim,
+        "kv_lora_rank": m.latent_dim + (m.kv_norm is None), "q_lora_rank": m.q_latent_dim, "qk_rope_head_dim": m.rope_dim,
         "qk_nope_head_dim": m.head_dim, "v_head_dim": m.v_head_dim,
         "hidden_act": src.get("hidden_act", "silu"), "max_position_embeddings": max_pos,
         "rms_norm_eps": src.get("rms_norm_eps", 1e-6), "tie_word_embeddings": bool(src.get("tie_word_embeddings")),
         "rope_parameters": rope_parameters(m, max_pos), "rope_interleave": bool(m.rope.interleaved),
-        "attention_bias": m.W_O.bias is not None, "attention_dropout": 0.0,
+        "attention_bias": m.W_O.bias is not None or m.kv_norm is None, "attention_dropout": 0.0,
         "bos_token_id": src.get("bos_token_id"), "eos_token_id": src.get("eos_token_id"),
         "pad_token_id": src.get("pad_token_id"), "dtype": dtype, "use_cache": True,
     }
