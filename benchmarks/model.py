@@ -21,9 +21,12 @@ parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--quick", action="store_true")
 parser.add_argument("--device", default="cpu")
 parser.add_argument("--json", type=Path, default=here / "model.json")
+parser.add_argument("--point", action="append", metavar="B,PROMPT,STEPS",
+                    help="grid point (repeat); default attnlab.bench_model.CPU_GRID or CUDA_GRID")
 args = parser.parse_args()
+grid = tuple(tuple(int(v) for v in p.split(",")) for p in args.point) if args.point else None
 
-rows = model_suite(quick=args.quick, device=args.device,
+rows = model_suite(quick=args.quick, device=args.device, grid=grid,
                    progress=lambda what: print(f"done: {what}", file=sys.stderr, flush=True))
 result = {"machine": machine_info(args.device), "command": "python benchmarks/model.py " + " ".join(sys.argv[1:]),
           "quick": args.quick, "model": rows}
