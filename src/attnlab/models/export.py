@@ -7,7 +7,7 @@ layer (attnlab -> DeepSeek):
 
     W_Q * (attnlab scale / DeepSeek scale)  -> q_proj        (the scale difference, exact)
     [W_DKV; W_KR]                           -> kv_a_proj_with_mqa
-    kv_norm (RMSNorm of the latent)         -> kv_a_layernorm
+    kv_norm, or the constant channel        -> kv_a_layernorm
     per head [W_UK_h; W_UV_h]               -> kv_b_proj
     W_O                                     -> o_proj
 
@@ -21,9 +21,11 @@ max_position_embeddings (so the long set is never switched to and no extra scale
 
 Only the decoupled-RoPE layout (`gqa_to_mla_decoupled`) maps to DeepSeek: the exact
 `rope_after_up` layout rotates keys after the up-projection, which DeepSeek cannot
-express. DeepSeek always normalises the latent (kv_a_layernorm); `add_latent_norm`
-gives a converted MLA that norm, initialised from calibration statistics, and reports
-the error it introduces.
+express. DeepSeek always normalises the latent (kv_a_layernorm): an MLA without a norm is
+exported exactly through one extra constant latent channel that makes the norm a fixed
+scale (constant_channel); `add_latent_norm` instead gives a converted MLA a norm of its own,
+initialised from calibration statistics (lossy: the error is reported; heal can train it),
+which is then exported as it is.
 """
 from __future__ import annotations
 
