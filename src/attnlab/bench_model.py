@@ -25,6 +25,8 @@ import time
 
 import torch
 
+from .bench import _sync, median_time
+
 F32, BF16 = torch.float32, torch.bfloat16
 
 # (batch, prompt, decode steps): this 2-core CPU cannot run the issue's B in {1, 16, 64} x {2k, 8k}
@@ -46,11 +48,6 @@ LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, 
 LLAMA_1B_COMPRESSED = {"mla-r256-p64": (256, 64), "mla-r128-p64": (128, 64)}
 
 
-def _sync(device) -> None:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
-
-
 def rates(device="cpu", dtypes=(F32, BF16), n: int = 1024, mbytes: int = 256, reps: int = 5) -> dict:
     """GEMM FLOP/s per dtype and copy bandwidth (bytes read + written per second), measured here."""
     if torch.device(device).type == "cuda":
@@ -58,23 +55,11 @@ def rates(device="cpu", dtypes=(F32, BF16), n: int = 1024, mbytes: int = 256, re
     out = {}
     for dt in dtypes:
         a, b = torch.randn(n, n, device=device, dtype=dt), torch.randn(n, n, device=device, dtype=dt)
-        out[f"gemm_flops_per_s_{str(dt).removeprefix('torch.')}"] = 2 * n ** 3 / _median(lambda: a @ b, reps, device)
+        out[f"gemm_flops_per_s_{str(dt).removeprefix('torch.')}"] = 2 * n ** 3 / median_time(lambda: a @ b, reps, device=device)
     src = torch.randn(mbytes * 2 ** 20 // 4, device=device)
     dst = torch.empty_like(src)
-    out["copy_bytes_per_s"] = 2 * src.numel() * 4 / _median(lambda: dst.copy_(src), reps, device)
+    out["copy_bytes_per_s"] = 2 * src.numel() * 4 / median_time(lambda: dst.copy_(src), reps, device=device)
     return out
-
-
-def _median(fn, reps, device) -> float:
-    fn()
-    _sync(device)
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 # -- peak memory -----------------------------------------------------------------------------------

@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 
 from ..gqa import GroupedQueryAttention
+from ..io import write_folder
 from .export import (NEEDS_LATENT, ShardWriter, add_latent_norm, check_exportable, check_source_config,
                      copy_tokenizer, deepseek_attention_tensors, deepseek_config)
 from .load import inspect_checkpoint, open_shards
@@ -173,9 +172,9 @@ def convert_checkpoint(source, out, *, latent_dim: int | None, rope_dim: int | N
                          "product with each key varies from key to key, so it cannot be folded")
     dtype = tensors.get("model.layers.0.self_attn.q_proj.weight").dtype
     tied = bool(getattr(hf_cfg, "tie_word_embeddings", False))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    errors: list[float] = []
+
+    def write(tmp: Path) -> None:
         shards = ShardWriter(tmp, shard_bytes)
         embed = tensors.get("model.embed_tokens.weight")
         h_orig = h_conv = None
@@ -184,7 +183,7 @@ def convert_checkpoint(source, out, *, latent_dim: int | None, rope_dim: int | N
         shards.add("model.embed_tokens.weight", embed)
         del embed
         shards.flush()
-        errors, first = [], None
+        first = None
         for i in range(L):
             gqa = _attention(cfg, rope, tensors, i)
             block = _Block(cfg, tensors, i)
@@ -215,12 +214,8 @@ def convert_checkpoint(source, out, *, latent_dim: int | None, rope_dim: int | N
         config = deepseek_config(src, first, dtype=str(dtype).removeprefix("torch."))
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         copy_tokenizer(folder, tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+
+    write_folder(out, write)
     kv_before = 2 * G * (cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
     return {"source": str(folder), "out": str(out), "layers": L, "latent_dim": latent_dim, "rope_dim": rope_dim,
             "kv_values_per_token_per_layer": [kv_before, latent_dim + rope_dim],
