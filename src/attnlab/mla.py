@@ -53,6 +53,11 @@ from .linalg import check_grouping, gqa_block, tile_heads
 from .rope import RotaryEmbedding
 
 
+def _weights_key(tensors) -> tuple:
+    """Changes whenever one of the tensors is replaced or modified in place (identity, version counter)."""
+    return tuple((id(t), t._version, t.data_ptr(), t.dtype, t.device) for t in tensors)
+
+
 class MultiHeadLatentAttention(AttentionModule):
     """Attention whose keys and values are up-projected from a shared low-rank latent.
 
@@ -206,7 +211,7 @@ class MultiHeadLatentAttention(AttentionModule):
         wk, wv = self.W_UK.weight, self.W_UV.weight
         cacheable = not torch.compiler.is_compiling() and not (
             torch.is_grad_enabled() and (wk.requires_grad or wv.requires_grad))
-        key = tuple((id(w), w._version, w.data_ptr(), w.dtype, w.device) for w in (wk, wv)) if cacheable else None
+        key = _weights_key((wk, wv)) if cacheable else None
         if cacheable and self._absorbed_cache is not None and self._absorbed_cache[0] == key:
             return self._absorbed_cache[1]
         H, d, dv, r = self.num_heads, self.head_dim, self.v_head_dim, self.latent_dim
@@ -252,7 +257,7 @@ class MultiHeadLatentAttention(AttentionModule):
         if torch.compiler.is_compiling() and self._tiling_verdict is not None:
             return self._tiling_verdict[1]  # traced code keeps the verdict of the last eager call
         tensors = [t for lin in (self.W_UK, self.W_UV) for t in (lin.weight, lin.bias) if t is not None]
-        key = tuple((id(t), t._version, t.data_ptr(), t.dtype) for t in tensors)
+        key = _weights_key(tensors)
         if self._tiling_verdict is None or self._tiling_verdict[0] != key:
             self._tiling_verdict = (key, self._is_tiling(self.kv_tiling))
         return self._tiling_verdict[1]
