@@ -465,8 +465,12 @@ def mha_to_mla(module: GroupedQueryAttention, *, latent_dim: int | None = None, 
     return mla, _report(module, mla, exact, calibration=calibration, energy=energy_fraction, notes=notes)
 
 
-def _svd_latent(module: GroupedQueryAttention, latent_dim, energy, joint, calibration):
-    """mha_to_mla's MLA without its report: (mla, exact?, energy kept, notes)."""
+def _svd_latent(module: GroupedQueryAttention, latent_dim, energy, joint, calibration, balance: bool = False):
+    """mha_to_mla's MLA without its report: (mla, exact?, energy kept, notes).
+
+    balance (joint only): BKV, W_K scaled by transforms.kv_balance before the SVD and the
+    key up-projection divided by it after (exact at full rank).
+    """
     if latent_dim is not None and energy is not None:
         raise ValueError("give latent_dim or energy, not both")
     if latent_dim is not None:
@@ -491,8 +495,10 @@ def _svd_latent(module: GroupedQueryAttention, latent_dim, energy, joint, calibr
         return u[:, :rank], down, float(power[:rank].sum()), float(power.sum()), rank >= full
 
     if joint:
-        up, down, kept, total, exact = factor(torch.cat([wk, wv]), latent_dim, "[W_K; W_V]")
-        up_k = tile_heads(up[:G * d], H, G, module.grouping)
+        from .transforms import kv_balance
+        alpha = kv_balance(wk, wv, L) if balance else 1.0
+        up, down, kept, total, exact = factor(torch.cat([wk * alpha, wv]), latent_dim, "[W_K; W_V]")
+        up_k = tile_heads(up[:G * d] / alpha, H, G, module.grouping)
         up_v = tile_heads(up[G * d:], H, G, module.grouping)
     else:
         if latent_dim is not None and latent_dim < 2:
@@ -515,7 +521,7 @@ def _svd_latent(module: GroupedQueryAttention, latent_dim, energy, joint, calibr
     _set(mla.W_UV, up_v.to(dt), tile(_bias(module.W_V)))
     _set(mla.W_O, module.W_O.weight, _bias(module.W_O))
     notes = [f"latent r = {down.shape[0]}, {'joint' if joint else 'split'} SVD"
-             + (", whitened by calibration" if L is not None else "")]
+             + (", whitened by calibration" if L is not None else "") + (", K/V balanced" if balance else "")]
     return mla, exact, kept / total, notes
 
 
@@ -553,7 +559,9 @@ def convert(module: nn.Module, to: str, *, num_kv_heads: int | None = None, meth
 
 
 def gqa_to_mla_decoupled(gqa: GroupedQueryAttention, latent_dim: int, rope_pairs: int, *,
-                         calibration: torch.Tensor | None = None, pair_selection: str = "frequency"):
+                         calibration: torch.Tensor | None = None, pair_selection: str = "frequency",
+                         rorope: bool = False, plane_order: str = "frequency", balance: bool = False,
+                         context_len: int = 2048):
     """GQA with RoPE -> MLA with DeepSeek's decoupled RoPE, lossy (the MHA2MLA recipe, without training).
 
     Of each KV head's d/2 rotary pairs, `rope_pairs` keep their rotation: they move, for
@@ -566,6 +574,11 @@ def gqa_to_mla_decoupled(gqa: GroupedQueryAttention, latent_dim: int, rope_pairs
     pair_selection: "frequency" (default) keeps the fastest-turning pairs; "norm" (needs
     calibration inputs) keeps, per KV head, the pairs with the largest mean |q| * |k| on
     them, the 2-norm criterion of MHA2MLA (on SmolLM2 it measured worse: docs/real-models.md).
+    rorope: mix each frequency's G key planes by their principal directions first (transforms.py;
+    exact, folded into the queries), then keep rotation for G * rope_pairs of the mixed planes, chosen
+    by plane_order ("frequency" or "score", transforms.select_planes, context_len for "score");
+    rope_pairs may then reach head_dim / 2 (everything rotates: exact). The MLA's head_dim is then d.
+    balance: BKV, K and V balanced before the joint SVD (transforms.kv_balance).
     """
     _expect(gqa, GroupedQueryAttention, "gqa_to_mla_decoupled")
     if gqa.rope is None:
@@ -574,9 +587,13 @@ def gqa_to_mla_decoupled(gqa: GroupedQueryAttention, latent_dim: int, rope_pairs
         raise ValueError("gqa_to_mla_decoupled does not carry biases yet")
     H, G, d = gqa.num_heads, gqa.num_kv_heads, gqa.head_dim
     checks.non_negative_int("rope_pairs", rope_pairs)
-    if rope_pairs >= d // 2:
+    if rope_pairs >= d // 2 + bool(rorope):
         raise ValueError(f"rope_pairs ({rope_pairs}) must be below head_dim / 2 ({d // 2}); "
                          "keeping every pair is the exact gqa_to_mla")
+    if rorope:
+        if pair_selection != "frequency":
+            raise ValueError("rorope chooses mixed planes by plane_order; pair_selection applies without it")
+        return _decoupled_rorope(gqa, latent_dim, rope_pairs, calibration, plane_order, balance, context_len)
     if pair_selection not in ("frequency", "norm"):
         raise ValueError(f"pair_selection must be 'frequency' or 'norm', got {pair_selection!r}")
     if pair_selection == "norm" and calibration is None:
@@ -613,7 +630,7 @@ def gqa_to_mla_decoupled(gqa: GroupedQueryAttention, latent_dim: int, rope_pairs
     _set(nope_gqa.W_K, torch.stack([wk[g, nope[g]] for g in range(G)]).reshape(G * dn, -1))
     _set(nope_gqa.W_V, gqa.W_V.weight)
     _set(nope_gqa.W_O, gqa.W_O.weight)
-    base = _svd_latent(nope_gqa, latent_dim, None, True, calibration)[0]  # its report would be thrown away
+    base = _svd_latent(nope_gqa, latent_dim, None, True, calibration, balance)[0]  # its report is not needed
 
     p = 2 * G * n
     mla = MultiHeadLatentAttention(gqa.dim, H, latent_dim, head_dim=dn, v_head_dim=gqa.v_head_dim,
@@ -635,6 +652,53 @@ def gqa_to_mla_decoupled(gqa: GroupedQueryAttention, latent_dim: int, rope_pairs
     for name in ("W_DKV", "W_UK", "W_UV", "W_O"):
         _set(getattr(mla, name), getattr(base, name).weight, _bias(getattr(base, name)))
     notes = [f"rope pairs kept per KV head: {n} of {half} (by {pair_selection}); rope_dim {p}",
-             f"latent r = {latent_dim}" + (", whitened by calibration" if calibration is not None else "")]
+             f"latent r = {latent_dim}" + (", whitened by calibration" if calibration is not None else "")
+             + (", K/V balanced" if balance else "")]
     return mla, _report(gqa, mla, False, bases=False, calibration=calibration,
                         notes=notes)
+
+
+def _decoupled_rorope(gqa, latent_dim, rope_pairs, calibration, plane_order, balance, context_len):
+    """gqa_to_mla_decoupled with RoRoPE: mixed key planes per frequency (transforms.py), kept ones rotate."""
+    from .transforms import (captured_energy, frequency_mixes, mixed_query_energy, pair_dims, rorope_split,
+                             select_planes)
+
+    H, G, d = gqa.num_heads, gqa.num_kv_heads, gqa.head_dim
+    wq = gqa.W_Q.weight.detach().to(F64).reshape(H, d, -1)  # (H, d, D_1)
+    wk = gqa.W_K.weight.detach().to(F64).reshape(G, d, -1)  # (G, d, D_2)
+    owner = kv_head_of(H, G, gqa.grouping)
+    dims_a, dims_b = pair_dims(d, gqa.rope.interleaved)
+    cov = None
+    if calibration is not None:
+        if calibration.shape[-1] != gqa.context_dim:
+            raise ValueError(f"calibration has last dimension {calibration.shape[-1]}, expected {gqa.context_dim}")
+        y = calibration.reshape(-1, gqa.context_dim).to(F64)
+        cov = y.T @ y / y.shape[0]  # (D_2, D_2)
+    mixes, k_energy = frequency_mixes(wk, dims_a, dims_b, cov)  # (half, G, G), (half, G)
+    q_energy = mixed_query_energy(wq, owner, mixes, dims_a, dims_b, cov) if plane_order == "score" else None
+    planes = select_planes(G * rope_pairs, gqa.rope.inv_freq, k_energy, q_energy, order=plane_order,
+                           context_len=context_len)  # (P, 2)
+    q_rope, k_rope, k_nope = rorope_split(wq, wk, owner, mixes, planes, dims_a, dims_b)
+    dt = gqa._anchor.dtype
+    nope_gqa = _gqa(gqa, G, bias=False, grouping=gqa.grouping)
+    nope_gqa.rope = None
+    _set(nope_gqa.W_Q, gqa.W_Q.weight)
+    _set(nope_gqa.W_K, k_nope.reshape(G * d, -1).to(dt))
+    _set(nope_gqa.W_V, gqa.W_V.weight)
+    _set(nope_gqa.W_O, gqa.W_O.weight)
+    base = _svd_latent(nope_gqa, latent_dim, None, True, calibration, balance)[0]
+    p = 2 * planes.shape[0]
+    mla = MultiHeadLatentAttention(gqa.dim, H, latent_dim, head_dim=d, v_head_dim=gqa.v_head_dim,
+                                   context_dim=gqa.context_dim, rope_dim=p, softmax_scale=gqa.scale, **_like(gqa))
+    if p:  # slot s (and s + P) rotates like pair planes[s, 0]
+        mla.rope = RotaryEmbedding(p, gqa.rope.base, inv_freq=gqa.rope.inv_freq[planes[:, 0]],
+                                   scaling=gqa.rope.scaling)
+        _set(mla.W_KR, k_rope.to(dt))
+    _set(mla.W_Q, torch.cat([wq, q_rope], dim=1).reshape(H * (d + p), -1).to(dt))  # (H*(d+p), D_1)
+    for name in ("W_DKV", "W_UK", "W_UV", "W_O"):
+        _set(getattr(mla, name), getattr(base, name).weight, _bias(getattr(base, name)))
+    notes = [f"RoRoPE: {planes.shape[0]} of {G * d // 2} mixed key planes rotate (by {plane_order}), key energy "
+             f"in them {captured_energy(k_energy, planes):.4f}; rope_dim {p}",
+             f"latent r = {latent_dim}" + (", whitened by calibration" if calibration is not None else "")
+             + (", K/V balanced" if balance else "")]
+    return mla, _report(gqa, mla, False, bases=False, calibration=calibration, notes=notes)

@@ -1,0 +1,135 @@
+"""RoRoPE and BKV (attnlab.transforms, used by convert.gqa_to_mla_decoupled): exact where nothing is cut,
+and at a cut they help where the mathematics says they must."""
+import pytest
+import torch
+from conftest import gqa_ref, randomize
+
+from attnlab.convert import gqa_to_mla_decoupled
+from attnlab.gqa import GroupedQueryAttention
+from attnlab.transforms import captured_energy, frequency_mixes, pair_dims, select_planes
+
+F64 = torch.float64
+EXACT = 1e-10
+
+
+def rel_err(a, b):
+    return float((a - b).detach().norm() / b.detach().norm())
+
+
+def _gqa(H=6, G=3, d=8, dim=48, interleaved=False, grouping="blocked"):
+    return randomize(GroupedQueryAttention(dim, H, G, head_dim=d, rope_base=50.0, rope_interleaved=interleaved,
+                                           grouping=grouping, bias=False, dtype=F64))
+
+
+def _check_exact(mla, g, dim):
+    x = torch.randn(2, 7, dim, dtype=F64)
+    expected = gqa_ref(g, x, causal=True)
+    assert rel_err(mla(x, is_causal=True), expected) <= EXACT
+    assert rel_err(mla(x, is_causal=True, absorbed=True), expected) <= EXACT
+    cache = mla.init_cache(2, 7)
+    steps = [mla(x[:, :3], cache=cache, is_causal=True)] + [mla(x[:, t:t + 1], cache=cache, is_causal=True)
+                                                           for t in range(3, 7)]
+    assert rel_err(torch.cat(steps, 1), expected) <= EXACT
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("grouping", ["strided", "blocked"])
+@pytest.mark.parametrize("balance", [False, True])
+def test_rorope_and_bkv_with_nothing_cut_are_exact(interleaved, grouping, balance):
+    """Every mixed plane keeps its rotation and the latent holds all values: the model is unchanged."""
+    H, G, d = 6, 3, 8
+    g = _gqa(H, G, d, interleaved=interleaved, grouping=grouping)
+    calib = torch.randn(3, 16, 48, dtype=F64)
+    for order in ("frequency", "score"):
+        mla, report = gqa_to_mla_decoupled(g, G * d, d // 2, calibration=calib, rorope=True, plane_order=order,
+                                           balance=balance)
+        assert mla.rope_dim == G * d and report.kv_values_after == 2 * G * d
+        _check_exact(mla, g, 48)
+
+
+def test_bkv_at_full_rank_is_exact_with_per_head_pairs():
+    """BKV alone (no RoRoPE): queries blind to the dropped pairs and a full latent: exact."""
+    H, G, d, n = 6, 2, 8, 2
+    g = _gqa(H, G, d)
+    slow = torch.argsort(g.rope.inv_freq)[: d // 2 - n]
+    with torch.no_grad():
+        g.W_Q.weight.view(H, d, -1)[:, torch.cat([slow, slow + d // 2])] = 0
+    mla, _ = gqa_to_mla_decoupled(g, G * (d - 2 * n + d), n, calibration=torch.randn(2, 16, 48, dtype=F64),
+                                  balance=True)
+    _check_exact(mla, g, 48)
+
+
+def test_rorope_concentrates_shared_keys_into_one_rotary_head():
+    """KV heads with equal keys: one mixed plane per frequency holds all key energy, so keeping those
+    (rope_dim d) is exact, while per-head selection with the same rope_dim drops real rotations."""
+    H, G, d = 4, 2, 8
+    g = _gqa(H, G, d, dim=32)
+    with torch.no_grad():
+        g.W_K.weight.view(G, d, -1)[1] = g.W_K.weight.view(G, d, -1)[0]
+    r = G * d  # the values; the no-rotation keys are zero after the mix
+    mixed, report = gqa_to_mla_decoupled(g, r, d // (2 * G), rorope=True)
+    assert mixed.rope_dim == d
+    _check_exact(mixed, g, 32)
+    per_head, _ = gqa_to_mla_decoupled(g, r + G * d // 2, d // (2 * G))  # a latent big enough for every key
+    x = torch.randn(2, 7, 32, dtype=F64)
+    assert rel_err(per_head(x, is_causal=True), gqa_ref(g, x, causal=True)) > 1e-3
+
+
+def test_rorope_keeps_at_least_the_key_energy_of_any_per_head_choice():
+    """Ky Fan: per frequency, the top-m principal planes hold at least the energy of any m heads' planes."""
+    torch.manual_seed(1)
+    G, d, D = 3, 16, 40
+    shared = torch.randn(d, D, dtype=F64)
+    wk = shared + 0.3 * torch.randn(G, d, D, dtype=F64)  # correlated heads, as in trained models
+    cov = (lambda y: y.T @ y / len(y))(torch.randn(200, D, dtype=F64))
+    a, b = pair_dims(d, interleaved=False)
+    mixes, energy = frequency_mixes(wk, a, b, cov)
+    planes = wk.reshape(G, d, D)
+    head_energy = torch.stack([torch.einsum("gx,xy,gy->g", planes[:, i], cov, planes[:, i])
+                               + torch.einsum("gx,xy,gy->g", planes[:, i + d // 2], cov, planes[:, i + d // 2])
+                               for i in range(d // 2)])  # (half, G): energy of each head's plane
+    assert torch.allclose(energy.sum(1), head_energy.sum(1), rtol=1e-12)  # the mix is orthogonal
+    for m in range(1, G):
+        top = energy[:, :m].sum(1)
+        best_heads = head_energy.sort(1, descending=True).values[:, :m].sum(1)
+        assert bool((top >= best_heads * (1 - 1e-12)).all())
+    inv_freq = 50.0 ** (-torch.arange(0, d, 2, dtype=F64) / d)
+    chosen = select_planes(d // 2, inv_freq, energy, order="frequency")
+    assert chosen[:, 1].eq(0).all()  # component 0 of every frequency first
+    best_single_head = float(head_energy.max(1).values.sum() / head_energy.sum())
+    assert captured_energy(energy, chosen) >= best_single_head
+
+
+def test_bkv_makes_the_cut_independent_of_how_scores_split_between_queries_and_keys():
+    """W_K * c with W_Q / c is the same model. With BKV the cut is the same too; without it, a large c
+    hands the latent to the keys and the cut gets worse."""
+    H, G, d, n, r = 6, 3, 8, 2, 20
+    g = _gqa(H, G, d)
+    scaled = GroupedQueryAttention(48, H, G, head_dim=d, rope_base=50.0, grouping="blocked", dtype=F64)
+    scaled.load_state_dict(g.state_dict())
+    with torch.no_grad():
+        scaled.W_K.weight.mul_(100.0)
+        scaled.W_Q.weight.div_(100.0)
+    calib = torch.randn(3, 16, 48, dtype=F64)
+    x = torch.randn(2, 7, 48, dtype=F64)
+    assert rel_err(gqa_ref(scaled, x, causal=True), gqa_ref(g, x, causal=True)) <= EXACT
+    for rorope in (False, True):
+        kw = dict(calibration=calib, rorope=rorope)
+        a, _ = gqa_to_mla_decoupled(g, r, n, balance=True, **kw)
+        b, _ = gqa_to_mla_decoupled(scaled, r, n, balance=True, **kw)
+        assert rel_err(b(x, is_causal=True), a(x, is_causal=True)) <= 1e-9
+        unbalanced, _ = gqa_to_mla_decoupled(scaled, r, n, balance=False, **kw)
+        expected = gqa_ref(g, x, causal=True)
+        assert rel_err(b(x, is_causal=True), expected) < rel_err(unbalanced(x, is_causal=True), expected)
+
+
+def test_transform_options_refuse_bad_values():
+    g = _gqa()
+    with pytest.raises(ValueError, match=r"plane order must be one of"):
+        gqa_to_mla_decoupled(g, 8, 1, rorope=True, plane_order="random")
+    with pytest.raises(ValueError, match=r"rorope chooses mixed planes by plane_order"):
+        gqa_to_mla_decoupled(g, 8, 1, rorope=True, pair_selection="norm", calibration=torch.randn(8, 48, dtype=F64))
+    with pytest.raises(ValueError, match=r"rope_pairs \(5\) must be below head_dim / 2 \(4\)"):
+        gqa_to_mla_decoupled(g, 8, 5, rorope=True)
+    with pytest.raises(ValueError, match=r"planes to keep \(13\) must be between 0 and 12"):
+        select_planes(13, torch.ones(4, dtype=F64), torch.ones(4, 3, dtype=F64))
