@@ -67,3 +67,30 @@ def read_text_ids(tok, path, max_tokens: int | None = None) -> torch.Tensor:
     ids = tok(text, return_tensors="pt").input_ids
     return ids[:, :max_tokens] if max_tokens else ids
 
+
+def top1_agreement(teacher, student, input_ids: torch.Tensor, window: int = 512) -> float:
+    """Fraction of positions of the token ids (1, N) where both models' most likely next token is the same."""
+    same, count = 0, 0
+    with torch.no_grad():
+        for start in range(0, input_ids.shape[1], window):
+            chunk = input_ids[:, start:start + window]
+            a, b = teacher(chunk).logits.argmax(-1), student(chunk).logits.argmax(-1)  # (1, n)
+            same += int((a == b).sum())
+            count += chunk.numel()
+    return same / max(count, 1)
+
+def greedy_agreement(teacher, student, prompts: torch.Tensor, new_tokens: int = 64) -> dict:
+    """Both models continue the same prompts (B, P) greedily for new_tokens; how alike are the continuations?
+
+    "prefix": mean fraction of the new tokens before the first difference (strict: one
+    different token ends the agreement); "tokens": mean fraction of positions that are equal.
+    """
+    from ..generate import generate
+
+    P = prompts.shape[1]
+    with torch.no_grad():
+        a = generate(teacher, prompts, max_new_tokens=new_tokens)[:, P:]  # (B, new)
+        b = generate(student, prompts, max_new_tokens=new_tokens)[:, P:]
+    equal = a == b  # (B, new)
+    prefix = equal.long().cumprod(-1).sum(-1).float() / new_tokens  # (B,)
+    return {"prefix": float(prefix.mean()), "tokens": float(equal.float().mean()), "new_tokens": new_tokens}

@@ -1,0 +1,168 @@
+"""Healing (attnlab.heal): distillation lowers the loss it targets, resume is exact, the CLI runs end to end,
+and bad input gets one-line errors. Tiny random Llama checkpoints (tests/tiny_checkpoints.py)."""
+import copy
+import json
+
+import pytest
+import torch
+from tiny_checkpoints import TEXT, make_checkpoint
+
+from attnlab import models as hf
+from attnlab.cli import main
+from attnlab.heal import HealPlan, Healer, distill_loss, heal_model
+from attnlab.heal_data import check_pair, text_windows
+
+T = 16  # tokens per window
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(folder, teacher, tokenizer): a 2-layer Llama whose next-token distributions are far from uniform."""
+    folder = tmp_path_factory.mktemp("heal") / "llama"
+    make_checkpoint("llama", folder, initializer_range=0.3)
+    teacher, tok, _ = hf.load_model(str(folder))
+    return folder, teacher, tok
+
+
+def _student(teacher):
+    student = copy.deepcopy(teacher)
+    hf.convert_model(student, "mla", latent_dim=12, rope_dim=4)
+    return student
+
+
+def _windows(n, seed):
+    return torch.randint(0, 300, (n, T), generator=torch.Generator().manual_seed(seed))
+
+
+def _plan(**kw):
+    return HealPlan(**{**dict(seq_len=T, batch_size=4, tokens=4 * T * 12, layer_steps=6, layer_windows=8,
+                              layer_batch=4, lr=2e-3, warmup=2), **kw})
+
+
+def _weights(model):
+    return [p.detach().clone() for m in hf.attnlab_modules(model) for p in m.state_dict().values()]
+
+
+def test_short_heal_lowers_the_distillation_loss_on_held_out_windows(tiny):
+    _, teacher, _ = tiny
+    student = _student(teacher)
+    held = _windows(8, seed=99)  # never trained on
+    before = distill_loss(teacher, student, held)
+    frozen = copy.deepcopy(teacher.state_dict())
+    report = heal_model(teacher, student, _windows(32, seed=0), held.reshape(1, -1), _plan())
+    after = distill_loss(teacher, student, held)
+    assert after < before
+    assert report["status"] == "done" and report["distill_tokens"] == 4 * T * 12
+    assert report["after"]["top1_agreement"] >= report["before"]["top1_agreement"]
+    assert all(torch.equal(v, teacher.state_dict()[k]) for k, v in frozen.items())  # the teacher stays as it was
+    assert not any(p.requires_grad for p in student.parameters())
+
+
+def test_resume_after_interruptions_gives_the_weights_of_an_uninterrupted_run(tiny, tmp_path):
+    _, teacher, _ = tiny
+    plan, windows = _plan(), _windows(32, seed=0)
+    base = _student(teacher)
+    straight = copy.deepcopy(base)
+    assert Healer(teacher, straight, windows, plan).run() == "done"
+
+    ckpt = tmp_path / "heal.pt"
+    stops = iter([("layers", 3), ("layers", 8), ("distill", 5)])  # inside layer 0, inside layer 1, end-to-end
+    target = [next(stops)]
+
+    def interrupt(info):
+        if target[0] and (info["phase"], info["done"]) == target[0]:
+            healer.request_stop()
+            target[0] = next(stops, None)
+
+    student = copy.deepcopy(base)
+    healer = Healer(teacher, student, windows, plan, checkpoint=ckpt, progress=interrupt)
+    runs = 1
+    while healer.run() == "stopped":
+        student = copy.deepcopy(base)  # a new process: fresh student, state from the checkpoint only
+        healer = Healer(teacher, student, _windows(32, seed=5), plan, checkpoint=ckpt, progress=interrupt)
+        healer.restore(Healer.read(ckpt))
+        runs += 1
+    assert runs == 4
+    assert all(torch.equal(a, b) for a, b in zip(_weights(student), _weights(straight)))
+    with pytest.raises(ValueError, match=r"different plan \(lr differ\)"):
+        Healer(teacher, copy.deepcopy(base), windows, _plan(lr=1e-3)).restore(Healer.read(ckpt))
+
+
+def test_pair_and_data_checks(tiny, tmp_path):
+    folder, teacher, tok = tiny
+    other, _ = make_checkpoint("llama", tmp_path / "wide", hidden_size=96)
+    hf.to_attnlab(other)
+    with pytest.raises(ValueError, match=r"layer 0: the teacher's attention has dim 96, 4 heads; the student's dim 64"):
+        check_pair(other, _student(teacher))
+    short = tmp_path / "short.txt"
+    short.write_text("the quick brown fox")
+    with pytest.raises(ValueError, match=r"too short to hold out a window of 16"):
+        text_windows(tok, [short], T)
+    with pytest.raises(ValueError, match=r"give a number of tokens, a time budget in minutes, or both"):
+        Healer(teacher, _student(teacher), _windows(4, 0), _plan(tokens=None)).run()
+    with pytest.raises(ValueError, match=r"heal plan: lr must be a positive number, got -1"):
+        _plan(lr=-1).check()
+
+
+def _cli(args, capsys):
+    code = main(args)
+    return code, capsys.readouterr()
+
+
+def test_cli_heal_end_to_end_and_the_result_loads_and_generates(tiny, tmp_path, capsys):
+    folder, teacher, _ = tiny
+    conv, healed = tmp_path / "conv", tmp_path / "healed"
+    text = tmp_path / "train.txt"
+    text.write_text(TEXT * 12)
+    assert _cli(["convert", str(folder), "--to", "mla", "--latent-dim", "12", "--rope-dim", "4", "--out", str(conv)],
+                capsys)[0] == 0
+    args = ["heal", str(conv), "--out", str(healed), "--text", str(text), "--tokens", str(4 * T * 6),
+            "--seq-len", str(T), "--layer-steps", "3", "--lr", "1e-3"]
+    code, out = _cli(args, capsys)
+    assert code == 0, out.err
+    meta = json.loads((healed / "config.json").read_text())
+    report = meta["heal"]
+    assert report["status"] == "done" and report["distill_tokens"] == 4 * T * 6
+    assert report["after"]["kv_bytes_per_token"] == report["before"]["kv_bytes_per_token"] < \
+        report["teacher"]["kv_bytes_per_token"]
+    assert meta["conversion"]["latent_dim"] == 12  # the conversion's record is kept
+    model, tok, _ = hf.load_model(str(healed))  # loads like any converted model ...
+    before, _, _ = hf.load_model(str(conv))
+    assert not all(torch.equal(a, b) for a, b in zip(_weights(model), _weights(before)))
+    code, out = _cli(["generate", str(healed), "the quick", "--max-new-tokens", "5"], capsys)
+    assert code == 0 and out.out.strip()  # ... and generates through attnlab's loop
+    ids = tok("the quick brown", return_tensors="pt").input_ids
+    ours = model.generate(ids, max_new_tokens=5, do_sample=False)  # and through transformers' generate()
+    from attnlab.generate import generate
+    assert torch.equal(ours, generate(model, ids, max_new_tokens=5))
+    # data-free: the teacher writes the training text itself, and a resume of a finished run changes nothing
+    code, out = _cli(["heal", str(conv), "--out", str(tmp_path / "selfgen"), "--windows", "4", "--tokens",
+                      str(2 * T * 4), "--seq-len", str(T), "--batch-size", "2", "--layer-steps", "0"], capsys)
+    assert code == 0, out.err
+    assert json.loads((tmp_path / "selfgen" / "config.json").read_text())["heal"]["data"]["self_generated"]
+
+
+def test_cli_heal_bad_input_is_one_line(tiny, tmp_path, capsys):
+    folder, _, _ = tiny
+    conv = tmp_path / "conv"
+    assert _cli(["convert", str(folder), "--to", "mla", "--latent-dim", "12", "--rope-dim", "4", "--out", str(conv)],
+                capsys)[0] == 0
+    short, blocker = tmp_path / "short.txt", tmp_path / "a-file"
+    short.write_text("the quick brown fox")
+    blocker.write_text("x")
+    make_checkpoint("llama", tmp_path / "wide", hidden_size=96)
+    capsys.readouterr()  # transformers' progress bars while writing it
+    cases = [(["heal", str(folder), "--out", str(tmp_path / "o1"), "--tokens", "64"],
+              "is not a converted attnlab model"),
+             (["heal", str(conv), "--out", str(tmp_path / "o2"), "--tokens", "64", "--teacher",
+               str(tmp_path / "wide")], "the teacher's attention has dim 96"),
+             (["heal", str(conv), "--out", str(tmp_path / "o3"), "--tokens", "64", "--text", str(short),
+               "--seq-len", "16"], "too short to hold out"),
+             (["heal", str(conv), "--out", str(blocker / "out"), "--tokens", "64"], "cannot write to"),
+             (["heal", str(conv), "--out", str(tmp_path / "o4"), "--tokens", "64", "--resume"],
+              "no heal checkpoint at"),
+             (["heal", str(conv), "--out", str(tmp_path / "o5")], "give --tokens, --minutes or both")]
+    for args, message in cases:
+        code, out = _cli(args, capsys)
+        lines = out.err.strip().splitlines()
+        assert code == 2 and len(lines) == 1 and message in lines[0], (args, out.err)
