@@ -166,3 +166,28 @@ def test_cli_heal_bad_input_is_one_line(tiny, tmp_path, capsys):
         code, out = _cli(args, capsys)
         lines = out.err.strip().splitlines()
         assert code == 2 and len(lines) == 1 and message in lines[0], (args, out.err)
+
+
+def test_encoder_heal_raises_cosine_on_held_out_sentences(tmp_path):
+    """A tiny random BERT, MHA -> GQA (mean pooling of heads): cosine to the teacher's embeddings goes up."""
+    import transformers as T
+    from tiny_checkpoints import make_tokenizer
+
+    from attnlab.heal_encoder import heal_encoder
+
+    tok = make_tokenizer(tmp_path)
+    tok.pad_token = tok.eos_token  # masked out of the mean pooling
+    torch.manual_seed(0)
+    cfg = T.BertConfig(vocab_size=len(tok), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                       intermediate_size=64, max_position_embeddings=64, initializer_range=0.3)
+    teacher = hf.to_attnlab(T.BertModel(cfg).eval())
+    student = copy.deepcopy(teacher)
+    hf.convert_model(student, "gqa", num_kv_heads=1, method="mean")
+    words = TEXT.split()
+    sentence = lambda i: " ".join(words[(i * 7) % len(words):][:5 + i % 6])  # noqa: E731
+    train, held = [sentence(i) for i in range(40)], [sentence(i) for i in range(40, 52)]
+    cos = lambda: float((hf.sentence_embeddings(teacher, tok, held) *  # noqa: E731
+                         hf.sentence_embeddings(student, tok, held)).sum(-1).mean())
+    before = cos()
+    losses = heal_encoder(teacher, student, tok, train, steps=30, batch_size=8, lr=3e-3)
+    assert cos() > before and losses[-1] < losses[0]

@@ -1,10 +1,10 @@
-"""RoRoPE and BKV (attnlab.transforms, used by convert.gqa_to_mla_decoupled): exact where nothing is cut,
+"""RoRoPE and BKV (attnlab.transforms, used by decoupled.gqa_to_mla_decoupled): exact where nothing is cut,
 and at a cut they help where the mathematics says they must."""
 import pytest
 import torch
 from conftest import gqa_ref, randomize
 
-from attnlab.convert import gqa_to_mla_decoupled
+from attnlab.decoupled import gqa_to_mla_decoupled
 from attnlab.gqa import GroupedQueryAttention
 from attnlab.transforms import captured_energy, frequency_mixes, pair_dims, select_planes
 

@@ -8,20 +8,16 @@ Exact:   gqa_to_mha, gqa_to_mla, mla_to_mha, absorb.
 Lossy:   mha_to_gqa (mean pooling, or "fit": a shared subspace per group with
          per-head maps folded into W_Q and W_O), mha_to_mla (truncated SVD of the
          stacked [W_K; W_V], optionally whitened by calibration activations).
+Decoupled RoPE (GQA with RoPE -> DeepSeek's MLA) lives in decoupled.py.
 
-The report's per-matrix errors compare what a conversion must preserve, per
-query head: the score form scale * W_Q_h^T W_K_h ("QK", D_1 x D_2), the value
-path W_O_h W_V_h ("OV", D_1 x D_2), and, where head bases are kept, the
-effective K and V projections. Its output error runs both modules on a probe
-batch in float64. Biases are not part of the matrix errors; how each
-conversion carries them is stated in its docstring.
+report.py measures what a conversion must preserve (ConversionReport). Biases are
+not part of its matrix errors; how each conversion carries them is stated in its
+docstring.
 """
 from __future__ import annotations
 
 import copy
-import json
 import math
-from dataclasses import asdict, dataclass, field
 
 import torch
 from torch import nn
@@ -31,47 +27,12 @@ from .gqa import GroupedQueryAttention, MultiHeadAttention
 from .linalg import (factor_tiled, fold_output, fold_query, kv_head_of, rank_for_energy, svd_factors,
                      tile_heads, whitening)
 from .mla import MultiHeadLatentAttention
-from .rope import RotaryEmbedding
+from .report import ConversionReport, _report, matrix_errors, probe_error  # noqa: F401 - re-exported; defined in report.py
 
 F64 = torch.float64
 
 
-@dataclass
-class ConversionReport:
-    source: str
-    target: str
-    exact: bool
-    matrix_errors: dict[str, float]
-    output_error: float
-    kv_values_before: int
-    kv_values_after: int
-    energy_kept: float | None = None
-    notes: list[str] = field(default_factory=list)
-
-    def __str__(self) -> str:
-        worst = max(self.matrix_errors.items(), key=lambda kv: kv[1], default=("-", 0.0))
-        energy = f", energy kept {self.energy_kept:.4f}" if self.energy_kept is not None else ""
-        return (f"{self.source} -> {self.target}: {'exact' if self.exact else 'lossy'}, output error "
-                f"{self.output_error:.2e}, worst matrix {worst[0]} {worst[1]:.2e}{energy}, KV values/token "
-                f"{self.kv_values_before} -> {self.kv_values_after}")
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2)
-
-
 # -- helpers ---------------------------------------------------------------------------------------
-def _describe(m: nn.Module) -> str:
-    if isinstance(m, MultiHeadLatentAttention):
-        return f"MLA(H={m.num_heads}, r={m.latent_dim})"
-    if isinstance(m, GroupedQueryAttention):
-        return f"MHA(H={m.num_heads})" if m.num_heads == m.num_kv_heads else \
-            f"GQA(H={m.num_heads}, G={m.num_kv_heads})"
-    return type(m).__name__
-
-
 def _expect(module, cls, fn: str):
     if not isinstance(module, cls):
         raise TypeError(f"{fn} takes a {cls.__name__}, got {type(module).__name__}")
@@ -115,77 +76,6 @@ def _gqa(src, num_kv_heads: int, *, bias: bool, grouping: str, head_dim=None, v_
                                 grouping=grouping, **_like(src))
     new.rope = copy.deepcopy(getattr(src, "rope", None))
     return new
-
-
-def _heads(m: nn.Module):
-    """Per-query-head (RoPE and norms left out) (scale * W_Q_h, W_K_h, W_V_h, W_O_h): (H, d, D_1), (H, d, D_2), (H, dv, D_2), (H, D_1, dv)."""
-    H = m.num_heads
-    if isinstance(m, MultiHeadLatentAttention):  # a decoupled rotary key joins every head's key rows
-        d, dv = m.head_dim + m.rope_dim, m.v_head_dim
-        wq = m.W_Q.weight if m.W_Q is not None else m.W_UQ.weight @ m.W_DQ.weight
-        wk = (m.W_UK.weight @ m.W_DKV.weight).reshape(H, m.head_dim, -1)
-        if m.W_KR is not None:
-            wk = torch.cat([wk, m.W_KR.weight.expand(H, -1, -1)], dim=1)
-        wv = m.W_UV.weight @ m.W_DKV.weight
-    else:
-        d, dv = m.head_dim, m.v_head_dim
-        wq = m.W_Q.weight
-        wk = tile_heads(m.W_K.weight, H, m.num_kv_heads, m.grouping)
-        wv = tile_heads(m.W_V.weight, H, m.num_kv_heads, m.grouping)
-    q = wq.detach().to(F64).reshape(H, d, -1) * m.scale
-    k = wk.detach().to(F64).reshape(H, d, -1)
-    v = wv.detach().to(F64).reshape(H, dv, -1)
-    o = m.W_O.weight.detach().to(F64).reshape(-1, H, dv).transpose(0, 1)
-    return q, k, v, o
-
-
-def _product_error(a1, b1, a2, b2) -> float:
-    """sqrt(sum_h ||a1_h^T b1_h - a2_h^T b2_h||^2) / sqrt(sum_h ||a1_h^T b1_h||^2), one head at a time."""
-    diff = ref = 0.0
-    for h in range(a1.shape[0]):
-        p1 = a1[h].T @ b1[h]
-        diff += float(torch.linalg.norm(p1 - a2[h].T @ b2[h]) ** 2)
-        ref += float(torch.linalg.norm(p1) ** 2)
-    return math.sqrt(diff) / math.sqrt(max(ref, 1e-300))
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float(torch.linalg.norm(a - b) / torch.linalg.norm(a).clamp_min(1e-300))
-
-
-def matrix_errors(old: nn.Module, new: nn.Module, *, bases: bool = True) -> dict[str, float]:
-    q1, k1, v1, o1 = _heads(old)
-    q2, k2, v2, o2 = _heads(new)
-    out = {"QK": _product_error(q1, k1, q2, k2),
-           "OV": _product_error(o1.transpose(1, 2), v1, o2.transpose(1, 2), v2)}
-    if bases and k1.shape == k2.shape and v1.shape == v2.shape:
-        out["K"], out["V"] = _rel(k1, k2), _rel(v1, v2)
-    return out
-
-
-def probe_error(old: nn.Module, new: nn.Module, probe: torch.Tensor | None = None,
-                context: torch.Tensor | None = None, *, seed: int = 0) -> float:
-    """Relative output error of new against old on a probe batch, both run in float64."""
-    g = torch.Generator().manual_seed(seed)
-    a, b = copy.deepcopy(old).to(F64), copy.deepcopy(new).to(F64)
-    x = probe if probe is not None else torch.randn(2, 16, old.dim, generator=g, dtype=F64)
-    x = x.to(F64).reshape(-1, *x.shape[-2:]) if x.dim() >= 2 else x
-    if x.dim() == 2:
-        x = x[None]
-    if context is None and old.context_dim != old.dim:
-        context = torch.randn(x.shape[0], 24, old.context_dim, generator=g, dtype=F64)
-    c = None if context is None else context.to(F64)
-    with torch.no_grad():
-        ya, yb = a(x, c), b(x, c)
-    return _rel(ya, yb)
-
-
-def _report(old, new, exact, *, bases=True, calibration=None, energy=None, notes=()) -> ConversionReport:
-    """The report; calibration inputs of a self-attention module double as the probe batch."""
-    probe = calibration if _is_probe(calibration, old) else None
-    return ConversionReport(_describe(old), _describe(new), exact, matrix_errors(old, new, bases=bases),
-                            probe_error(old, new, probe), old.kv_values_per_token, new.kv_values_per_token,
-                            energy, list(notes))
 
 
 # -- exact -----------------------------------------------------------------------------------------
@@ -408,10 +298,6 @@ def mha_to_gqa(mha: GroupedQueryAttention, num_kv_heads: int, *, method: str = "
                         notes=notes)
 
 
-def _is_probe(calibration, module) -> bool:
-    return calibration is not None and calibration.dim() == 3 and module.context_dim == module.dim
-
-
 def _augment(w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
     w = w.to(F64)
     return w if b is None else torch.cat([w, b.to(F64)[:, None]], 1)
@@ -556,149 +442,3 @@ def convert(module: nn.Module, to: str, *, num_kv_heads: int | None = None, meth
             return gqa_to_mla(module)
         return mha_to_mla(module, latent_dim=latent_dim, energy=energy, joint=joint, calibration=calibration)
     raise ValueError("'absorbed' applies to an MLA; convert to 'mla' first")
-
-
-def gqa_to_mla_decoupled(gqa: GroupedQueryAttention, latent_dim: int, rope_pairs: int, *,
-                         calibration: torch.Tensor | None = None, pair_selection: str = "frequency",
-                         rorope: bool = False, plane_order: str = "frequency", balance: bool = False,
-                         context_len: int = 2048):
-    """GQA with RoPE -> MLA with DeepSeek's decoupled RoPE, lossy (the MHA2MLA recipe, without training).
-
-    Of each KV head's d/2 rotary pairs, `rope_pairs` keep their rotation: they move, for
-    all G KV heads, into the shared rotary key k_R (rope_dim = 2 * G * rope_pairs, each
-    slot with its own pair's frequency), and each query head's rotary part is non-zero
-    only in its own KV head's slots, so that part of the scores is exact. The other pairs
-    lose their rotation (the loss) and, with the values, go through a latent of
-    `latent_dim` by the SVD of `mha_to_mla` (whitened by `calibration` when given). The
-    softmax scale stays 1/sqrt(d). KV values per token: latent_dim + 2 * G * rope_pairs.
-    pair_selection: "frequency" (default) keeps the fastest-turning pairs; "norm" (needs
-    calibration inputs) keeps, per KV head, the pairs with the largest mean |q| * |k| on
-    them, the 2-norm criterion of MHA2MLA (on SmolLM2 it measured worse: docs/real-models.md).
-    rorope: mix each frequency's G key planes by their principal directions first (transforms.py;
-    exact, folded into the queries), then keep rotation for G * rope_pairs of the mixed planes, chosen
-    by plane_order ("frequency" or "score", transforms.select_planes, context_len for "score");
-    rope_pairs may then reach head_dim / 2 (everything rotates: exact). The MLA's head_dim is then d.
-    balance: BKV, K and V balanced before the joint SVD (transforms.kv_balance).
-    """
-    _expect(gqa, GroupedQueryAttention, "gqa_to_mla_decoupled")
-    if gqa.rope is None:
-        raise ValueError("gqa_to_mla_decoupled needs a GQA with RoPE; use mha_to_mla for one without")
-    if gqa.W_Q.bias is not None:
-        raise ValueError("gqa_to_mla_decoupled does not carry biases yet")
-    H, G, d = gqa.num_heads, gqa.num_kv_heads, gqa.head_dim
-    checks.non_negative_int("rope_pairs", rope_pairs)
-    if rope_pairs >= d // 2 + bool(rorope):
-        raise ValueError(f"rope_pairs ({rope_pairs}) must be below head_dim / 2 ({d // 2}); "
-                         "keeping every pair is the exact gqa_to_mla")
-    if rorope:
-        if pair_selection != "frequency":
-            raise ValueError("rorope chooses mixed planes by plane_order; pair_selection applies without it")
-        return _decoupled_rorope(gqa, latent_dim, rope_pairs, calibration, plane_order, balance, context_len)
-    if pair_selection not in ("frequency", "norm"):
-        raise ValueError(f"pair_selection must be 'frequency' or 'norm', got {pair_selection!r}")
-    if pair_selection == "norm" and calibration is None:
-        raise ValueError("pair_selection='norm' needs calibration inputs")
-    half, n = d // 2, rope_pairs
-    wq = gqa.W_Q.weight.detach().reshape(H, d, -1)  # (H, d, D_1)
-    wk = gqa.W_K.weight.detach().reshape(G, d, -1)  # (G, d, D_2)
-    owner = kv_head_of(H, G, gqa.grouping)
-    pairs = torch.arange(half)
-    # the two dims of pair i within a head: (i, i + d/2) rotate-half, (2i, 2i+1) interleaved
-    dims_a = pairs * 2 if gqa.rope.interleaved else pairs
-    dims_b = dims_a + 1 if gqa.rope.interleaved else pairs + half
-    if pair_selection == "frequency":
-        kept = torch.argsort(gqa.rope.inv_freq, descending=True)[:n].sort().values.expand(G, n)  # (G, n)
-    else:
-        x = calibration.reshape(-1, calibration.shape[-1]).to(wk.dtype)
-        q_all = (x @ wq.reshape(H * d, -1).T).reshape(-1, H, d)  # (N, H, d)
-        k_all = (x @ wk.reshape(G * d, -1).T).reshape(-1, G, d)  # (N, G, d)
-        pair_norm = lambda t: (t[..., dims_a] ** 2 + t[..., dims_b] ** 2).sqrt().mean(0)  # noqa: E731
-        q_norm, k_norm = pair_norm(q_all), pair_norm(k_all)  # (H, half), (G, half)
-        score = torch.stack([q_norm[owner == g].mean(0) * k_norm[g] for g in range(G)])  # (G, half)
-        kept = torch.topk(score, n, dim=1).indices.sort(dim=1).values  # (G, n)
-    first, second = dims_a[kept], dims_b[kept]  # (G, n) each
-    nope = []
-    for g in range(G):
-        rotary = torch.zeros(d, dtype=torch.bool)
-        rotary[first[g]], rotary[second[g]] = True, True
-        nope.append(torch.nonzero(~rotary).flatten())  # (d - 2n,)
-    dn = d - 2 * n
-
-    nope_gqa = _gqa(gqa, G, bias=False, grouping=gqa.grouping, head_dim=dn)
-    nope_gqa.rope = None
-    _set(nope_gqa.W_Q, torch.stack([wq[h, nope[int(owner[h])]] for h in range(H)]).reshape(H * dn, -1))
-    _set(nope_gqa.W_K, torch.stack([wk[g, nope[g]] for g in range(G)]).reshape(G * dn, -1))
-    _set(nope_gqa.W_V, gqa.W_V.weight)
-    _set(nope_gqa.W_O, gqa.W_O.weight)
-    base = _svd_latent(nope_gqa, latent_dim, None, True, calibration, balance)[0]  # its report is not needed
-
-    p = 2 * G * n
-    mla = MultiHeadLatentAttention(gqa.dim, H, latent_dim, head_dim=dn, v_head_dim=gqa.v_head_dim,
-                                   context_dim=gqa.context_dim, rope_dim=p, softmax_scale=gqa.scale, **_like(gqa))
-    if p:  # slot g*n + k rotates like pair kept[g, k] of KV head g
-        mla.rope = RotaryEmbedding(p, gqa.rope.base, inv_freq=gqa.rope.inv_freq[kept.reshape(-1)],
-                                   scaling=gqa.rope.scaling)
-    q = torch.zeros(H, dn + p, wq.shape[-1], dtype=wq.dtype, device=wq.device)
-    kr = torch.zeros(p, wk.shape[-1], dtype=wk.dtype, device=wk.device)
-    for h in range(H):
-        g = int(owner[h])
-        slots = torch.arange(g * n, (g + 1) * n)
-        q[h, :dn] = wq[h, nope[g]]
-        q[h, dn + slots], q[h, dn + slots + p // 2] = wq[h, first[g]], wq[h, second[g]]
-        kr[slots], kr[slots + p // 2] = wk[g, first[g]], wk[g, second[g]]
-    _set(mla.W_Q, q.reshape(H * (dn + p), -1))
-    if p:
-        _set(mla.W_KR, kr)
-    for name in ("W_DKV", "W_UK", "W_UV", "W_O"):
-        _set(getattr(mla, name), getattr(base, name).weight, _bias(getattr(base, name)))
-    notes = [f"rope pairs kept per KV head: {n} of {half} (by {pair_selection}); rope_dim {p}",
-             f"latent r = {latent_dim}" + (", whitened by calibration" if calibration is not None else "")
-             + (", K/V balanced" if balance else "")]
-    return mla, _report(gqa, mla, False, bases=False, calibration=calibration,
-                        notes=notes)
-
-
-def _decoupled_rorope(gqa, latent_dim, rope_pairs, calibration, plane_order, balance, context_len):
-    """gqa_to_mla_decoupled with RoRoPE: mixed key planes per frequency (transforms.py), kept ones rotate."""
-    from .transforms import (captured_energy, frequency_mixes, mixed_query_energy, pair_dims, rorope_split,
-                             select_planes)
-
-    H, G, d = gqa.num_heads, gqa.num_kv_heads, gqa.head_dim
-    wq = gqa.W_Q.weight.detach().to(F64).reshape(H, d, -1)  # (H, d, D_1)
-    wk = gqa.W_K.weight.detach().to(F64).reshape(G, d, -1)  # (G, d, D_2)
-    owner = kv_head_of(H, G, gqa.grouping)
-    dims_a, dims_b = pair_dims(d, gqa.rope.interleaved)
-    cov = None
-    if calibration is not None:
-        if calibration.shape[-1] != gqa.context_dim:
-            raise ValueError(f"calibration has last dimension {calibration.shape[-1]}, expected {gqa.context_dim}")
-        y = calibration.reshape(-1, gqa.context_dim).to(F64)
-        cov = y.T @ y / y.shape[0]  # (D_2, D_2)
-    mixes, k_energy = frequency_mixes(wk, dims_a, dims_b, cov)  # (half, G, G), (half, G)
-    q_energy = mixed_query_energy(wq, owner, mixes, dims_a, dims_b, cov) if plane_order == "score" else None
-    planes = select_planes(G * rope_pairs, gqa.rope.inv_freq, k_energy, q_energy, order=plane_order,
-                           context_len=context_len)  # (P, 2)
-    q_rope, k_rope, k_nope = rorope_split(wq, wk, owner, mixes, planes, dims_a, dims_b)
-    dt = gqa._anchor.dtype
-    nope_gqa = _gqa(gqa, G, bias=False, grouping=gqa.grouping)
-    nope_gqa.rope = None
-    _set(nope_gqa.W_Q, gqa.W_Q.weight)
-    _set(nope_gqa.W_K, k_nope.reshape(G * d, -1).to(dt))
-    _set(nope_gqa.W_V, gqa.W_V.weight)
-    _set(nope_gqa.W_O, gqa.W_O.weight)
-    base = _svd_latent(nope_gqa, latent_dim, None, True, calibration, balance)[0]
-    p = 2 * planes.shape[0]
-    mla = MultiHeadLatentAttention(gqa.dim, H, latent_dim, head_dim=d, v_head_dim=gqa.v_head_dim,
-                                   context_dim=gqa.context_dim, rope_dim=p, softmax_scale=gqa.scale, **_like(gqa))
-    if p:  # slot s (and s + P) rotates like pair planes[s, 0]
-        mla.rope = RotaryEmbedding(p, gqa.rope.base, inv_freq=gqa.rope.inv_freq[planes[:, 0]],
-                                   scaling=gqa.rope.scaling)
-        _set(mla.W_KR, k_rope.to(dt))
-    _set(mla.W_Q, torch.cat([wq, q_rope], dim=1).reshape(H * (d + p), -1).to(dt))  # (H*(d+p), D_1)
-    for name in ("W_DKV", "W_UK", "W_UV", "W_O"):
-        _set(getattr(mla, name), getattr(base, name).weight, _bias(getattr(base, name)))
-    notes = [f"RoRoPE: {planes.shape[0]} of {G * d // 2} mixed key planes rotate (by {plane_order}), key energy "
-             f"in them {captured_energy(k_energy, planes):.4f}; rope_dim {p}",
-             f"latent r = {latent_dim}" + (", whitened by calibration" if calibration is not None else "")
-             + (", K/V balanced" if balance else "")]
-    return mla, _report(gqa, mla, False, bases=False, calibration=calibration, notes=notes)

@@ -41,7 +41,8 @@ def convert_model(model, to: str, *, latent_dim: int | None = None, rope_dim: in
     pair_selection: which rotary pairs a compressed Llama MLA keeps (see gqa_to_mla_decoupled).
     """
     from ..convert import convert as convert_module
-    from ..convert import gqa_to_mla, gqa_to_mla_decoupled
+    from ..convert import gqa_to_mla
+    from ..decoupled import gqa_to_mla_decoupled
 
     fam = family(model)
     first = attnlab_modules(model)[0]

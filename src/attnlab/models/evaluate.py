@@ -12,9 +12,13 @@ def sentence_embeddings(model, tok, sentences: list[str], batch_size: int = 32) 
         enc = tok(sentences[i:i + batch_size], padding=True, truncation=True, max_length=256, return_tensors="pt")
         with torch.no_grad():
             hidden = model(**enc).last_hidden_state  # (B, L, dim)
-        m = enc["attention_mask"][..., None].to(hidden.dtype)
-        out.append(torch.nn.functional.normalize((hidden * m).sum(1) / m.sum(1), dim=-1))
+        out.append(mean_pooled(hidden, enc["attention_mask"]))
     return torch.cat(out)
+
+def mean_pooled(hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Sentence embeddings (B, dim) from token states (B, L, dim): mean over real tokens, L2-normalised."""
+    m = attention_mask[..., None].to(hidden.dtype)
+    return torch.nn.functional.normalize((hidden * m).sum(1) / m.sum(1), dim=-1)
 
 def attention_inputs(model, input_ids: torch.Tensor) -> list[torch.Tensor]:
     """What each attention layer reads, (N, dim) per layer, from one forward of the (attnlab'd) model."""

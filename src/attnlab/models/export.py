@@ -58,7 +58,7 @@ def add_latent_norm(mla: MultiHeadLatentAttention, calibration: torch.Tensor | N
     module against `mla` on the calibration inputs (float64): the norm is not linear, so a
     token whose latent is larger or smaller than typical has its key and value rescaled.
     """
-    from ..convert import probe_error
+    from ..report import probe_error
 
     if mla.kv_norm is not None:
         raise ValueError("the MLA already normalises its latent")

@@ -149,7 +149,7 @@ def convert_checkpoint(source, out, *, latent_dim: int | None, rope_dim: int | N
     and fit the latent norms. latent_norm: "constant" (exact: export.constant_channel, latent + 1)
     or "fit" (add_latent_norm from calibration statistics, lossy). progress(i, n) is called after each layer.
     """
-    from ..convert import gqa_to_mla_decoupled
+    from ..decoupled import gqa_to_mla_decoupled
     from .convert import DEFAULT_ROPE_PAIRS
 
     folder, out = Path(str(source)), Path(str(out))
