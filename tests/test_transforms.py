@@ -133,3 +133,31 @@ def test_transform_options_refuse_bad_values():
         gqa_to_mla_decoupled(g, 8, 5, rorope=True)
     with pytest.raises(ValueError, match=r"planes to keep \(13\) must be between 0 and 12"):
         select_planes(13, torch.ones(4, dtype=F64), torch.ones(4, 3, dtype=F64))
+
+
+def test_whole_llama_through_convert_model_with_rorope_and_bkv_and_nothing_cut_is_exact(tmp_path):
+    """The model-level path (models.convert_model, --rope-select/--balance): a float64 Llama, every mixed
+    plane rotating and a latent that holds all keys and values, gives the original logits."""
+    from tiny_checkpoints import make_checkpoint
+
+    from attnlab import models as hf
+    from attnlab.decoupled import selection_options
+
+    model, _ = make_checkpoint("llama", tmp_path / "llama", dtype=F64)
+    model = model.to(F64).eval()
+    ids = torch.randint(0, 300, (2, 12), generator=torch.Generator().manual_seed(0))
+    hf.to_attnlab(model)  # the reference: attnlab's GQA (float64 RoPE angles; transformers' are float32)
+    with torch.no_grad():
+        expected = model(ids).logits
+    first = hf.attnlab_modules(model)[0]
+    G, d = first.num_kv_heads, first.head_dim
+    for select in ("rorope", "rorope-score"):
+        m = __import__("copy").deepcopy(model)
+        hf.convert_model(m, "mla", latent_dim=2 * G * d, rope_dim=G * d, calibration_ids=ids[:1],
+                         pair_selection=select, balance=True)
+        assert hf.attnlab_modules(m)[0].rope_dim == G * d
+        with torch.no_grad():
+            assert rel_err(m(ids).logits, expected) <= EXACT, select
+    with pytest.raises(ValueError, match=r"rope selection must be one of frequency, norm, rorope, rorope-score, "
+                                         r"got 'fastest'"):
+        selection_options("fastest")

@@ -18,6 +18,22 @@ from .linalg import kv_head_of
 from .mla import MultiHeadLatentAttention
 from .rope import RotaryEmbedding
 
+ROPE_SELECTIONS = ("frequency", "norm", "rorope", "rorope-score")
+
+
+def selection_options(rope_select: str = "frequency", balance: bool = False) -> dict:
+    """gqa_to_mla_decoupled's keyword arguments for one name of what keeps rotating (the CLI's --rope-select).
+
+    frequency / norm: per KV head, the fastest-turning pairs / the pairs with the largest |q||k|;
+    rorope / rorope-score: RoRoPE's mixed planes, chosen by frequency / by score (transforms.select_planes).
+    """
+    if rope_select not in ROPE_SELECTIONS:
+        raise ValueError(f"rope selection must be one of {', '.join(ROPE_SELECTIONS)}, got {rope_select!r}")
+    if rope_select.startswith("rorope"):
+        return {"rorope": True, "plane_order": "score" if rope_select.endswith("score") else "frequency",
+                "balance": balance}
+    return {"pair_selection": rope_select, "balance": balance}
+
 def gqa_to_mla_decoupled(gqa: GroupedQueryAttention, latent_dim: int, rope_pairs: int, *,
                          calibration: torch.Tensor | None = None, pair_selection: str = "frequency",
                          rorope: bool = False, plane_order: str = "frequency", balance: bool = False,

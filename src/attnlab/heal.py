@@ -38,11 +38,11 @@ class HealPlan:
     seq_len: int = 256
     batch_size: int = 4
     tokens: int | None = None  # end-to-end tokens; None: as many as the time budget allows
-    layer_steps: int = 40  # layer-wise steps per layer; 0 skips the phase
+    layer_steps: int = 100  # layer-wise steps per layer; 0 skips the phase
     layer_windows: int = 32  # windows whose teacher hidden states the layer-wise phase reads
     layer_batch: int = 8
     layer_lr: float = 1e-3
-    lr: float = 5e-5
+    lr: float = 1e-4
     warmup: int = 8
     seed: int = 0
     lora_rank: int | None = None

@@ -13,7 +13,8 @@ from .adapters import (FAMILIES, BertAttentionAdapter, LlamaAttentionAdapter, Tr
                        family, from_attnlab, replace_attention, to_attnlab)
 from .bundled import MODELS, load_minilm, load_smollm2
 from .convert import DEFAULT_ROPE_PAIRS, convert_layers, convert_model
-from .evaluate import attention_inputs, kv_bytes_per_token, perplexity, read_text_ids, sentence_embeddings
+from .evaluate import (attention_inputs, greedy_agreement, kv_bytes_per_token, mean_pooled, perplexity, read_text_ids,
+                       sentence_embeddings, top1_agreement)
 from .export import add_latent_norm, add_latent_norms, check_deepseek_request, export_deepseek
 from .load import inspect_checkpoint, is_checkpoint, load_checkpoint
 from .stream import convert_checkpoint
@@ -22,6 +23,7 @@ from .store import LOADERS, MODEL_FORMAT, load_model, save_model
 __all__ = ["FAMILIES", "BertAttentionAdapter", "LlamaAttentionAdapter", "TransformersCache", "attnlab_modules",
            "family", "from_attnlab", "replace_attention", "to_attnlab", "MODELS", "load_minilm", "load_smollm2",
            "DEFAULT_ROPE_PAIRS", "convert_layers", "convert_model", "attention_inputs", "kv_bytes_per_token",
-           "perplexity", "read_text_ids", "sentence_embeddings", "LOADERS", "MODEL_FORMAT", "load_model",
+           "perplexity", "read_text_ids", "sentence_embeddings", "greedy_agreement", "mean_pooled", "top1_agreement",
+           "LOADERS", "MODEL_FORMAT", "load_model",
            "save_model", "add_latent_norm", "add_latent_norms", "check_deepseek_request", "export_deepseek",
            "inspect_checkpoint", "is_checkpoint", "load_checkpoint", "convert_checkpoint"]

@@ -31,18 +31,20 @@ DEFAULT_ROPE_PAIRS = 16  # per KV head when only a latent size is given: half th
 
 def convert_model(model, to: str, *, latent_dim: int | None = None, rope_dim: int | None = None,
                   num_kv_heads: int | None = None, method: str | None = None,
-                  calibration_ids: torch.Tensor | None = None, pair_selection: str = "frequency", progress=None):
+                  calibration_ids: torch.Tensor | None = None, pair_selection: str = "frequency",
+                  balance: bool = False, progress=None):
     """Convert every attention layer of an attnlab'd model in place; returns the per-layer reports.
 
     Llama (RoPE GQA) -> "mla": without latent_dim, the exact gqa_to_mla (the latent holds
     pre-RoPE K and V); with latent_dim, gqa_to_mla_decoupled keeping rope_dim / (2 G) rotary
     pairs per KV head (default rope_dim = 2 G * 16, half the pairs). BERT (MHA) -> "gqa" (num_kv_heads, method)
     or "mla" (latent_dim). calibration_ids: token ids whose attention inputs whiten the SVDs;
-    pair_selection: which rotary pairs a compressed Llama MLA keeps (see gqa_to_mla_decoupled).
+    pair_selection: what keeps rotating in a compressed Llama MLA, one of decoupled.ROPE_SELECTIONS
+    (frequency, norm, rorope, rorope-score); balance: BKV before the joint SVD (decoupled.selection_options).
     """
     from ..convert import convert as convert_module
     from ..convert import gqa_to_mla
-    from ..decoupled import gqa_to_mla_decoupled
+    from ..decoupled import gqa_to_mla_decoupled, selection_options
 
     fam = family(model)
     first = attnlab_modules(model)[0]
@@ -57,9 +59,8 @@ def convert_model(model, to: str, *, latent_dim: int | None = None, rope_dim: in
         rope_dim = 2 * G * DEFAULT_ROPE_PAIRS if rope_dim is None else rope_dim
         if rope_dim < 0 or rope_dim % (2 * G):
             raise ValueError(f"rope_dim ({rope_dim}) must be a non-negative multiple of 2 * num_kv_heads ({2 * G})")
-        pairs = rope_dim // (2 * G)
-        return convert_layers(model, lambda m, x: gqa_to_mla_decoupled(m, latent_dim, pairs, calibration=x,
-                                                                       pair_selection=pair_selection),
+        pairs, options = rope_dim // (2 * G), selection_options(pair_selection, balance)
+        return convert_layers(model, lambda m, x: gqa_to_mla_decoupled(m, latent_dim, pairs, calibration=x, **options),
                               calibration_ids=calibration_ids, progress=progress)
     if rope_dim is not None:
         raise ValueError("rope_dim applies to RoPE models (Llama); BERT has no RoPE")

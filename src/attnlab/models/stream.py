@@ -140,16 +140,16 @@ def calibration_ids_for(folder, text, max_tokens: int | None = None) -> torch.Te
 
 def convert_checkpoint(source, out, *, latent_dim: int | None, rope_dim: int | None = None,
                        calibration_ids: torch.Tensor | None = None, pair_selection: str = "frequency",
-                       force: bool = False, shard_bytes: int = STREAM_SHARD_BYTES, latent_norm: str = "constant",
+                       balance: bool = False, force: bool = False, shard_bytes: int = STREAM_SHARD_BYTES, latent_norm: str = "constant",
                        progress=None) -> dict:
     """Stream a Llama/Mistral/Qwen2 folder into a DeepSeek-V3 MLA checkpoint at `out`; returns a summary.
 
-    latent_dim, rope_dim, pair_selection: as convert_model (decoupled RoPE; rope_dim defaults to
+    latent_dim, rope_dim, pair_selection, balance: as convert_model (decoupled RoPE; rope_dim defaults to
     2 * num_kv_heads * 16). calibration_ids (1, N): token ids whose activations whiten the SVDs
     and fit the latent norms. latent_norm: "constant" (exact: export.constant_channel, latent + 1)
     or "fit" (add_latent_norm from calibration statistics, lossy). progress(i, n) is called after each layer.
     """
-    from ..decoupled import gqa_to_mla_decoupled
+    from ..decoupled import gqa_to_mla_decoupled, selection_options
     from .convert import DEFAULT_ROPE_PAIRS
 
     folder, out = Path(str(source)), Path(str(out))
@@ -157,6 +157,7 @@ def convert_checkpoint(source, out, *, latent_dim: int | None, rope_dim: int | N
         raise ValueError(NEEDS_LATENT)
     if latent_norm not in ("constant", "fit"):
         raise ValueError(f"latent_norm must be 'constant' or 'fit', got {latent_norm!r}")
+    options = selection_options(pair_selection, balance)
     cfg = inspect_checkpoint(folder)
     check_source_config(cfg)
     if out.exists() and not force:
@@ -190,7 +191,7 @@ def convert_checkpoint(source, out, *, latent_dim: int | None, rope_dim: int | N
             x_orig = block.attention_input(h_orig) if h_orig is not None else None
             x_conv = block.attention_input(h_conv) if h_conv is not None else None
             mla, _ = gqa_to_mla_decoupled(gqa, latent_dim, rope_dim // (2 * G), calibration=x_orig,
-                                          pair_selection=pair_selection)
+                                          **options)
             mla, err = add_latent_norm(mla, x_conv) if latent_norm == "fit" else (mla, 0.0)
             check_exportable([first or mla, mla])
             first = first or mla
