@@ -24,6 +24,20 @@ def randomize(module, std=0.5):
     return module
 
 
+def assert_mla_is_the_gqa(mla, gqa, length: int = 7, prefill: int = 3, tol: float = 1e-10):
+    """A converted MLA gives the GQA's causal self-attention (the oracle's) on both paths and in cached decode."""
+    from reference import rel_err
+
+    x = torch.randn(2, length, gqa.dim, dtype=torch.float64)
+    expected = gqa_ref(gqa, x, causal=True)
+    assert rel_err(mla(x, is_causal=True), expected) <= tol
+    assert rel_err(mla(x, is_causal=True, absorbed=True), expected) <= tol
+    cache = mla.init_cache(2, length)
+    steps = [mla(x[:, :prefill], cache=cache, is_causal=True)] + [
+        mla(x[:, t:t + 1], cache=cache, is_causal=True) for t in range(prefill, length)]
+    assert rel_err(torch.cat(steps, 1), expected) <= tol
+
+
 def gqa_ref(m, x, y=None, **kw):
     """The oracle for a GroupedQueryAttention module, weights read off the module."""
     y = x if y is None else y

@@ -10,7 +10,7 @@ from attnlab import GroupedQueryAttention, MultiHeadAttention, MultiHeadLatentAt
 from attnlab.convert import (absorb, gqa_to_mha, gqa_to_mla, mha_to_gqa, mha_to_mla, mla_to_mha)
 from attnlab.linalg import factor_tiled, tile_heads
 from attnlab.usaaio import reduced_matrices
-from conftest import F64, gqa_ref, mla_ref, randomize
+from conftest import F64, assert_mla_is_the_gqa, gqa_ref, mla_ref, randomize
 from reference import rel_err
 
 EXACT = 1e-10
@@ -260,14 +260,7 @@ def test_decoupled_rope_is_exact_where_dropped_rotations_do_not_matter(interleav
     r = G * (d - 2 * n + d)  # the whole no-RoPE key block and the values
     mla, report = gqa_to_mla_decoupled(g, r, n)
     assert mla.rope_dim == 2 * G * n and report.kv_values_after == r + 2 * G * n
-    x = torch.randn(2, 6, 48, dtype=F64)
-    expected = gqa_ref(g, x, causal=True)
-    assert rel_err(mla(x, is_causal=True), expected) <= EXACT
-    assert rel_err(mla(x, is_causal=True, absorbed=True), expected) <= EXACT
-    cache = mla.init_cache(2, 6)
-    steps = [mla(x[:, :2], cache=cache, is_causal=True)] + [mla(x[:, t:t + 1], cache=cache, is_causal=True)
-                                                           for t in range(2, 6)]
-    assert rel_err(torch.cat(steps, 1), expected) <= EXACT
+    assert_mla_is_the_gqa(mla, g, length=6, prefill=2, tol=EXACT)
     with torch.no_grad():  # and where they do matter, the same conversion is lossy
         g.W_Q.weight.view(H, d, -1)[:, dims] = torch.randn(H, len(dims), 48, dtype=F64)
     assert gqa_to_mla_decoupled(g, r, n)[1].output_error > 1e-3

@@ -2,7 +2,7 @@
 and at a cut they help where the mathematics says they must."""
 import pytest
 import torch
-from conftest import gqa_ref, randomize
+from conftest import assert_mla_is_the_gqa, gqa_ref, randomize
 
 from attnlab.decoupled import gqa_to_mla_decoupled
 from attnlab.gqa import GroupedQueryAttention
@@ -21,17 +21,6 @@ def _gqa(H=6, G=3, d=8, dim=48, interleaved=False, grouping="blocked"):
                                            grouping=grouping, bias=False, dtype=F64))
 
 
-def _check_exact(mla, g, dim):
-    x = torch.randn(2, 7, dim, dtype=F64)
-    expected = gqa_ref(g, x, causal=True)
-    assert rel_err(mla(x, is_causal=True), expected) <= EXACT
-    assert rel_err(mla(x, is_causal=True, absorbed=True), expected) <= EXACT
-    cache = mla.init_cache(2, 7)
-    steps = [mla(x[:, :3], cache=cache, is_causal=True)] + [mla(x[:, t:t + 1], cache=cache, is_causal=True)
-                                                           for t in range(3, 7)]
-    assert rel_err(torch.cat(steps, 1), expected) <= EXACT
-
-
 @pytest.mark.parametrize("interleaved", [False, True])
 @pytest.mark.parametrize("grouping", ["strided", "blocked"])
 @pytest.mark.parametrize("balance", [False, True])
@@ -44,7 +33,7 @@ def test_rorope_and_bkv_with_nothing_cut_are_exact(interleaved, grouping, balanc
         mla, report = gqa_to_mla_decoupled(g, G * d, d // 2, calibration=calib, rorope=True, plane_order=order,
                                            balance=balance)
         assert mla.rope_dim == G * d and report.kv_values_after == 2 * G * d
-        _check_exact(mla, g, 48)
+        assert_mla_is_the_gqa(mla, g, tol=EXACT)
 
 
 def test_bkv_at_full_rank_is_exact_with_per_head_pairs():
@@ -56,7 +45,7 @@ def test_bkv_at_full_rank_is_exact_with_per_head_pairs():
         g.W_Q.weight.view(H, d, -1)[:, torch.cat([slow, slow + d // 2])] = 0
     mla, _ = gqa_to_mla_decoupled(g, G * (d - 2 * n + d), n, calibration=torch.randn(2, 16, 48, dtype=F64),
                                   balance=True)
-    _check_exact(mla, g, 48)
+    assert_mla_is_the_gqa(mla, g, tol=EXACT)
 
 
 def test_rorope_concentrates_shared_keys_into_one_rotary_head():
@@ -69,7 +58,7 @@ def test_rorope_concentrates_shared_keys_into_one_rotary_head():
     r = G * d  # the values; the no-rotation keys are zero after the mix
     mixed, report = gqa_to_mla_decoupled(g, r, d // (2 * G), rorope=True)
     assert mixed.rope_dim == d
-    _check_exact(mixed, g, 32)
+    assert_mla_is_the_gqa(mixed, g, tol=EXACT)
     per_head, _ = gqa_to_mla_decoupled(g, r + G * d // 2, d // (2 * G))  # a latent big enough for every key
     x = torch.randn(2, 7, 32, dtype=F64)
     assert rel_err(per_head(x, is_causal=True), gqa_ref(g, x, causal=True)) > 1e-3
