@@ -54,6 +54,14 @@ def _load(data: dict, key: str) -> dict:
 
 
 def _save(data: dict) -> None:
+    """Write heal.json atomically, keeping rows another run wrote meanwhile (this run's rows win)."""
+    on_disk = json.loads(JSON.read_text()) if JSON.exists() else {}
+    for part, rows in on_disk.items():
+        if isinstance(rows, dict) and isinstance(data.get(part), dict):
+            for key, row in rows.items():
+                data[part].setdefault(key, row)
+        else:
+            data.setdefault(part, rows)
     tmp = JSON.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(data, indent=2))
     tmp.replace(JSON)
