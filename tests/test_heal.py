@@ -191,3 +191,27 @@ def test_encoder_heal_raises_cosine_on_held_out_sentences(tmp_path):
     before = cos()
     losses = heal_encoder(teacher, student, tok, train, steps=30, batch_size=8, lr=3e-3)
     assert cos() > before and losses[-1] < losses[0]
+
+
+def test_lora_heal_trains_only_adapters_and_merges_them_exactly(tiny):
+    """--lora-rank: only the adapters train; merging them gives plain nn.Linear layers and the same outputs."""
+    pytest.importorskip("peft")
+    _, teacher, _ = tiny
+    teacher = copy.deepcopy(teacher).double()  # float64, so merged == unmerged is checked to rounding
+    student = _student(teacher)
+    train = _windows(32, seed=0)  # adapters of rank 4 on random tokens: the loss they lower is the training loss
+    before = distill_loss(teacher, student, train)
+    outside = {k: v.clone() for k, v in student.state_dict().items() if "attn" not in k}
+    healer = Healer(teacher, student, train, _plan(lora_rank=4))
+    assert {n.split(".")[-2] for n, p in student.named_parameters() if p.requires_grad} == {"default"}
+    assert healer.run() == "done"
+    with torch.no_grad():
+        adapted = student(train).logits
+    healer.finish()
+    with torch.no_grad():
+        merged = student(train).logits
+    assert float((merged - adapted).norm() / adapted.norm()) <= 1e-10
+    assert all(type(getattr(m, n)) is torch.nn.Linear for m in hf.attnlab_modules(student)
+               for n in ("W_Q", "W_DKV", "W_UK", "W_UV", "W_O"))
+    assert distill_loss(teacher, student, train) < before
+    assert all(torch.equal(v, student.state_dict()[k]) for k, v in outside.items())
