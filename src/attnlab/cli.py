@@ -13,11 +13,13 @@ import typer
 from rich.table import Table
 
 from .cli_base import UsageProblem, console
+from .cli_export import export, folder_source
 from .cli_heal import heal
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Run, convert and explain multi-head attention and its KV-sharing variants.")
 app.command()(heal)  # cli_heal.py
+app.command()(export)  # cli_export.py
 _state = {"debug": False}
 
 
@@ -182,18 +184,24 @@ def _report_table(report) -> Table:
 
 
 def _convert_model(source, to, out, latent_dim, rope_dim, kv_heads, method, calibration, calibration_tokens,
-                   report_json, fmt="attnlab", force=False, rope_select="frequency", balance=False):
+                   report_json, fmt="attnlab", force=False, rope_select="frequency", balance=False,
+                   latent_norm="none"):
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
     from . import models as hf
 
     if fmt not in ("attnlab", "deepseek"):
         raise UsageProblem(f"--format must be attnlab or deepseek, not {fmt!r}")
+    if latent_norm not in ("none", "fit"):
+        raise UsageProblem(f"--latent-norm must be none or fit, not {latent_norm!r}")
+    if latent_norm == "fit" and (to != "mla" or latent_dim is None):
+        raise UsageProblem("--latent-norm fit needs --to mla --latent-dim R (a compressed, decoupled-RoPE MLA)")
     if Path(out).exists() and not force:
         raise UsageProblem(f"{out} exists; pass --force to overwrite it")
     if fmt == "deepseek" and Path(source).is_dir() and hf.is_checkpoint(source):
         return _convert_streamed(source, to, out, latent_dim, rope_dim, calibration, calibration_tokens,
-                                 report_json, force, rope_select, balance)
+                                 report_json, force, rope_select, balance,
+                                 "fit" if latent_norm == "fit" else "constant")
     model, tok, meta = hf.load_model(source)
     if fmt == "deepseek":
         hf.check_deepseek_request(model, to, latent_dim)
@@ -206,6 +214,7 @@ def _convert_model(source, to, out, latent_dim, rope_dim, kv_heads, method, cali
         reports = hf.convert_model(model, to, latent_dim=latent_dim, rope_dim=rope_dim, num_kv_heads=kv_heads,
                                    method=method, calibration_ids=ids, pair_selection=rope_select,
                                    balance=balance, progress=lambda i: bar.update(task, completed=i + 1))
+    norm_errors = hf.add_latent_norms(model, ids) if latent_norm == "fit" else None
     after = hf.kv_bytes_per_token(model)
     table = Table(title=f"{source} -> {to}: {reports[0].source} -> {reports[0].target} per layer")
     for col in ("layer", "exact", "output error", "QK error", "OV error", "KV values/token"):
@@ -215,14 +224,18 @@ def _convert_model(source, to, out, latent_dim, rope_dim, kv_heads, method, cali
                       f"{r.matrix_errors.get('QK', 0):.2e}", f"{r.matrix_errors.get('OV', 0):.2e}",
                       f"{r.kv_values_before} -> {r.kv_values_after}")
     console.print(table)
+    if norm_errors is not None:
+        console.print(f"latent norms fitted: output error per layer (added by the norm) max {max(norm_errors):.2e}, "
+                      f"mean {sum(norm_errors) / len(norm_errors):.2e}")
     console.print(f"KV cache bytes per token (whole model, {hf.attnlab_modules(model)[0]._anchor.dtype}): "
                   f"{before} -> {after}")
     summary = {"source": source, "to": to, "latent_dim": latent_dim, "rope_dim": rope_dim,
                "rope_select": rope_select, "balance": balance,
                "kv_bytes_per_token_before": before, "kv_bytes_per_token_after": after,
-               "layers": [r.to_dict() for r in reports]}
+               "layers": [r.to_dict() for r in reports], "latent_norm": latent_norm,
+               "latent_norm_errors": norm_errors}
     if fmt == "deepseek":  # kv_a_layernorm made linear by a constant latent channel (export.constant_channel)
-        hf.export_deepseek(model, out, tokenizer=None if hasattr(model, "attnlab_source") else tok, force=True)
+        hf.export_deepseek(model, out, tokenizer=None if folder_source(model) else tok, force=True)
     else:
         hf.save_model(model, meta["base"], out, extra={"conversion": summary})
     if report_json is not None:
@@ -231,7 +244,7 @@ def _convert_model(source, to, out, latent_dim, rope_dim, kv_heads, method, cali
 
 
 def _convert_streamed(source, to, out, latent_dim, rope_dim, calibration, calibration_tokens, report_json, force,
-                      rope_select="frequency", balance=False):
+                      rope_select="frequency", balance=False, latent_norm="constant"):
     """A transformers folder to a DeepSeek checkpoint, one layer at a time (models/stream.py)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -244,7 +257,9 @@ def _convert_streamed(source, to, out, latent_dim, rope_dim, calibration, calibr
                   TimeElapsedColumn(), console=console, transient=True) as bar:
         task = bar.add_task("layers", total=None)
         summary = convert_checkpoint(source, out, latent_dim=latent_dim, rope_dim=rope_dim, calibration_ids=ids,
-                                     pair_selection=rope_select, balance=balance, force=force, progress=lambda i, n: bar.update(task, completed=i + 1, total=n))
+                                     pair_selection=rope_select, balance=balance, force=force,
+                                     latent_norm=latent_norm,
+                                     progress=lambda i, n: bar.update(task, completed=i + 1, total=n))
     before, after = summary["kv_values_per_token_per_layer"]
     console.print(f"KV values per token per layer: {before} -> {after}")
     if report_json is not None:
@@ -276,7 +291,10 @@ def convert(source: str = typer.Argument(..., help="An attnlab checkpoint folder
             report_json: Optional[Path] = typer.Option(None, "--report", help="Also write the report as JSON."),
             fmt: str = typer.Option("attnlab", "--format", help="Models: attnlab (attention layers beside the base) "
                                     "or deepseek (a DeepseekV3 checkpoint transformers loads alone)."),
-            force: bool = typer.Option(False, "--force", help="Models: overwrite an existing --out folder.")):
+            force: bool = typer.Option(False, "--force", help="Models: overwrite an existing --out folder."),
+            latent_norm: str = typer.Option("none", "--latent-norm", help="mla of a model: fit gives every layer "
+                                            "an RMSNorm on its latent, fitted on the calibration text (what "
+                                            "DeepSeek and llama.cpp always apply; lossy, reported).")):
     """Convert a saved attention module, or every layer of a real model, to another family.
 
     Writes safetensors + config.json and prints the report table.
@@ -290,7 +308,7 @@ def convert(source: str = typer.Argument(..., help="An attnlab checkpoint folder
 
     if source in hf.LOADERS or (Path(source) / "attention.safetensors").exists() or hf.is_checkpoint(source):
         return _convert_model(source, to, out, latent_dim, rope_dim, kv_heads, method, calibration,
-                              calibration_tokens, report_json, fmt, force, rope_select, balance)
+                              calibration_tokens, report_json, fmt, force, rope_select, balance, latent_norm)
     module = load_module(source)
     new, report = run_conversion(module, to, num_kv_heads=kv_heads, method=method, latent_dim=latent_dim,
                                  energy=energy, joint=not split)

@@ -44,6 +44,7 @@ def load_smollm2(dtype: torch.dtype = torch.float32):
             del os.environ["TQDM_DISABLE"]
         else:
             os.environ["TQDM_DISABLE"] = quiet
+    model.attnlab_source = str(gguf[0].resolve())  # what exports read the tokenizer from
     return model, tok
 
 

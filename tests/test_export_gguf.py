@@ -1,0 +1,141 @@
+"""GGUF export (llama.cpp's deepseek2): the file, read back with `gguf` alone and run through the naive MLA
+oracle with llama.cpp's conventions (tests/reference.py), gives attnlab's attention output; where
+llama-cpp-python is installed (extra [llamacpp], built from source), llama.cpp itself gives attnlab's logits
+and the same greedy tokens. Bad input gets one-line errors.
+"""
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+gguf = pytest.importorskip("gguf")
+
+from attnlab import models as hf  # noqa: E402
+from attnlab.cli import main  # noqa: E402
+from attnlab.models.export_gguf import export_gguf  # noqa: E402
+from attnlab.models.load import load_checkpoint  # noqa: E402
+from reference import mla_reference, rel_err  # noqa: E402
+from tiny_checkpoints import TEXT, make_checkpoint  # noqa: E402
+
+LATENT, ROPE = 12, 8  # rope_dim <= head_dim 16: RoRoPE keeps the 4 fastest distinct frequencies
+# the file holds the model's float32 weights, the query's rounded once more after the softmax-scale ratio, and a
+# rope base fitted to the source's float32 frequencies: float32's unit roundoff bounds the difference
+TOL = 2.0 ** -24
+
+
+def _converted(folder, select="rorope", norm=True):
+    model, tok = load_checkpoint(folder)
+    hf.to_attnlab(model)
+    ids = tok(TEXT, return_tensors="pt").input_ids
+    hf.convert_model(model, "mla", latent_dim=LATENT, rope_dim=ROPE, calibration_ids=ids, pair_selection=select)
+    if norm:
+        hf.add_latent_norms(model, ids)
+    return model, tok, ids
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """A tiny Llama (no rope scaling) converted for llama.cpp and exported: (model, tok, ids, path)."""
+    folder = tmp_path_factory.mktemp("gguf") / "llama"
+    make_checkpoint("llama", folder, rope_scaling=None, rope_theta=10000.0, rms_norm_eps=1e-6)
+    model, tok, ids = _converted(folder)
+    path = export_gguf(model, folder.parent / "model.gguf", tokenizer=tok)
+    return model, tok, ids, path
+
+
+def _read(path):
+    reader = gguf.GGUFReader(str(path))
+    meta = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("tokenizer.ggml.merges")}
+    tensors = {t.name: torch.from_numpy(t.data.copy()).to(torch.float64) for t in reader.tensors}
+    return meta, tensors
+
+
+def test_gguf_attention_read_back_through_the_oracle_is_attnlabs(exported):
+    """Each layer's tensors, read from the file and interpreted as llama.cpp's deepseek2 does (softmax over
+    qk_nope + qk_rope, k_b transposed, rope pair i at rope_theta^(-2i/p) on consecutive dims), give the output of
+    attnlab's MLA layer on the same input."""
+    model, _, _, path = exported
+    meta, t = _read(path)
+    assert meta["general.architecture"] == "deepseek2"
+    H, r, p = meta["deepseek2.attention.head_count"], meta["deepseek2.attention.kv_lora_rank"], meta[
+        "deepseek2.rope.dimension_count"]
+    assert (r, p, meta["deepseek2.attention.head_count_kv"]) == (LATENT, ROPE, 1)
+    theta, eps = meta["deepseek2.rope.freq_base"], meta["deepseek2.attention.layer_norm_rms_epsilon"]
+    x = torch.randn(1, 7, 64, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    for i, m in enumerate(hf.attnlab_modules(model)):
+        b = f"blk.{i}."
+        k_b, v_b = t[b + "attn_k_b.weight"], t[b + "attn_v_b.weight"]  # (H, r, d), (H, dv, r)
+        kv_a = t[b + "attn_kv_a_mqa.weight"]
+        params = {"W_Q": t[b + "attn_q.weight"], "W_DKV": kv_a[:r], "W_KR": kv_a[r:],
+                  "kv_norm": t[b + "attn_kv_a_norm.weight"], "W_UK": k_b.transpose(1, 2).reshape(-1, r),
+                  "W_UV": v_b.reshape(-1, r), "W_O": t[b + "attn_output.weight"], "rope": (theta, True), "eps": eps}
+        ref = mla_reference(x, x, params, H, causal=True)
+        with torch.no_grad():
+            ours = m.double()(x, is_causal=True)
+        m.float()
+        assert rel_err(ours, ref) <= TOL, i
+
+
+def test_gguf_runs_in_llama_cpp_with_attnlabs_logits_and_greedy_tokens(exported):
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is an optional extra built from source")
+    import numpy as np
+
+    model, tok, ids, path = exported
+    ids = ids[:, :48]
+    llm = llama_cpp.Llama(str(path), n_ctx=128, logits_all=True, verbose=False, n_threads=1,
+                          type_k=0, type_v=0, flash_attn=False)  # GGML_TYPE_F32 caches: no f16 rounding
+    llm.eval(ids[0].tolist())
+    theirs = torch.from_numpy(np.array(llm.scores[:ids.shape[1]]))
+    with torch.no_grad():
+        ours = model(ids).logits[0]
+    assert rel_err(theirs, ours) <= 1e-4  # float32, other operation order (measured ~2e-7)
+    prompt = ids[0, :8].tolist()
+    llm.reset()
+    greedy = []
+    for token in llm.generate(prompt, top_k=1, temp=0.0, reset=True):
+        greedy.append(token)
+        if len(greedy) == 32:
+            break
+    with torch.no_grad():
+        from attnlab.generate import generate
+        mine = generate(model, ids[:, :8], max_new_tokens=32)[0, 8:].tolist()
+    assert greedy == mine
+
+
+def test_gguf_refusals(tmp_path, exported):
+    folder = tmp_path / "llama"
+    make_checkpoint("llama", folder, rope_scaling=None, rope_theta=10000.0)
+    model, tok, _ = _converted(folder, norm=False)
+    with pytest.raises(ValueError, match=r"layer 0 has no latent norm: llama.cpp always normalises the latent"):
+        export_gguf(model, tmp_path / "a.gguf", tokenizer=tok)
+    model, tok, _ = _converted(folder, select="frequency")  # per-head pairs: each kept frequency twice (G = 2)
+    with pytest.raises(ValueError, match=r"not such a sequence: pair 1 .* \(a frequency kept twice\); convert with "
+                                         r"--rope-select rorope"):
+        export_gguf(model, tmp_path / "b.gguf", tokenizer=tok)
+    assert not (tmp_path / "a.gguf").exists() and not (tmp_path / "b.gguf").exists()
+    model, tok, _, path = exported
+    with pytest.raises(ValueError, match=r"model.gguf exists; pass force=True"):
+        export_gguf(model, path, tokenizer=tok)
+
+
+def test_cli_convert_with_latent_norm_then_export_gguf(tmp_path, capsys):
+    folder = tmp_path / "llama"
+    make_checkpoint("llama", folder, rope_scaling=None, rope_theta=10000.0)
+    text = tmp_path / "calib.txt"
+    text.write_text(TEXT)
+    conv, out = tmp_path / "conv", tmp_path / "m.gguf"
+    assert main(["convert", str(folder), "--to", "mla", "--latent-dim", str(LATENT), "--rope-dim", str(ROPE),
+                 "--rope-select", "rorope", "--latent-norm", "fit", "--calibration", str(text), "--out",
+                 str(conv)]) == 0
+    assert "latent norms fitted" in capsys.readouterr().out
+    assert main(["export", str(conv), "--format", "gguf", "--out", str(out)]) == 0
+    reloaded, _, _ = hf.load_model(str(conv))
+    meta, t = _read(out)
+    assert meta["deepseek2.block_count"] == 2
+    assert torch.equal(t["blk.1.attn_kv_a_norm.weight"].float(), hf.attnlab_modules(reloaded)[1].kv_norm.weight)
+    capsys.readouterr()
+    assert main(["export", str(conv), "--format", "gguf", "--out", str(out)]) == 2
+    assert capsys.readouterr().err.strip() == f"attnlab: error: {out} exists; pass --force to overwrite it"
+    assert main(["export", str(conv), "--format", "onnx", "--out", str(tmp_path / "x")]) == 2
+    assert "--format must be one of deepseek, gguf, not 'onnx'" in capsys.readouterr().err
+    assert main(["convert", str(folder), "--to", "mla", "--latent-norm", "fit", "--out", str(tmp_path / "y")]) == 2
+    assert "--latent-norm fit needs --to mla --latent-dim R" in capsys.readouterr().err
