@@ -3,6 +3,8 @@ oracle with llama.cpp's conventions (tests/reference.py), gives attnlab's attent
 llama-cpp-python is installed (extra [llamacpp], built from source), llama.cpp itself gives attnlab's logits
 and the same greedy tokens. Bad input gets one-line errors.
 """
+import json
+
 import pytest
 import torch
 
@@ -17,12 +19,13 @@ from reference import mla_reference, rel_err  # noqa: E402
 from tiny_checkpoints import TEXT, make_checkpoint  # noqa: E402
 
 LATENT, ROPE = 12, 8  # rope_dim <= head_dim 16: RoRoPE keeps the 4 fastest distinct frequencies
-# the file holds the model's float32 weights, the query's rounded once more after the softmax-scale ratio, and a
-# rope base fitted to the source's float32 frequencies: float32's unit roundoff bounds the difference
-TOL = 2.0 ** -24
+# the file holds the model's float32 weights; three things each move the output by at most float32's unit
+# roundoff (relative): the query rounded once more after the softmax-scale ratio, the latent norm's weight
+# sqrt(eps)/s rounded to float32, and that norm's distance from a fixed scale (export.linear_latent_norm)
+TOL = 3 * 2.0 ** -24
 
 
-def _converted(folder, select="rorope", norm=True):
+def _converted(folder, select="rorope", norm=False):
     model, tok = load_checkpoint(folder)
     hf.to_attnlab(model)
     ids = tok(TEXT, return_tensors="pt").input_ids
@@ -32,14 +35,36 @@ def _converted(folder, select="rorope", norm=True):
     return model, tok, ids
 
 
-@pytest.fixture(scope="module")
-def exported(tmp_path_factory):
-    """A tiny Llama (no rope scaling) converted for llama.cpp and exported: (model, tok, ids, path)."""
+@pytest.fixture(scope="module", params=["no latent norm", "fitted latent norm"])
+def exported(request, tmp_path_factory):
+    """A tiny Llama (no rope scaling) converted for llama.cpp and exported: (model, tok, ids, path).
+
+    Without a latent norm the export is exact (linear_latent_norm); with a fitted one it is written as it is."""
     folder = tmp_path_factory.mktemp("gguf") / "llama"
     make_checkpoint("llama", folder, rope_scaling=None, rope_theta=10000.0, rms_norm_eps=1e-6)
-    model, tok, ids = _converted(folder)
+    model, tok, ids = _converted(folder, norm=request.param == "fitted latent norm")
     path = export_gguf(model, folder.parent / "model.gguf", tokenizer=tok)
     return model, tok, ids, path
+
+
+def test_linear_latent_norm_is_a_fixed_scale_up_to_the_input_bound():
+    """The normed copy equals the MLA (float64) on inputs up to the bound, the worst one included: the input
+    along the largest down-projection row, at the bound's norm."""
+    from attnlab import MultiHeadLatentAttention
+    from attnlab.models.export import linear_latent_norm
+
+    g = torch.Generator().manual_seed(0)
+    m = MultiHeadLatentAttention(dim=32, num_heads=4, latent_dim=8, rope_dim=4, dtype=torch.float64)
+    bound, eps = 40.0, 1e-5
+    normed, s = linear_latent_norm(m, bound, eps)
+    w = m.W_DKV.weight.detach()
+    worst = w[w.norm(dim=1).argmax()] / w.norm(dim=1).max() * bound  # (dim,)
+    x = torch.randn(1, 6, 32, generator=g, dtype=torch.float64)
+    x = torch.cat([x / x.norm(dim=-1, keepdim=True) * bound, worst.expand(1, 2, 32)], dim=1)  # (1, 8, dim)
+    with torch.no_grad():
+        assert rel_err(normed(x, is_causal=True), m(x, is_causal=True)) <= 2.0 ** -24
+        c = normed.W_DKV(worst)
+    assert float(c.pow(2).mean()) <= 2.0 ** -24 * eps and s == 2.0 ** round(torch.log2(torch.tensor(s)).item())
 
 
 def _read(path):
@@ -51,8 +76,8 @@ def _read(path):
 
 def test_gguf_attention_read_back_through_the_oracle_is_attnlabs(exported):
     """Each layer's tensors, read from the file and interpreted as llama.cpp's deepseek2 does (softmax over
-    qk_nope + qk_rope, k_b transposed, rope pair i at rope_theta^(-2i/p) on consecutive dims), give the output of
-    attnlab's MLA layer on the same input."""
+    qk_nope + qk_rope, k_b transposed, rope pair i at rope_theta^(-2i/p) on consecutive dims, the latent always
+    RMS-normalised), give the output of attnlab's MLA layer on the same input."""
     model, _, _, path = exported
     meta, t = _read(path)
     assert meta["general.architecture"] == "deepseek2"
@@ -61,16 +86,18 @@ def test_gguf_attention_read_back_through_the_oracle_is_attnlabs(exported):
     assert (r, p, meta["deepseek2.attention.head_count_kv"]) == (LATENT, ROPE, 1)
     theta, eps = meta["deepseek2.rope.freq_base"], meta["deepseek2.attention.layer_norm_rms_epsilon"]
     x = torch.randn(1, 7, 64, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True))  # what an attention layer reads: RMS-normalised
     for i, m in enumerate(hf.attnlab_modules(model)):
+        xi = x * model.model.layers[i].input_layernorm.weight.detach().double()  # (1, 7, dim)
         b = f"blk.{i}."
         k_b, v_b = t[b + "attn_k_b.weight"], t[b + "attn_v_b.weight"]  # (H, r, d), (H, dv, r)
         kv_a = t[b + "attn_kv_a_mqa.weight"]
         params = {"W_Q": t[b + "attn_q.weight"], "W_DKV": kv_a[:r], "W_KR": kv_a[r:],
                   "kv_norm": t[b + "attn_kv_a_norm.weight"], "W_UK": k_b.transpose(1, 2).reshape(-1, r),
                   "W_UV": v_b.reshape(-1, r), "W_O": t[b + "attn_output.weight"], "rope": (theta, True), "eps": eps}
-        ref = mla_reference(x, x, params, H, causal=True)
+        ref = mla_reference(xi, xi, params, H, causal=True)
         with torch.no_grad():
-            ours = m.double()(x, is_causal=True)
+            ours = m.double()(xi, is_causal=True)
         m.float()
         assert rel_err(ours, ref) <= TOL, i
 
@@ -104,14 +131,11 @@ def test_gguf_runs_in_llama_cpp_with_attnlabs_logits_and_greedy_tokens(exported)
 def test_gguf_refusals(tmp_path, exported):
     folder = tmp_path / "llama"
     make_checkpoint("llama", folder, rope_scaling=None, rope_theta=10000.0)
-    model, tok, _ = _converted(folder, norm=False)
-    with pytest.raises(ValueError, match=r"layer 0 has no latent norm: llama.cpp always normalises the latent"):
-        export_gguf(model, tmp_path / "a.gguf", tokenizer=tok)
     model, tok, _ = _converted(folder, select="frequency")  # per-head pairs: each kept frequency twice (G = 2)
     with pytest.raises(ValueError, match=r"not such a sequence: pair 1 .* \(a frequency kept twice\); convert with "
                                          r"--rope-select rorope"):
         export_gguf(model, tmp_path / "b.gguf", tokenizer=tok)
-    assert not (tmp_path / "a.gguf").exists() and not (tmp_path / "b.gguf").exists()
+    assert not (tmp_path / "b.gguf").exists()
     model, tok, _, path = exported
     with pytest.raises(ValueError, match=r"model.gguf exists; pass force=True"):
         export_gguf(model, path, tokenizer=tok)
@@ -132,6 +156,10 @@ def test_cli_convert_with_latent_norm_then_export_gguf(tmp_path, capsys):
     meta, t = _read(out)
     assert meta["deepseek2.block_count"] == 2
     assert torch.equal(t["blk.1.attn_kv_a_norm.weight"].float(), hf.attnlab_modules(reloaded)[1].kv_norm.weight)
+    assert main(["export", str(conv), "--format", "deepseek", "--out", str(tmp_path / "ds")]) == 0
+    config = json.loads((tmp_path / "ds" / "config.json").read_text())
+    assert (config["model_type"], config["kv_lora_rank"]) == ("deepseek_v3", LATENT)  # its own norm: no extra channel
+    assert (tmp_path / "ds" / "tokenizer.json").is_file()
     capsys.readouterr()
     assert main(["export", str(conv), "--format", "gguf", "--out", str(out)]) == 2
     assert capsys.readouterr().err.strip() == f"attnlab: error: {out} exists; pass --force to overwrite it"

@@ -26,8 +26,8 @@ def export(source: str = typer.Argument(..., help="A converted-model folder (att
                                                   "pre-tokenizer name when tokenizer.json is not plain ByteLevel.")):
     """Write a converted model in a standard format, with the tokenizer, for transformers or llama.cpp.
 
-    gguf needs an MLA with a latent norm (convert with --latent-norm fit) whose kept rotary
-    frequencies llama.cpp can turn (--rope-select rorope with --rope-dim <= head_dim).
+    gguf needs an MLA whose kept rotary frequencies llama.cpp can turn (convert with
+    --rope-select rorope and --rope-dim <= head_dim).
     Example: attnlab export smol-mla --format gguf --out smol-mla.gguf
     """
     from . import models as hf

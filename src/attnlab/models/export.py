@@ -83,6 +83,39 @@ def add_latent_norm(mla: MultiHeadLatentAttention, calibration: torch.Tensor | N
     return new, probe_error(mla, new, probe)
 
 
+def linear_latent_norm(mla: MultiHeadLatentAttention, input_bound: float, eps: float, tol: float = 2.0 ** -24):
+    """A copy of `mla` with a latent RMSNorm that is a fixed scale to within `tol` (relative), and the scale s.
+
+    For engines that always normalise the latent and give the down-projection no bias
+    (llama.cpp's deepseek2), where export.constant_channel cannot be used. W_DKV is multiplied
+    by s, a power of two so small that mean(c^2) <= tol * eps for every input x with
+    ||x|| <= input_bound (|c_j| <= ||W_DKV_j|| ||x||); the norm then divides by
+    sqrt(mean(c^2) + eps) = sqrt(eps) (1 + at most tol / 2), a constant, and its weight
+    sqrt(eps) / s gives the latent back. eps is the engine's (rounded to float32, as it adds
+    it). The small pre-norm latent needs float32's or bfloat16's exponent range: float16
+    (or a quantisation with float16 block scales) would flush it to zero.
+    """
+    import numpy as np
+
+    if mla.kv_norm is not None:
+        raise ValueError("the MLA already normalises its latent")
+    if mla.W_DKV.bias is not None:
+        raise ValueError("linear_latent_norm needs an MLA without a latent bias")
+    eps = float(np.float32(eps))
+    w = mla.W_DKV.weight.detach().to(torch.float64)
+    worst = float(w.norm(dim=1).max()) * float(input_bound)  # largest |c_j| over the inputs
+    s = 2.0 ** math.floor(math.log2(math.sqrt(tol * eps) / max(worst, 1e-300)))
+    cfg = mla.config()
+    cfg.update(latent_norm=True, norm_eps=eps, kv_tiling=None)
+    dt = mla._anchor.dtype
+    new = MultiHeadLatentAttention(**cfg, device=mla._anchor.device, dtype=dt)
+    new.load_state_dict(mla.state_dict(), strict=False)  # everything but kv_norm.weight
+    with torch.no_grad():
+        new.W_DKV.weight.copy_((w * s).to(dt))
+        new.kv_norm.weight.fill_(math.sqrt(eps) / s)
+    return new, s
+
+
 # -- checks ---------------------------------------------------------------------------------------------
 def check_exportable(modules) -> None:
     """Refuse, naming the layer and the reason, what DeepSeek's layout cannot hold."""
@@ -214,6 +247,18 @@ def check_source_config(src: dict) -> None:
         raise ValueError("the source MLP has biases (mlp_bias); DeepSeek's dense MLP has none")
 
 
+def export_preflight(model, target: Path, force: bool, what: str) -> list:
+    """What every export checks before writing: the target, the family, the layers (check_exportable)."""
+    if target.exists() and not force:
+        raise ValueError(f"{target} exists; pass force=True (--force) to overwrite it")
+    if family(model) != "llama":
+        raise ValueError(f"{what} takes a Llama-family causal LM (Llama, Mistral, Qwen2)")
+    modules = attnlab_modules(model)
+    check_exportable(modules)
+    check_source_config(model.config.to_dict())
+    return modules
+
+
 # -- writing ------------------------------------------------------------------------------------------
 class ShardWriter:
     """Write tensors into safetensors shards of at most max_bytes as they come, then an index."""
@@ -278,14 +323,8 @@ def export_deepseek(model, folder, tokenizer=None, *, force: bool = False,
     from ..io import write_folder
 
     folder = Path(folder)
-    if folder.exists() and not force:
-        raise ValueError(f"{folder} exists; pass force=True (--force) to overwrite it")
-    if family(model) != "llama":
-        raise ValueError("export_deepseek takes a Llama-family causal LM (Llama, Mistral, Qwen2)")
-    modules = attnlab_modules(model)
-    check_exportable(modules)
+    modules = export_preflight(model, folder, force, "export_deepseek")
     src = model.config.to_dict()
-    check_source_config(src)
     src["tie_word_embeddings"] = bool(getattr(model.config, "tie_word_embeddings", False))
     dtype = str(modules[0]._anchor.dtype).removeprefix("torch.")
     config = deepseek_config(src, modules[0], dtype=dtype)

@@ -14,10 +14,15 @@ three places; each is handled exactly or refused with the reason:
   p/2 distinct frequencies does this (RoRoPE by frequency with p <= head_dim;
   `--rope-select rorope`); per-head selection repeats each frequency G times and is refused;
 - the latent RMSNorm (kv_a_norm) always runs and kv_a_mqa has no bias, so the
-  constant-channel trick of the DeepSeek export is not available here: the MLA must carry a
-  latent norm of its own (`add_latent_norms`, `--latent-norm fit`; lossy, reported, and
-  trained in place by `attnlab heal`). llama.cpp's norm uses the model's rms_norm_eps where
-  attnlab's latent norm uses its own norm_eps: a difference of eps / mean(c^2) in the scale.
+  constant-channel trick of the DeepSeek export is not available here. An MLA without a
+  latent norm is written through export.linear_latent_norm instead: the latent rows of
+  kv_a_mqa are scaled down (a power of two) until mean(c^2) is below 2^-24 eps for every
+  input the layer can see (its input is RMS-normalised, so its norm is bounded), and the
+  norm, which then divides by sqrt(eps) to float32 precision, gets the weight that undoes
+  both. Exact to float32 rounding; kv_a_mqa is written in F32 (float16 would flush the small
+  latent to zero; quantise it and the same happens). An MLA with a latent norm of its own
+  (`--latent-norm fit`, trained by heal) is written as it is; llama.cpp's norm then uses the
+  model's rms_norm_eps where attnlab's used its norm_eps.
 
 The tokenizer comes from the source GGUF (every tokenizer.* field, copied), or from a
 byte-level BPE tokenizer.json beside a source folder (pre-tokenizer "gpt-2" when it is plain
@@ -26,6 +31,7 @@ ByteLevel; otherwise name llama.cpp's pre-tokenizer with `pre_tokenizer=`). Need
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
 from pathlib import Path
@@ -34,8 +40,8 @@ import numpy as np
 import torch
 
 from ..mla import MultiHeadLatentAttention
-from .adapters import _layers, attnlab_modules, family
-from .export import check_exportable, check_source_config, deepseek_attention_tensors
+from .adapters import _layers
+from .export import check_exportable, deepseek_attention_tensors, export_preflight, linear_latent_norm
 
 ARCH = "deepseek2"
 
@@ -75,16 +81,24 @@ def rope_order(m: MultiHeadLatentAttention, rtol: float = 1e-6) -> tuple[torch.T
 
 
 def check_gguf_exportable(modules) -> None:
+    """Refuse, naming the layer and the reason, what llama.cpp's deepseek2 cannot hold (beyond check_exportable)."""
     check_exportable(modules)
     for i, m in enumerate(modules):
-        if m.kv_norm is None:
-            raise ValueError(
-                f"layer {i} has no latent norm: llama.cpp always normalises the latent (kv_a_norm) and its kv_a_mqa "
-                "has no bias, so an un-normed MLA cannot be carried exactly; convert with --latent-norm fit "
-                "(add_latent_norms), then heal if you like")
         if m.W_O.bias is not None:
             raise ValueError(f"layer {i} has an output bias; llama.cpp's deepseek2 attn_output has none")
     rope_order(modules[0])
+
+
+def gguf_ready(m: MultiHeadLatentAttention, input_norm: torch.Tensor, eps: float) -> MultiHeadLatentAttention:
+    """The layer as llama.cpp will run it: an MLA without a latent norm gets export.linear_latent_norm.
+
+    input_norm: the weight of the RMSNorm before the attention (its input has norm at most
+    max|weight| sqrt(dim)); eps: the model's rms_norm_eps, which llama.cpp's latent norm uses.
+    """
+    if m.kv_norm is not None:
+        return m
+    bound = float(input_norm.detach().abs().max()) * math.sqrt(m.dim)
+    return linear_latent_norm(m, bound, eps)[0]
 
 
 # -- one layer ------------------------------------------------------------------------------------------
@@ -163,12 +177,12 @@ def _folder_tokenizer(writer, folder: Path, tokenizer, pre_tokenizer: str | None
 
 
 # -- writing -----------------------------------------------------------------------------------------------
-def _array(t: torch.Tensor) -> tuple[np.ndarray, object]:
-    """(numpy array, raw GGML type or None) in the tensor's precision: F32 for 1-D tensors and float32/64."""
+def _array(t: torch.Tensor, f32: bool = False) -> tuple[np.ndarray, object]:
+    """(numpy array, raw GGML type or None) in the tensor's precision: F32 for 1-D tensors, float32/64 and f32."""
     import gguf
 
     t = t.detach().cpu()
-    if t.dim() == 1 or t.dtype in (torch.float32, torch.float64):
+    if f32 or t.dim() == 1 or t.dtype in (torch.float32, torch.float64):
         return t.to(torch.float32).numpy(), None
     if t.dtype == torch.float16:
         return t.numpy(), None
@@ -188,14 +202,9 @@ def export_gguf(model, path, tokenizer=None, *, force: bool = False, pre_tokeniz
     import gguf
 
     path = Path(path)
-    if path.exists() and not force:
-        raise ValueError(f"{path} exists; pass force=True (--force) to overwrite it")
-    if family(model) != "llama":
-        raise ValueError("export_gguf takes a Llama-family causal LM (Llama, Mistral, Qwen2)")
-    modules = attnlab_modules(model)
+    modules = export_preflight(model, path, force, "export_gguf")
     check_gguf_exportable(modules)
     cfg = model.config
-    check_source_config(cfg.to_dict())
     source = getattr(model, "attnlab_source", None)
     if source is None:
         raise ValueError("the model does not know the checkpoint it came from (attnlab_source): the GGUF needs its "
@@ -237,13 +246,14 @@ def export_gguf(model, path, tokenizer=None, *, force: bool = False, pre_tokeniz
         else:
             _folder_tokenizer(writer, source, tokenizer, pre_tokenizer)
 
-        def add(name, t):
-            arr, raw = _array(t)
+        def add(name, t):  # the small pre-norm latent (linear_latent_norm) needs float32's exponent range
+            arr, raw = _array(t, f32=name.endswith("attn_kv_a_mqa.weight"))
             writer.add_tensor(name, arr, raw_dtype=raw)
         add("token_embd.weight", base.embed_tokens.weight)
         for i, (layer, m) in enumerate(zip(_layers(model), modules)):
             add(f"blk.{i}.attn_norm.weight", layer.input_layernorm.weight)
-            for k, v in gguf_attention_tensors(m, i).items():
+            ready = gguf_ready(m, layer.input_layernorm.weight, float(cfg.rms_norm_eps))
+            for k, v in gguf_attention_tensors(ready, i).items():
                 add(k, v)
             add(f"blk.{i}.ffn_norm.weight", layer.post_attention_layernorm.weight)
             for ours, theirs in (("gate_proj", "ffn_gate"), ("up_proj", "ffn_up"), ("down_proj", "ffn_down")):
