@@ -35,18 +35,14 @@ def dequantised_copy(source: Path, out: Path) -> Path:
     import gguf
     from gguf.quants import dequantize
 
-    from attnlab.models.export_gguf import write_gguf
+    from attnlab.models.export_gguf import copy_gguf_fields, write_gguf
 
     reader = gguf.GGUFReader(str(source))
     arch = reader.fields["general.architecture"].contents()
 
     def build(writer):
-        for key, field in reader.fields.items():
-            if key.startswith("GGUF.") or key in ("general.architecture", "general.file_type"):
-                continue
-            vtype = field.types[0]
-            writer.add_key_value(key, field.contents(), vtype,
-                                 field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None)
+        copy_gguf_fields(writer, reader, lambda key: not key.startswith("GGUF.") and key not in (
+            "general.architecture", "general.file_type"))
         writer.add_file_type(gguf.LlamaFileType.ALL_F32)
         for t in reader.tensors:
             data = dequantize(t.data, t.tensor_type).astype("float32")

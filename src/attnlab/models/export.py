@@ -47,6 +47,22 @@ NEEDS_LATENT = ("--format deepseek needs --latent-dim: the exact conversion's ro
 
 
 # -- the latent norm DeepSeek always applies ---------------------------------------------------------
+def _check_no_latent_norm(mla: MultiHeadLatentAttention, what: str) -> None:
+    if mla.kv_norm is not None:
+        raise ValueError("the MLA already normalises its latent")
+    if mla.W_DKV.bias is not None:
+        raise ValueError(f"{what} needs an MLA without a latent bias")
+
+
+def _with_latent_norm(mla: MultiHeadLatentAttention, eps: float) -> MultiHeadLatentAttention:
+    """A copy of `mla` with an RMSNorm (weight 1, `eps`) on its latent, every other weight the same."""
+    cfg = mla.config()
+    cfg.update(latent_norm=True, norm_eps=eps, kv_tiling=None)
+    new = MultiHeadLatentAttention(**cfg, device=mla._anchor.device, dtype=mla._anchor.dtype)
+    new.load_state_dict(mla.state_dict(), strict=False)  # everything but kv_norm.weight (ones)
+    return new
+
+
 def add_latent_norm(mla: MultiHeadLatentAttention, calibration: torch.Tensor | None = None, *, eps: float = 1e-6):
     """A copy of `mla` with an RMSNorm on its latent, and the relative output error it introduces.
 
@@ -60,10 +76,7 @@ def add_latent_norm(mla: MultiHeadLatentAttention, calibration: torch.Tensor | N
     """
     from ..report import probe_error
 
-    if mla.kv_norm is not None:
-        raise ValueError("the MLA already normalises its latent")
-    if mla.W_DKV.bias is not None:
-        raise ValueError("add_latent_norm needs an MLA without a latent bias")
+    _check_no_latent_norm(mla, "add_latent_norm")
     if calibration is None:
         g = torch.Generator().manual_seed(0)
         calibration = torch.randn(1024, mla.context_dim, generator=g, dtype=torch.float64)
@@ -71,11 +84,8 @@ def add_latent_norm(mla: MultiHeadLatentAttention, calibration: torch.Tensor | N
     c = x @ mla.W_DKV.weight.detach().to(torch.float64).T  # (N, r)
     n = c * torch.rsqrt(c.pow(2).mean(-1, keepdim=True) + eps)  # (N, r)
     w = (c * n).sum(0) / n.pow(2).sum(0).clamp_min(1e-300)  # (r,)
-    cfg = mla.config()
-    cfg.update(latent_norm=True, norm_eps=eps, kv_tiling=None)
-    dt = mla._anchor.dtype
-    new = MultiHeadLatentAttention(**cfg, device=mla._anchor.device, dtype=dt)
-    new.load_state_dict(mla.state_dict(), strict=False)  # everything but kv_norm.weight (ones)
+    new = _with_latent_norm(mla, eps)
+    dt = new._anchor.dtype
     with torch.no_grad():
         for lin in (new.W_UK, new.W_UV):
             lin.weight.copy_((lin.weight.to(torch.float64) * w.to(lin.weight.device)).to(dt))
@@ -97,21 +107,14 @@ def linear_latent_norm(mla: MultiHeadLatentAttention, input_bound: float, eps: f
     """
     import numpy as np
 
-    if mla.kv_norm is not None:
-        raise ValueError("the MLA already normalises its latent")
-    if mla.W_DKV.bias is not None:
-        raise ValueError("linear_latent_norm needs an MLA without a latent bias")
+    _check_no_latent_norm(mla, "linear_latent_norm")
     eps = float(np.float32(eps))
     w = mla.W_DKV.weight.detach().to(torch.float64)
     worst = float(w.norm(dim=1).max()) * float(input_bound)  # largest |c_j| over the inputs
     s = 2.0 ** math.floor(math.log2(math.sqrt(tol * eps) / max(worst, 1e-300)))
-    cfg = mla.config()
-    cfg.update(latent_norm=True, norm_eps=eps, kv_tiling=None)
-    dt = mla._anchor.dtype
-    new = MultiHeadLatentAttention(**cfg, device=mla._anchor.device, dtype=dt)
-    new.load_state_dict(mla.state_dict(), strict=False)  # everything but kv_norm.weight
+    new = _with_latent_norm(mla, eps)
     with torch.no_grad():
-        new.W_DKV.weight.copy_((w * s).to(dt))
+        new.W_DKV.weight.copy_((w * s).to(new._anchor.dtype))
         new.kv_norm.weight.fill_(math.sqrt(eps) / s)
     return new, s
 

@@ -10,7 +10,7 @@ three places; each is handled exactly or refused with the reason:
 - rotary frequencies: pair i of the shared rope key turns at rope_theta^(-2i/p), in
   consecutive pairs (ggml's "normal" rope), and deepseek2 reads no per-pair factors. The
   kept frequencies, sorted fastest first, must be exactly such a sequence: then the rope
-  rows are permuted into that order and rope_theta = (f1 / f0)^(-p/2). Keeping the fastest
+  rows are permuted into that order and rope_theta is fitted to them. Keeping the fastest
   p/2 distinct frequencies does this (RoRoPE by frequency with p <= head_dim;
   `--rope-select rorope`); per-head selection repeats each frequency G times and is refused;
 - the latent RMSNorm (kv_a_norm) always runs and kv_a_mqa has no bias, so the
@@ -81,8 +81,13 @@ def rope_order(m: MultiHeadLatentAttention, rtol: float = 1e-6) -> tuple[torch.T
 
 
 def check_gguf_exportable(modules) -> None:
-    """Refuse, naming the layer and the reason, what llama.cpp's deepseek2 cannot hold (beyond check_exportable)."""
+    """Refuse, naming the layer and the reason, what llama.cpp's deepseek2 cannot hold."""
     check_exportable(modules)
+    _check_gguf_only(modules)
+
+
+def _check_gguf_only(modules) -> None:
+    """What llama.cpp refuses beyond check_exportable (which export_preflight has run)."""
     for i, m in enumerate(modules):
         if m.W_O.bias is not None:
             raise ValueError(f"layer {i} has an output bias; llama.cpp's deepseek2 attn_output has none")
@@ -128,12 +133,12 @@ def gguf_attention_tensors(m: MultiHeadLatentAttention, block: int) -> dict[str,
 
 
 # -- the tokenizer ----------------------------------------------------------------------------------------
-def _copy_gguf_tokenizer(writer, source: Path) -> None:
+def copy_gguf_fields(writer, reader, keep) -> None:
+    """Copy the metadata fields of a GGUFReader whose key passes keep(key) into a GGUFWriter, types and all."""
     import gguf
 
-    reader = gguf.GGUFReader(str(source))
     for key, field in reader.fields.items():
-        if not key.startswith("tokenizer."):
+        if not keep(key):
             continue
         vtype = field.types[0]
         sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
@@ -203,7 +208,7 @@ def export_gguf(model, path, tokenizer=None, *, force: bool = False, pre_tokeniz
 
     path = Path(path)
     modules = export_preflight(model, path, force, "export_gguf")
-    check_gguf_exportable(modules)
+    _check_gguf_only(modules)
     cfg = model.config
     source = getattr(model, "attnlab_source", None)
     if source is None:
@@ -242,7 +247,7 @@ def export_gguf(model, path, tokenizer=None, *, force: bool = False, pre_tokeniz
                              else gguf.LlamaFileType.MOSTLY_F16 if m0._anchor.dtype == torch.float16
                              else gguf.LlamaFileType.MOSTLY_BF16)
         if source.suffix == ".gguf":
-            _copy_gguf_tokenizer(writer, source)
+            copy_gguf_fields(writer, gguf.GGUFReader(str(source)), lambda key: key.startswith("tokenizer."))
         else:
             _folder_tokenizer(writer, source, tokenizer, pre_tokenizer)
 
