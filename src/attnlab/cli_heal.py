@@ -40,7 +40,8 @@ def heal(source: Path = typer.Argument(..., help="A converted-model folder writt
          batch_size: Optional[int] = typer.Option(None, "--batch-size", help="Windows per end-to-end step [4]."),
          layer_steps: Optional[int] = typer.Option(None, "--layer-steps", help="Layer-wise steps per layer "
                                                    "(0: skip) [100]."),
-         lr: Optional[float] = typer.Option(None, "--lr", help="End-to-end learning rate (AdamW, cosine) [1e-4]."),
+         layer_lr: Optional[float] = typer.Option(None, "--layer-lr", help="Layer-wise learning rate [3e-3]."),
+         lr: Optional[float] = typer.Option(None, "--lr", help="End-to-end learning rate (AdamW, cosine) [3e-4]."),
          lora_rank: Optional[int] = typer.Option(None, "--lora-rank", help="Train LoRA adapters of this rank "
                                                  "(peft) instead of the attention weights."),
          checkpoint: Optional[Path] = typer.Option(None, "--checkpoint", help="Checkpoint file "
@@ -86,7 +87,8 @@ def heal(source: Path = typer.Argument(..., help="A converted-model folder writt
     if hf.family(student) != "llama":
         raise UsageProblem("heal trains causal language models (Llama family); for encoders see attnlab.heal_encoder")
     teacher, _, _ = hf.load_model(teacher_source or meta["base"])
-    given = dict(seq_len=seq_len, batch_size=batch_size, layer_steps=layer_steps, lr=lr)  # None: HealPlan's default
+    given = dict(seq_len=seq_len, batch_size=batch_size, layer_steps=layer_steps, layer_lr=layer_lr,
+                 lr=lr)  # None: HealPlan's default
     plan = HealPlan(tokens=tokens, seed=seed, lora_rank=lora_rank, **{k: v for k, v in given.items() if v is not None})
     seq_len = plan.seq_len
     plan.check()

@@ -39,10 +39,10 @@ class HealPlan:
     batch_size: int = 4
     tokens: int | None = None  # end-to-end tokens; None: as many as the time budget allows
     layer_steps: int = 100  # layer-wise steps per layer; 0 skips the phase
-    layer_windows: int = 32  # windows whose teacher hidden states the layer-wise phase reads
+    layer_windows: int = 64  # windows whose teacher hidden states the layer-wise phase reads
     layer_batch: int = 8
-    layer_lr: float = 1e-3
-    lr: float = 1e-4
+    layer_lr: float = 3e-3
+    lr: float = 3e-4
     warmup: int = 8
     seed: int = 0
     lora_rank: int | None = None
@@ -90,6 +90,11 @@ def _cosine(step: int, total: int, warmup: int, floor: float = 0.1) -> float:
         return (step + 1) / warmup
     t = min(1.0, (step - warmup) / max(1, total - warmup))
     return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * t))
+
+
+def layer_warmup(layer_steps: int) -> int:
+    """Warm-up steps of each layer's schedule: a layer cut off by the budget after a step or two stays near its start."""
+    return max(1, layer_steps // 20)
 
 
 def _generator(*key: int) -> torch.Generator:
@@ -229,7 +234,7 @@ class Healer:
         with torch.no_grad():
             target = _modules(self.teacher)[layer](x, is_causal=True)  # (b, T, dim)
         for g in self.optimizer.param_groups:
-            g["lr"] = plan.layer_lr * _cosine(s["step"], plan.layer_steps, 0)
+            g["lr"] = plan.layer_lr * _cosine(s["step"], plan.layer_steps, layer_warmup(plan.layer_steps))
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
             out = _modules(self.student)[layer](x, is_causal=True)
         loss = (out.float() - target.float()).pow(2).mean() / target.float().pow(2).mean().clamp_min(1e-30)
