@@ -45,7 +45,7 @@ def layer_probe(smol, layer: int) -> None:
             return float((m(held, is_causal=True) - target).pow(2).mean() / target.pow(2).mean())
     print(f"layer {layer}: held-out normalised MSE at the start {nmse(start):.4f}")
     for windows, lr, steps in [(32, 1e-3, 100), (32, 1e-3, 400), (128, 1e-3, 400), (32, 3e-3, 100),
-                               (64, 3e-3, 100), (128, 3e-3, 400)]:
+                               (128, 3e-3, 400)]:
         m = copy.deepcopy(start)
         opt = torch.optim.AdamW(m.parameters(), lr=lr, weight_decay=0.0)
         g = torch.Generator().manual_seed(0)
