@@ -231,7 +231,8 @@ def tables(data: dict) -> str:
             b, a, t = r["before"], r["after"], r["teacher"]["perplexity"]
             gb, ga = (x.get("greedy_agreement", {}).get("prefix", float("nan")) for x in (b, a))
             out.append(f"| {r['budget']} | {r['select']}{' +BKV' if r['balance'] else ''} | {text} | "
-                       f"{r['plan']['layer_lr']:g} / {r['plan']['lr']:g} | {r['minutes']:.1f} | {r['distill_tokens']} | {a['kv_bytes_per_token']} | "
+                       f"{r['plan']['layer_lr']:g} / {r['plan']['lr']:g} | {r['minutes']:.1f} | "
+                       f"{r['distill_tokens']} | {a['kv_bytes_per_token']} | "
                        f"{b['perplexity']:.2f} -> {a['perplexity']:.2f} | {a['perplexity'] / t:.3f}x | "
                        f"{b['top1_agreement']:.3f} -> {a['top1_agreement']:.3f} | {gb:.3f} -> {ga:.3f} |")
     enc = data.get("encoder", {})

@@ -20,7 +20,8 @@ import torch
 from heal import EVALUATION, Smol, _training_text
 
 from attnlab import models as hf
-from attnlab.heal import HealPlan, Healer, _cosine, _modules
+from attnlab.heal import HealPlan, Healer, _cosine, warmup_steps, normalised_mse
+from attnlab.models.adapters import attnlab_modules
 from attnlab.heal_data import text_windows
 from attnlab.models.evaluate import attention_inputs
 
@@ -35,14 +36,14 @@ def layer_probe(smol, layer: int) -> None:
     ids = _train(smol)[:160]
     with torch.no_grad():
         X = attention_inputs(smol.teacher, ids)[layer].reshape(160, 256, -1)  # (160, T, dim)
-    teacher_m, start = _modules(smol.teacher)[layer], _modules(student)[layer]
+    teacher_m, start = attnlab_modules(smol.teacher)[layer], attnlab_modules(student)[layer]
     held = X[128:]  # windows no setting trains on
     with torch.no_grad():
         target = teacher_m(held, is_causal=True)
 
     def nmse(m):
         with torch.no_grad():
-            return float((m(held, is_causal=True) - target).pow(2).mean() / target.pow(2).mean())
+            return float(normalised_mse(m(held, is_causal=True), target))
     print(f"layer {layer}: held-out normalised MSE at the start {nmse(start):.4f}")
     for windows, lr, steps in [(32, 1e-3, 100), (32, 1e-3, 400), (128, 1e-3, 400), (32, 3e-3, 100),
                                (128, 3e-3, 400)]:
@@ -54,8 +55,8 @@ def layer_probe(smol, layer: int) -> None:
             with torch.no_grad():
                 t = teacher_m(x, is_causal=True)
             for group in opt.param_groups:
-                group["lr"] = lr * _cosine(s, steps, max(1, steps // 20))
-            loss = (m(x, is_causal=True) - t).pow(2).mean() / t.pow(2).mean()
+                group["lr"] = lr * _cosine(s, steps, warmup_steps(steps))
+            loss = normalised_mse(m(x, is_causal=True), t)
             opt.zero_grad()
             loss.backward()
             opt.step()
@@ -69,11 +70,10 @@ def distill_probe(smol, lrs: list[float], steps: int, layer_plan: HealPlan) -> N
     train = _train(smol)
     t0 = time.monotonic()
     before = hf.perplexity(student, smol.eval_ids)
-    layer_plan.tokens = 1  # the layer phase only: stop when it hands over to end-to-end
-    h = Healer(smol.teacher, student, train, layer_plan)
-    h._make_optimizer()
-    while h.state["phase"] == "layers":
-        h._layer_step()
+    layer_plan.tokens = 1  # the run must have an end; it is stopped when the layer phase hands over
+    h = Healer(smol.teacher, student, train, layer_plan,
+               progress=lambda info: h.state["phase"] != "layers" and h.request_stop())
+    h.run()
     h.finish()
     print(f"layer-wise (layer lr {layer_plan.layer_lr:g}, {layer_plan.layer_windows} windows): perplexity "
           f"{before:.2f} -> {hf.perplexity(student, smol.eval_ids):.2f} in {time.monotonic() - t0:.0f} s", flush=True)

@@ -9,7 +9,7 @@ from tiny_checkpoints import TEXT, make_checkpoint
 
 from attnlab import models as hf
 from attnlab.cli import main
-from attnlab.heal import HealPlan, Healer, distill_loss, heal_model, layer_warmup
+from attnlab.heal import HealPlan, Healer, distill_loss, heal_model, warmup_steps
 from attnlab.heal_data import check_pair, text_windows
 
 T = 16  # tokens per window
@@ -65,8 +65,8 @@ def test_a_layer_cut_off_after_one_step_moved_at_a_warm_up_rate(tiny):
     plan = _plan(layer_steps=40)
     healer = Healer(teacher, _student(teacher), _windows(32, seed=0), plan, progress=lambda info: healer.request_stop())
     assert healer.run(minutes=1) == "stopped" and healer.state["step"] == 1
-    assert layer_warmup(plan.layer_steps) > 1
-    assert healer.optimizer.param_groups[0]["lr"] == pytest.approx(plan.layer_lr / layer_warmup(plan.layer_steps))
+    assert warmup_steps(plan.layer_steps) > 1
+    assert healer.optimizer.param_groups[0]["lr"] == pytest.approx(plan.layer_lr / warmup_steps(plan.layer_steps))
 
 
 def test_resume_after_interruptions_gives_the_weights_of_an_uninterrupted_run(tiny, tmp_path):

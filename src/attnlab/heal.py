@@ -79,6 +79,11 @@ def kl_loss(teacher_logits: torch.Tensor, student_logits: torch.Tensor) -> torch
     return F.kl_div(s, t, log_target=True, reduction="batchmean")
 
 
+def normalised_mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """mean((out - target)^2) / mean(target^2): the layer-wise phase's loss, comparable across layers."""
+    return (out.float() - target.float()).pow(2).mean() / target.float().pow(2).mean().clamp_min(1e-30)
+
+
 def distill_loss(teacher, student, ids: torch.Tensor) -> float:
     """KL(teacher || student) on a batch of windows (B, T), no gradients: the quantity phase 2 lowers."""
     with torch.no_grad():
@@ -92,9 +97,10 @@ def _cosine(step: int, total: int, warmup: int, floor: float = 0.1) -> float:
     return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * t))
 
 
-def layer_warmup(layer_steps: int) -> int:
-    """Warm-up steps of each layer's schedule: a layer cut off by the budget after a step or two stays near its start."""
-    return max(1, layer_steps // 20)
+def warmup_steps(steps: int) -> int:
+    """Warm-up of a schedule of `steps` steps (5%, at least 1): a layer cut off by the budget after a step or two
+    stays near its start."""
+    return max(1, steps // 20)
 
 
 def _generator(*key: int) -> torch.Generator:
@@ -234,10 +240,10 @@ class Healer:
         with torch.no_grad():
             target = _modules(self.teacher)[layer](x, is_causal=True)  # (b, T, dim)
         for g in self.optimizer.param_groups:
-            g["lr"] = plan.layer_lr * _cosine(s["step"], plan.layer_steps, layer_warmup(plan.layer_steps))
+            g["lr"] = plan.layer_lr * _cosine(s["step"], plan.layer_steps, warmup_steps(plan.layer_steps))
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
             out = _modules(self.student)[layer](x, is_causal=True)
-        loss = (out.float() - target.float()).pow(2).mean() / target.float().pow(2).mean().clamp_min(1e-30)
+        loss = normalised_mse(out, target)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         self.optimizer.step()
