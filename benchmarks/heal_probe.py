@@ -20,8 +20,7 @@ import torch
 from heal import EVALUATION, Smol, _training_text
 
 from attnlab import models as hf
-from attnlab.heal import HealPlan, Healer, _cosine, warmup_steps, normalised_mse
-from attnlab.models.adapters import attnlab_modules
+from attnlab.heal import HealPlan, Healer, _cosine, normalised_mse, warmup_steps
 from attnlab.heal_data import text_windows
 from attnlab.models.evaluate import attention_inputs
 
@@ -36,7 +35,7 @@ def layer_probe(smol, layer: int) -> None:
     ids = _train(smol)[:160]
     with torch.no_grad():
         X = attention_inputs(smol.teacher, ids)[layer].reshape(160, 256, -1)  # (160, T, dim)
-    teacher_m, start = attnlab_modules(smol.teacher)[layer], attnlab_modules(student)[layer]
+    teacher_m, start = hf.attnlab_modules(smol.teacher)[layer], hf.attnlab_modules(student)[layer]
     held = X[128:]  # windows no setting trains on
     with torch.no_grad():
         target = teacher_m(held, is_causal=True)
