@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from attnlab.bench import machine_info
-from attnlab.decoder import Generator
+from attnlab.generation.generator import Generator
 from attnlab.models import load_smollm2, to_attnlab
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -132,7 +132,7 @@ def _progress(t0: float):
 
 def heal(data: dict, quick: bool, redo: bool, minutes: float, *, self_written: bool = False, only=()) -> None:
     from attnlab.heal import HealPlan, heal_model
-    from attnlab.heal_data import teacher_windows, text_windows
+    from attnlab.heal.data import teacher_windows, text_windows
 
     rows = _load(data, "selfheal" if self_written else "heal")
     smol = Smol(quick)
@@ -165,7 +165,7 @@ SELF_WINDOWS = 96
 
 
 def encoder(data: dict, quick: bool, redo: bool) -> None:
-    from attnlab.heal_encoder import heal_encoder, sentences_of
+    from attnlab.heal.encoder import heal_encoder, sentences_of
 
     rows = _load(data, "encoder")
     base, tok = hf.load_minilm()

@@ -20,8 +20,8 @@ import torch
 from heal import EVALUATION, Smol, _training_text
 
 from attnlab import models as hf
-from attnlab.heal import HealPlan, Healer, _cosine, normalised_mse, warmup_steps
-from attnlab.heal_data import text_windows
+from attnlab.heal.distill import HealPlan, Healer, _cosine, normalised_mse, warmup_steps
+from attnlab.heal.data import text_windows
 from attnlab.models.evaluate import attention_inputs
 
 

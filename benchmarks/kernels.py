@@ -7,7 +7,7 @@
 One decode step of one layer: q (B, H, r+p) already absorbed, a latent cache
 (B, S, r+p) = [c, k_rope]. Three ways, timed in the same process:
 - kernel: attnlab.kernels.absorbed_decode (one pass, split along S, heads folded);
-- torch:  the module's existing absorbed path, attnlab.attention.attend with one
+- torch:  the module's existing absorbed path, attnlab.modules.attention.attend with one
   latent "KV head" (two matrix products and a float32 softmax);
 - sdpa:   torch's scaled_dot_product_attention(enable_gqa=True) on the same views.
 GB/s = bytes of cache read (B*S*(r+p)*element size) / median time; "of peak" divides
@@ -73,7 +73,7 @@ def run(args, device) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from attnlab.attention import attend
+    from attnlab.modules.attention import attend
     from attnlab.bench import machine_info
     from attnlab.kernels import absorbed_decode
     from attnlab.kernels.mla_decode import plan

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from attnlab.bench import machine_info
-from attnlab.bench_model import markdown, model_suite
+from attnlab.bench.model import markdown, model_suite
 
 here = Path(__file__).parent
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -22,7 +22,7 @@ parser.add_argument("--quick", action="store_true")
 parser.add_argument("--device", default="cpu")
 parser.add_argument("--json", type=Path, default=here / "model.json")
 parser.add_argument("--point", action="append", metavar="B,PROMPT,STEPS",
-                    help="grid point (repeat); default attnlab.bench_model.CPU_GRID or CUDA_GRID")
+                    help="grid point (repeat); default attnlab.bench.model.CPU_GRID or CUDA_GRID")
 args = parser.parse_args()
 grid = tuple(tuple(int(v) for v in p.split(",")) for p in args.point) if args.point else None
 

@@ -8,7 +8,7 @@ import pytest
 from typer.testing import CliRunner
 
 from attnlab.cli import app, main
-from attnlab.presets import PRESETS, get_preset, kv_footprint
+from attnlab.bench.presets import PRESETS, get_preset, kv_footprint
 
 runner = CliRunner()
 

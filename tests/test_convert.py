@@ -8,8 +8,9 @@ from hypothesis import strategies as st
 
 from attnlab import GroupedQueryAttention, MultiHeadAttention, MultiHeadLatentAttention
 from attnlab.convert import (absorb, gqa_to_mha, gqa_to_mla, mha_to_gqa, mha_to_mla, mla_to_mha)
-from attnlab.linalg import factor_tiled, tile_heads
-from attnlab.usaaio import reduced_matrices
+from attnlab.convert.linalg import factor_tiled
+from attnlab.modules.heads import tile_heads
+from attnlab.study.usaaio import reduced_matrices
 from conftest import F64, assert_mla_is_the_gqa, gqa_ref, mla_ref, randomize
 from reference import rel_err
 
@@ -248,7 +249,7 @@ def test_rope_gqa_to_mla_rotates_after_the_up_projection(interleaved):
 @pytest.mark.parametrize("grouping", ["strided", "blocked"])
 def test_decoupled_rope_is_exact_where_dropped_rotations_do_not_matter(interleaved, grouping):
     """Queries with no component on the dropped (slow) pairs: dropping their rotation changes nothing."""
-    from attnlab.decoupled import gqa_to_mla_decoupled
+    from attnlab.convert import gqa_to_mla_decoupled
 
     H, G, d, n = 6, 2, 8, 2  # keep 2 of 4 pairs per KV head
     g = randomize(GroupedQueryAttention(48, H, G, head_dim=d, rope_base=50.0, rope_interleaved=interleaved,
@@ -268,7 +269,7 @@ def test_decoupled_rope_is_exact_where_dropped_rotations_do_not_matter(interleav
 
 def test_norm_pair_selection_finds_the_pairs_queries_use():
     """Queries live only on the slowest pairs: the 2-norm criterion keeps those (exact), frequency does not."""
-    from attnlab.decoupled import gqa_to_mla_decoupled
+    from attnlab.convert import gqa_to_mla_decoupled
 
     H, G, d, n = 4, 2, 8, 2
     g = randomize(GroupedQueryAttention(32, H, G, head_dim=d, rope_base=50.0, grouping="blocked", dtype=F64))

@@ -123,7 +123,7 @@ def test_gguf_runs_in_llama_cpp_with_attnlabs_logits_and_greedy_tokens(exported)
         if len(greedy) == 32:
             break
     with torch.no_grad():
-        from attnlab.generate import generate
+        from attnlab.generation import generate
         mine = generate(model, ids[:, :8], max_new_tokens=32)[0, 8:].tolist()
     assert greedy == mine
 

@@ -1,4 +1,4 @@
-"""attnlab's own generation loop (attnlab.generate, attnlab.decoder) against transformers and invariants.
+"""attnlab's own generation loop (attnlab.generation) against transformers and invariants.
 
 Oracles: transformers' generate on the unconverted model (a peer with the same weights),
 greedy decoding by full forwards without any cache (cached decode == full forward),
@@ -14,9 +14,9 @@ import torch
 pytest.importorskip("transformers")
 from transformers import BertConfig, BertModel, LlamaConfig, LlamaForCausalLM, LlamaModel  # noqa: E402
 
-from attnlab.decoder import Generator  # noqa: E402
-from attnlab.generate import filtered_probs, generate, sample  # noqa: E402
-from attnlab.mla import MultiHeadLatentAttention  # noqa: E402
+from attnlab.generation.generator import Generator  # noqa: E402
+from attnlab.generation import filtered_probs, generate, sample  # noqa: E402
+from attnlab.modules.mla import MultiHeadLatentAttention  # noqa: E402
 from attnlab.models import attnlab_modules, convert_model, to_attnlab  # noqa: E402
 
 PAD, EOS = 0, 2

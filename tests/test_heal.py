@@ -10,7 +10,7 @@ from tiny_checkpoints import TEXT, make_checkpoint
 from attnlab import models as hf
 from attnlab.cli import main
 from attnlab.heal import HealPlan, Healer, distill_loss, heal_model, warmup_steps
-from attnlab.heal_data import check_pair, text_windows
+from attnlab.heal.data import check_pair, text_windows
 
 T = 16  # tokens per window
 
@@ -144,7 +144,7 @@ def test_cli_heal_end_to_end_and_the_result_loads_and_generates(tiny, tmp_path, 
     assert code == 0 and out.out.strip()  # ... and generates through attnlab's loop
     ids = tok("the quick brown", return_tensors="pt").input_ids
     ours = model.generate(ids, max_new_tokens=5, do_sample=False)  # and through transformers' generate()
-    from attnlab.generate import generate
+    from attnlab.generation import generate
     assert torch.equal(ours, generate(model, ids, max_new_tokens=5))
     # data-free: the teacher writes the training text itself, and a resume of a finished run changes nothing
     code, out = _cli(["heal", str(conv), "--out", str(tmp_path / "selfgen"), "--windows", "4", "--tokens",
@@ -184,7 +184,7 @@ def test_encoder_heal_raises_cosine_on_held_out_sentences(tmp_path):
     import transformers as T
     from tiny_checkpoints import make_tokenizer
 
-    from attnlab.heal_encoder import heal_encoder
+    from attnlab.heal.encoder import heal_encoder
 
     tok = make_tokenizer(tmp_path)
     tok.pad_token = tok.eos_token  # masked out of the mean pooling

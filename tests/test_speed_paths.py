@@ -8,7 +8,7 @@ from conftest import gqa_ref, mla_ref, randomize
 from reference import rel_err
 
 from attnlab import GroupedQueryAttention, MultiHeadLatentAttention
-from attnlab.attention import attend, fused_sdpa
+from attnlab.modules.attention import attend, fused_sdpa
 from attnlab.convert import gqa_to_mla, mla_to_mha
 from attnlab.io import load_module, save_module
 
@@ -198,7 +198,7 @@ def test_bf16_absorbed_decode_is_as_accurate_as_bf16_allows():
 def test_generator_runs_bf16_models_within_bf16_of_float32():
     """Whole model through the static-cache loop: bf16 logits of each attnlab variant vs its own float32
     logits, within 2x the deviation that the bf16 GQA swap itself has from the float32 GQA swap."""
-    from attnlab.bench_model import _GeneratorLoop
+    from attnlab.bench.model import _GeneratorLoop
     from attnlab.models import convert_model, to_attnlab
 
     base = _tiny_llama()

@@ -1,12 +1,12 @@
-"""RoRoPE and BKV (attnlab.transforms, used by decoupled.gqa_to_mla_decoupled): exact where nothing is cut,
+"""RoRoPE and BKV (attnlab.convert.transforms, used by convert.decoupled.gqa_to_mla_decoupled): exact where nothing is cut,
 and at a cut they help where the mathematics says they must."""
 import pytest
 import torch
 from conftest import assert_mla_is_the_gqa, gqa_ref, randomize
 
-from attnlab.decoupled import gqa_to_mla_decoupled
-from attnlab.gqa import GroupedQueryAttention
-from attnlab.transforms import captured_energy, frequency_mixes, pair_dims, select_planes
+from attnlab.convert import gqa_to_mla_decoupled
+from attnlab.modules.gqa import GroupedQueryAttention
+from attnlab.convert.transforms import captured_energy, frequency_mixes, pair_dims, select_planes
 
 F64 = torch.float64
 EXACT = 1e-10
@@ -130,7 +130,7 @@ def test_whole_llama_through_convert_model_with_rorope_and_bkv_and_nothing_cut_i
     from tiny_checkpoints import make_checkpoint
 
     from attnlab import models as hf
-    from attnlab.decoupled import selection_options
+    from attnlab.convert import selection_options
 
     model, _ = make_checkpoint("llama", tmp_path / "llama", dtype=F64)
     model = model.to(F64).eval()

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from attnlab import MultiHeadAttention, MultiHeadLatentAttention
-from attnlab.usaaio import GQA_2_MLA, MyGQA, MyMHA, is_gqa_representable, reduced_matrices, tiled_rank
+from attnlab.study.usaaio import GQA_2_MLA, MyGQA, MyMHA, is_gqa_representable, reduced_matrices, tiled_rank
 from conftest import F64, gqa_ref, randomize
 from reference import gqa_reference, rel_err
 
@@ -58,7 +58,7 @@ def test_part11_counterexample_and_a_true_tiling():
     assert is_gqa_representable(tiling, num_heads=2, num_kv_heads=1)
     block = torch.randn(2 * 3, 5, dtype=F64)  # G = 2 heads of d = 3
     for grouping in ("strided", "blocked"):
-        from attnlab.linalg import tile_heads
+        from attnlab.modules.heads import tile_heads
         tiled = tile_heads(block, 6, 2, grouping)
         assert is_gqa_representable(tiled, 6, 2, grouping=grouping)
     assert not is_gqa_representable(tile_heads(block, 6, 2, "strided"), 6, 2, grouping="blocked")
@@ -130,7 +130,7 @@ def test_study_part13_cell_runs_unchanged_on_our_names(capsys):
     if code is None:
         pytest.skip("the study (shared/study/001_*.txt) is not beside this checkout")
     namespace = {}
-    exec("import torch\nimport torch.nn as nn\nimport numpy as np\nfrom attnlab.usaaio import *", namespace)
+    exec("import torch\nimport torch.nn as nn\nimport numpy as np\nfrom attnlab.study.usaaio import *", namespace)
     exec(compile(code, "study-part13", "exec"), namespace)
     assert "Relative error" in capsys.readouterr().out
     # bound: the float32 error of the vanilla model itself, measured against float64 on the same data

@@ -3,29 +3,50 @@
 - bundled.py   the two real models that pip packages carry (SmolLM2, MiniLM)
 - adapters.py  swap a model's attention for attnlab modules and back
 - convert.py   convert every layer of a swapped model, calibrated
-- evaluate.py  perplexity, sentence embeddings, KV bytes per token
+- evaluate.py  perplexity, top-1 agreement, sentence embeddings, KV bytes per token
 - store.py     save and reload converted models
 - load.py      the user's own checkpoint: a transformers folder or a GGUF file (Llama, Mistral, Qwen2)
 - export.py    a converted model as a standard DeepSeek-V3 checkpoint (transformers loads it alone)
 - export_gguf.py  a converted model as a GGUF file llama.cpp runs (deepseek2)
 - stream.py    convert a checkpoint folder layer by layer, in bounded memory
 """
-from .adapters import (FAMILIES, BertAttentionAdapter, LlamaAttentionAdapter, TransformersCache, attnlab_modules,
-                       family, from_attnlab, replace_attention, to_attnlab)
+from .adapters import (
+           FAMILIES,
+           BertAttentionAdapter,
+           LlamaAttentionAdapter,
+           TransformersCache,
+           attnlab_modules,
+           family,
+           from_attnlab,
+           replace_attention,
+           to_attnlab,
+)
 from .bundled import MODELS, load_minilm, load_smollm2
 from .convert import DEFAULT_ROPE_PAIRS, convert_layers, convert_model
-from .evaluate import (attention_inputs, greedy_agreement, kv_bytes_per_token, mean_pooled, perplexity, read_text_ids,
-                       sentence_embeddings, top1_agreement)
-from .export import add_latent_norm, add_latent_norms, check_deepseek_request, export_deepseek
+from .evaluate import (
+           attention_inputs,
+           kv_bytes_per_token,
+           mean_pooled,
+           perplexity,
+           read_text_ids,
+           sentence_embeddings,
+           top1_agreement,
+)
+from .export import (
+           add_latent_norm,
+           add_latent_norms,
+           check_deepseek_request,
+           export_deepseek,
+)
 from .export_gguf import check_gguf_exportable, export_gguf
 from .load import inspect_checkpoint, is_checkpoint, load_checkpoint
-from .stream import convert_checkpoint
 from .store import LOADERS, MODEL_FORMAT, load_model, save_model
+from .stream import convert_checkpoint
 
 __all__ = ["FAMILIES", "BertAttentionAdapter", "LlamaAttentionAdapter", "TransformersCache", "attnlab_modules",
            "family", "from_attnlab", "replace_attention", "to_attnlab", "MODELS", "load_minilm", "load_smollm2",
            "DEFAULT_ROPE_PAIRS", "convert_layers", "convert_model", "attention_inputs", "kv_bytes_per_token",
-           "perplexity", "read_text_ids", "sentence_embeddings", "greedy_agreement", "mean_pooled", "top1_agreement",
+           "perplexity", "read_text_ids", "sentence_embeddings", "mean_pooled", "top1_agreement",
            "LOADERS", "MODEL_FORMAT", "load_model",
            "save_model", "add_latent_norm", "add_latent_norms", "check_deepseek_request", "export_deepseek",
            "check_gguf_exportable", "export_gguf",

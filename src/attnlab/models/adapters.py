@@ -14,11 +14,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..cache import _Cache
-from ..gqa import GroupedQueryAttention, MultiHeadAttention
-from ..linalg import gqa_block
-from ..mla import MultiHeadLatentAttention
-from ..rope import RotaryEmbedding
+from ..modules.cache import _Cache
+from ..modules.gqa import GroupedQueryAttention, MultiHeadAttention
+from ..modules.heads import gqa_block
+from ..modules.mla import MultiHeadLatentAttention
+from ..modules.rope import RotaryEmbedding
 
 FAMILIES = ("llama", "bert")
 LLAMA_LIKE = ("LlamaConfig", "MistralConfig", "Qwen2Config")  # same attention: GQA, rotate-half RoPE
@@ -204,10 +204,10 @@ def from_attnlab(model):
 
     Needs GQA/MHA modules of the model's own shape. An MLA is first expanded with
     convert.mla_to_mha; for Llama its keys and values must then be a tiling of the
-    config's KV heads (true after an exact gqa_to_mla), found with linalg.gqa_block.
+    config's KV heads (true after an exact gqa_to_mla), found with modules.heads.gqa_block.
     Biases of Llama layers are not carried back (SmolLM2 and Llama have none).
     """
-    from ..convert import mla_to_mha
+    from ..convert.exact import mla_to_mha
 
     fam = family(model)
     cfg = model.config

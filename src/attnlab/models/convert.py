@@ -39,12 +39,12 @@ def convert_model(model, to: str, *, latent_dim: int | None = None, rope_dim: in
     pre-RoPE K and V); with latent_dim, gqa_to_mla_decoupled keeping rope_dim / (2 G) rotary
     pairs per KV head (default rope_dim = 2 G * 16, half the pairs). BERT (MHA) -> "gqa" (num_kv_heads, method)
     or "mla" (latent_dim). calibration_ids: token ids whose attention inputs whiten the SVDs;
-    pair_selection: what keeps rotating in a compressed Llama MLA, one of decoupled.ROPE_SELECTIONS
-    (frequency, norm, rorope, rorope-score); balance: BKV before the joint SVD (decoupled.selection_options).
+    pair_selection: what keeps rotating in a compressed Llama MLA, one of convert.ROPE_SELECTIONS
+    (frequency, norm, rorope, rorope-score); balance: BKV before the joint SVD (convert.selection_options).
     """
-    from ..convert import convert as convert_module
-    from ..convert import gqa_to_mla
-    from ..decoupled import gqa_to_mla_decoupled, selection_options
+    from ..convert.choose import convert as convert_module
+    from ..convert.decoupled import gqa_to_mla_decoupled, selection_options
+    from ..convert.exact import gqa_to_mla
 
     fam = family(model)
     first = attnlab_modules(model)[0]

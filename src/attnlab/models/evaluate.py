@@ -5,6 +5,7 @@ import torch
 
 from .adapters import attnlab_modules
 
+
 def sentence_embeddings(model, tok, sentences: list[str], batch_size: int = 32) -> torch.Tensor:
     """Mean-pooled, L2-normalised embeddings, as sentence-transformers computes them for all-MiniLM-L6-v2."""
     out = []
@@ -83,18 +84,3 @@ def top1_agreement(teacher, student, input_ids: torch.Tensor, window: int = 512)
             count += chunk.numel()
     return same / max(count, 1)
 
-def greedy_agreement(teacher, student, prompts: torch.Tensor, new_tokens: int = 64) -> dict:
-    """Both models continue the same prompts (B, P) greedily for new_tokens; how alike are the continuations?
-
-    "prefix": mean fraction of the new tokens before the first difference (strict: one
-    different token ends the agreement); "tokens": mean fraction of positions that are equal.
-    """
-    from ..generate import generate
-
-    P = prompts.shape[1]
-    with torch.no_grad():
-        a = generate(teacher, prompts, max_new_tokens=new_tokens)[:, P:]  # (B, new)
-        b = generate(student, prompts, max_new_tokens=new_tokens)[:, P:]
-    equal = a == b  # (B, new)
-    prefix = equal.long().cumprod(-1).sum(-1).float() / new_tokens  # (B,)
-    return {"prefix": float(prefix.mean()), "tokens": float(equal.float().mean()), "new_tokens": new_tokens}

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from ..mla import MultiHeadLatentAttention
+from ..modules.mla import MultiHeadLatentAttention
 from .adapters import _layers, attnlab_modules, family
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -74,7 +74,7 @@ def add_latent_norm(mla: MultiHeadLatentAttention, calibration: torch.Tensor | N
     module against `mla` on the calibration inputs (float64): the norm is not linear, so a
     token whose latent is larger or smaller than typical has its key and value rescaled.
     """
-    from ..report import probe_error
+    from ..convert.report import probe_error
 
     _check_no_latent_norm(mla, "add_latent_norm")
     if calibration is None:
@@ -323,7 +323,7 @@ def export_deepseek(model, folder, tokenizer=None, *, force: bool = False,
     tokenizer: saved with save_pretrained; without it, tokenizer files beside the source
     checkpoint (model.attnlab_source, set by load_checkpoint) are copied.
     """
-    from ..io import write_folder
+    from ..io.folders import write_folder
 
     folder = Path(folder)
     modules = export_preflight(model, folder, force, "export_deepseek")

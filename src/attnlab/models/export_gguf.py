@@ -39,9 +39,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..mla import MultiHeadLatentAttention
+from ..modules.mla import MultiHeadLatentAttention
 from .adapters import _layers
-from .export import check_exportable, deepseek_attention_tensors, export_preflight, linear_latent_norm
+from .export import (
+    check_exportable,
+    deepseek_attention_tensors,
+    export_preflight,
+    linear_latent_norm,
+)
 
 ARCH = "deepseek2"
 

@@ -20,13 +20,12 @@ def save_model(model, base: str, folder, *, extra: dict | None = None):
     holds only what a conversion changed. Written atomically (nothing half-written).
     """
     import json
+    from pathlib import Path
 
     from safetensors.torch import save_file
 
-    from ..io import module_record, write_folder
-
-    from pathlib import Path
-
+    from ..io.folders import write_folder
+    from ..io.modules import module_record
     from .load import is_checkpoint
 
     if base not in LOADERS:
@@ -52,8 +51,8 @@ def load_model(source: str):
     """
     from pathlib import Path
 
-    from ..io import load_weights, module_from_record, read_json, read_tensors
-
+    from ..io.folders import read_json, read_tensors
+    from ..io.modules import load_weights, module_from_record
     from .load import is_checkpoint, load_checkpoint
 
     if source in LOADERS:

@@ -20,10 +20,18 @@ from pathlib import Path
 
 import torch
 
-from ..gqa import GroupedQueryAttention
-from ..io import write_folder
-from .export import (NEEDS_LATENT, ShardWriter, add_latent_norm, check_exportable, check_source_config,
-                     copy_tokenizer, deepseek_attention_tensors, deepseek_config)
+from ..io.folders import write_folder
+from ..modules.gqa import GroupedQueryAttention
+from .export import (
+    NEEDS_LATENT,
+    ShardWriter,
+    add_latent_norm,
+    check_exportable,
+    check_source_config,
+    copy_tokenizer,
+    deepseek_attention_tensors,
+    deepseek_config,
+)
 from .load import inspect_checkpoint, open_shards
 
 F32 = torch.float32
@@ -149,7 +157,7 @@ def convert_checkpoint(source, out, *, latent_dim: int | None, rope_dim: int | N
     and fit the latent norms. latent_norm: "constant" (exact: export.constant_channel, latent + 1)
     or "fit" (add_latent_norm from calibration statistics, lossy). progress(i, n) is called after each layer.
     """
-    from ..decoupled import gqa_to_mla_decoupled, selection_options
+    from ..convert.decoupled import gqa_to_mla_decoupled, selection_options
     from .convert import DEFAULT_ROPE_PAIRS
 
     folder, out = Path(str(source)), Path(str(out))

@@ -1,0 +1,173 @@
+"""`attnlab convert`: a saved module, or every layer of a model, to another family, with its report."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.table import Table
+
+from .base import UsageProblem, console, write_atomic
+from .export import folder_source
+
+
+# -- convert --------------------------------------------------------------------------------------
+def _report_table(report) -> Table:
+    table = Table(title=f"{report.source} -> {report.target} ({'exact' if report.exact else 'lossy'})")
+    table.add_column("quantity")
+    table.add_column("value", justify="right")
+    table.add_row("output error (probe, float64)", f"{report.output_error:.3e}")
+    for name, err in report.matrix_errors.items():
+        table.add_row(f"matrix error {name}", f"{err:.3e}")
+    if report.energy_kept is not None:
+        table.add_row("energy kept", f"{report.energy_kept:.4f}")
+    table.add_row("KV values per token", f"{report.kv_values_before} -> {report.kv_values_after}")
+    for note in report.notes:
+        table.add_row("note", note)
+    return table
+
+
+
+def _convert_model(source, to, out, latent_dim, rope_dim, kv_heads, method, calibration, calibration_tokens,
+                   report_json, fmt="attnlab", force=False, rope_select="frequency", balance=False,
+                   latent_norm="none"):
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+    from .. import models as hf
+
+    if fmt not in ("attnlab", "deepseek"):
+        raise UsageProblem(f"--format must be attnlab or deepseek, not {fmt!r}")
+    if latent_norm not in ("none", "fit"):
+        raise UsageProblem(f"--latent-norm must be none or fit, not {latent_norm!r}")
+    if latent_norm == "fit" and (to != "mla" or latent_dim is None):
+        raise UsageProblem("--latent-norm fit needs --to mla --latent-dim R (a compressed, decoupled-RoPE MLA)")
+    if Path(out).exists() and not force:
+        raise UsageProblem(f"{out} exists; pass --force to overwrite it")
+    if fmt == "deepseek" and Path(source).is_dir() and hf.is_checkpoint(source):
+        return _convert_streamed(source, to, out, latent_dim, rope_dim, calibration, calibration_tokens,
+                                 report_json, force, rope_select, balance,
+                                 "fit" if latent_norm == "fit" else "constant")
+    model, tok, meta = hf.load_model(source)
+    if fmt == "deepseek":
+        hf.check_deepseek_request(model, to, latent_dim)
+    ids = hf.read_text_ids(tok, calibration, calibration_tokens) if calibration is not None else None
+    n = len(hf.attnlab_modules(model))
+    before = hf.kv_bytes_per_token(model)
+    with Progress(TextColumn("converting layers"), BarColumn(), MofNCompleteColumn(), console=console,
+                  transient=True) as bar:
+        task = bar.add_task("layers", total=n)
+        reports = hf.convert_model(model, to, latent_dim=latent_dim, rope_dim=rope_dim, num_kv_heads=kv_heads,
+                                   method=method, calibration_ids=ids, pair_selection=rope_select,
+                                   balance=balance, progress=lambda i: bar.update(task, completed=i + 1))
+    norm_errors = hf.add_latent_norms(model, ids) if latent_norm == "fit" else None
+    after = hf.kv_bytes_per_token(model)
+    table = Table(title=f"{source} -> {to}: {reports[0].source} -> {reports[0].target} per layer")
+    for col in ("layer", "exact", "output error", "QK error", "OV error", "KV values/token"):
+        table.add_column(col, justify="right")
+    for i, r in enumerate(reports):
+        table.add_row(str(i), "yes" if r.exact else "no", f"{r.output_error:.2e}",
+                      f"{r.matrix_errors.get('QK', 0):.2e}", f"{r.matrix_errors.get('OV', 0):.2e}",
+                      f"{r.kv_values_before} -> {r.kv_values_after}")
+    console.print(table)
+    if norm_errors is not None:
+        console.print(f"latent norms fitted: output error per layer (added by the norm) max {max(norm_errors):.2e}, "
+                      f"mean {sum(norm_errors) / len(norm_errors):.2e}")
+    console.print(f"KV cache bytes per token (whole model, {hf.attnlab_modules(model)[0]._anchor.dtype}): "
+                  f"{before} -> {after}")
+    summary = {"source": source, "to": to, "latent_dim": latent_dim, "rope_dim": rope_dim,
+               "rope_select": rope_select, "balance": balance,
+               "kv_bytes_per_token_before": before, "kv_bytes_per_token_after": after,
+               "layers": [r.to_dict() for r in reports], "latent_norm": latent_norm,
+               "latent_norm_errors": norm_errors}
+    if fmt == "deepseek":  # kv_a_layernorm made linear by a constant latent channel (export.constant_channel)
+        hf.export_deepseek(model, out, tokenizer=None if folder_source(model) else tok, force=True)
+    else:
+        hf.save_model(model, meta["base"], out, extra={"conversion": summary})
+    if report_json is not None:
+        write_atomic(report_json, json.dumps(summary, indent=2).encode())
+    console.print(f"wrote {out}")
+
+
+
+def _convert_streamed(source, to, out, latent_dim, rope_dim, calibration, calibration_tokens, report_json, force,
+                      rope_select="frequency", balance=False, latent_norm="constant"):
+    """A transformers folder to a DeepSeek checkpoint, one layer at a time (models/stream.py)."""
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+    )
+
+    from ..models.stream import calibration_ids_for, convert_checkpoint
+
+    if to != "mla":
+        raise UsageProblem(f"--format deepseek writes an MLA: use --to mla, not {to!r}")
+    ids = calibration_ids_for(source, calibration, calibration_tokens) if calibration is not None else None
+    with Progress(TextColumn("converting layers (streamed)"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), console=console, transient=True) as bar:
+        task = bar.add_task("layers", total=None)
+        summary = convert_checkpoint(source, out, latent_dim=latent_dim, rope_dim=rope_dim, calibration_ids=ids,
+                                     pair_selection=rope_select, balance=balance, force=force,
+                                     latent_norm=latent_norm,
+                                     progress=lambda i, n: bar.update(task, completed=i + 1, total=n))
+    before, after = summary["kv_values_per_token_per_layer"]
+    console.print(f"KV values per token per layer: {before} -> {after}")
+    if report_json is not None:
+        write_atomic(report_json, json.dumps(summary, indent=2).encode())
+    console.print(f"wrote {out}")
+
+
+
+def convert(source: str = typer.Argument(..., help="An attnlab checkpoint folder, a model (smollm2, minilm), or "
+                                                     "a transformers folder / GGUF file (Llama, Mistral, Qwen2)."),
+            to: str = typer.Option(..., "--to", help="Target family: mha, gqa, mla, absorbed."),
+            out: Path = typer.Option(..., "--out", help="Folder to write the converted checkpoint to."),
+            kv_heads: Optional[int] = typer.Option(None, "--kv-heads", help="gqa: number of KV heads."),
+            method: Optional[str] = typer.Option(None, "--method", help="gqa: mean or fit."),
+            latent_dim: Optional[int] = typer.Option(None, "--latent-dim", help="mla: latent size (lossy)."),
+            rope_dim: Optional[int] = typer.Option(None, "--rope-dim",
+                                                   help="mla of a RoPE model: decoupled rotary dims kept."),
+            energy: Optional[float] = typer.Option(None, "--energy", help="mla: keep this fraction of energy."),
+            split: bool = typer.Option(False, "--split", help="mla: factor K and V separately."),
+            rope_select: str = typer.Option("frequency", "--rope-select",
+                                            help="mla of a RoPE model: what keeps rotating: frequency, norm, "
+                                                 "rorope or rorope-score (docs/real-models.md)."),
+            balance: bool = typer.Option(False, "--balance", help="mla of a RoPE model: balance K and V before "
+                                                                   "the joint SVD (BKV)."),
+            calibration: Optional[Path] = typer.Option(None, "--calibration",
+                                                       help="Model conversions: a text file whose activations "
+                                                            "whiten the SVDs."),
+            calibration_tokens: int = typer.Option(2048, "--calibration-tokens", help="Tokens of it to use."),
+            report_json: Optional[Path] = typer.Option(None, "--report", help="Also write the report as JSON."),
+            fmt: str = typer.Option("attnlab", "--format", help="Models: attnlab (attention layers beside the base) "
+                                    "or deepseek (a DeepseekV3 checkpoint transformers loads alone)."),
+            force: bool = typer.Option(False, "--force", help="Models: overwrite an existing --out folder."),
+            latent_norm: str = typer.Option("none", "--latent-norm", help="mla of a model: fit gives every layer "
+                                            "an RMSNorm on its latent, fitted on the calibration text (what "
+                                            "DeepSeek and llama.cpp always apply; lossy, reported).")):
+    """Convert a saved attention module, or every layer of a real model, to another family.
+
+    Writes safetensors + config.json and prints the report table.
+    Example: attnlab convert smollm2 --to mla --latent-dim 256 --out smollm2-mla256
+    Example: attnlab convert ckpt/gqa --to mla --latent-dim 64 --out ckpt/mla64
+    Example: attnlab convert ~/Llama-3.2-1B --to mla --latent-dim 256 --format deepseek --out llama-mla
+    """
+    from .. import models as hf
+    from ..convert.choose import convert as run_conversion
+    from ..io.modules import load_module, save_module
+
+    if source in hf.LOADERS or (Path(source) / "attention.safetensors").exists() or hf.is_checkpoint(source):
+        return _convert_model(source, to, out, latent_dim, rope_dim, kv_heads, method, calibration,
+                              calibration_tokens, report_json, fmt, force, rope_select, balance, latent_norm)
+    module = load_module(source)
+    new, report = run_conversion(module, to, num_kv_heads=kv_heads, method=method, latent_dim=latent_dim,
+                                 energy=energy, joint=not split)
+    save_module(new, out, extra={"conversion": report.to_dict()})
+    console.print(_report_table(report))
+    console.print(str(report), highlight=False)
+    if report_json is not None:
+        write_atomic(report_json, report.to_json().encode())
+    console.print(f"wrote {out}")

@@ -1,0 +1,188 @@
+"""GQA with RoPE -> MLA with DeepSeek's decoupled RoPE (lossy; the MHA2MLA recipe without training).
+
+Notation as in exact.py: H query heads, G KV heads, d head size, r latent size,
+P rope_dim (the shared rotary key's width). Two ways to choose what keeps rotating:
+per KV head, the d/2 rotary pairs by frequency or by 2-norm (`pair_selection`); or
+RoRoPE (`rorope=True`, transforms.py), mixed key planes per frequency across the KV
+heads. The rest of the keys, with the values, go through the joint SVD of lossy.py
+(`_svd_latent`: whitened by calibration, optionally K/V balanced).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..modules import checks
+from ..modules.gqa import GroupedQueryAttention
+from ..modules.heads import kv_head_of
+from ..modules.mla import MultiHeadLatentAttention
+from ..modules.rope import RotaryEmbedding
+from .base import F64, _bias, _expect, _gqa, _like, _set
+from .lossy import _svd_latent
+from .report import _report
+
+ROPE_SELECTIONS = ("frequency", "norm", "rorope", "rorope-score")
+
+
+def selection_options(rope_select: str = "frequency", balance: bool = False) -> dict:
+    """gqa_to_mla_decoupled's keyword arguments for one name of what keeps rotating (the CLI's --rope-select).
+
+    frequency / norm: per KV head, the fastest-turning pairs / the pairs with the largest |q||k|;
+    rorope / rorope-score: RoRoPE's mixed planes, chosen by frequency / by score (transforms.select_planes).
+    """
+    if rope_select not in ROPE_SELECTIONS:
+        raise ValueError(f"rope selection must be one of {', '.join(ROPE_SELECTIONS)}, got {rope_select!r}")
+    if rope_select.startswith("rorope"):
+        return {"rorope": True, "plane_order": "score" if rope_select.endswith("score") else "frequency",
+                "balance": balance}
+    return {"pair_selection": rope_select, "balance": balance}
+
+def gqa_to_mla_decoupled(gqa: GroupedQueryAttention, latent_dim: int, rope_pairs: int, *,
+                         calibration: torch.Tensor | None = None, pair_selection: str = "frequency",
+                         rorope: bool = False, plane_order: str = "frequency", balance: bool = False,
+                         context_len: int = 2048):
+    """GQA with RoPE -> MLA with DeepSeek's decoupled RoPE, lossy (the MHA2MLA recipe, without training).
+
+    Of each KV head's d/2 rotary pairs, `rope_pairs` keep their rotation: they move, for
+    all G KV heads, into the shared rotary key k_R (rope_dim = 2 * G * rope_pairs, each
+    slot with its own pair's frequency), and each query head's rotary part is non-zero
+    only in its own KV head's slots, so that part of the scores is exact. The other pairs
+    lose their rotation (the loss) and, with the values, go through a latent of
+    `latent_dim` by the SVD of `mha_to_mla` (whitened by `calibration` when given). The
+    softmax scale stays 1/sqrt(d). KV values per token: latent_dim + 2 * G * rope_pairs.
+    pair_selection: "frequency" (default) keeps the fastest-turning pairs; "norm" (needs
+    calibration inputs) keeps, per KV head, the pairs with the largest mean |q| * |k| on
+    them, the 2-norm criterion of MHA2MLA (on SmolLM2 it measured worse: docs/real-models.md).
+    rorope: mix each frequency's G key planes by their principal directions first (transforms.py;
+    exact, folded into the queries), then keep rotation for G * rope_pairs of the mixed planes, chosen
+    by plane_order ("frequency" or "score", transforms.select_planes, context_len for "score");
+    rope_pairs may then reach head_dim / 2 (everything rotates: exact). The MLA's head_dim is then d.
+    balance: BKV, K and V balanced before the joint SVD (transforms.kv_balance).
+    """
+    _expect(gqa, GroupedQueryAttention, "gqa_to_mla_decoupled")
+    if gqa.rope is None:
+        raise ValueError("gqa_to_mla_decoupled needs a GQA with RoPE; use mha_to_mla for one without")
+    if gqa.W_Q.bias is not None:
+        raise ValueError("gqa_to_mla_decoupled does not carry biases yet")
+    H, G, d = gqa.num_heads, gqa.num_kv_heads, gqa.head_dim
+    checks.non_negative_int("rope_pairs", rope_pairs)
+    if rope_pairs >= d // 2 + bool(rorope):
+        raise ValueError(f"rope_pairs ({rope_pairs}) must be below head_dim / 2 ({d // 2}); "
+                         "keeping every pair is the exact gqa_to_mla")
+    if rorope:
+        if pair_selection != "frequency":
+            raise ValueError("rorope chooses mixed planes by plane_order; pair_selection applies without it")
+        return _decoupled_rorope(gqa, latent_dim, rope_pairs, calibration, plane_order, balance, context_len)
+    if pair_selection not in ("frequency", "norm"):
+        raise ValueError(f"pair_selection must be 'frequency' or 'norm', got {pair_selection!r}")
+    if pair_selection == "norm" and calibration is None:
+        raise ValueError("pair_selection='norm' needs calibration inputs")
+    half, n = d // 2, rope_pairs
+    wq = gqa.W_Q.weight.detach().reshape(H, d, -1)  # (H, d, D_1)
+    wk = gqa.W_K.weight.detach().reshape(G, d, -1)  # (G, d, D_2)
+    owner = kv_head_of(H, G, gqa.grouping)
+    pairs = torch.arange(half)
+    # the two dims of pair i within a head: (i, i + d/2) rotate-half, (2i, 2i+1) interleaved
+    dims_a = pairs * 2 if gqa.rope.interleaved else pairs
+    dims_b = dims_a + 1 if gqa.rope.interleaved else pairs + half
+    if pair_selection == "frequency":
+        kept = torch.argsort(gqa.rope.inv_freq, descending=True)[:n].sort().values.expand(G, n)  # (G, n)
+    else:
+        x = calibration.reshape(-1, calibration.shape[-1]).to(wk.dtype)
+        q_all = (x @ wq.reshape(H * d, -1).T).reshape(-1, H, d)  # (N, H, d)
+        k_all = (x @ wk.reshape(G * d, -1).T).reshape(-1, G, d)  # (N, G, d)
+        pair_norm = lambda t: (t[..., dims_a] ** 2 + t[..., dims_b] ** 2).sqrt().mean(0)  # noqa: E731
+        q_norm, k_norm = pair_norm(q_all), pair_norm(k_all)  # (H, half), (G, half)
+        score = torch.stack([q_norm[owner == g].mean(0) * k_norm[g] for g in range(G)])  # (G, half)
+        kept = torch.topk(score, n, dim=1).indices.sort(dim=1).values  # (G, n)
+    first, second = dims_a[kept], dims_b[kept]  # (G, n) each
+    nope = []
+    for g in range(G):
+        rotary = torch.zeros(d, dtype=torch.bool)
+        rotary[first[g]], rotary[second[g]] = True, True
+        nope.append(torch.nonzero(~rotary).flatten())  # (d - 2n,)
+    dn = d - 2 * n
+
+    nope_gqa = _gqa(gqa, G, bias=False, grouping=gqa.grouping, head_dim=dn)
+    nope_gqa.rope = None
+    _set(nope_gqa.W_Q, torch.stack([wq[h, nope[int(owner[h])]] for h in range(H)]).reshape(H * dn, -1))
+    _set(nope_gqa.W_K, torch.stack([wk[g, nope[g]] for g in range(G)]).reshape(G * dn, -1))
+    _set(nope_gqa.W_V, gqa.W_V.weight)
+    _set(nope_gqa.W_O, gqa.W_O.weight)
+    base = _svd_latent(nope_gqa, latent_dim, None, True, calibration, balance)[0]  # its report is not needed
+
+    p = 2 * G * n
+    mla = MultiHeadLatentAttention(gqa.dim, H, latent_dim, head_dim=dn, v_head_dim=gqa.v_head_dim,
+                                   context_dim=gqa.context_dim, rope_dim=p, softmax_scale=gqa.scale, **_like(gqa))
+    if p:  # slot g*n + k rotates like pair kept[g, k] of KV head g
+        mla.rope = RotaryEmbedding(p, gqa.rope.base, inv_freq=gqa.rope.inv_freq[kept.reshape(-1)],
+                                   scaling=gqa.rope.scaling)
+    q = torch.zeros(H, dn + p, wq.shape[-1], dtype=wq.dtype, device=wq.device)
+    kr = torch.zeros(p, wk.shape[-1], dtype=wk.dtype, device=wk.device)
+    for h in range(H):
+        g = int(owner[h])
+        slots = torch.arange(g * n, (g + 1) * n)
+        q[h, :dn] = wq[h, nope[g]]
+        q[h, dn + slots], q[h, dn + slots + p // 2] = wq[h, first[g]], wq[h, second[g]]
+        kr[slots], kr[slots + p // 2] = wk[g, first[g]], wk[g, second[g]]
+    _set(mla.W_Q, q.reshape(H * (dn + p), -1))
+    if p:
+        _set(mla.W_KR, kr)
+    for name in ("W_DKV", "W_UK", "W_UV", "W_O"):
+        _set(getattr(mla, name), getattr(base, name).weight, _bias(getattr(base, name)))
+    notes = [f"rope pairs kept per KV head: {n} of {half} (by {pair_selection}); rope_dim {p}",
+             f"latent r = {latent_dim}" + (", whitened by calibration" if calibration is not None else "")
+             + (", K/V balanced" if balance else "")]
+    return mla, _report(gqa, mla, False, bases=False, calibration=calibration,
+                        notes=notes)
+
+
+def _decoupled_rorope(gqa, latent_dim, rope_pairs, calibration, plane_order, balance, context_len):
+    """gqa_to_mla_decoupled with RoRoPE: mixed key planes per frequency (transforms.py), kept ones rotate."""
+    from .transforms import (
+        captured_energy,
+        frequency_mixes,
+        mixed_query_energy,
+        pair_dims,
+        rorope_split,
+        select_planes,
+    )
+
+    H, G, d = gqa.num_heads, gqa.num_kv_heads, gqa.head_dim
+    wq = gqa.W_Q.weight.detach().to(F64).reshape(H, d, -1)  # (H, d, D_1)
+    wk = gqa.W_K.weight.detach().to(F64).reshape(G, d, -1)  # (G, d, D_2)
+    owner = kv_head_of(H, G, gqa.grouping)
+    dims_a, dims_b = pair_dims(d, gqa.rope.interleaved)
+    cov = None
+    if calibration is not None:
+        if calibration.shape[-1] != gqa.context_dim:
+            raise ValueError(f"calibration has last dimension {calibration.shape[-1]}, expected {gqa.context_dim}")
+        y = calibration.reshape(-1, gqa.context_dim).to(F64)
+        cov = y.T @ y / y.shape[0]  # (D_2, D_2)
+    mixes, k_energy = frequency_mixes(wk, dims_a, dims_b, cov)  # (half, G, G), (half, G)
+    q_energy = mixed_query_energy(wq, owner, mixes, dims_a, dims_b, cov) if plane_order == "score" else None
+    planes = select_planes(G * rope_pairs, gqa.rope.inv_freq, k_energy, q_energy, order=plane_order,
+                           context_len=context_len)  # (P, 2)
+    q_rope, k_rope, k_nope = rorope_split(wq, wk, owner, mixes, planes, dims_a, dims_b)
+    dt = gqa._anchor.dtype
+    nope_gqa = _gqa(gqa, G, bias=False, grouping=gqa.grouping)
+    nope_gqa.rope = None
+    _set(nope_gqa.W_Q, gqa.W_Q.weight)
+    _set(nope_gqa.W_K, k_nope.reshape(G * d, -1).to(dt))
+    _set(nope_gqa.W_V, gqa.W_V.weight)
+    _set(nope_gqa.W_O, gqa.W_O.weight)
+    base = _svd_latent(nope_gqa, latent_dim, None, True, calibration, balance)[0]
+    p = 2 * planes.shape[0]
+    mla = MultiHeadLatentAttention(gqa.dim, H, latent_dim, head_dim=d, v_head_dim=gqa.v_head_dim,
+                                   context_dim=gqa.context_dim, rope_dim=p, softmax_scale=gqa.scale, **_like(gqa))
+    if p:  # slot s (and s + P) rotates like pair planes[s, 0]
+        mla.rope = RotaryEmbedding(p, gqa.rope.base, inv_freq=gqa.rope.inv_freq[planes[:, 0]],
+                                   scaling=gqa.rope.scaling)
+        _set(mla.W_KR, k_rope.to(dt))
+    _set(mla.W_Q, torch.cat([wq, q_rope], dim=1).reshape(H * (d + p), -1).to(dt))  # (H*(d+p), D_1)
+    for name in ("W_DKV", "W_UK", "W_UV", "W_O"):
+        _set(getattr(mla, name), getattr(base, name).weight, _bias(getattr(base, name)))
+    notes = [f"RoRoPE: {planes.shape[0]} of {G * d // 2} mixed key planes rotate (by {plane_order}), key energy "
+             f"in them {captured_energy(k_energy, planes):.4f}; rope_dim {p}",
+             f"latent r = {latent_dim}" + (", whitened by calibration" if calibration is not None else "")
+             + (", K/V balanced" if balance else "")]
+    return mla, _report(gqa, mla, False, bases=False, calibration=calibration, notes=notes)

@@ -1,0 +1,229 @@
+"""A lean whole-model forward for generation: a Llama-family causal LM driven layer by layer.
+
+Notation: B batch, P prompt length, S tokens cached so far, S_max = max_len, V vocabulary.
+
+`Generator` shares the model's parameters (no copies) and calls them directly,
+as gpt-fast does, instead of going through transformers' forward:
+embed_tokens -> per layer: input_layernorm, the layer's attnlab module with its own
+static cache, residual, post_attention_layernorm, mlp, residual -> norm -> lm_head,
+the last two only for the last position. Each layer's cache is the attnlab
+module's preallocated KVCache or LatentCache (`init_cache`), allocated once per
+Generator and written in place; nothing grows by concatenation.
+
+Left padding. Prompts of different lengths are padded on the left (attention_mask:
+1 real, 0 pad) so that every row's last token sits in the same slot and decode
+steps write one slot for all rows. Pad keys are masked out. Every token is rotated
+at its *slot index* (the cache's default positions 0, 1, ..., S-1), not at its
+position within its own row. This is exact: a RoPE score q_i . k_j depends on the
+positions only through i - j, and a row with n pads has slot = position + n for all
+of its tokens, so every real query-key pair has the same offset, and pads are
+masked. (An exact MLA in the `rope_after_up` layout rotates cached keys at slots
+0..S-1 by construction, so slot indices are the one choice that fits every module.)
+In float32 the result differs from per-row positions only by rounding of the angles.
+
+CUDA graphs. A decode step normally attends to the S tokens cached so far, a shape
+that changes every step. With `fixed_shape` it attends to all S_max slots instead,
+those not yet written hidden by the key-padding mask, and writes its token at a slot
+held in a tensor (`_Cache.fixed_slot`), so every step runs the same kernels on the
+same shapes and torch.compile(mode="reduce-overhead") captures it once as a CUDA graph.
+It reads more keys than it needs (S_max instead of S): the price of replaying one graph.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..modules import checks
+
+
+def _llama_parts(model):
+    """(embed_tokens, layers, norm, lm_head, attnlab modules) of an attnlab'd Llama causal LM, or a ValueError."""
+    from ..models.adapters import attnlab_modules, family
+
+    if getattr(model, "config", None) is None or family(model) != "llama":  # family() names other families
+        raise ValueError(f"generation needs a Llama-family causal LM; got a {type(model).__name__}")
+    base, lm_head = getattr(model, "model", None), getattr(model, "lm_head", None)
+    if lm_head is None or base is None or not hasattr(base, "embed_tokens"):
+        raise ValueError(f"generation needs a causal LM with an lm_head (e.g. LlamaForCausalLM); "
+                         f"got a {type(model).__name__}")
+    modules = attnlab_modules(model)  # ValueError unless to_attnlab(model) was called
+    return base.embed_tokens, list(base.layers), base.norm, lm_head, modules
+
+
+class Generator:
+    """Prefill and decode steps of an attnlab'd Llama-family causal LM over static caches.
+
+    Args:
+        model: a LlamaForCausalLM after attnlab.models.to_attnlab (and possibly convert_model).
+        max_batch_size: rows the caches hold; a smaller batch uses their first rows.
+        max_len: tokens per row the caches hold (prompt, padding included, plus generated).
+        dtype, device: of the caches and activations; default the model's. The model's
+            weights must already have them (convert with model.to(...) first).
+        fixed_shape: decode with steps of one fixed shape (default: on CUDA): each step writes
+            its token at a slot given as a tensor and attends to all max_len slots, those not
+            yet written masked, so the step can be captured once and replayed.
+        compile: run that step through torch.compile(mode="reduce-overhead"), i.e. as a CUDA
+            graph on CUDA (default: on CUDA). Reuse one Generator across prompts to reuse the graph.
+
+    prefill(input_ids, attention_mask) -> logits (B, V) of the last position; step(ids (B,))
+    -> logits (B, V) of the token just fed. `kv_bytes_per_token` is measured from the caches.
+    The layers' attention modules are read when the Generator is made: make it after any conversion.
+    """
+
+    def __init__(self, model, max_batch_size: int, max_len: int, dtype: torch.dtype | None = None, device=None,
+                 *, fixed_shape: bool | None = None, compile: bool | None = None):
+        checks.positive_int("max_batch_size", max_batch_size)
+        checks.positive_int("max_len", max_len)
+        self.embed, self.layers, self.norm, self.lm_head, self.modules = _llama_parts(model)
+        weight = self.embed.weight
+        dtype = weight.dtype if dtype is None else dtype
+        device = weight.device if device is None else torch.device(device)
+        if (dtype, device.type) != (weight.dtype, weight.device.type):
+            raise ValueError(f"the model's weights are {weight.dtype} on {weight.device} but the Generator was "
+                             f"asked for {dtype} on {device}: move the model first (model.to(...))")
+        self.model, self.dtype, self.device = model, dtype, weight.device
+        self.max_batch_size, self.max_len = max_batch_size, max_len
+        self._full = [m.init_cache(max_batch_size, max_len, dtype=dtype, device=self.device) for m in self.modules]
+        self.caches = self._full
+        self._views: dict[int, tuple[list, list | None]] = {}  # batch size -> (caches, their fixed_slot views)
+        self._valid = torch.zeros(max_batch_size, max_len, dtype=torch.bool, device=self.device)  # real keys
+        self.batch_size, self.length, self.padded = 0, 0, False
+        on_cuda = self.device.type == "cuda"
+        self.fixed_shape = on_cuda if fixed_shape is None else bool(fixed_shape)
+        compile = self.fixed_shape and on_cuda if compile is None else bool(compile)
+        if compile and not self.fixed_shape:
+            raise ValueError("compile=True captures the fixed-shape decode step: pass fixed_shape=True too")
+        self._slot = torch.zeros(1, dtype=torch.int64, device=self.device)  # the slot a fixed-shape step writes
+        self._fixed = None
+        self._decode = self._fixed_step
+        self.compiled = compile
+        if compile:  # captured once as a CUDA graph on CUDA, replayed every step
+            self._decode = torch.compile(self._fixed_step, mode="reduce-overhead", fullgraph=True)
+            self._static([self._valid, self._slot])
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes all layers' caches store per token of one sequence, measured from their buffers."""
+        return sum(c.bytes_per_token for c in self._full)
+
+    def reset(self) -> None:
+        """Forget every cached token (the buffers stay allocated)."""
+        for c in self._full:
+            c.reset()
+        self.caches, self._fixed, self.batch_size, self.length, self.padded = self._full, None, 0, 0, False
+
+    @staticmethod
+    def _static(tensors) -> None:
+        """Tell torch.compile these tensors keep their memory, so a CUDA graph reads and writes them in place."""
+        for t in tensors:
+            torch._dynamo.mark_static_address(t)
+
+    # -- the model, layer by layer -------------------------------------------------------------
+    def _layers(self, x: torch.Tensor, caches, mask, key_padding_mask, is_causal: bool,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        for layer, attn, cache in zip(self.layers, self.modules, caches):
+            h = x + attn(layer.input_layernorm(x), cache=cache, mask=mask, key_padding_mask=key_padding_mask,
+                         is_causal=is_causal, positions=positions)  # (B, L, dim)
+            x = h + layer.mlp(layer.post_attention_layernorm(h))  # (B, L, dim)
+        return x
+
+    def _logits(self, last: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(last))[:, 0]  # (B, V)
+
+    def _check_ids(self, name: str, ids, dims: int) -> None:
+        if not isinstance(ids, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor of token ids, got {type(ids).__name__}")
+        if ids.dim() != dims or ids.dtype not in (torch.int64, torch.int32):
+            want = "(batch, length)" if dims == 2 else "(batch,)"
+            raise ValueError(f"{name} must be integer token ids of shape {want}, got {ids.dtype} "
+                             f"{tuple(ids.shape)}")
+
+    @torch.no_grad()
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Start afresh with a batch of prompts (B, P), left-padded; logits (B, V) of their last tokens."""
+        self._check_ids("input_ids", input_ids, 2)
+        B, P = input_ids.shape
+        if B > self.max_batch_size:
+            raise ValueError(f"a batch of {B} prompts exceeds max_batch_size {self.max_batch_size}")
+        if P > self.max_len:
+            raise ValueError(f"a prompt of {P} tokens does not fit max_len {self.max_len}")
+        if P == 0:
+            raise ValueError("input_ids holds empty prompts (length 0)")
+        real = self._check_mask(attention_mask, B, P)
+        self.reset()
+        if B not in self._views:  # made once per batch size, so that a compiled step sees the same objects
+            self._views[B] = ([c.batch_view(B) for c in self._full], None)
+        self.caches, self._fixed = self._views[B]
+        for c in self.caches:
+            c.reset()
+        self.batch_size, self.padded = B, real is not None
+        ids = input_ids.to(self.device)
+        mask = None
+        self._valid[:B] = False
+        self._valid[:B, :P] = True if real is None else real
+        if real is not None:
+            # causal, pad keys hidden; each token also sees itself so that no pad row is empty
+            causal = torch.ones(P, P, dtype=torch.bool, device=self.device).tril()  # (P, P)
+            mask = causal & (real[:, None, :] | torch.eye(P, dtype=torch.bool, device=self.device))  # (B, P, P)
+            mask = mask[:, None]  # (B, 1, P, P)
+        x = self._layers(self.embed(ids), self.caches, mask, None, is_causal=mask is None)  # (B, P, dim)
+        self.length = P
+        if self.fixed_shape and self._fixed is None:
+            # made after a prefill: a view shares the layout an MLA records in its cache while it is empty
+            self._fixed = [c.fixed_slot(self._slot) for c in self.caches]
+            self._views[B] = (self.caches, self._fixed)
+            if self.compiled:
+                self._static([t for c in self._fixed for t in c.tensors()])
+        return self._logits(x[:, -1:])
+
+    def _check_mask(self, attention_mask, B: int, P: int):
+        """(B, P) bool of real tokens, or None when there is no padding."""
+        if attention_mask is None:
+            return None
+        if not isinstance(attention_mask, torch.Tensor):
+            raise TypeError(f"attention_mask must be a torch.Tensor, got {type(attention_mask).__name__}")
+        if tuple(attention_mask.shape) != (B, P):
+            raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)} but input_ids has {(B, P)}")
+        real = attention_mask.to(self.device) != 0  # (B, P)
+        if not real[:, -1].all():
+            rows = torch.nonzero(~real[:, -1]).flatten().tolist()
+            raise ValueError(f"attention_mask rows {rows} end in padding: pad prompts on the left "
+                             "(tokenizer.padding_side = 'left')")
+        if (real[:, :-1] & ~real[:, 1:]).any():
+            rows = torch.nonzero((real[:, :-1] & ~real[:, 1:]).any(1)).flatten().tolist()
+            raise ValueError(f"attention_mask rows {rows} have padding between real tokens; only left padding works")
+        return None if real.all() else real
+
+    @torch.no_grad()
+    def step(self, next_ids: torch.Tensor) -> torch.Tensor:
+        """Feed one token per row (B,); logits (B, V) for the token after it."""
+        if self.batch_size == 0:
+            raise ValueError("step() before prefill(): start with prefill(input_ids)")
+        self._check_ids("next_ids", next_ids, 1)
+        if next_ids.shape[0] != self.batch_size:
+            raise ValueError(f"next_ids has {next_ids.shape[0]} rows but the prompt batch had {self.batch_size}")
+        if self.length >= self.max_len:
+            raise ValueError(f"cannot generate past max_len {self.max_len}: the caches hold {self.length} tokens "
+                             "per row (make the Generator with a larger max_len)")
+        B, S = self.batch_size, self.length + 1
+        ids = next_ids.to(self.device)
+        if self.fixed_shape:
+            self._slot.fill_(S - 1)
+            logits = self._decode(ids).clone()  # a replayed graph overwrites its output
+            for c in self.caches:
+                c.mark_filled(S)
+            self.length = S
+            return logits
+        self._valid[:B, S - 1] = True
+        kpm = self._valid[:B, :S] if self.padded else None  # (B, S)
+        x = self._layers(self.embed(ids[:, None]), self.caches, None, kpm, is_causal=True)  # (B, 1, dim)
+        self.length = S
+        return self._logits(x)
+
+    def _fixed_step(self, ids: torch.Tensor) -> torch.Tensor:
+        """One decode step with the same shapes at every length: it writes slot `_slot` and attends to all
+        max_len slots, the unwritten ones masked. ids (B,) -> logits (B, V)."""
+        valid = self._valid[:ids.shape[0]]  # (B, S_max)
+        valid.index_fill_(1, self._slot, True)
+        x = self._layers(self.embed(ids[:, None]), self._fixed, None, valid, is_causal=False,
+                         positions=self._slot)  # (B, 1, dim)
+        return self._logits(x)

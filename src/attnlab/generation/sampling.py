@@ -1,0 +1,58 @@
+"""Sampling the next token: temperature, top-k, top-p, one seeded draw per row.
+
+Notation: B batch, V vocabulary. In this order: temperature (0 = greedy argmax),
+top-k (keep the k most likely tokens, ties at the k-th kept), top-p (keep the
+smallest set of most likely tokens whose probability reaches p), then one draw per
+row from a seeded torch.Generator.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..modules import checks
+
+
+def check_sampling(temperature, top_k, top_p) -> None:
+    """ValueError/TypeError naming a bad temperature, top_k or top_p."""
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+        raise TypeError(f"temperature must be a number, got {type(temperature).__name__} ({temperature!r})")
+    if not math.isfinite(temperature) or temperature < 0:
+        raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature}")
+    if top_k is not None:
+        checks.positive_int("top_k", top_k)
+    if top_p is not None:
+        if isinstance(top_p, bool) or not isinstance(top_p, (int, float)):
+            raise TypeError(f"top_p must be a number, got {type(top_p).__name__} ({top_p!r})")
+        if not 0 < top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+
+
+
+def filtered_probs(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None,
+                   top_p: float | None = None) -> torch.Tensor:
+    """The distribution a draw samples from: logits (B, V) -> probabilities (B, V), float32, zero outside the support."""
+    if temperature <= 0:
+        raise ValueError(f"filtered_probs needs temperature > 0 (0 is greedy argmax), got {temperature}")
+    scores = logits.float() / temperature  # (B, V)
+    if top_k is not None and top_k < scores.shape[-1]:
+        kth = scores.topk(top_k, dim=-1).values[:, -1:]  # (B, 1)
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if top_p is not None and top_p < 1:
+        sorted_scores, order = scores.sort(dim=-1, descending=True)  # (B, V)
+        p = sorted_scores.softmax(dim=-1)
+        before = p.cumsum(dim=-1) - p  # probability of the more likely tokens
+        drop = before >= top_p  # the most likely token is always kept (before = 0 < top_p)
+        scores = scores.scatter(-1, order, sorted_scores.masked_fill(drop, float("-inf")))
+    return scores.softmax(dim=-1)  # (B, V)
+
+
+
+def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
+           generator: torch.Generator | None = None) -> torch.Tensor:
+    """Next token ids (B,) from logits (B, V): argmax at temperature 0, else one draw from filtered_probs."""
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    probs = filtered_probs(logits, temperature, top_k, top_p)
+    return torch.multinomial(probs, 1, generator=generator)[:, 0]

@@ -1,0 +1,25 @@
+"""Healing: distil a converted model back towards the original (the teacher), which stays frozen.
+
+- distill.py   HealPlan, Healer (layer-wise then end-to-end KL; resumable, time-budgeted), heal_model
+- data.py      what healing trains on: the user's text, or text the teacher writes itself
+- evaluate.py  the student against the teacher: perplexity, top-1 and greedy agreement
+- encoder.py   healing an encoder (BERT) with a cosine loss on sentence embeddings
+"""
+from .data import PROMPTS, check_pair, read_ids, teacher_windows, text_windows
+from .distill import (
+                      Healer,
+                      HealPlan,
+                      add_lora,
+                      distill_loss,
+                      freeze_all_but_attention,
+                      heal_model,
+                      kl_loss,
+                      merge_lora,
+                      normalised_mse,
+                      warmup_steps,
+)
+from .evaluate import evaluate_pair, greedy_agreement
+
+__all__ = ["PROMPTS", "check_pair", "read_ids", "teacher_windows", "text_windows", "HealPlan", "Healer", "add_lora",
+           "distill_loss", "freeze_all_but_attention", "heal_model", "kl_loss", "merge_lora", "normalised_mse",
+           "warmup_steps", "evaluate_pair", "greedy_agreement"]

@@ -1,0 +1,126 @@
+"""What healing trains and measures on: token windows from text files, or text the teacher writes itself.
+
+Notation: N windows, T tokens per window (seq_len), V vocabulary.
+
+- `text_windows`: the user's text files, tokenised and cut into windows of T tokens;
+  the last `holdout` fraction of the tokens (at least one window) is held out for
+  evaluation and never trained on, unless a separate evaluation text is given.
+- `teacher_windows`: data-free self-distillation. The teacher continues a fixed set of
+  varied prompts (PROMPTS, written for this repo) by sampling (temperature 1, top-p 0.95,
+  a seeded generator), and each prompt + continuation is one training window.
+- `check_pair`: the teacher and the student must be the same network around their attention.
+"""
+from __future__ import annotations
+
+import torch
+
+PROMPTS = (
+    "The history of the Roman Empire begins", "In a small village by the sea, an old fisherman",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"", "Photosynthesis is the process by which",
+    "Question: Why is the sky blue?\nAnswer:", "Dear hiring manager,\n\nI am writing to apply for",
+    "The recipe calls for two cups of flour,", "# Installing the package\n\nTo install, run",
+    "The stock market fell sharply on Monday after", "Once upon a time, in a kingdom far away,",
+    "A black hole is a region of space where", "Here is a list of tips for learning a new language:\n1.",
+    "The main causes of the French Revolution were", "SELECT name, email FROM users WHERE",
+    "My favourite book is", "The mitochondria is often called", "In mathematics, a prime number is",
+    "Climate change affects agriculture in several ways.", "The football match ended in a draw after",
+    "To solve the equation 3x + 5 = 20, we", "The following is a conversation between a doctor and a patient.",
+    "Shakespeare wrote Hamlet around the year", "The Internet was originally developed", "Chapter 1\n\nThe rain had",
+    "Water boils at 100 degrees Celsius at sea level because", "A good night's sleep is important because",
+    "The city council voted on Tuesday to", "import numpy as np\n\n# compute the mean of each column",
+    "The theory of evolution by natural selection", "Travel guide: three days in Kyoto.",
+    "The difference between a virus and a bacterium is", "Summary of the meeting:\n-",
+)
+
+
+def _windows(ids: torch.Tensor, seq_len: int) -> torch.Tensor:
+    n = ids.numel() // seq_len
+    return ids[: n * seq_len].reshape(n, seq_len)  # (N, T)
+
+
+def read_ids(tok, paths) -> torch.Tensor:
+    """All the files' token ids, one after the other (an EOS token between files where the tokenizer has one)."""
+    from ..models.evaluate import read_text_ids
+
+    parts = []
+    for p in paths:
+        parts.append(read_text_ids(tok, p)[0])
+        if tok.eos_token_id is not None:
+            parts.append(torch.tensor([tok.eos_token_id]))
+    return torch.cat(parts[:-1] if tok.eos_token_id is not None else parts)  # (n,)
+
+
+def text_windows(tok, paths, seq_len: int, *, holdout: float = 0.1, eval_paths=None):
+    """(training windows (N, T), held-out ids (1, M)) from text files.
+
+    Without eval_paths the last `holdout` of the tokens (at least one window) is held out;
+    with them, those files are the held-out text and all of `paths` trains.
+    """
+    paths = [str(p) for p in paths]
+    ids = read_ids(tok, paths)
+    if eval_paths:
+        held = read_ids(tok, [str(p) for p in eval_paths])
+        if held.numel() < 2:
+            raise ValueError(f"evaluation text {', '.join(map(str, eval_paths))} has {held.numel()} tokens; "
+                             "it needs at least 2")
+        train = _windows(ids, seq_len)
+        if train.shape[0] < 1:
+            raise ValueError(f"text {', '.join(paths)} has {ids.numel()} tokens, fewer than one window of {seq_len}")
+        return train, held[None]
+    cut = min(ids.numel() - seq_len, int(ids.numel() * (1 - holdout)))
+    train = _windows(ids[:max(cut, 0)], seq_len)
+    if train.shape[0] < 1 or cut < seq_len:
+        raise ValueError(f"text {', '.join(paths)} has {ids.numel()} tokens: too short to hold out a window of "
+                         f"{seq_len} and train on another; give more text, a shorter --seq-len, or --eval-text")
+    return train, ids[cut:][None]
+
+
+def teacher_windows(teacher, tok, count: int, seq_len: int, *, seed: int = 0, batch_size: int = 8,
+                    prompts=PROMPTS, progress=None) -> torch.Tensor:
+    """`count` windows (count, seq_len) of text the teacher writes from the prompts (sampled, seeded)."""
+    from ..generation.loop import generate
+
+    if count < 1:
+        raise ValueError(f"windows to generate must be at least 1, got {count}")
+    pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
+    out = []
+    for start in range(0, count, batch_size):
+        rows = [prompts[(start + k) % len(prompts)] for k in range(min(batch_size, count - start))]
+        enc = [tok(p, return_tensors="pt").input_ids[0][: seq_len // 2] for p in rows]
+        P = max(e.numel() for e in enc)
+        ids = torch.full((len(enc), P), pad, dtype=torch.long)
+        mask = torch.zeros(len(enc), P, dtype=torch.long)
+        for k, e in enumerate(enc):
+            ids[k, P - e.numel():], mask[k, P - e.numel():] = e, 1
+        with torch.no_grad():
+            full = generate(teacher, ids, mask, max_new_tokens=seq_len, temperature=1.0, top_p=0.95,
+                            seed=seed * 100003 + start)  # (B, P + seq_len)
+        for k, e in enumerate(enc):  # the prompt (without its padding) and the continuation, cut to seq_len
+            out.append(torch.cat([e, full[k, P:]])[:seq_len])
+        if progress:
+            progress(len(out), count)
+    return torch.stack(out)  # (count, T)
+
+
+def check_pair(teacher, student) -> None:
+    """ValueError unless the teacher is the student's network around its attention (same shapes, same vocabulary)."""
+    from ..models.adapters import attnlab_modules, family
+
+    ft, fs = family(teacher), family(student)
+    if ft != fs:
+        raise ValueError(f"the teacher is a {ft} model and the student a {fs} model")
+    t_mods, s_mods = attnlab_modules(teacher), attnlab_modules(student)
+    if len(t_mods) != len(s_mods):
+        raise ValueError(f"the teacher has {len(t_mods)} layers and the student {len(s_mods)}")
+    for i, (a, b) in enumerate(zip(t_mods, s_mods)):
+        if (a.dim, a.num_heads) != (b.dim, b.num_heads):
+            raise ValueError(f"layer {i}: the teacher's attention has dim {a.dim}, {a.num_heads} heads; "
+                             f"the student's dim {b.dim}, {b.num_heads} heads")
+    vt, vs = teacher.config.vocab_size, student.config.vocab_size
+    if vt != vs:
+        raise ValueError(f"the teacher's vocabulary has {vt} tokens and the student's {vs}")
+    rest = lambda m: {k: v.shape for k, v in m.state_dict().items() if "attn" not in k and "attention" not in k}  # noqa: E731
+    ts, ss = rest(teacher), rest(student)
+    if ts != ss:
+        diff = sorted(set(ts.items()) ^ set(ss.items()))[:1]
+        raise ValueError(f"the teacher's and the student's networks differ outside attention (e.g. {diff[0][0]})")

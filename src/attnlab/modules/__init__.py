@@ -1,0 +1,19 @@
+"""The core: attention modules, their caches, rotary embeddings and the one attention core (torch and numpy only).
+
+- checks.py     argument checks: one clear error naming the values
+- heads.py      which KV head each query head reads (strided, blocked) and the tilings it implies
+- rope.py       rotary position embeddings
+- cache.py      KV and latent caches: preallocated buffers written in place
+- attention.py  the attention core: grouped heads without copies, masks
+- base.py       what every attention module does before its own math
+- gqa.py        GroupedQueryAttention, and MultiHeadAttention as its G = H case
+- mla.py        MultiHeadLatentAttention: expanded, absorbed and GQA-tiled paths
+"""
+from .attention import attend, causal_mask
+from .cache import KVCache, LatentCache
+from .gqa import GroupedQueryAttention, MultiHeadAttention
+from .mla import MultiHeadLatentAttention
+from .rope import RotaryEmbedding
+
+__all__ = ["attend", "causal_mask", "KVCache", "LatentCache", "GroupedQueryAttention", "MultiHeadAttention",
+           "MultiHeadLatentAttention", "RotaryEmbedding"]

@@ -1,0 +1,191 @@
+"""The one attention core: scaled dot-product attention with grouped KV heads.
+
+Notation: B batch, H query heads, G key/value heads, C = H // G query heads per
+KV head, L query length, S key length (everything cached plus the new tokens),
+d query/key head size, dv value head size.
+
+Grouped heads are never copied: K and V keep their G heads. Two routes:
+- *folded*: the C query heads that share a KV head are folded into the rows of
+  one matrix product, (B, G, C*L, d) @ (B, G, d, S). Used whenever the mask is
+  the same for every head of a group and for every query row (no mask, or one
+  decode step); this is also how MLA's absorbed decode runs all heads against
+  the one latent in a single product.
+- *grouped*: torch's scaled_dot_product_attention with enable_gqa=True, which
+  indexes the shared KV head without materialising copies. Used for masks that
+  differ per row (causal prefill) or per head.
+
+Masks: a boolean mask is True where a query may attend (SDPA's convention); a
+floating mask is added to the scores. Shapes broadcast to (B, H, L, S): (L, S),
+(B, L, S) or (B|1, H|1, L|1, S). `is_causal` is aligned bottom-right: query i
+of L sees keys j <= (S - L) + i, so a query after S - L cached tokens sees
+them all and itself. A query row with nothing to attend returns zeros.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .heads import check_grouping
+
+
+def causal_mask(query_len: int, key_len: int, device=None) -> torch.Tensor:
+    """Bottom-right aligned causal mask, (L, S) bool, True = may attend."""
+    offset = key_len - query_len
+    i = torch.arange(query_len, device=device)[:, None]
+    j = torch.arange(key_len, device=device)[None, :]
+    return j <= i + offset  # (L, S)
+
+
+def _as_4d(mask: torch.Tensor, shape: tuple[int, int, int, int], dtype: torch.dtype) -> torch.Tensor:
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"mask must be a torch.Tensor, got {type(mask).__name__}")
+    if mask.dtype != torch.bool and not mask.is_floating_point():
+        raise TypeError(f"mask must be bool (True = may attend) or floating (added to scores), got {mask.dtype}")
+    if mask.dim() not in (2, 3, 4):
+        raise ValueError(f"mask must have 2, 3 or 4 dimensions broadcastable to (B, H, L, S) = {shape}, "
+                         f"got {tuple(mask.shape)}")
+    m = mask
+    if m.dim() == 2:
+        m = m[None, None]  # (1, 1, L, S)
+    elif m.dim() == 3:
+        m = m[:, None]  # (B, 1, L, S)
+    if m.shape[-1] != shape[-1] or any(a not in (1, b) for a, b in zip(m.shape, shape)):
+        raise ValueError(f"mask of shape {tuple(mask.shape)} does not broadcast to (B, H, L, S) = {shape}")
+    if m.is_floating_point():
+        m = m.to(dtype)
+    return m
+
+
+def combine_masks(mask, is_causal: bool, shape: tuple[int, int, int, int], dtype, device):
+    """Merge a user mask and causality into one attn_mask.
+
+    Returns (attn_mask or None, native_causal): native_causal means SDPA's own
+    is_causal can be used (square, no other mask).
+    """
+    B, H, L, S = shape
+    m = _as_4d(mask, shape, dtype) if mask is not None else None
+    if not is_causal or L == 1:
+        # one query row after S-1 earlier keys sees them all: causality is void
+        return m, False
+    if m is None and L == S:
+        return None, True
+    c = causal_mask(L, S, device)[None, None]  # (1, 1, L, S)
+    if m is None:
+        return c, False
+    if m.dtype == torch.bool:
+        return m & c, False
+    return m.masked_fill(~c, float("-inf")), False
+
+
+def fused_sdpa(q, k, v, *, attn_mask=None, is_causal=False, scale=None, enable_gqa=False):
+    """torch's scaled_dot_product_attention, kept on its fused kernels when head sizes differ.
+
+    With query-key size d != value size dv (decoupled-RoPE MLA: d + p vs dv), SDPA's fused
+    CPU and CUDA kernels refuse the call and its math fallback materialises every score
+    (4-10x slower prefill, measured in docs/performance.md). Zero columns change nothing:
+    V is padded to d and the output sliced back (dv < d), or q and k are padded to dv (dv > d,
+    same scores). The default scale stays 1/sqrt(d).
+    """
+    d, dv = q.shape[-1], v.shape[-1]
+    if d == dv:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
+                                              enable_gqa=enable_gqa)
+    scale = d ** -0.5 if scale is None else scale
+    if dv < d:
+        o = F.scaled_dot_product_attention(q, k, F.pad(v, (0, d - dv)), attn_mask=attn_mask, is_causal=is_causal,
+                                           scale=scale, enable_gqa=enable_gqa)  # (B, H, L, d)
+        return o[..., :dv]  # (B, H, L, dv)
+    return F.scaled_dot_product_attention(F.pad(q, (0, dv - d)), F.pad(k, (0, dv - d)), v, attn_mask=attn_mask,
+                                          is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)  # (B, H, L, dv)
+
+
+ROWS_WRITTEN_OUT = 64  # at most this many query rows per KV head take the plain-products route
+
+
+def _rows_attention(q, k, v, attn_mask, scale):
+    """Attention of the query rows that share one KV head, q (B, G, R, d) -> (B, G, R, dv).
+
+    Fused SDPA kernels are the wrong tool for a few rows against a long cache in two
+    cases, measured (docs/performance.md): on the CPU, when q/k and v head sizes
+    differ (MLA's absorbed decode with RoPE: key = [latent, rope key], value =
+    latent), SDPA falls back to a math path that rescales the whole key tensor on
+    every call; on CUDA, a kernel that parallelises over query blocks gets one block
+    per KV head, leaving most of the GPU idle. There the two products are written
+    out (cuBLAS splits the long key axis across the GPU): the scale goes on the few
+    query rows, and the softmax runs in at least float32.
+    """
+    few = q.shape[-2] <= ROWS_WRITTEN_OUT
+    if not few or (q.device.type == "cpu" and k.shape[-1] == v.shape[-1]):
+        return fused_sdpa(q, k, v, attn_mask=attn_mask, scale=scale)
+    s = (q * (scale if scale is not None else q.shape[-1] ** -0.5)) @ k.transpose(-1, -2)  # (B, G, R, S)
+    if attn_mask is not None:
+        s = s.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else s + attn_mask
+    p = torch.softmax(s, dim=-1, dtype=torch.promote_types(s.dtype, torch.float32))
+    if attn_mask is not None:  # a row with nothing to attend gives zeros, as SDPA does
+        p = p.nan_to_num(0.0)
+    return p.to(v.dtype) @ v  # (B, G, R, dv)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, grouping: str = "blocked",
+           mask: torch.Tensor | None = None, is_causal: bool = False,
+           scale: float | None = None) -> torch.Tensor:
+    """softmax(q k^T * scale + mask) v with G shared KV heads.
+
+    q (B, H, L, d), k (B, G, S, d), v (B, G, S, dv) -> (B, H, L, dv).
+    grouping says which KV head query head h reads: h mod G ("strided") or
+    h // (H/G) ("blocked"). scale defaults to 1/sqrt(d).
+    """
+    check_grouping(grouping)
+    B, H, L, d = q.shape
+    G, S, dv = k.shape[1], k.shape[2], v.shape[-1]
+    if H % G:
+        raise ValueError(f"query heads ({H}) must be divisible by key/value heads ({G})")
+    C = H // G
+    attn_mask, native_causal = combine_masks(mask, is_causal, (B, H, L, S), q.dtype, q.device)
+
+    foldable = not native_causal and (attn_mask is None or (L == 1 and attn_mask.shape[1] == 1))
+    if C == 1 and not (foldable and q.device.type != "cpu" and L <= ROWS_WRITTEN_OUT):
+        return fused_sdpa(q, k, v, attn_mask=attn_mask, is_causal=native_causal, scale=scale)
+
+    strided = grouping == "strided"
+    if foldable:
+        if strided:  # head h = c*G + g
+            qf = q.reshape(B, C, G, L, d).transpose(1, 2).reshape(B, G, C * L, d)  # (B, G, C*L, d)
+        else:  # head h = g*C + c
+            qf = q.reshape(B, G, C * L, d)  # (B, G, C*L, d)
+        o = _rows_attention(qf, k, v, attn_mask, scale)  # (B, G, C*L, dv)
+        if strided:
+            return o.reshape(B, G, C, L, dv).transpose(1, 2).reshape(B, H, L, dv)  # (B, H, L, dv)
+        return o.reshape(B, H, L, dv)  # (B, H, L, dv)
+
+    if strided:  # reorder query heads (and per-head masks) so that SDPA's blocked rule applies
+        q = q.reshape(B, C, G, L, d).transpose(1, 2).reshape(B, H, L, d)  # (B, H, L, d) blocked order
+        if attn_mask is not None and attn_mask.shape[1] == H:
+            mb = attn_mask.shape[0]
+            attn_mask = attn_mask.reshape(mb, C, G, *attn_mask.shape[2:]).transpose(1, 2).reshape(
+                mb, H, *attn_mask.shape[2:])  # (B|1, H, L|1, S) blocked order
+    o = fused_sdpa(q, k, v, attn_mask=attn_mask, is_causal=native_causal, scale=scale,
+                   enable_gqa=True)  # (B, H, L, dv)
+    if strided:
+        o = o.reshape(B, G, C, L, dv).transpose(1, 2).reshape(B, H, L, dv)  # (B, H, L, dv) strided order
+    return o
+
+
+def with_key_padding(mask: torch.Tensor | None, key_padding_mask: torch.Tensor | None,
+                     shape: tuple[int, int, int, int], dtype: torch.dtype) -> torch.Tensor | None:
+    """Merge a (B, S) key-padding mask (True = real token, may be attended) into `mask`.
+
+    shape is (B, H, L, S); the result is 4-D, or `mask` unchanged without padding.
+    """
+    if key_padding_mask is None:
+        return mask
+    B, S = shape[0], shape[3]
+    if not isinstance(key_padding_mask, torch.Tensor) or key_padding_mask.dtype != torch.bool:
+        raise TypeError("key_padding_mask must be a bool tensor (True = may attend)")
+    if tuple(key_padding_mask.shape) != (B, S):
+        raise ValueError(f"key_padding_mask must have shape (B, S) = {(B, S)}, got {tuple(key_padding_mask.shape)}")
+    kpm = key_padding_mask[:, None, None, :]  # (B, 1, 1, S)
+    if mask is None:
+        return kpm
+    m = _as_4d(mask, shape, dtype)
+    return m & kpm if m.dtype == torch.bool else m.masked_fill(~kpm, float("-inf"))

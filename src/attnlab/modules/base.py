@@ -1,0 +1,56 @@
+"""What every attention module does before its own math: check inputs, find positions."""
+from __future__ import annotations
+
+from torch import nn
+
+from . import checks
+from .attention import with_key_padding
+from .cache import _Cache
+from .rope import default_positions
+
+
+class AttentionModule(nn.Module):
+    """Base of GroupedQueryAttention and MultiHeadLatentAttention.
+
+    Subclasses set dim, context_dim, num_heads and `_anchor`, a weight whose
+    dtype and device inputs must match.
+    """
+
+    dim: int
+    context_dim: int
+
+    def _prepare(self, x, context, cache: _Cache | None, positions, mask, key_padding_mask, query_heads: int):
+        """Validate; return (source of keys, query positions, merged mask or None)."""
+        anchor = self._anchor
+        checks.sequence("x", x, self.dim, anchor)
+        B, L, _ = x.shape
+        if context is not None:
+            checks.sequence("context", context, self.context_dim, anchor)
+            checks.same_batch(x, context)
+        elif self.context_dim != self.dim:
+            raise ValueError(f"this module attends to a context of width {self.context_dim} "
+                             f"(context_dim != dim = {self.dim}); pass context=")
+        offset = 0
+        if cache is not None:
+            if not isinstance(cache, _Cache):
+                raise TypeError(f"cache must come from init_cache(), got {type(cache).__name__}")
+            cache.check_owner(self, B, x.dtype)
+            if context is None and cache.static:
+                raise ValueError("this cache holds a cross-attention context; pass context= as when it was filled")
+            if context is not None and cache.length and not cache.static:
+                raise ValueError(f"this cache holds {cache.length} self-attention tokens; "
+                                 "a cross-attention call needs a fresh cache")
+            if context is None:
+                offset = cache.length
+        if positions is None:
+            positions = default_positions(offset, L, x.device)
+        elif tuple(positions.shape) not in ((L,), (B, L)):
+            raise ValueError(f"positions must have shape (L,) = ({L},) or (B, L) = ({B}, {L}), "
+                             f"got {tuple(positions.shape)}")
+        source = x if context is None else context
+        if cache is not None and cache.static:
+            S = cache.length
+        else:
+            S = source.shape[1] + (cache.length if cache is not None and context is None else 0)
+        mask = with_key_padding(mask, key_padding_mask, (B, query_heads, L, S), x.dtype)
+        return source, positions, mask

@@ -1,0 +1,135 @@
+"""Grouped-query attention, and multi-head attention as its G = H case (Part 8).
+
+Notation: B batch, L query length, S key length, H = num_heads,
+G = num_kv_heads, d = head_dim, dv = v_head_dim.
+
+Weights follow the study (Parts 2, 4, 7): W_Q (H*d, dim), W_K (G*d, context_dim),
+W_V (G*dv, context_dim), W_O (dim, H*dv), each an nn.Linear. Head h owns rows
+[h*d, (h+1)*d) of W_Q and reads KV head h mod G ("strided", the study's rule)
+or h // (H/G) ("blocked", Llama's rule).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from . import checks
+from .attention import attend
+from .base import AttentionModule
+from .cache import KVCache
+from .heads import check_grouping
+from .rope import RotaryEmbedding
+
+
+class GroupedQueryAttention(AttentionModule):
+    """Attention with `num_kv_heads` key/value heads shared by `num_heads` query heads.
+
+    Args:
+        dim: width of the attending sequence x (the study's D_1).
+        num_heads: query heads H. num_kv_heads: key/value heads G, a divisor of H.
+        head_dim: query/key size per head (default dim // num_heads).
+        v_head_dim: value size per head (default head_dim).
+        context_dim: width of the attended sequence (default dim).
+        bias: biases on all four projections (BERT, Qwen2 style carry them).
+        grouping: "strided" (query head h reads KV head h mod G) or "blocked" (h // (H/G)).
+        rope_base: apply rotary embeddings of this base to q and k (None: no RoPE).
+        rope_interleaved: rotate pairs (2i, 2i+1) instead of (i, i + d/2).
+    """
+
+    def __init__(self, dim: int, num_heads: int, num_kv_heads: int, *, head_dim: int | None = None,
+                 v_head_dim: int | None = None, context_dim: int | None = None, bias: bool = False,
+                 grouping: str = "strided", rope_base: float | None = None, rope_interleaved: bool = False,
+                 device=None, dtype=None):
+        super().__init__()
+        checks.positive_int("dim", dim)
+        checks.positive_int("num_heads", num_heads)
+        checks.positive_int("num_kv_heads", num_kv_heads)
+        checks.divides(num_heads, num_kv_heads)
+        head_dim, v_head_dim, context_dim = checks.head_sizes(dim, num_heads, head_dim, v_head_dim, context_dim)
+        self.dim, self.context_dim = dim, context_dim
+        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
+        self.head_dim, self.v_head_dim = head_dim, v_head_dim
+        self.grouping = check_grouping(grouping)
+        kw = dict(device=device, dtype=dtype)
+        self.W_Q = nn.Linear(dim, num_heads * head_dim, bias=bias, **kw)
+        self.W_K = nn.Linear(context_dim, num_kv_heads * head_dim, bias=bias, **kw)
+        self.W_V = nn.Linear(context_dim, num_kv_heads * v_head_dim, bias=bias, **kw)
+        self.W_O = nn.Linear(num_heads * v_head_dim, dim, bias=bias, **kw)
+        self.rope = None if rope_base is None else RotaryEmbedding(head_dim, rope_base, interleaved=rope_interleaved)
+
+    @property
+    def _anchor(self) -> torch.Tensor:
+        return self.W_Q.weight
+
+    def config(self) -> dict:
+        """Constructor arguments that rebuild this module's shape (see attnlab.io)."""
+        return dict(dim=self.dim, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+                    v_head_dim=self.v_head_dim, context_dim=self.context_dim, bias=self.W_Q.bias is not None,
+                    grouping=self.grouping, rope_base=None if self.rope is None else self.rope.base,
+                    rope_interleaved=False if self.rope is None else self.rope.interleaved)
+
+    @property
+    def scale(self) -> float:
+        return self.head_dim ** -0.5
+
+    @property
+    def kv_values_per_token(self) -> int:
+        """Numbers a KV cache stores per token (Part 14): G*(d + dv); 2*D for MHA with d = D/H."""
+        return self.num_kv_heads * (self.head_dim + self.v_head_dim)
+
+    def init_cache(self, batch_size: int, max_len: int, *, dtype=None, device=None) -> KVCache:
+        """A preallocated cache of K and V for num_kv_heads heads."""
+        return KVCache(self, batch_size, max_len, self.num_kv_heads, self.head_dim, self.v_head_dim,
+                       dtype=dtype or self._anchor.dtype, device=device or self._anchor.device)
+
+    def project_kv(self, source: torch.Tensor, positions: torch.Tensor | None = None):
+        """K (B, G, S, d) and V (B, G, S, dv) of a sequence, RoPE applied to K at `positions`."""
+        B, S, _ = source.shape
+        k = self.W_K(source).view(B, S, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, G, S, d)
+        v = self.W_V(source).view(B, S, self.num_kv_heads, self.v_head_dim).transpose(1, 2)  # (B, G, S, dv)
+        if self.rope is not None:
+            k = self.rope(k, positions if positions is not None else torch.arange(S, device=source.device))
+        return k, v
+
+    def forward(self, x: torch.Tensor, context: torch.Tensor | None = None, *, mask: torch.Tensor | None = None,
+                key_padding_mask: torch.Tensor | None = None, is_causal: bool = False,
+                cache: KVCache | None = None, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """x (B, L, dim), context (B, S, context_dim) or None for self-attention -> (B, L, dim).
+
+        mask: bool (True = may attend) or additive float, broadcastable to (B, H, L, S).
+        key_padding_mask: (B, S) bool, True for real tokens. is_causal: bottom-right aligned.
+        cache: from init_cache(); the new K/V are appended and everything cached is attended.
+        positions: RoPE positions of x, (L,) or (B, L); default cache.length + arange(L).
+        """
+        source, positions, mask = self._prepare(x, context, cache, positions, mask,
+                                                key_padding_mask, self.num_heads)
+        B, L, _ = x.shape
+        q = self.W_Q(x).view(B, L, self.num_heads, self.head_dim).transpose(1, 2)  # (B, H, L, d)
+        if self.rope is not None:
+            q = self.rope(q, positions)
+        if cache is not None and cache.static:
+            k, v = cache.view()  # (B, G, S, d), (B, G, S, dv)
+        else:
+            k, v = self.project_kv(source, positions if context is None else None)  # (B, G, S_new, *)
+            if cache is not None:
+                k, v = cache.extend(k=k, v=v)  # (B, G, S, *)
+                cache.static = context is not None
+        o = attend(q, k, v, grouping=self.grouping, mask=mask, is_causal=is_causal, scale=self.scale)  # (B, H, L, dv)
+        o = o.transpose(1, 2).reshape(B, L, self.num_heads * self.v_head_dim)  # (B, L, H*dv)
+        return self.W_O(o)  # (B, L, dim)
+
+    def extra_repr(self) -> str:
+        return (f"dim={self.dim}, context_dim={self.context_dim}, num_heads={self.num_heads}, "
+                f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, v_head_dim={self.v_head_dim}, "
+                f"grouping={self.grouping!r}")
+
+
+class MultiHeadAttention(GroupedQueryAttention):
+    """Multi-head attention: grouped-query attention with num_kv_heads = num_heads (Part 8)."""
+
+    def __init__(self, dim: int, num_heads: int, *, head_dim: int | None = None, v_head_dim: int | None = None,
+                 context_dim: int | None = None, bias: bool = False, rope_base: float | None = None,
+                 rope_interleaved: bool = False, device=None, dtype=None):
+        super().__init__(dim, num_heads, num_heads, head_dim=head_dim, v_head_dim=v_head_dim,
+                         context_dim=context_dim, bias=bias, rope_base=rope_base,
+                         rope_interleaved=rope_interleaved, device=device, dtype=dtype)

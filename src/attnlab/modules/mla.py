@@ -1,0 +1,453 @@
+"""Multi-head latent attention (DeepSeek-V2/V3's MLA), with the study's absorbed form (Part 12).
+
+Notation: B batch, L query length, S key length, H heads, d = head_dim (the
+no-RoPE part of a query/key head), p = rope_dim, dv = v_head_dim,
+r = latent_dim.
+
+Keys and values of every head come from one latent per position,
+c = W_DKV y (r numbers, optionally RMS-normalised); with rope_dim p > 0 a
+shared key k_R = RoPE(W_KR y) of p numbers sits beside it (DeepSeek's
+decoupled RoPE). A cache holds only [c, k_R]: r + p numbers per token.
+
+Two ways to attend, with the same result:
+- expanded: K_h = W_UK_h c and V_h = W_UV_h c for every head, then ordinary
+  attention. Costs S*r*H*(d + dv) per call just to rebuild K and V.
+- absorbed (Part 12): q_nope_h . (W_UK_h c) = (W_UK_h^T q_nope_h) . c, so each
+  head's query is moved into the latent space, all H heads attend to the one
+  latent in a single product (heads folded into rows), and W_UV_h is applied to
+  the r-dim result afterwards. Nothing is up-projected per cached token.
+A key bias on W_UK adds the same number to every score of a query row, which
+softmax ignores; a value bias on W_UV is added back after attention.
+
+A third layout, `rope_after_up=True`, is what an exact conversion of a RoPE'd GQA
+model produces: the latent holds the keys before rotation, and RoPE (over the whole
+head_dim) is applied to queries and to the up-projected keys. Rotation sits
+between W_UK and the dot product, so this layout has only the expanded path; it
+saves cache memory but not the per-step up-projection. Cached keys are taken to
+sit at positions 0, 1, ..., S-1.
+
+The *GQA tiling* (`kv_tiling`, found by `detect_kv_tiling`, set by the exact
+convert.gqa_to_mla): the latent is [K of G heads, V of G heads] (r = G*(d + dv))
+and W_UK, W_UV are 0/1 matrices that hand each query head its group's slices.
+Then no up-projection is needed at all: the cache stores exactly what the GQA's
+KV cache would (keys already rotated at their positions and with their bias,
+values with theirs: selection commutes with RoPE), and attention reads (B, G, S, d)
+views of the latent as GQA reads its cache. Checked against the weights before
+every call (cheaply, by version counter): once W_UK/W_UV stop being that tiling
+(training), the general paths take over, and a cache filled in the tiled layout
+is refused. An explicit `absorbed=` also takes the general paths.
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import nn
+
+from ..kernels import mla_decode
+from . import checks
+from .attention import attend
+from .base import AttentionModule
+from .cache import LatentCache
+from .heads import check_grouping, gqa_block, tile_heads
+from .rope import RotaryEmbedding
+
+
+def _weights_key(tensors) -> tuple:
+    """Changes whenever one of the tensors is replaced or modified in place (identity, version counter)."""
+    return tuple((id(t), t._version, t.data_ptr(), t.dtype, t.device) for t in tensors)
+
+
+class MultiHeadLatentAttention(AttentionModule):
+    """Attention whose keys and values are up-projected from a shared low-rank latent.
+
+    Args:
+        dim, num_heads, head_dim, v_head_dim, context_dim: as in GroupedQueryAttention.
+        latent_dim: r, the size of the latent c = W_DKV y shared by keys and values.
+        rope_dim: p > 0 adds DeepSeek's decoupled RoPE: p extra query dims per head
+            and one shared p-dim rotary key per position, cached beside the latent.
+        q_latent_dim: queries through a low-rank bottleneck W_UQ RMSNorm(W_DQ x).
+        latent_norm: RMSNorm on the latent before it is cached (DeepSeek does).
+        bias: biases on W_Q (or W_UQ), W_UK, W_UV and W_O.
+        latent_bias: biases on the down-projections W_DKV, W_KR and W_DQ.
+        softmax_scale: default 1/sqrt(head_dim + rope_dim).
+        rope_base, rope_interleaved: the rotary embedding of the rope dims.
+        rope_after_up: instead of decoupled RoPE, rotate queries and up-projected keys over
+            the whole head_dim (exact GQA -> MLA of RoPE models; expanded path only).
+        kv_tiling: "strided" or "blocked" when W_UK/W_UV are the 0/1 GQA tiling of a latent
+            [K of G heads, V of G heads], G = latent_dim / (head_dim + v_head_dim) (see the
+            module docstring); the fresh module's W_UK/W_UV are set to that tiling.
+    A latent_dim above min(H*(d + dv), context_dim) cannot compress anything; it
+    is allowed (exact conversions may produce it) with a warning.
+    """
+
+    def __init__(self, dim: int, num_heads: int, latent_dim: int, *, head_dim: int | None = None,
+                 v_head_dim: int | None = None, context_dim: int | None = None, rope_dim: int = 0,
+                 q_latent_dim: int | None = None, latent_norm: bool = False, bias: bool = False,
+                 latent_bias: bool = False, softmax_scale: float | None = None, rope_base: float = 10000.0,
+                 rope_interleaved: bool = False, rope_after_up: bool = False, norm_eps: float = 1e-6,
+                 kv_tiling: str | None = None, device=None, dtype=None):
+        super().__init__()
+        checks.positive_int("dim", dim)
+        checks.positive_int("num_heads", num_heads)
+        checks.positive_int("latent_dim", latent_dim)
+        checks.non_negative_int("rope_dim", rope_dim)
+        if rope_dim % 2:
+            raise ValueError(f"rope_dim must be even (RoPE rotates pairs), got {rope_dim}")
+        if rope_after_up and rope_dim:
+            raise ValueError(f"rope_after_up rotates the whole head; it excludes a decoupled rope_dim ({rope_dim})")
+        head_dim, v_head_dim, context_dim = checks.head_sizes(dim, num_heads, head_dim, v_head_dim, context_dim)
+        if q_latent_dim is not None:
+            checks.positive_int("q_latent_dim", q_latent_dim)
+        useful = min(num_heads * (head_dim + v_head_dim), context_dim)
+        if latent_dim > useful:
+            warnings.warn(f"latent_dim ({latent_dim}) exceeds min(H*(head_dim + v_head_dim), context_dim) = "
+                          f"{useful}: the latent cannot have full rank and saves nothing", stacklevel=2)
+        self.dim, self.context_dim, self.num_heads = dim, context_dim, num_heads
+        self.head_dim, self.v_head_dim, self.rope_dim = head_dim, v_head_dim, rope_dim
+        self.latent_dim, self.q_latent_dim = latent_dim, q_latent_dim
+        self.softmax_scale = softmax_scale
+        kw = dict(device=device, dtype=dtype)
+        q_out = num_heads * (head_dim + rope_dim)
+        if q_latent_dim is None:
+            self.W_Q = nn.Linear(dim, q_out, bias=bias, **kw)
+            self.W_DQ = self.q_norm = self.W_UQ = None
+        else:
+            self.W_Q = None
+            self.W_DQ = nn.Linear(dim, q_latent_dim, bias=latent_bias, **kw)
+            self.q_norm = nn.RMSNorm(q_latent_dim, eps=norm_eps, **kw)
+            self.W_UQ = nn.Linear(q_latent_dim, q_out, bias=bias, **kw)
+        self.W_DKV = nn.Linear(context_dim, latent_dim, bias=latent_bias, **kw)
+        self.W_KR = nn.Linear(context_dim, rope_dim, bias=latent_bias, **kw) if rope_dim else None
+        self.kv_norm = nn.RMSNorm(latent_dim, eps=norm_eps, **kw) if latent_norm else None
+        self.W_UK = nn.Linear(latent_dim, num_heads * head_dim, bias=bias, **kw)
+        self.W_UV = nn.Linear(latent_dim, num_heads * v_head_dim, bias=bias, **kw)
+        self.W_O = nn.Linear(num_heads * v_head_dim, dim, bias=bias, **kw)
+        self.rope_after_up = bool(rope_after_up)
+        rotated = head_dim if rope_after_up else rope_dim
+        self.rope = RotaryEmbedding(rotated, rope_base, interleaved=rope_interleaved) if rotated else None
+        self._absorbed_cache: tuple | None = None
+        self._tiling_verdict: tuple | None = None
+        self.kv_tiling = None
+        if kv_tiling is not None:
+            check_grouping(kv_tiling)
+            G = self._tiling_groups()
+            if G is None or rope_dim:
+                raise ValueError(f"kv_tiling needs rope_dim 0 (got {rope_dim}) and latent_dim ({latent_dim}) = G * "
+                                 f"(head_dim + v_head_dim) = G * {head_dim + v_head_dim} with G dividing num_heads "
+                                 f"({num_heads})")
+            up_k, up_v = self._tiling_weights(G, kv_tiling)
+            with torch.no_grad():
+                self.W_UK.weight.copy_(up_k)
+                self.W_UV.weight.copy_(up_v)
+            self.kv_tiling = kv_tiling
+
+    @property
+    def _anchor(self) -> torch.Tensor:
+        return self.W_DKV.weight
+
+    def config(self) -> dict:
+        """Constructor arguments that rebuild this module's shape (see attnlab.io)."""
+        q_proj = self.W_Q if self.W_Q is not None else self.W_UQ
+        norm = self.kv_norm or self.q_norm
+        return dict(dim=self.dim, num_heads=self.num_heads, latent_dim=self.latent_dim, head_dim=self.head_dim,
+                    v_head_dim=self.v_head_dim, context_dim=self.context_dim, rope_dim=self.rope_dim,
+                    q_latent_dim=self.q_latent_dim, latent_norm=self.kv_norm is not None,
+                    bias=q_proj.bias is not None, latent_bias=self.W_DKV.bias is not None,
+                    softmax_scale=self.softmax_scale, rope_base=self.rope.base if self.rope else 10000.0,
+                    rope_interleaved=bool(self.rope and self.rope.interleaved), rope_after_up=self.rope_after_up,
+                    norm_eps=norm.eps if norm is not None else 1e-6, kv_tiling=self.kv_tiling)
+
+    @property
+    def scale(self) -> float:
+        if self.softmax_scale is not None:
+            return self.softmax_scale
+        return (self.head_dim + self.rope_dim) ** -0.5
+
+    @property
+    def kv_values_per_token(self) -> int:
+        """Numbers the cache stores per token (Part 14): r, plus rope_dim for the shared rotary key."""
+        return self.latent_dim + self.rope_dim
+
+    def init_cache(self, batch_size: int, max_len: int, *, dtype=None, device=None) -> LatentCache:
+        """A preallocated cache of the latent (and the shared rotary key) only."""
+        return LatentCache(self, batch_size, max_len, self.latent_dim, self.rope_dim,
+                           dtype=dtype or self._anchor.dtype, device=device or self._anchor.device)
+
+    # -- projections ---------------------------------------------------------------------------
+    def project_query(self, x: torch.Tensor, positions: torch.Tensor):
+        """(q_nope (B, H, L, d), q_rope (B, H, L, p)) with RoPE applied."""
+        B, L, _ = x.shape
+        q = self.W_Q(x) if self.W_Q is not None else self.W_UQ(self.q_norm(self.W_DQ(x)))  # (B, L, H*(d+p))
+        q = q.view(B, L, self.num_heads, self.head_dim + self.rope_dim).transpose(1, 2)  # (B, H, L, d+p)
+        q_nope, q_rope = q.split([self.head_dim, self.rope_dim], dim=-1)  # (B, H, L, d), (B, H, L, p)
+        if self.rope_after_up:
+            q_nope = self.rope(q_nope, positions)
+        elif self.rope is not None:
+            q_rope = self.rope(q_rope, positions)
+        return q_nope, q_rope
+
+    def compress(self, source: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """What the cache stores for a sequence: [c, k_R], shape (B, S, r + p)."""
+        c = self.W_DKV(source)  # (B, S, r)
+        if self.kv_norm is not None:
+            c = self.kv_norm(c)
+        if self.W_KR is None:
+            return c  # (B, S, r); with rope_after_up the keys are rotated after the up-projection
+        if positions is None:
+            positions = torch.arange(source.shape[1], device=source.device)
+        k_rope = self.rope(self.W_KR(source)[:, None], positions)[:, 0]  # (B, S, p)
+        return torch.cat([c, k_rope], dim=-1)  # (B, S, r+p)
+
+    # -- absorbed weights (Part 12), derived from the parameters and cached --------------------
+    def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """W_UK per head (H, d, r) and W_UV^T per head (H, r, dv), contiguous for batched products.
+
+        Recomputed whenever either weight is replaced or changed in place (an
+        optimizer step, load_state_dict): the key is each tensor's identity and
+        version counter. Not cached while autograd records (the copy would hold
+        a stale graph) or under torch.compile (which traces the computation).
+        """
+        wk, wv = self.W_UK.weight, self.W_UV.weight
+        cacheable = not torch.compiler.is_compiling() and not (
+            torch.is_grad_enabled() and (wk.requires_grad or wv.requires_grad))
+        key = _weights_key((wk, wv)) if cacheable else None
+        if cacheable and self._absorbed_cache is not None and self._absorbed_cache[0] == key:
+            return self._absorbed_cache[1]
+        H, d, dv, r = self.num_heads, self.head_dim, self.v_head_dim, self.latent_dim
+        w_uk = wk.reshape(H, d, r)  # (H, d, r)
+        w_uv_t = wv.reshape(H, dv, r).transpose(1, 2).contiguous()  # (H, r, dv)
+        if cacheable:
+            self._absorbed_cache = (key, (w_uk, w_uv_t))
+        return w_uk, w_uv_t
+
+    # -- the GQA tiling (exact conversions of a GQA) -------------------------------------------
+    def _tiling_groups(self) -> int | None:
+        """G with latent_dim = G * (head_dim + v_head_dim) and G | num_heads, else None."""
+        G, rest = divmod(self.latent_dim, self.head_dim + self.v_head_dim)
+        return G if not rest and G and not self.num_heads % G else None
+
+    def _tiling_weights(self, G: int, grouping: str):
+        """The 0/1 W_UK (H*d, r) and W_UV (H*dv, r) that hand query head h its group's slices."""
+        H, d = self.num_heads, self.head_dim
+        w = self.W_UK.weight
+        eye = torch.eye(self.latent_dim, dtype=w.dtype, device=w.device)  # latent entry j = row j
+        return tile_heads(eye[:G * d], H, G, grouping), tile_heads(eye[G * d:], H, G, grouping)
+
+    def _is_tiling(self, grouping: str) -> bool:
+        G = self._tiling_groups()
+        if G is None or self.rope_dim:
+            return False
+        up_k, up_v = self._tiling_weights(G, grouping)
+        if not (torch.equal(self.W_UK.weight, up_k) and torch.equal(self.W_UV.weight, up_v)):
+            return False
+        return all(lin.bias is None or gqa_block(lin.bias.detach(), self.num_heads, G, grouping=grouping, rtol=0.0)
+                   is not None for lin in (self.W_UK, self.W_UV))
+
+    def detect_kv_tiling(self) -> str | None:
+        """Set (and return) kv_tiling if W_UK/W_UV are a GQA tiling of the latent, else None."""
+        self.kv_tiling = next((g for g in ("blocked", "strided") if self._is_tiling(g)), None)
+        self._tiling_verdict = None
+        return self.kv_tiling
+
+    def kv_tiling_holds(self) -> bool:
+        """kv_tiling is set and the weights still are that tiling (re-checked when they change)."""
+        if self.kv_tiling is None:
+            return False
+        if torch.compiler.is_compiling() and self._tiling_verdict is not None:
+            return self._tiling_verdict[1]  # traced code keeps the verdict of the last eager call
+        tensors = [t for lin in (self.W_UK, self.W_UV) for t in (lin.weight, lin.bias) if t is not None]
+        key = _weights_key(tensors)
+        if self._tiling_verdict is None or self._tiling_verdict[0] != key:
+            self._tiling_verdict = (key, self._is_tiling(self.kv_tiling))
+        return self._tiling_verdict[1]
+
+    def _tiled_kv(self, source: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+        """What a tiled cache stores: the GQA's K (rotated, with bias) and V (with bias), (B, S, r)."""
+        G, d, dv = self._tiling_groups(), self.head_dim, self.v_head_dim
+        c = self.W_DKV(source)  # (B, S, r)
+        if self.kv_norm is not None:
+            c = self.kv_norm(c)
+        k, v = c.split([G * d, G * dv], dim=-1)  # (B, S, G*d), (B, S, G*dv)
+        block = lambda b: gqa_block(b, self.num_heads, G, grouping=self.kv_tiling, rtol=0.0)  # noqa: E731
+        if self.W_UK.bias is not None:
+            k = k + block(self.W_UK.bias)  # (B, S, G*d)
+        if self.W_UV.bias is not None:
+            v = v + block(self.W_UV.bias)  # (B, S, G*dv)
+        if self.rope_after_up:
+            B, S, _ = k.shape
+            if positions is None:
+                positions = torch.arange(S, device=source.device)
+            k = self.rope(k.view(B, S, G, d).transpose(1, 2), positions).transpose(1, 2).reshape(B, S, G * d)
+        return torch.cat([k, v], dim=-1)  # (B, S, r)
+
+    def _tiled(self, q, kv, mask, is_causal):
+        """Attention on (B, G, S, d) views of a tiled cache, grouped heads folded as GQA does."""
+        B, S, _ = kv.shape
+        G, d, dv = self._tiling_groups(), self.head_dim, self.v_head_dim
+        k = kv[..., :G * d].unflatten(-1, (G, d)).transpose(1, 2)  # (B, G, S, d), a view
+        v = kv[..., G * d:].unflatten(-1, (G, dv)).transpose(1, 2)  # (B, G, S, dv), a view
+        return attend(q, k, v, grouping=self.kv_tiling, mask=mask, is_causal=is_causal, scale=self.scale)
+
+    def _choose_tiled(self, cache, absorbed) -> bool:
+        """Use the tiled path? Checks that a cache was filled in the layout this call reads."""
+        tiled = absorbed is None and self.kv_tiling_holds() and not (
+            torch.is_grad_enabled() and (self.W_UK.weight.requires_grad or self.W_UV.weight.requires_grad))
+        if cache is None:
+            return tiled
+        holder = getattr(cache, "hf_cache", cache)  # a TransformersCache is made anew for every call
+        layouts = holder.__dict__.setdefault("_attnlab_tiled", {})
+        slot = getattr(cache, "layer_idx", None)
+        if cache.length == 0:
+            layouts[slot] = tiled
+        elif layouts.get(slot, False) and not tiled:
+            why = ("absorbed= asks for a general path" if absorbed is not None else
+                   "W_UK/W_UV are no longer the GQA tiling" if not self.kv_tiling_holds() else
+                   "autograd records and W_UK/W_UV require grad")
+            raise ValueError(f"this cache holds GQA-tiled keys and values but {why}; start a fresh cache")
+        return layouts.get(slot, False)
+
+    def prefers_absorbed(self, query_len: int, key_len: int) -> bool:
+        """Pick the path with fewer multiply-adds for these lengths (absorbed for decode)."""
+        H, d, dv, r, p = self.num_heads, self.head_dim, self.v_head_dim, self.latent_dim, self.rope_dim
+        expanded = key_len * r * H * (d + dv) + query_len * key_len * H * (d + p + dv)
+        absorbed = query_len * H * r * (d + dv) + query_len * key_len * H * (2 * r + p)
+        return absorbed < expanded
+
+    # -- forward -------------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor, context: torch.Tensor | None = None, *, mask: torch.Tensor | None = None,
+                key_padding_mask: torch.Tensor | None = None, is_causal: bool = False,
+                cache: LatentCache | None = None, positions: torch.Tensor | None = None,
+                absorbed: bool | None = None) -> torch.Tensor:
+        """x (B, L, dim), context (B, S, context_dim) or None -> (B, L, dim).
+
+        Masks, cache and positions as in GroupedQueryAttention.forward.
+        absorbed: True for Part 12's latent-space path, False for the expanded
+        path, None to choose by cost (absorbed when decoding against a cache).
+        """
+        source, positions, mask = self._prepare(x, context, cache, positions, mask,
+                                                key_padding_mask, self.num_heads)
+        B, L, _ = x.shape
+        q_nope, q_rope = self.project_query(x, positions)  # (B, H, L, d), (B, H, L, p)
+        tiled = self._choose_tiled(cache, absorbed)
+        if cache is not None and cache.static:
+            (kv,) = cache.view()  # (B, S, r+p)
+        elif tiled:
+            kv = self._tiled_kv(source, positions if context is None else None)  # (B, S_new, r)
+            if cache is not None:
+                (kv,) = cache.extend(kv=kv)  # (B, S, r)
+                cache.static = context is not None
+        else:
+            kv = self.compress(source, positions if context is None else None)  # (B, S_new, r+p)
+            if cache is not None:
+                (kv,) = cache.extend(kv=kv)  # (B, S, r+p)
+                cache.static = context is not None
+        key_positions = None
+        if tiled:
+            o = self._tiled(q_nope, kv, mask, is_causal)  # (B, H, L, dv)
+            return self.W_O(o.transpose(1, 2).reshape(B, L, self.num_heads * self.v_head_dim))  # (B, L, dim)
+        if self.rope_after_up:
+            if absorbed:
+                raise ValueError("rope_after_up has no absorbed path: RoPE sits between W_UK and the scores")
+            absorbed = False
+            key_positions = positions if cache is None and context is None else None
+        if absorbed is None:
+            absorbed = self.prefers_absorbed(L, kv.shape[1])
+        if absorbed:
+            o = self._absorbed(q_nope, q_rope, kv, mask, is_causal)  # (B, H, L, dv)
+        else:
+            o = self._expanded(q_nope, q_rope, kv, mask, is_causal, key_positions)  # (B, H, L, dv)
+        o = o.transpose(1, 2).reshape(B, L, self.num_heads * self.v_head_dim)  # (B, L, H*dv)
+        return self.W_O(o)  # (B, L, dim)
+
+    def _expanded(self, q_nope, q_rope, kv, mask, is_causal, key_positions=None):
+        B, S, _ = kv.shape
+        H, r = self.num_heads, self.latent_dim
+        c = kv[..., :r]  # (B, S, r)
+        k = self.W_UK(c).view(B, S, H, self.head_dim).transpose(1, 2)  # (B, H, S, d)
+        if self.rope_after_up:
+            k = self.rope(k, key_positions if key_positions is not None else torch.arange(S, device=kv.device))
+        v = self.W_UV(c).view(B, S, H, self.v_head_dim).transpose(1, 2)  # (B, H, S, dv)
+        if self.rope_dim:
+            k_rope = kv[:, None, :, r:].expand(B, H, S, self.rope_dim)  # (B, H, S, p)
+            k = torch.cat([k, k_rope], dim=-1)  # (B, H, S, d+p)
+            q = torch.cat([q_nope, q_rope], dim=-1)  # (B, H, L, d+p)
+        else:
+            q = q_nope
+        return attend(q, k, v, mask=mask, is_causal=is_causal, scale=self.scale)  # (B, H, L, dv)
+
+    def _absorbed(self, q_nope, q_rope, kv, mask, is_causal):
+        r = self.latent_dim
+        w_uk, w_uv_t = self.absorbed_weights()  # (H, d, r), (H, r, dv)
+        q = q_nope @ w_uk  # (B, H, L, r): W_UK_h^T q_h
+        if self.rope_dim:
+            q = torch.cat([q, q_rope], dim=-1)  # (B, H, L, r+p)
+        b_v = self.W_UV.bias
+        if b_v is None:  # one decode row per sequence on CUDA: the Triton kernel (kernels/mla_decode.py)
+            o = mla_decode.try_decode(q, kv, mask, self.scale, r)  # (B, H, 1, r) or None where it does not apply
+            if o is not None:
+                return o @ w_uv_t  # (B, H, 1, dv)
+        k = kv[:, None]  # (B, 1, S, r+p): one latent "KV head" for all H query heads
+        v = kv[:, None, :, :r]  # (B, 1, S, r)
+        if b_v is not None:  # carry the softmax weight sum (1, or 0 on a fully masked row) for the value bias
+            v = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)  # (B, 1, S, r+1)
+        o = attend(q, k, v, mask=mask, is_causal=is_causal, scale=self.scale)  # (B, H, L, r[+1])
+        out = o[..., :r] @ w_uv_t  # (B, H, L, dv)
+        if b_v is not None:
+            out = out + o[..., r:] * b_v.view(self.num_heads, 1, self.v_head_dim)  # (B, H, L, dv)
+        return out
+
+    @classmethod
+    def from_transformers(cls, attn: nn.Module, rotary: nn.Module | None = None) -> "MultiHeadLatentAttention":
+        """Copy a transformers DeepseekV3Attention or DeepseekV2Attention (same weights, same outputs).
+
+        Read by attribute, so transformers need not be imported here. kv_a_proj_with_mqa
+        splits into W_DKV (first kv_lora_rank rows) and W_KR; kv_b_proj, laid out per head as
+        [k_nope (qk_nope_head_dim rows), v (v_head_dim rows)], splits into W_UK and W_UV.
+        rotary: the model's rotary embedding (model.model.rotary_emb), whose inverse
+        frequencies and scaling are copied; without it the default RoPE of rope_theta is used.
+        With rope_interleave, transformers stores rotated keys de-interleaved ([even dims, odd
+        dims]) while attnlab keeps the pairs in place; scores are the same, cache layouts differ.
+        """
+        cfg = attn.config
+        H, r, p = attn.num_heads, attn.kv_lora_rank, attn.qk_rope_head_dim
+        d, dv = attn.qk_nope_head_dim, attn.v_head_dim
+        w = attn.kv_a_proj_with_mqa.weight
+        rope_params = getattr(cfg, "rope_parameters", None) or {}
+        if rope_params.get("rope_type", "default") != "default" and rotary is None:
+            raise ValueError(f"rope_type {rope_params.get('rope_type')!r} needs rotary=<the model's rotary_emb>")
+        has_bias = attn.o_proj.bias is not None
+        m = cls(attn.hidden_size, H, r, head_dim=d, v_head_dim=dv, rope_dim=p, q_latent_dim=attn.q_lora_rank,
+                latent_norm=True, bias=has_bias, latent_bias=attn.kv_a_proj_with_mqa.bias is not None,
+                softmax_scale=float(attn.scaling), rope_base=float(rope_params.get("rope_theta", 10000.0)),
+                rope_interleaved=bool(getattr(cfg, "rope_interleave", True)),
+                norm_eps=float(attn.kv_a_layernorm.variance_epsilon), device=w.device, dtype=w.dtype)
+        if rotary is not None and m.rope is not None:
+            m.rope = RotaryEmbedding(p, m.rope.base, interleaved=m.rope.interleaved, inv_freq=rotary.inv_freq,
+                                     scaling=float(getattr(rotary, "attention_scaling", 1.0)))
+        kv_b = attn.kv_b_proj.weight.view(H, d + dv, r)
+        with torch.no_grad():
+            for lin in (m.W_Q, m.W_UQ, m.W_UK, m.W_UV):  # attnlab's biases that DeepSeek does not have
+                if lin is not None and lin.bias is not None:
+                    lin.bias.zero_()
+            if m.W_Q is not None:
+                m.W_Q.weight.copy_(attn.q_proj.weight)
+            else:
+                m.W_DQ.load_state_dict(attn.q_a_proj.state_dict())
+                m.q_norm.weight.copy_(attn.q_a_layernorm.weight)
+                m.W_UQ.weight.copy_(attn.q_b_proj.weight)
+            m.W_DKV.weight.copy_(w[:r])
+            m.W_KR.weight.copy_(w[r:])
+            if m.W_DKV.bias is not None:
+                m.W_DKV.bias.copy_(attn.kv_a_proj_with_mqa.bias[:r])
+                m.W_KR.bias.copy_(attn.kv_a_proj_with_mqa.bias[r:])
+            m.kv_norm.weight.copy_(attn.kv_a_layernorm.weight)
+            m.W_UK.weight.copy_(kv_b[:, :d].reshape(H * d, r))
+            m.W_UV.weight.copy_(kv_b[:, d:].reshape(H * dv, r))
+            m.W_O.load_state_dict(attn.o_proj.state_dict())
+        return m
+
+    def extra_repr(self) -> str:
+        return (f"dim={self.dim}, context_dim={self.context_dim}, num_heads={self.num_heads}, "
+                f"latent_dim={self.latent_dim}, head_dim={self.head_dim}, v_head_dim={self.v_head_dim}, "
+                f"rope_dim={self.rope_dim}, q_latent_dim={self.q_latent_dim}")
