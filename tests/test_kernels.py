@@ -10,6 +10,8 @@ Three groups:
   run only in a child pytest started by `test_interpreted_kernel_tests` with
   TRITON_INTERPRET=1 (or directly: `TRITON_INTERPRET=1 pytest tests/test_kernels.py`);
 - the kernel compiled on a GPU: skipped without CUDA.
+Quantised caches (modules/cache.py: int8 or float8_e4m3fn codes with float32 scales, which the kernel
+dequantises in its tile load) run through the interpreter and GPU groups too.
 
 Tolerances (float32, bfloat16) are what the dtype achieves on the same computation:
 the PyTorch path (the twin, or the module's existing absorbed path) in that dtype
@@ -309,11 +311,16 @@ def test_interpreted_module_decode_kernel_equals_pytorch_path(monkeypatch, dtype
 
 
 @pytest.mark.skipif(INTERPRETED or not HAS_TRITON, reason="compiles with triton's real compiler")
-@pytest.mark.parametrize("H, r, p, dtype", [(16, 512, 64, "bf16"), (32, 256, 64, "bf16"), (16, 512, 64, "fp32")])
-def test_kernel_compiles_for_hopper_without_spills(H, r, p, dtype):
+@pytest.mark.parametrize("H, r, p, dtype, quant, group", [
+    (16, 512, 64, "bf16", 0, None), (32, 256, 64, "bf16", 0, None), (16, 512, 64, "fp32", 0, None),
+    (16, 512, 64, "bf16", 1, None), (16, 512, 64, "bf16", 2, None), (16, 512, 64, "fp32", 1, None),
+    (16, 512, 64, "fp32", 2, None), (16, 512, 64, "bf16", 1, 32), (32, 256, 64, "bf16", 2, 32)])
+def test_kernel_compiles_for_hopper_without_spills(H, r, p, dtype, quant, group):
     """No GPU needed: triton compiles to PTX and its bundled ptxas assembles for sm_90a. The launch must
     fit an H100 (shared memory <= 227 KiB per block) and keep its accumulators in registers (no spills).
-    Integers are marked divisible by 16 as triton's launcher specialises them for these sizes."""
+    Integers are marked divisible by 16 as triton's launcher specialises them for these sizes.
+    quant 1/2: an int8 / float8_e4m3fn cache (codes as bytes) dequantised in the tile load, with one scale
+    per part of a row or per `group` channels."""
     import inspect
 
     import triton
@@ -326,16 +333,18 @@ def test_kernel_compiles_for_hopper_without_spills(H, r, p, dtype):
     from attnlab.kernels import mla_decode_triton as K
 
     size = 4 if dtype == "fp32" else 2
-    g = mla_decode.plan(1, H, 32768, r, torch.device("cpu"), row_bytes=size * (r + p), element_size=size)
+    row_bytes = (r + p) + 8 if quant else size * (r + p)
+    g = mla_decode.plan(1, H, 32768, r, torch.device("cpu"), row_bytes=row_bytes, element_size=size,
+                        quantised=bool(quant))
     names = list(inspect.signature(K.split_kernel.fn).parameters)
-    ptrs = dict(Q="*" + dtype, KV="*" + dtype, LENGTHS="*i32", KEEP="*u8", OUT="*" + dtype, M_PART="*fp32",
-                L_PART="*fp32", ACC_PART="*fp32")
-    consts = dict(BH=g["BH"], BN=g["BN"], BR=g["BR"], BP=p, HAS_ROPE=True, HAS_KEEP=True, SPLIT=True,
-                  PRECISION="ieee" if dtype == "fp32" else "tf32", DOT_F32=False)
+    ptrs = dict(Q="*" + dtype, KV="*" + ({1: "i8", 2: "u8"}.get(quant, dtype)), SCALES="*fp32" if quant else "*i32",
+                LENGTHS="*i32", KEEP="*u8", OUT="*" + dtype, M_PART="*fp32", L_PART="*fp32", ACC_PART="*fp32")
+    consts = dict(BH=g["BH"], BN=g["BN"], BR=g["BR"], BP=p, HAS_ROPE=True, HAS_KEEP=True, SPLIT=True, QUANT=quant,
+                  GR=group or g["BR"], GP=group or p, PRECISION="ieee" if dtype == "fp32" else "tf32", DOT_F32=False)
     signature = {n: "constexpr" if n in consts else ptrs.get(n, "fp32" if n == "qk_scale" else "i32") for n in names}
     aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
                if n in ptrs or n in ("chunk", "latent_dim", "rope_dim", "num_heads")
-               or (n.startswith("stride_") and n != "stride_keepb")}
+               or (n.startswith("stride_") and n not in ("stride_keepb", "stride_ss"))}
     k = triton.compile(ASTSource(fn=K.split_kernel, signature=signature, constexprs=consts, attrs=aligned),
                        target=GPUTarget("cuda", 90, 128), options=dict(num_warps=g["num_warps"], num_stages=g["num_stages"]))
     assert k.metadata.shared <= 227 * 1024
@@ -362,6 +371,63 @@ def test_interpreted_dispatch_compiles_without_graph_break(monkeypatch):
     exact = absorbed_decode_reference(q.double(), kv.double(), 40, 0.3, 16, keep)
     twin = absorbed_decode_reference(q, kv, 40, 0.3, 16, keep)
     assert rel_err(got, exact) <= tolerance(torch.float32, rel_err(twin, exact))
+
+
+# -- quantised caches (modules/cache.py: int8 / fp8 codes + float32 scales) in the interpreter --------
+QUANT_CASES = [  # (B, H, S, r, p, kv_dtype, q dtype, splits): r, p off powers of two, groups inside and across parts
+    (2, 3, 50, 24, 8, "int8", torch.float32, 2),
+    (1, 5, 37, 20, 6, "int8/g8", torch.bfloat16, 1),
+    (2, 17, 70, 16, 16, "fp8", torch.bfloat16, 3),
+    (1, 4, 33, 12, 0, "fp8/g4", torch.float32, 2),
+    (1, 4, 40, 20, 12, "int8/g64", torch.float32, 1),
+]
+
+
+def _quantised_inputs(B, H, S, r, p, kv_dtype, dtype, device="cpu", seed=5):
+    """q, the codes and scales of a cache whose rope part is 9x its latent's size, and the storage format."""
+    from attnlab.modules.cache import check_kv_dtype, quantise
+
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, r + p, generator=g).to(device, dtype)
+    kv = torch.cat([torch.randn(B, S, r, generator=g), 9 * torch.randn(B, S, p, generator=g)], -1).to(device)
+    fmt = check_kv_dtype(kv_dtype)
+    codes, scales = quantise(kv, (r, p) if p else (r,), fmt)
+    return q, codes, scales, fmt
+
+
+@interpreted_only
+@pytest.mark.parametrize("case", QUANT_CASES, ids=[f"{c[5]}-{str(c[6])[6:]}" for c in QUANT_CASES])
+def test_interpreted_kernel_reads_quantised_cache(case):
+    """The kernel on codes + scales (dequantised in its tile load) against the float64 twin on the same codes
+    (dequantised in float64): within the tolerance above, from the float32/bfloat16 twin's own error."""
+    B, H, S, r, p, kv_dtype, dtype, splits = case
+    q, codes, scales, fmt = _quantised_inputs(B, H, S, r, p, kv_dtype, dtype)
+    keep = torch.rand(B, S, generator=torch.Generator().manual_seed(7)) > 0.2
+    keep[:, 0] = True
+    lengths = torch.tensor([S - 5 * b for b in range(B)])
+    kw = dict(kv_scales=scales, scale_group=fmt.group)
+    exact = absorbed_decode_reference(q.double(), codes, lengths, 0.3, r, keep, **kw)
+    twin = absorbed_decode_reference(q, codes, lengths, 0.3, r, keep, **kw)
+    got = absorbed_decode(q, codes, lengths, 0.3, r, keep, num_splits=splits, block_n=16, **kw)
+    assert got.dtype == dtype
+    assert rel_err(got, exact) <= tolerance(dtype, rel_err(twin, exact))
+
+
+@interpreted_only
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+def test_interpreted_module_decode_on_quantised_cache_equals_pytorch_path(monkeypatch, kv_dtype):
+    """Decode steps of an MLA with a quantised cache: the kernel (handed the codes and scales) == the PyTorch
+    absorbed path (which dequantises the cache first), both float32; the same values summed in another
+    order (sums of at most 16 terms): 64 float32 epsilons."""
+    m = _mla(dtype=torch.float32)
+    x = torch.randn(2, 8, 32)
+    outs = {}
+    for mode in ("torch", "triton"):
+        monkeypatch.setenv(mla_decode.ENV, mode)
+        cache = m.init_cache(2, 8, kv_dtype=kv_dtype)
+        with torch.no_grad():
+            outs[mode] = torch.cat([m(x[:, t:t + 1], cache=cache, absorbed=True) for t in range(8)], 1)
+    assert rel_err(outs["triton"], outs["torch"]) <= 64 * torch.finfo(torch.float32).eps
 
 
 # -- the kernel compiled on a GPU ---------------------------------------------------------------------
@@ -422,3 +488,18 @@ def test_gpu_kernel_in_cuda_graph_reads_lengths_at_replay():
         exact = absorbed_decode_reference(q.double(), kv.double(), n, 0.1, 512)
         twin = absorbed_decode_reference(q, kv, n, 0.1, 512)
         assert rel_err(out, exact) <= tolerance(torch.bfloat16, rel_err(twin, exact))
+
+
+@on_gpu
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8", "int8/g32"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_gpu_kernel_reads_quantised_cache(kv_dtype, dtype):
+    """DeepSeek-like rows (r 512, p 64) from an int8 / fp8 cache, against the float64 twin on the same codes."""
+    B, H, S, r, p = 2, 16, 3001, 512, 64
+    q, codes, scales, fmt = _quantised_inputs(B, H, S, r, p, kv_dtype, dtype, device="cuda")
+    lengths = torch.tensor([S, S - 1000], device="cuda")
+    kw = dict(kv_scales=scales, scale_group=fmt.group)
+    exact = absorbed_decode_reference(q.double(), codes, lengths, (r + p) ** -0.5, r, **kw)
+    twin = absorbed_decode_reference(q, codes, lengths, (r + p) ** -0.5, r, **kw)
+    got = absorbed_decode(q, codes, lengths, (r + p) ** -0.5, r, **kw)
+    assert rel_err(got, exact) <= tolerance(dtype, rel_err(twin, exact))

@@ -3,7 +3,7 @@ the core is free of the extras, and every documented import path still works.
 
 The rule, from the bottom up (a package may import those on lower floors, never a higher one
 and never a sibling on its own floor):
-    kernels < modules < convert, io < study, models < generation < heal, bench < cli
+    kernels < modules < convert, io, runtime < study, models < generation < heal, bench < shrink < cli
 Imports inside functions count as much as those at the top of a file: a lazy import that
 climbs is still a climb. `attnlab/moved.py` maps old names to new ones as strings, not imports.
 """
@@ -20,10 +20,9 @@ from attnlab.moved import MOVED
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "attnlab"
 ROOT = SRC.parent.parent
-FLOORS = [("kernels",), ("modules",), ("convert", "io"), ("study", "models"), ("generation",), ("heal", "bench"),
-          ("cli",)]
+FLOORS = [("kernels",), ("modules",), ("convert", "io", "runtime"), ("study", "models"), ("generation",),
+          ("heal", "bench"), ("shrink",), ("cli",)]
 RANK = {pkg: i for i, floor in enumerate(FLOORS) for pkg in floor}
-CORE = ("kernels", "modules", "convert", "io", "study")
 EXTRAS = ("transformers", "typer", "rich", "matplotlib", "triton", "gguf", "peft", "safetensors", "llama_cpp",
           "accelerate", "click", "tokenizers")
 TOP_FILES = {"__init__": -1, "moved": -1, "__main__": len(FLOORS)}  # the root's own files
@@ -174,7 +173,8 @@ class Block:
             raise ImportError(f"blocked extra {{name}}")
 sys.meta_path.insert(0, Block())
 import torch
-import attnlab, attnlab.modules, attnlab.convert, attnlab.io, attnlab.kernels, attnlab.study.tour, attnlab.study.usaaio
+import attnlab, attnlab.modules, attnlab.convert, attnlab.io, attnlab.runtime, attnlab.kernels, attnlab.study.tour
+import attnlab.study.usaaio
 import attnlab.models, attnlab.generation, attnlab.heal, attnlab.bench
 from attnlab import GroupedQueryAttention
 from attnlab.convert import gqa_to_mla

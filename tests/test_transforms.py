@@ -6,7 +6,14 @@ from conftest import assert_mla_is_the_gqa, gqa_ref, randomize
 
 from attnlab.convert import gqa_to_mla_decoupled
 from attnlab.modules.gqa import GroupedQueryAttention
-from attnlab.convert.transforms import captured_energy, frequency_mixes, pair_dims, select_planes
+from attnlab.convert.transforms import (
+    captured_energy,
+    frequency_mixes,
+    pair_dims,
+    plane_allocation,
+    select_planes,
+    shared_planes,
+)
 
 F64 = torch.float64
 EXACT = 1e-10
@@ -150,3 +157,93 @@ def test_whole_llama_through_convert_model_with_rorope_and_bkv_and_nothing_cut_i
     with pytest.raises(ValueError, match=r"rope selection must be one of frequency, norm, rorope, rorope-score, "
                                          r"got 'fastest'"):
         selection_options("fastest")
+
+
+# -- one allocation of the kept planes for a whole model ------------------------------------------------
+def _allocations(half, G, count):
+    """Every way to keep `count` planes: per pair i a number c_i in 0..G (brute force)."""
+    import itertools
+    return [c for c in itertools.product(range(G + 1), repeat=half) if sum(c) == count]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_plane_allocation_is_the_best_allocation_by_brute_force(seed):
+    """Greedy on the summed c-th best scores reaches the best total of any allocation (exhaustive search), and
+    shared_planes keeps, in every layer, that layer's best components of each allocated pair."""
+    g = torch.Generator().manual_seed(seed)
+    layers, half, G = 3, 4, 3
+    scores = torch.rand(layers, half, G, generator=g, dtype=F64) ** 3  # uneven, as real scores are
+    ranked = scores.sort(-1, descending=True).values  # (layers, half, G)
+    for count in range(half * G + 1):
+        total = lambda c: sum(float(ranked[:, i, :k].sum()) for i, k in enumerate(c))  # noqa: E731
+        best = max(total(c) for c in _allocations(half, G, count))
+        alloc = plane_allocation(scores, count)
+        assert int(alloc.sum()) == count and total(alloc.tolist()) >= best * (1 - 1e-12)
+        planes = shared_planes(scores, count)  # (layers, count, 2)
+        for layer in range(layers):
+            i, j = planes[layer, :, 0], planes[layer, :, 1]
+            assert torch.equal(i, planes[0, :, 0])  # the same pair in every slot of every layer
+            assert torch.equal(torch.bincount(i, minlength=half), alloc)
+            assert bool((i[1:] >= i[:-1]).all())  # slots sorted by pair
+            kept = float(scores[layer, i, j].sum())
+            assert kept == pytest.approx(sum(float(ranked[layer, p, :k].sum()) for p, k in enumerate(alloc.tolist())),
+                                         rel=1e-12)
+
+
+def test_shared_planes_refuse_bad_counts():
+    with pytest.raises(ValueError, match=r"planes to keep \(7\) must be between 0 and 6"):
+        shared_planes(torch.ones(2, 3, 2, dtype=F64), 7)
+
+
+def test_rorope_keeps_any_number_of_planes_exactly_where_only_they_matter():
+    """G = 2: pair 0's planes differ between the KV heads (two mixed planes), pair 1's are equal (one) and the
+    slower pairs carry no key: keeping those three planes (rope_dim 6, not a multiple of 2 G = 4) is exact,
+    both by score and with the planes given."""
+    H, G, d = 4, 2, 8
+    g = _gqa(H, G, d, dim=32)
+    with torch.no_grad():
+        wk = g.W_K.weight.view(G, d, -1)
+        a, b = pair_dims(d, interleaved=False)
+        wk[1, a[1]], wk[1, b[1]] = wk[0, a[1]], wk[0, b[1]]
+        wk[:, torch.cat([a[2:], b[2:]])] = 0
+    r = G * d  # the values; the keys' remainder is zero
+    mla, report = gqa_to_mla_decoupled(g, r, None, rorope=True, plane_order="score", rope_planes=3)
+    assert mla.rope_dim == 6 and report.kv_values_after == r + 6
+    assert_mla_is_the_gqa(mla, g, tol=EXACT)
+    given, _ = gqa_to_mla_decoupled(g, r, None, rorope=True, planes=torch.tensor([[0, 0], [0, 1], [1, 0]]))
+    assert_mla_is_the_gqa(given, g, tol=EXACT)
+    with pytest.raises(ValueError, match=r"give rope_pairs or rope_planes/planes, not both"):
+        gqa_to_mla_decoupled(g, r, 1, rorope=True, rope_planes=3)
+    with pytest.raises(ValueError, match=r"rope_planes and planes choose RoRoPE's mixed planes: they need rorope"):
+        gqa_to_mla_decoupled(g, r, None, rope_planes=3)
+    with pytest.raises(ValueError, match=r"planes must be distinct rows \[pair < 4, component < 2\]"):
+        gqa_to_mla_decoupled(g, r, None, rorope=True, planes=torch.tensor([[0, 0], [0, 0]]))
+
+
+def test_whole_model_rorope_score_keeps_the_same_frequencies_in_every_layer(tmp_path):
+    """convert_model's rorope-score allocates once for all layers: every layer turns at the same frequencies
+    (what a DeepSeek config holds), the allocation is the one shared_planes makes of the layers' own
+    scores, and rope_dim need only be even (6 with G = 2); per-head selections still want a multiple of 2 G."""
+    from tiny_checkpoints import TEXT, make_checkpoint
+
+    from attnlab import models as hf
+    from attnlab.convert.decoupled import rorope_plane_scores
+
+    model, tok = make_checkpoint("llama", tmp_path / "llama", num_hidden_layers=3)
+    hf.to_attnlab(model)
+    ids = tok(TEXT, return_tensors="pt").input_ids
+    inputs = hf.attention_inputs(model, ids)
+    scores = torch.stack([rorope_plane_scores(m, x) for m, x in zip(hf.attnlab_modules(model), inputs)])
+    expected = shared_planes(scores, 3)
+    sources = [m.rope.inv_freq for m in hf.attnlab_modules(model)]
+    m = __import__("copy").deepcopy(model)
+    hf.convert_model(m, "mla", latent_dim=12, rope_dim=6, calibration_ids=ids, pair_selection="rorope-score",
+                     balance=True)
+    for layer, (mla, src) in enumerate(zip(hf.attnlab_modules(m), sources)):
+        assert torch.equal(mla.rope.inv_freq, src[expected[layer, :, 0]])
+    with pytest.raises(ValueError, match=r"rope_dim \(6\) must be a non-negative multiple of 2 \* num_kv_heads "
+                                         r"\(4\) for --rope-select frequency"):
+        hf.convert_model(__import__("copy").deepcopy(model), "mla", latent_dim=12, rope_dim=6)
+    with pytest.raises(ValueError, match=r"rope_dim \(7\) must be even"):
+        hf.convert_model(__import__("copy").deepcopy(model), "mla", latent_dim=12, rope_dim=7,
+                         pair_selection="rorope")

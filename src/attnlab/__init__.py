@@ -3,7 +3,7 @@
 Run them (`attnlab.modules`, its names re-exported here), convert between them
 (`attnlab.convert`), and explain them (`attnlab tour`). The subpackages are the
 layers of docs/architecture.md, each importing only those below it:
-kernels < modules < convert, io < study, models < generation < heal, bench < shrink < cli.
+kernels < modules < convert, io, runtime < study, models < generation < heal, bench < shrink < cli.
 """
 from . import moved as _moved
 from .modules.attention import attend, causal_mask

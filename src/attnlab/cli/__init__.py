@@ -5,6 +5,7 @@
 - study.py    tour, kv          - bench.py    bench
 - convert.py  convert           - run.py      eval, generate
 - heal.py     heal              - export.py   export
+- shrink.py   shrink: a KV budget in, a healed model out
 - plots.py    the figures (matplotlib)
 """
 from .app import app, main

@@ -13,11 +13,12 @@ from .convert import convert
 from .export import export
 from .heal import heal
 from .run import eval_, generate
+from .shrink import shrink
 from .study import kv, tour
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Run, convert and explain multi-head attention and its KV-sharing variants.")
-for command in (tour, kv, bench, convert, heal, export, generate):
+for command in (shrink, tour, kv, bench, convert, heal, export, generate):
     app.command()(command)
 app.command(name="eval")(eval_)
 _state = {"debug": False}
@@ -38,6 +39,11 @@ def main(argv: list[str] | None = None) -> int:
         return e.exit_code
     except SystemExit as e:
         return int(e.code or 0)
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print("attnlab: interrupted", file=sys.stderr)
+        return 130
     except Exception as e:  # noqa: BLE001 - the one place errors become messages
         import click
         if debug:

@@ -11,6 +11,8 @@ from rich.table import Table
 from .base import UsageProblem, console, write_atomic
 from .export import folder_source
 
+LATENT_NORMS = ("none", "steady", "fit")
+
 
 # -- convert --------------------------------------------------------------------------------------
 def _report_table(report) -> Table:
@@ -38,12 +40,18 @@ def _convert_model(source, to, out, latent_dim, rope_dim, kv_heads, method, cali
 
     if fmt not in ("attnlab", "deepseek"):
         raise UsageProblem(f"--format must be attnlab or deepseek, not {fmt!r}")
-    if latent_norm not in ("none", "fit"):
-        raise UsageProblem(f"--latent-norm must be none or fit, not {latent_norm!r}")
-    if latent_norm == "fit" and (to != "mla" or latent_dim is None):
-        raise UsageProblem("--latent-norm fit needs --to mla --latent-dim R (a compressed, decoupled-RoPE MLA)")
-    if Path(out).exists() and not force:
-        raise UsageProblem(f"{out} exists; pass --force to overwrite it")
+    if latent_norm not in LATENT_NORMS:
+        raise UsageProblem(f"--latent-norm must be one of {', '.join(LATENT_NORMS)}, not {latent_norm!r}")
+    if latent_norm != "none" and (to != "mla" or latent_dim is None):
+        raise UsageProblem(f"--latent-norm {latent_norm} needs --to mla --latent-dim R (a compressed, "
+                           "decoupled-RoPE MLA)")
+    if latent_norm != "none" and calibration is None:
+        raise UsageProblem(f"--latent-norm {latent_norm} fits the norm on calibration text: give --calibration FILE")
+    if latent_norm == "steady" and fmt == "deepseek":
+        raise UsageProblem("--latent-norm steady is for llama.cpp (GGUF); --format deepseek is exact without a norm "
+                           "(one constant latent channel, the same one extra cached number)")
+    from ..io.folders import check_output
+    check_output(out, force=force, sources=[*hf.source_paths(source), calibration])  # before any work
     if fmt == "deepseek" and Path(source).is_dir() and hf.is_checkpoint(source):
         return _convert_streamed(source, to, out, latent_dim, rope_dim, calibration, calibration_tokens,
                                  report_json, force, rope_select, balance,
@@ -52,6 +60,8 @@ def _convert_model(source, to, out, latent_dim, rope_dim, kv_heads, method, cali
     if fmt == "deepseek":
         hf.check_deepseek_request(model, to, latent_dim)
     ids = hf.read_text_ids(tok, calibration, calibration_tokens) if calibration is not None else None
+    if ids is not None and ids.numel() == 0:
+        raise UsageProblem(f"{calibration}: 0 tokens; calibration needs text")
     n = len(hf.attnlab_modules(model))
     before = hf.kv_bytes_per_token(model)
     with Progress(TextColumn("converting layers"), BarColumn(), MofNCompleteColumn(), console=console,
@@ -60,30 +70,45 @@ def _convert_model(source, to, out, latent_dim, rope_dim, kv_heads, method, cali
         reports = hf.convert_model(model, to, latent_dim=latent_dim, rope_dim=rope_dim, num_kv_heads=kv_heads,
                                    method=method, calibration_ids=ids, pair_selection=rope_select,
                                    balance=balance, progress=lambda i: bar.update(task, completed=i + 1))
-    norm_errors = hf.add_latent_norms(model, ids) if latent_norm == "fit" else None
-    after = hf.kv_bytes_per_token(model)
+    norm_errors = None
+    if latent_norm == "fit":
+        norm_errors = hf.add_latent_norms(model, ids)
+    elif latent_norm == "steady":
+        from ..models.export import add_steady_channels
+        norm_errors = add_steady_channels(model, ids)
+    modules = hf.attnlab_modules(model)
+    # what the written model caches: attnlab's modules, or the DeepSeek export (+1 constant channel without a norm)
+    cached = [m.kv_values_per_token + (fmt == "deepseek" and m.kv_norm is None) for m in modules]
+    size = modules[0]._anchor.dtype.itemsize
+    after = sum(cached) * size if fmt == "deepseek" else hf.kv_bytes_per_token(model)
     table = Table(title=f"{source} -> {to}: {reports[0].source} -> {reports[0].target} per layer")
     for col in ("layer", "exact", "output error", "QK error", "OV error", "KV values/token"):
         table.add_column(col, justify="right")
     for i, r in enumerate(reports):
         table.add_row(str(i), "yes" if r.exact else "no", f"{r.output_error:.2e}",
                       f"{r.matrix_errors.get('QK', 0):.2e}", f"{r.matrix_errors.get('OV', 0):.2e}",
-                      f"{r.kv_values_before} -> {r.kv_values_after}")
+                      f"{r.kv_values_before} -> {cached[i]}")
     console.print(table)
     if norm_errors is not None:
-        console.print(f"latent norms fitted: output error per layer (added by the norm) max {max(norm_errors):.2e}, "
-                      f"mean {sum(norm_errors) / len(norm_errors):.2e}")
-    console.print(f"KV cache bytes per token (whole model, {hf.attnlab_modules(model)[0]._anchor.dtype}): "
-                  f"{before} -> {after}")
+        console.print(f"latent norms fitted ({latent_norm}): output error per layer (added by the norm) "
+                      + " ".join(f"{e:.2e}" for e in norm_errors)
+                      + f"; max {max(norm_errors):.2e}, mean {sum(norm_errors) / len(norm_errors):.2e}")
+    if fmt == "deepseek" and modules[0].kv_norm is None:
+        console.print(f"the DeepSeek export caches {cached[0]} values per token per layer: latent "
+                      f"{modules[0].latent_dim} + 1 constant channel (its kv_a_layernorm made linear) + rope "
+                      f"{modules[0].rope_dim}")
+    console.print(f"KV cache bytes per token (whole model, {modules[0]._anchor.dtype}"
+                  f"{', as the DeepSeek export caches it' if fmt == 'deepseek' else ''}): {before} -> {after}")
     summary = {"source": source, "to": to, "latent_dim": latent_dim, "rope_dim": rope_dim,
                "rope_select": rope_select, "balance": balance,
                "kv_bytes_per_token_before": before, "kv_bytes_per_token_after": after,
                "layers": [r.to_dict() for r in reports], "latent_norm": latent_norm,
                "latent_norm_errors": norm_errors}
     if fmt == "deepseek":  # kv_a_layernorm made linear by a constant latent channel (export.constant_channel)
-        hf.export_deepseek(model, out, tokenizer=None if folder_source(model) else tok, force=True)
+        hf.export_deepseek(model, out, tokenizer=None if folder_source(model) else tok, force=force)
     else:
-        hf.save_model(model, meta["base"], out, extra={"conversion": summary})
+        hf.save_model(model, meta["base"], out, extra={"conversion": summary}, force=force,
+                      sources=[*hf.source_paths(source), calibration])
     if report_json is not None:
         write_atomic(report_json, json.dumps(summary, indent=2).encode())
     console.print(f"wrote {out}")
@@ -114,7 +139,13 @@ def _convert_streamed(source, to, out, latent_dim, rope_dim, calibration, calibr
                                      latent_norm=latent_norm,
                                      progress=lambda i, n: bar.update(task, completed=i + 1, total=n))
     before, after = summary["kv_values_per_token_per_layer"]
-    console.print(f"KV values per token per layer: {before} -> {after}")
+    console.print(f"KV values per token per layer: {before} -> {after}"
+                  + (" (latent + 1 constant channel + rope, as the export caches them)"
+                     if latent_norm == "constant" else ""))
+    if summary["latent_norm_output_errors"] and latent_norm == "fit":
+        errors = summary["latent_norm_output_errors"]
+        console.print("latent norms fitted: output error per layer (added by the norm) "
+                      + " ".join(f"{e:.2e}" for e in errors))
     if report_json is not None:
         write_atomic(report_json, json.dumps(summary, indent=2).encode())
     console.print(f"wrote {out}")
@@ -129,14 +160,18 @@ def convert(source: str = typer.Argument(..., help="An attnlab checkpoint folder
             method: Optional[str] = typer.Option(None, "--method", help="gqa: mean or fit."),
             latent_dim: Optional[int] = typer.Option(None, "--latent-dim", help="mla: latent size (lossy)."),
             rope_dim: Optional[int] = typer.Option(None, "--rope-dim",
-                                                   help="mla of a RoPE model: decoupled rotary dims kept."),
+                                                   help="mla of a RoPE model: decoupled rotary dims kept (frequency, "
+                                                        "norm: a multiple of 2 x KV heads; rorope: any even number)."),
             energy: Optional[float] = typer.Option(None, "--energy", help="mla: keep this fraction of energy."),
-            split: bool = typer.Option(False, "--split", help="mla: factor K and V separately."),
+            split: bool = typer.Option(False, "--split/--joint", metavar="",
+                                       help="mla of a saved module: factor K and V separately (default: jointly)."),
             rope_select: str = typer.Option("frequency", "--rope-select",
-                                            help="mla of a RoPE model: what keeps rotating: frequency, norm, "
-                                                 "rorope or rorope-score (docs/real-models.md)."),
-            balance: bool = typer.Option(False, "--balance", help="mla of a RoPE model: balance K and V before "
-                                                                   "the joint SVD (BKV)."),
+                                            help="mla of a RoPE model: what keeps rotating: frequency, norm "
+                                                 "(pairs per KV head), rorope (mixed planes by frequency: GGUF within "
+                                                 "its rope limit) or rorope-score (mixed planes by score, allocated "
+                                                 "for all layers at once; DeepSeek export) (docs/real-models.md)."),
+            balance: bool = typer.Option(False, "--balance/--no-balance", metavar="",
+                                         help="mla of a RoPE model: balance K and V before the joint SVD (BKV)."),
             calibration: Optional[Path] = typer.Option(None, "--calibration",
                                                        help="Model conversions: a text file whose activations "
                                                             "whiten the SVDs."),
@@ -144,10 +179,14 @@ def convert(source: str = typer.Argument(..., help="An attnlab checkpoint folder
             report_json: Optional[Path] = typer.Option(None, "--report", help="Also write the report as JSON."),
             fmt: str = typer.Option("attnlab", "--format", help="Models: attnlab (attention layers beside the base) "
                                     "or deepseek (a DeepseekV3 checkpoint transformers loads alone)."),
-            force: bool = typer.Option(False, "--force", help="Models: overwrite an existing --out folder."),
-            latent_norm: str = typer.Option("none", "--latent-norm", help="mla of a model: fit gives every layer "
-                                            "an RMSNorm on its latent, fitted on the calibration text (what "
-                                            "DeepSeek and llama.cpp always apply; lossy, reported).")):
+            force: bool = typer.Option(False, "--force/--no-force", metavar="",
+                                       help="Models: overwrite an existing --out folder."),
+            latent_norm: str = typer.Option("none", "--latent-norm", help="mla of a model, with --calibration: give "
+                                            "every layer the RMSNorm on its latent that DeepSeek and llama.cpp "
+                                            "always apply, fitted on the text (lossy, reported). steady: the latent "
+                                            "gets one more channel, nearly constant, so the norm is nearly a fixed "
+                                            "scale (small error; what a GGUF for llama.cpp's quantisers needs); "
+                                            "fit: a plain norm (large error before training; heal trains it).")):
     """Convert a saved attention module, or every layer of a real model, to another family.
 
     Writes safetensors + config.json and prints the report table.
@@ -159,13 +198,18 @@ def convert(source: str = typer.Argument(..., help="An attnlab checkpoint folder
     from ..convert.choose import convert as run_conversion
     from ..io.modules import load_module, save_module
 
+    if calibration_tokens < 1:
+        raise UsageProblem(f"--calibration-tokens must be a positive number of tokens, got {calibration_tokens}")
     if source in hf.LOADERS or (Path(source) / "attention.safetensors").exists() or hf.is_checkpoint(source):
+        if energy is not None or split:
+            raise UsageProblem(f"{'--energy' if energy is not None else '--split'} applies to a saved attention "
+                               "module; a whole model takes --latent-dim (and --rope-dim)")
         return _convert_model(source, to, out, latent_dim, rope_dim, kv_heads, method, calibration,
                               calibration_tokens, report_json, fmt, force, rope_select, balance, latent_norm)
     module = load_module(source)
     new, report = run_conversion(module, to, num_kv_heads=kv_heads, method=method, latent_dim=latent_dim,
                                  energy=energy, joint=not split)
-    save_module(new, out, extra={"conversion": report.to_dict()})
+    save_module(new, out, extra={"conversion": report.to_dict()}, force=force, sources=[source])
     console.print(_report_table(report))
     console.print(str(report), highlight=False)
     if report_json is not None:

@@ -1,4 +1,12 @@
-"""`attnlab heal`: distil a converted model back towards the original (attnlab.heal does the work)."""
+"""`attnlab heal`: distil a converted model back towards the original (attnlab.heal does the work).
+
+The budget (`--minutes`) starts when the command starts and covers everything: loading the
+models, the teacher's writing (a bounded share), the evaluation before training (a bounded
+share), training, and the evaluation after it (kept in reserve). Ctrl-C or SIGTERM stop at
+the next step or evaluation window with a checkpoint (`--resume` continues); a second one
+interrupts at once. A run that trained nothing writes nothing and exits 2. One lock per
+output: a second run into the same --out is refused while the first runs.
+"""
 from __future__ import annotations
 
 from pathlib import Path
@@ -7,19 +15,30 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from .base import UsageProblem, console
+from .base import RunDisplay, UsageProblem, console, positive
 
 
-def _writable_parent(out: Path) -> None:
-    """UsageProblem unless a folder can be written beside `out` (checked before any work starts)."""
-    import tempfile
+def report_table(title: str, report: dict) -> Table:
+    """The teacher and the student before/after: perplexity, top-1 and greedy agreement, KV bytes per token."""
+    table = Table(title=title)
+    for col in ("model", "perplexity", "top-1 agreement", "greedy prefix (64)", "KV bytes/token"):
+        table.add_column(col, justify="right")
+    t = report["teacher"]
+    table.add_row("teacher", f"{t['perplexity']:.3f}", "1", "1", str(t["kv_bytes_per_token"]))
+    for name in ("before", "after"):
+        r = report.get(name)
+        if r is None:
+            continue
+        g = r.get("greedy_agreement", {}).get("prefix")
+        table.add_row(f"student {name}", f"{r['perplexity']:.3f}", f"{r['top1_agreement']:.4f}",
+                      "-" if g is None else f"{g:.4f}", str(r["kv_bytes_per_token"]))
+    return table
 
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(prefix=f".{out.name}.probe.", dir=out.parent):
-            pass
-    except OSError as e:
-        raise UsageProblem(f"cannot write to {out}: {e.strerror or e}") from None
+
+def check_seq_len(seq_len: int, model) -> None:
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit and seq_len > limit:
+        raise UsageProblem(f"--seq-len {seq_len} exceeds the model's context (max_position_embeddings {limit})")
 
 
 def heal(source: Path = typer.Argument(..., help="A converted-model folder written by attnlab convert."),
@@ -29,10 +48,12 @@ def heal(source: Path = typer.Argument(..., help="A converted-model folder writt
          eval_text: Optional[list[Path]] = typer.Option(None, "--eval-text", help="Held-out text for the report; "
                                                         "default: the last 10% of --text, or more teacher text."),
          tokens: Optional[int] = typer.Option(None, "--tokens", help="End-to-end distillation tokens."),
-         minutes: Optional[float] = typer.Option(None, "--minutes", help="Time budget for data and training."),
+         minutes: Optional[float] = typer.Option(None, "--minutes", help="Time budget for everything the command "
+                                                 "does, from its start."),
          device: str = typer.Option("cpu", "--device", help="cpu or cuda (bf16 autocast on cuda)."),
          seed: int = typer.Option(0, "--seed", help="Seed of data order and of the teacher's sampled text."),
-         resume: bool = typer.Option(False, "--resume", help="Continue from the checkpoint of an earlier run."),
+         resume: bool = typer.Option(False, "--resume/--no-resume", help="Continue from the checkpoint of an "
+                                     "earlier run (same model, teacher and plan)."),
          teacher_source: Optional[str] = typer.Option(None, "--teacher", help="Teacher model (default: the "
                                                       "folder's base model, unconverted)."),
          windows: int = typer.Option(64, "--windows", help="Teacher-written windows when no --text is given."),
@@ -47,21 +68,29 @@ def heal(source: Path = typer.Argument(..., help="A converted-model folder writt
          checkpoint: Optional[Path] = typer.Option(None, "--checkpoint", help="Checkpoint file "
                                                    "(default: OUT.heal.pt beside --out)."),
          checkpoint_minutes: float = typer.Option(5.0, "--checkpoint-minutes", help="Minutes between checkpoints."),
-         force: bool = typer.Option(False, "--force", help="Overwrite an existing --out folder.")):
+         force: bool = typer.Option(False, "--force/--no-force", help="Replace an existing --out folder "
+                                    "(only one attnlab wrote).")):
     """Heal a converted model by distillation from the original (layer-wise, then KL on next tokens).
 
     Example: attnlab heal smollm2-mla192 --out smollm2-mla192-healed --minutes 25
     Example: attnlab heal smollm2-mla192 --out healed --text notes.txt --eval-text other.txt --tokens 200000
     """
-    import signal
-    import time
-
-    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
-
     from .. import models as hf
-    from ..heal.data import check_pair, read_ids, teacher_windows, text_windows
+    from ..heal.data import check_pair, training_data
     from ..heal.distill import HealPlan, heal_model
+    from ..io.folders import check_output, output_lock
+    from ..runtime.budget import Budget, Stopped, stop_on_signals
 
+    budget = Budget(positive("--minutes", minutes))  # from the command's start: loading counts
+    positive("--tokens", tokens, integer=True)
+    positive("--checkpoint-minutes", checkpoint_minutes)
+    positive("--windows", windows, integer=True)
+    for name, value, integer in (("--seq-len", seq_len, True), ("--batch-size", batch_size, True),
+                                 ("--layer-lr", layer_lr, False), ("--lr", lr, False),
+                                 ("--lora-rank", lora_rank, True)):
+        positive(name, value, integer=integer)
+    if layer_steps is not None and layer_steps < 0:
+        raise UsageProblem(f"--layer-steps must be 0 (skip the phase) or more, got {layer_steps}")
     if tokens is None and minutes is None:
         raise UsageProblem("give --tokens, --minutes or both")
     if device not in ("cpu", "cuda"):
@@ -70,77 +99,66 @@ def heal(source: Path = typer.Argument(..., help="A converted-model folder writt
         import torch
         if not torch.cuda.is_available():
             raise UsageProblem("--device cuda: no CUDA device is available")
-    meta_file = Path(source) / "config.json"
-    if not (Path(source) / "attention.safetensors").is_file() or not meta_file.is_file():
+    if not (Path(source) / "attention.safetensors").is_file() or not (Path(source) / "config.json").is_file():
         raise UsageProblem(f"{source} is not a converted attnlab model (no attention.safetensors/config.json; "
                            "attnlab convert writes one)")
-    if out.exists() and not (force or resume):
-        raise UsageProblem(f"{out} exists; pass --force to overwrite it")
-    _writable_parent(out)
+    readers = [*hf.source_paths(source), *(text or []), *(eval_text or []),
+               *(hf.source_paths(teacher_source) if teacher_source else [])]
+    check_output(out, force=force or resume, sources=readers)
     checkpoint = checkpoint or out.with_name(out.name + ".heal.pt")
     if resume and not checkpoint.is_file():
         raise UsageProblem(f"no heal checkpoint at {checkpoint} (nothing to resume)")
-    t_start = time.monotonic()
+    if not resume and not force and checkpoint.exists():
+        raise UsageProblem(f"a heal checkpoint {checkpoint} exists from an earlier run: continue it with --resume, "
+                           "or start afresh with --force")
+    check_output(checkpoint, force=True, sources=readers, ours=lambda p: True, what="--checkpoint")
     from transformers.utils import logging as hf_logging
-    hf_logging.disable_progress_bar()  # rich draws the one progress bar
-    student, tok, meta = hf.load_model(str(source))
-    if hf.family(student) != "llama":
-        raise UsageProblem("heal trains causal language models (Llama family); for encoders see attnlab.heal.encoder")
-    teacher, _, _ = hf.load_model(teacher_source or meta["base"])
-    given = dict(seq_len=seq_len, batch_size=batch_size, layer_steps=layer_steps, layer_lr=layer_lr,
-                 lr=lr)  # None: HealPlan's default
-    plan = HealPlan(tokens=tokens, seed=seed, lora_rank=lora_rank, **{k: v for k, v in given.items() if v is not None})
-    seq_len = plan.seq_len
-    plan.check()
-    check_pair(teacher, student)
-    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                  TextColumn("{task.fields[rate]}"), TextColumn("loss {task.fields[loss]}"), TimeRemainingColumn(),
-                  console=console, transient=True) as bar:
-        task = bar.add_task("preparing data", total=None, rate="", loss="-")
-        if text:
-            train, held = text_windows(tok, text, seq_len, eval_paths=eval_text)
-        else:
-            gen = lambda i, n: bar.update(task, description="teacher writes text", completed=i, total=n)  # noqa
-            train = teacher_windows(teacher, tok, windows, seq_len, seed=seed, progress=gen)
-            if eval_text:
-                held = read_ids(tok, eval_text)[None]
-            else:
-                held = teacher_windows(teacher, tok, 8, seq_len, seed=seed + 7919, progress=gen).reshape(1, -1)
-        budget = None if minutes is None else max(0.0, minutes - (time.monotonic() - t_start) / 60)
-
-        def show(info):
-            what = "layer-wise" if info["phase"] == "layers" else "end-to-end KL"
-            bar.update(task, description=f"{what}" + (f" (layer {info['layer']})" if info["phase"] == "layers"
-                                                      else ""), completed=info["done"], total=info["total"],
-                       rate=f"{info['tokens_per_s']:.0f} tok/s", loss=f"{info['loss']:.4f}")
-
-        def wire(healer):
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                signal.signal(sig, lambda *_: healer.request_stop())
-
-        report = heal_model(teacher, student, train, held, plan, minutes=budget, device=device,
-                            checkpoint=checkpoint, resume=resume, checkpoint_seconds=60 * checkpoint_minutes,
-                            progress=show, stop_hook=wire)
-    report["data"] = {"text": [str(t) for t in text or []], "eval_text": [str(t) for t in eval_text or []],
-                      "training_windows": int(train.shape[0]), "held_out_tokens": int(held.shape[1]),
-                      "self_generated": not text}
-    table = Table(title=f"heal {source} ({report['status']}: {report['minutes']:.1f} min, "
-                        f"{report['distill_tokens']} end-to-end tokens)")
-    for col in ("model", "perplexity", "top-1 agreement", "greedy prefix (64)", "KV bytes/token"):
-        table.add_column(col, justify="right")
-    t = report["teacher"]
-    table.add_row("teacher", f"{t['perplexity']:.3f}", "1", "1", str(t["kv_bytes_per_token"]))
-    for name in ("before", "after"):
-        r = report[name]
-        g = r.get("greedy_agreement", {}).get("prefix")
-        table.add_row(f"student {name}", f"{r['perplexity']:.3f}", f"{r['top1_agreement']:.4f}",
-                      "-" if g is None else f"{g:.4f}", str(r["kv_bytes_per_token"]))
-    console.print(table)
-    if report["status"] == "stopped":
-        console.print(f"stopped; the checkpoint is {checkpoint} (continue with --resume)")
-        raise typer.Exit(1)
-    extra = {k: v for k, v in meta.items() if k not in ("format", "version", "base", "layers")}
-    hf.save_model(student, meta["base"], out, extra={**extra, "heal": report})
+    hf_logging.disable_progress_bar()  # one progress display: ours
+    with output_lock(out), stop_on_signals(budget), RunDisplay(budget) as show:
+        try:
+            show.phase("loading the student and the teacher")
+            student, tok, meta = hf.load_model(str(source))
+            if hf.family(student) != "llama":
+                raise UsageProblem("heal trains causal language models (Llama family); for encoders see "
+                                   "attnlab.heal.encoder")
+            teacher, _, _ = hf.load_model(teacher_source or meta["base"])
+            readers.append(meta["base"])
+            check_output(out, force=force or resume, sources=readers)
+            given = dict(seq_len=seq_len, batch_size=batch_size, layer_steps=layer_steps, layer_lr=layer_lr,
+                         lr=lr)  # None: HealPlan's default
+            plan = HealPlan(tokens=tokens, seed=seed, lora_rank=lora_rank,
+                            **{k: v for k, v in given.items() if v is not None})
+            plan.check()
+            check_pair(teacher, student)
+            check_seq_len(plan.seq_len, teacher)
+            budget.check()
+            show.phase("preparing data" if text else "the teacher writes text")
+            train, held, data = training_data(teacher, tok, plan.seq_len, text=text, eval_text=eval_text,
+                                              windows=windows, seed=seed, budget=budget,
+                                              progress=lambda i, n: show.count(i, n, "the teacher writes text"))
+            show.phase("evaluating before training")
+            report = heal_model(teacher, student, train, held, plan, budget=budget, device=device,
+                                checkpoint=checkpoint, resume=resume, checkpoint_seconds=60 * checkpoint_minutes,
+                                progress=show.step)
+        except Stopped as e:
+            spent = f"{budget.elapsed() / 60:.1f} of {minutes} minutes" if minutes else "time"
+            raise UsageProblem("stopped before training began: nothing trained, nothing written" if e.reason == "stop"
+                               else f"the budget ({spent}) was spent before training began: nothing trained, "
+                                    "nothing written (give more --minutes)") from None
+        report["data"] = data
+        title = (f"heal {source} ({report['status']}: {report['minutes']:.1f} min training, "
+                 f"{budget.elapsed() / 60:.1f} min in all, {report['distill_tokens']} end-to-end tokens)")
+        if "teacher" in report:
+            console.print(report_table(title, report))
+        if not report["steps_done"]:
+            raise UsageProblem(f"nothing was trained: the budget was spent first ({budget.elapsed() / 60:.1f} min "
+                               "went to loading, data and evaluation); nothing written (give more --minutes)")
+        if report["status"] == "stopped":
+            console.print(f"stopped; the checkpoint is {checkpoint} (continue with --resume)")
+            raise typer.Exit(1)
+        extra = {k: v for k, v in meta.items() if k not in ("format", "version", "base", "layers")}
+        hf.save_model(student, meta["base"], out, extra={**extra, "heal": report}, force=force or resume,
+                      sources=readers)
     if report["status"] == "budget":
         console.print(f"time budget spent before the plan ended; --resume continues from {checkpoint}")
     console.print(f"wrote {out}")

@@ -7,29 +7,44 @@ from typing import Optional
 
 import typer
 
-from .base import UsageProblem
+from .base import Busy, UsageProblem, positive
 
 
-# -- eval / generate -------------------------------------------------------------------------------
 def eval_(source: str = typer.Argument(..., help="A model (smollm2) or a folder written by attnlab convert."),
           text: Path = typer.Option(..., "--text", help="An English text file to score."),
           max_tokens: int = typer.Option(2048, "--max-tokens", help="Score at most this many tokens."),
-          window: int = typer.Option(512, "--window", help="Tokens per forward pass.")):
+          window: int = typer.Option(512, "--window", help="Tokens per forward pass."),
+          kv_dtype: Optional[str] = typer.Option(None, "--kv-dtype", help="KV-cache storage to score and count: "
+                                                 "fp32, bf16, int8, fp8 (int8/g<N>, fp8/g<N>: a scale per N "
+                                                 "channels); default the model's own.")):
     """Perplexity of a causal model on a text, and its KV-cache bytes per token.
 
-    Example: attnlab eval smollm2-mla256 --text /usr/share/common-licenses/GPL-3
+    With --kv-dtype the keys and values go through that storage (quantised and read back) before
+    attention, as cached decode reads them, and the bytes count its scales.
+    Example: attnlab eval smollm2-mla256 --text /usr/share/common-licenses/GPL-3 --kv-dtype int8
     """
     from .. import models as hf
+    from ..modules.cache import check_kv_dtype
 
-    model, tok, meta = hf.load_model(source)
-    if hf.family(model) != "llama":
-        raise UsageProblem("eval scores causal language models (smollm2 and its conversions)")
-    ids = hf.read_text_ids(tok, text, max_tokens)
-    ppl = hf.perplexity(model, ids, window=window)
+    check_kv_dtype(kv_dtype)  # before loading anything: one line naming the value and the choices
+    positive("--max-tokens", max_tokens, integer=True)
+    if window < 2:
+        raise UsageProblem(f"--window must be at least 2 tokens (a token and the one it predicts), got {window}")
+    with Busy(f"loading {source}") as busy:
+        model, tok, meta = hf.load_model(source)
+        if hf.family(model) != "llama":
+            raise UsageProblem("eval scores causal language models (smollm2 and its conversions)")
+        ids = hf.read_text_ids(tok, text, max_tokens, min_tokens=2)
+        if kv_dtype is not None:
+            hf.set_kv_dtype(model, kv_dtype)
+        n = len(hf.windows(ids, window))
+        ppl = hf.perplexity(model, ids, window=window,
+                            progress=lambda i: busy.update(f"scoring {ids.shape[1]} tokens: window {i + 1} of {n}"))
     print(f"perplexity: {ppl:.4f}")
     print(f"tokens: {ids.shape[1]}")
     print(f"kv bytes per token: {hf.kv_bytes_per_token(model)}")
-
+    if kv_dtype is not None:
+        print(f"kv storage: {kv_dtype}")
 
 
 def generate(source: str = typer.Argument(..., help="A model (smollm2) or a folder written by attnlab convert."),
@@ -41,7 +56,10 @@ def generate(source: str = typer.Argument(..., help="A model (smollm2) or a fold
                                                    "whose probability reaches p (nucleus)."),
              seed: Optional[int] = typer.Option(None, "--seed", help="Seed of the sampler (same seed, same text)."),
              stream: bool = typer.Option(True, "--stream/--no-stream", help="Print a single prompt's tokens as "
-                                         "they come.")):
+                                         "they come."),
+             kv_dtype: Optional[str] = typer.Option(None, "--kv-dtype", help="KV-cache storage: fp32, bf16, int8, "
+                                                    "fp8 (int8/g<N>, fp8/g<N>: a scale per N channels); default "
+                                                    "the model's own.")):
     """Continue one prompt or a batch of them with attnlab's own generation loop (static caches).
 
     Prints the continuations only; a line of timings goes to stderr.
@@ -52,11 +70,20 @@ def generate(source: str = typer.Argument(..., help="A model (smollm2) or a fold
     from .. import models as hf
     from ..generation.loop import generate as run_generation
     from ..generation.sampling import check_sampling
+    from ..modules.cache import check_kv_dtype
 
     check_sampling(temperature, top_k, top_p)
-    model, tok, _ = hf.load_model(source)
+    check_kv_dtype(kv_dtype)
+    positive("--max-new-tokens", max_new_tokens, integer=True)
+    with Busy(f"loading {source}"):
+        model, tok, _ = hf.load_model(source)
     if hf.family(model) != "llama":
         raise UsageProblem("generate needs a causal language model (smollm2 and its conversions)")
+    if tok is None:
+        raise UsageProblem(f"{source} has no tokenizer files (tokenizer.json, tokenizer_config.json ...): generate "
+                           "needs one to read the prompts")
+    if kv_dtype is not None:
+        hf.set_kv_dtype(model, kv_dtype)  # the Generator's caches take each module's kv_dtype
     tok.padding_side = "left"
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token

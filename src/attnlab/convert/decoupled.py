@@ -36,10 +36,11 @@ def selection_options(rope_select: str = "frequency", balance: bool = False) -> 
                 "balance": balance}
     return {"pair_selection": rope_select, "balance": balance}
 
-def gqa_to_mla_decoupled(gqa: GroupedQueryAttention, latent_dim: int, rope_pairs: int, *,
+def gqa_to_mla_decoupled(gqa: GroupedQueryAttention, latent_dim: int, rope_pairs: int | None, *,
                          calibration: torch.Tensor | None = None, pair_selection: str = "frequency",
                          rorope: bool = False, plane_order: str = "frequency", balance: bool = False,
-                         context_len: int = 2048):
+                         context_len: int = 2048, rope_planes: int | None = None,
+                         planes: torch.Tensor | None = None):
     """GQA with RoPE -> MLA with DeepSeek's decoupled RoPE, lossy (the MHA2MLA recipe, without training).
 
     Of each KV head's d/2 rotary pairs, `rope_pairs` keep their rotation: they move, for
@@ -53,9 +54,12 @@ def gqa_to_mla_decoupled(gqa: GroupedQueryAttention, latent_dim: int, rope_pairs
     calibration inputs) keeps, per KV head, the pairs with the largest mean |q| * |k| on
     them, the 2-norm criterion of MHA2MLA (on SmolLM2 it measured worse: docs/real-models.md).
     rorope: mix each frequency's G key planes by their principal directions first (transforms.py;
-    exact, folded into the queries), then keep rotation for G * rope_pairs of the mixed planes, chosen
-    by plane_order ("frequency" or "score", transforms.select_planes, context_len for "score");
-    rope_pairs may then reach head_dim / 2 (everything rotates: exact). The MLA's head_dim is then d.
+    exact, folded into the queries), then keep rotation for some of the G * d/2 mixed planes:
+    `rope_planes` of them (any number; rope_dim = 2 * rope_planes), or G * rope_pairs when
+    rope_planes is None, chosen by plane_order ("frequency" or "score", transforms.select_planes,
+    context_len for "score"), or exactly `planes` ((P, 2) rows [pair, component], e.g. one layer of
+    transforms.shared_planes, which gives every layer of a model the same frequencies). Keeping
+    every plane is exact. The MLA's head_dim is then d.
     balance: BKV, K and V balanced before the joint SVD (transforms.kv_balance).
     """
     _expect(gqa, GroupedQueryAttention, "gqa_to_mla_decoupled")
@@ -64,14 +68,30 @@ def gqa_to_mla_decoupled(gqa: GroupedQueryAttention, latent_dim: int, rope_pairs
     if gqa.W_Q.bias is not None:
         raise ValueError("gqa_to_mla_decoupled does not carry biases yet")
     H, G, d = gqa.num_heads, gqa.num_kv_heads, gqa.head_dim
-    checks.non_negative_int("rope_pairs", rope_pairs)
-    if rope_pairs >= d // 2 + bool(rorope):
-        raise ValueError(f"rope_pairs ({rope_pairs}) must be below head_dim / 2 ({d // 2}); "
-                         "keeping every pair is the exact gqa_to_mla")
+    if not rorope and (rope_planes is not None or planes is not None):
+        raise ValueError("rope_planes and planes choose RoRoPE's mixed planes: they need rorope=True")
+    if rorope and (rope_planes is not None or planes is not None):
+        if rope_pairs is not None:
+            raise ValueError("give rope_pairs or rope_planes/planes, not both")
+        count = rope_planes if rope_planes is not None else int(planes.shape[0])
+        checks.non_negative_int("rope_planes", count)
+        if planes is not None and (planes.dim() != 2 or planes.shape[-1] != 2 or planes.shape[0] != count):
+            raise ValueError(f"planes must be ({count}, 2) rows [pair, component], got {tuple(planes.shape)}")
+        if count > G * d // 2:
+            raise ValueError(f"rope_planes ({count}) must be at most the number of mixed planes, "
+                             f"num_kv_heads x head_dim / 2 ({G * d // 2})")
+    else:
+        if rope_pairs is None:
+            raise ValueError("give rope_pairs (per KV head), or with rorope=True rope_planes or planes")
+        checks.non_negative_int("rope_pairs", rope_pairs)
+        if rope_pairs >= d // 2 + bool(rorope):
+            raise ValueError(f"rope_pairs ({rope_pairs}) must be below head_dim / 2 ({d // 2}); "
+                             "keeping every pair is the exact gqa_to_mla")
+        count = G * rope_pairs
     if rorope:
         if pair_selection != "frequency":
             raise ValueError("rorope chooses mixed planes by plane_order; pair_selection applies without it")
-        return _decoupled_rorope(gqa, latent_dim, rope_pairs, calibration, plane_order, balance, context_len)
+        return _decoupled_rorope(gqa, latent_dim, count, calibration, plane_order, balance, context_len, planes)
     if pair_selection not in ("frequency", "norm"):
         raise ValueError(f"pair_selection must be 'frequency' or 'norm', got {pair_selection!r}")
     if pair_selection == "norm" and calibration is None:
@@ -136,16 +156,9 @@ def gqa_to_mla_decoupled(gqa: GroupedQueryAttention, latent_dim: int, rope_pairs
                         notes=notes)
 
 
-def _decoupled_rorope(gqa, latent_dim, rope_pairs, calibration, plane_order, balance, context_len):
-    """gqa_to_mla_decoupled with RoRoPE: mixed key planes per frequency (transforms.py), kept ones rotate."""
-    from .transforms import (
-        captured_energy,
-        frequency_mixes,
-        mixed_query_energy,
-        pair_dims,
-        rorope_split,
-        select_planes,
-    )
+def _rorope_mixes(gqa, calibration):
+    """What RoRoPE reads of one layer: (wq, wk, owner, dims_a, dims_b, covariance, mixes, key energies)."""
+    from .transforms import frequency_mixes, pair_dims
 
     H, G, d = gqa.num_heads, gqa.num_kv_heads, gqa.head_dim
     wq = gqa.W_Q.weight.detach().to(F64).reshape(H, d, -1)  # (H, d, D_1)
@@ -159,9 +172,48 @@ def _decoupled_rorope(gqa, latent_dim, rope_pairs, calibration, plane_order, bal
         y = calibration.reshape(-1, gqa.context_dim).to(F64)
         cov = y.T @ y / y.shape[0]  # (D_2, D_2)
     mixes, k_energy = frequency_mixes(wk, dims_a, dims_b, cov)  # (half, G, G), (half, G)
-    q_energy = mixed_query_energy(wq, owner, mixes, dims_a, dims_b, cov) if plane_order == "score" else None
-    planes = select_planes(G * rope_pairs, gqa.rope.inv_freq, k_energy, q_energy, order=plane_order,
-                           context_len=context_len)  # (P, 2)
+    return wq, wk, owner, dims_a, dims_b, cov, mixes, k_energy
+
+
+def rorope_plane_scores(gqa: GroupedQueryAttention, calibration: torch.Tensor | None = None,
+                        context_len: int = 2048) -> torch.Tensor:
+    """(d/2, G): transforms.plane_scores of one layer's mixed planes, as plane_order "score" ranks them.
+
+    What a whole-model conversion collects from every layer before transforms.shared_planes
+    allocates the kept planes (cheap: the inputs' covariance and G x G eigenproblems).
+    """
+    from .transforms import mixed_query_energy, plane_scores
+
+    _expect(gqa, GroupedQueryAttention, "rorope_plane_scores")
+    if gqa.rope is None:
+        raise ValueError("rorope_plane_scores needs a GQA with RoPE")
+    wq, _, owner, dims_a, dims_b, cov, mixes, k_energy = _rorope_mixes(gqa, calibration)
+    q_energy = mixed_query_energy(wq, owner, mixes, dims_a, dims_b, cov)
+    return plane_scores(gqa.rope.inv_freq, k_energy, q_energy, context_len)
+
+
+def _decoupled_rorope(gqa, latent_dim, count, calibration, plane_order, balance, context_len, planes=None):
+    """gqa_to_mla_decoupled with RoRoPE: mixed key planes per frequency (transforms.py), kept ones rotate."""
+    from .transforms import (
+        captured_energy,
+        mixed_query_energy,
+        rorope_split,
+        select_planes,
+    )
+
+    H, G, d = gqa.num_heads, gqa.num_kv_heads, gqa.head_dim
+    wq, wk, owner, dims_a, dims_b, cov, mixes, k_energy = _rorope_mixes(gqa, calibration)
+    if planes is None:
+        q_energy = mixed_query_energy(wq, owner, mixes, dims_a, dims_b, cov) if plane_order == "score" else None
+        planes = select_planes(count, gqa.rope.inv_freq, k_energy, q_energy, order=plane_order,
+                               context_len=context_len)  # (P, 2)
+        how = plane_order
+    else:
+        planes = planes.to(torch.long)
+        if bool((planes[:, 0] >= d // 2).any() | (planes[:, 1] >= G).any() | (planes < 0).any()) or \
+                len({tuple(r) for r in planes.tolist()}) != planes.shape[0]:
+            raise ValueError(f"planes must be distinct rows [pair < {d // 2}, component < {G}]")
+        how = "given planes"
     q_rope, k_rope, k_nope = rorope_split(wq, wk, owner, mixes, planes, dims_a, dims_b)
     dt = gqa._anchor.dtype
     nope_gqa = _gqa(gqa, G, bias=False, grouping=gqa.grouping)
@@ -181,7 +233,7 @@ def _decoupled_rorope(gqa, latent_dim, rope_pairs, calibration, plane_order, bal
     _set(mla.W_Q, torch.cat([wq, q_rope], dim=1).reshape(H * (d + p), -1).to(dt))  # (H*(d+p), D_1)
     for name in ("W_DKV", "W_UK", "W_UV", "W_O"):
         _set(getattr(mla, name), getattr(base, name).weight, _bias(getattr(base, name)))
-    notes = [f"RoRoPE: {planes.shape[0]} of {G * d // 2} mixed key planes rotate (by {plane_order}), key energy "
+    notes = [f"RoRoPE: {planes.shape[0]} of {G * d // 2} mixed key planes rotate (by {how}), key energy "
              f"in them {captured_energy(k_energy, planes):.4f}; rope_dim {p}",
              f"latent r = {latent_dim}" + (", whitened by calibration" if calibration is not None else "")
              + (", K/V balanced" if balance else "")]

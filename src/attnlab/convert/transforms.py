@@ -16,7 +16,11 @@ most of that frequency's energy; the planes that keep rotation are then chosen a
 the G * half mixed planes, and the rest lose it. The rest, summed back, is the key
     k_nope_g^i = (N_i k^i)_g,  N_i = I - sum_{kept j} U_i[j]^T U_i[j]   (projection off the kept rows),
 read by the original queries: a GQA of the same shape whose keys go through the latent.
-Keeping all planes gives N_i = 0 and the exact model.
+Keeping all planes gives N_i = 0 and the exact model. Which planes keep rotating: by
+frequency (component 0 of the fastest pairs first), or by score (plane_scores), one layer
+alone (select_planes) or for a whole model at once (shared_planes: one allocation of planes
+to frequencies, so every layer turns at the same frequencies, as one DeepSeek rotary
+embedding needs).
 
 BKV (TransMLA's balanced K/V): before the joint SVD of [W_K; W_V], scale W_K by
 alpha = ||W_V L|| / ||W_K L|| (L the activation whitening, or 1) so that neither block
@@ -70,6 +74,23 @@ def turning(inv_freq: torch.Tensor, context_len: int) -> torch.Tensor:
     return 1 - torch.cos(inv_freq.to(F64)[:, None] * delta).mean(-1)  # (half,)
 
 
+def plane_scores(inv_freq: torch.Tensor, key_energy: torch.Tensor, query_energy: torch.Tensor | None = None,
+                 context_len: int = 2048) -> torch.Tensor:
+    """(half, G): sqrt(key energy x query energy) x turning(pair) of every mixed plane.
+
+    An estimate of what dropping the plane's rotation changes in the scores over context_len
+    positions (query energy 1 where none is given): select_planes' "score" order, and what
+    shared_planes sums over layers.
+    """
+    q = query_energy if query_energy is not None else torch.ones_like(key_energy)
+    return (key_energy.to(F64) * q.to(F64)).clamp_min(0).sqrt() * turning(inv_freq, context_len)[:, None]
+
+
+def _sorted_planes(chosen: torch.Tensor, G: int) -> torch.Tensor:
+    """(count, 2) rows [i, j] in slot order: by pair i, then component j."""
+    return chosen[torch.argsort(chosen[:, 0] * G + chosen[:, 1])]
+
+
 def select_planes(count: int, inv_freq: torch.Tensor, key_energy: torch.Tensor,
                   query_energy: torch.Tensor | None = None, *, order: str = "frequency",
                   context_len: int = 2048) -> torch.Tensor:
@@ -77,8 +98,8 @@ def select_planes(count: int, inv_freq: torch.Tensor, key_energy: torch.Tensor,
 
     order "frequency": component 0 of every pair first (fastest-turning pair first), then
     component 1, ... (TransMLA keeps the rotation of the first mixed head only).
-    order "score": the largest sqrt(key energy * query energy) * turning(pair): an estimate of
-    what dropping the plane's rotation changes in the scores over context_len positions.
+    order "score": the largest plane_scores (one layer alone; shared_planes chooses for a whole
+    model so that every layer keeps the same frequencies).
     """
     half, G = key_energy.shape
     if not 0 <= count <= half * G:
@@ -91,12 +112,50 @@ def select_planes(count: int, inv_freq: torch.Tensor, key_energy: torch.Tensor,
         rank[speed] = torch.arange(half)
         key = torch.arange(G)[None, :] * half + rank[:, None]  # (half, G): component-major
     else:
-        q = query_energy if query_energy is not None else torch.ones_like(key_energy)
-        value = (key_energy * q).clamp_min(0).sqrt() * turning(inv_freq, context_len)[:, None]  # (half, G)
+        value = plane_scores(inv_freq, key_energy, query_energy, context_len)  # (half, G)
         key = torch.argsort(torch.argsort(value.flatten(), descending=True)).reshape(half, G)
     flat = torch.argsort(key.flatten())[:count]
-    chosen = torch.stack([flat // G, flat % G], dim=1)  # (count, 2)
-    return chosen[torch.argsort(chosen[:, 0] * G + chosen[:, 1])]
+    return _sorted_planes(torch.stack([flat // G, flat % G], dim=1), G)  # (count, 2)
+
+
+def plane_allocation(scores: torch.Tensor, count: int) -> torch.Tensor:
+    """(half,) how many mixed planes of each pair (frequency) keep their rotation, in every layer.
+
+    scores: (layers, half, G) plane_scores of every layer. The gain of keeping c planes of
+    pair i is the sum over layers of each layer's c best scores at i; the c-th plane adds
+    m[i, c] = sum over layers of the c-th largest, which does not grow with c (each layer's
+    scores are sorted). Maximising a sum of such concave gains under a total of `count` is
+    solved by taking the `count` largest m[i, c] (greedy), and because m[i, :] does not
+    grow, any prefix-closed choice of them is a valid allocation.
+    """
+    _, half, G = scores.shape
+    if not 0 <= count <= half * G:
+        raise ValueError(f"planes to keep ({count}) must be between 0 and {half * G} (pairs x KV heads)")
+    marginal = scores.to(F64).sort(dim=-1, descending=True).values.sum(0)  # (half, G): m[i, c]
+    # stable sort: among equal gains the lower c (then the lower i) comes first, so each row's pick is a prefix
+    order = torch.sort(marginal.flatten(), descending=True, stable=True).indices[:count]
+    return torch.bincount(order // G, minlength=half)
+
+
+def shared_planes(scores: torch.Tensor, count: int) -> torch.Tensor:
+    """(layers, count, 2): per layer the planes [i, j] that keep rotation, the same frequencies in every layer.
+
+    plane_allocation decides how many planes each pair keeps (summed over layers); each
+    layer then keeps, for pair i, its own best-scoring components. Slots are sorted by pair,
+    then component, so slot s turns at the same frequency in every layer: the layers share one
+    rotary embedding (what a DeepSeek config holds), where select_planes layer by layer would
+    give each its own.
+    """
+    layers, _, G = scores.shape
+    per_pair = plane_allocation(scores, count)  # (half,)
+    best = scores.argsort(dim=-1, descending=True)  # (layers, half, G): components by score
+    out = []
+    for layer in range(layers):
+        chosen = [torch.stack([torch.full((int(c),), i), best[layer, i, :int(c)]], dim=1)
+                  for i, c in enumerate(per_pair.tolist()) if c]
+        rows = torch.cat(chosen) if chosen else torch.zeros(0, 2, dtype=torch.long)
+        out.append(_sorted_planes(rows, G))
+    return torch.stack(out) if out else torch.zeros(0, count, 2, dtype=torch.long)
 
 
 def mixed_query_energy(wq: torch.Tensor, owner: torch.Tensor, mixes: torch.Tensor, dims_a, dims_b,

@@ -8,7 +8,8 @@ embed_tokens -> per layer: input_layernorm, the layer's attnlab module with its 
 static cache, residual, post_attention_layernorm, mlp, residual -> norm -> lm_head,
 the last two only for the last position. Each layer's cache is the attnlab
 module's preallocated KVCache or LatentCache (`init_cache`), allocated once per
-Generator and written in place; nothing grows by concatenation.
+Generator and written in place; nothing grows by concatenation. `kv_dtype` stores them
+quantised or in another float type (modules/cache.py); the default is each module's own kv_dtype.
 
 Left padding. Prompts of different lengths are padded on the left (attention_mask:
 1 real, 0 pad) so that every row's last token sits in the same slot and decode
@@ -33,6 +34,7 @@ from __future__ import annotations
 import torch
 
 from ..modules import checks
+from ..modules.cache import check_kv_dtype
 
 
 def _llama_parts(model):
@@ -63,6 +65,8 @@ class Generator:
             yet written masked, so the step can be captured once and replayed.
         compile: run that step through torch.compile(mode="reduce-overhead"), i.e. as a CUDA
             graph on CUDA (default: on CUDA). Reuse one Generator across prompts to reuse the graph.
+        kv_dtype: storage of every layer's cache ("fp32", "bf16", "int8", "fp8", "int8/g<N>", "fp8/g<N>"; see
+            modules/cache.py); default each module's own kv_dtype (None there: plain, in dtype).
 
     prefill(input_ids, attention_mask) -> logits (B, V) of the last position; step(ids (B,))
     -> logits (B, V) of the token just fed. `kv_bytes_per_token` is measured from the caches.
@@ -70,9 +74,10 @@ class Generator:
     """
 
     def __init__(self, model, max_batch_size: int, max_len: int, dtype: torch.dtype | None = None, device=None,
-                 *, fixed_shape: bool | None = None, compile: bool | None = None):
+                 *, fixed_shape: bool | None = None, compile: bool | None = None, kv_dtype: str | None = None):
         checks.positive_int("max_batch_size", max_batch_size)
         checks.positive_int("max_len", max_len)
+        check_kv_dtype(kv_dtype)
         self.embed, self.layers, self.norm, self.lm_head, self.modules = _llama_parts(model)
         weight = self.embed.weight
         dtype = weight.dtype if dtype is None else dtype
@@ -82,7 +87,8 @@ class Generator:
                              f"asked for {dtype} on {device}: move the model first (model.to(...))")
         self.model, self.dtype, self.device = model, dtype, weight.device
         self.max_batch_size, self.max_len = max_batch_size, max_len
-        self._full = [m.init_cache(max_batch_size, max_len, dtype=dtype, device=self.device) for m in self.modules]
+        self._full = [m.init_cache(max_batch_size, max_len, dtype=dtype, device=self.device, kv_dtype=kv_dtype)
+                      for m in self.modules]
         self.caches = self._full
         self._views: dict[int, tuple[list, list | None]] = {}  # batch size -> (caches, their fixed_slot views)
         self._valid = torch.zeros(max_batch_size, max_len, dtype=torch.bool, device=self.device)  # real keys

@@ -32,7 +32,7 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
              seed: int | None = None, eos_token_id: int | Iterable[int] | None = None,
              pad_token_id: int | None = None, stream: Callable[[torch.Tensor], None] | None = None,
-             max_len: int | None = None, generator: Generator | None = None) -> torch.Tensor:
+             max_len: int | None = None, generator: Generator | None = None, budget=None) -> torch.Tensor:
     """Continue a batch of left-padded prompts (B, P); returns (B, P + new) token ids.
 
     model: a Llama-family causal LM after attnlab.models.to_attnlab (GQA), possibly converted
@@ -44,6 +44,8 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     as it is chosen. max_len: tokens per row the caches hold, default P + max_new_tokens.
     generator: a generation.Generator of this model to reuse (its caches, and on CUDA its captured
     decode step) instead of making one; it must hold B rows of P + max_new_tokens tokens.
+    budget (runtime.Budget): checked before every decode step (a stop request or a spent budget
+    raises runtime.Stopped). max_len is checked against the model's max_position_embeddings.
     """
     checks.positive_int("max_new_tokens", max_new_tokens)
     check_sampling(temperature, top_k, top_p)
@@ -65,6 +67,12 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     if P + max_new_tokens > max_len:
         raise ValueError(f"{P} prompt tokens + max_new_tokens {max_new_tokens} = {P + max_new_tokens} exceed "
                          f"max_len {max_len}")
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if limit and P + max_new_tokens > limit:
+        raise ValueError(f"{P} prompt tokens + max_new_tokens {max_new_tokens} = {P + max_new_tokens} exceed the "
+                         f"model's context (max_position_embeddings {limit})")
+    if limit and max_len > limit:
+        raise ValueError(f"max_len {max_len} exceeds the model's context (max_position_embeddings {limit})")
     gen = Generator(model, B, max_len) if generator is None else generator
     device = gen.device
     eos = _eos_ids(eos_token_id, device)
@@ -88,5 +96,7 @@ def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
             stream(nxt)
         if i + 1 == max_new_tokens or (eos is not None and bool(finished.all())):
             break
+        if budget is not None:
+            budget.check()
         logits = gen.step(nxt)
     return torch.cat([input_ids.to(device), torch.stack(columns, dim=1)], dim=1)  # (B, P + new)

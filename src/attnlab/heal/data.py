@@ -8,6 +8,8 @@ Notation: N windows, T tokens per window (seq_len), V vocabulary.
 - `teacher_windows`: data-free self-distillation. The teacher continues a fixed set of
   varied prompts (PROMPTS, written for this repo) by sampling (temperature 1, top-p 0.95,
   a seeded generator), and each prompt + continuation is one training window.
+- `training_data`: one of the two for a heal (or shrink) run, inside a time budget: the
+  teacher's writing gets a bounded share of it.
 - `check_pair`: the teacher and the student must be the same network around their attention.
 """
 from __future__ import annotations
@@ -76,15 +78,26 @@ def text_windows(tok, paths, seq_len: int, *, holdout: float = 0.1, eval_paths=N
 
 
 def teacher_windows(teacher, tok, count: int, seq_len: int, *, seed: int = 0, batch_size: int = 8,
-                    prompts=PROMPTS, progress=None) -> torch.Tensor:
-    """`count` windows (count, seq_len) of text the teacher writes from the prompts (sampled, seeded)."""
-    from ..generation.loop import generate
+                    prompts=PROMPTS, progress=None, budget=None) -> torch.Tensor:
+    """Up to `count` windows (n, seq_len) of text the teacher writes from the prompts (sampled, seeded).
 
-    if count < 1:
-        raise ValueError(f"windows to generate must be at least 1, got {count}")
+    Written batch_size windows at a time with attnlab's generation loop. budget (runtime.Budget):
+    no new batch starts once it is spent (the windows written so far are returned, at least one
+    batch); a stop request raises runtime.Stopped, also in the middle of a batch.
+    """
+    from ..generation.loop import generate
+    from ..runtime.budget import Stopped
+
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise ValueError(f"windows to generate must be at least 1, got {count!r}")
     pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
     out = []
     for start in range(0, count, batch_size):
+        if budget is not None and start:
+            if budget.stop_requested:
+                raise Stopped("stop")
+            if budget.expired():
+                break
         rows = [prompts[(start + k) % len(prompts)] for k in range(min(batch_size, count - start))]
         enc = [tok(p, return_tensors="pt").input_ids[0][: seq_len // 2] for p in rows]
         P = max(e.numel() for e in enc)
@@ -92,14 +105,48 @@ def teacher_windows(teacher, tok, count: int, seq_len: int, *, seed: int = 0, ba
         mask = torch.zeros(len(enc), P, dtype=torch.long)
         for k, e in enumerate(enc):
             ids[k, P - e.numel():], mask[k, P - e.numel():] = e, 1
+        new = seq_len - min(e.numel() for e in enc)  # enough for the row with the shortest prompt
         with torch.no_grad():
-            full = generate(teacher, ids, mask, max_new_tokens=seq_len, temperature=1.0, top_p=0.95,
-                            seed=seed * 100003 + start)  # (B, P + seq_len)
+            full = generate(teacher, ids, mask, max_new_tokens=new, temperature=1.0, top_p=0.95,
+                            seed=seed * 100003 + start, budget=None if budget is None else budget.unbounded())
+            # (B, P + new)
         for k, e in enumerate(enc):  # the prompt (without its padding) and the continuation, cut to seq_len
             out.append(torch.cat([e, full[k, P:]])[:seq_len])
         if progress:
             progress(len(out), count)
-    return torch.stack(out)  # (count, T)
+    return torch.stack(out)  # (n, T)
+
+
+def training_data(teacher, tok, seq_len: int, *, text=None, eval_text=None, windows: int = 64, seed: int = 0,
+                  budget=None, share: float = 0.3, progress=None) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """(training windows (N, T), held-out ids (1, M), what was used) for a heal run.
+
+    With `text` files: text_windows (the last tenth held out unless `eval_text` is given). Without:
+    the teacher writes up to `windows` training windows within `share` of the budget (what is left
+    of it, at the time of the call), and 8 more from other samples as held-out text unless
+    `eval_text` is given (within a further share of a fifth of that). progress(i, n) counts windows.
+    """
+    from ..runtime.budget import Stopped
+
+    if text:
+        train, held = text_windows(tok, text, seq_len, eval_paths=eval_text)
+    else:
+        if tok is None:
+            raise ValueError("the teacher has no tokenizer: give --text (token windows need one)")
+        mine = None if budget is None else budget.share(share)
+        train = teacher_windows(teacher, tok, windows, seq_len, seed=seed, budget=mine, progress=progress)
+        if eval_text:
+            held = read_ids(tok, eval_text)[None]
+        else:
+            mine = None if budget is None else budget.share(min(1.0, share / 5))
+            held = teacher_windows(teacher, tok, 8, seq_len, seed=seed + 7919, budget=mine,
+                                   progress=progress).reshape(1, -1)
+        if budget is not None and budget.stop_requested:
+            raise Stopped("stop")
+    used = {"text": [str(x) for x in text or []], "eval_text": [str(x) for x in eval_text or []],
+            "training_windows": int(train.shape[0]), "held_out_tokens": int(held.shape[1]),
+            "self_generated": not text}
+    return train, held, used
 
 
 def check_pair(teacher, student) -> None:

@@ -13,21 +13,28 @@ Two phases, on token windows (data.py: the user's text, or text the teacher writ
 
 `Healer` runs the phases as one resumable state machine: the plan, step, phase, layer,
 weights, optimizer state and training windows go into one checkpoint file (torch.save,
-read back with weights_only=True, written atomically); every batch is chosen from
-(seed, phase, step) alone, so a run stopped and resumed gives the same weights as one
-that was never stopped. It respects a time budget, checkpoints every few minutes, and
-stops cleanly at a step boundary when asked (request_stop, e.g. from a signal handler).
+read back with weights_only=True, written atomically), with fingerprints of the student as it
+started and of the teacher, so a checkpoint of another model is refused; every batch is chosen
+from (seed, phase, step) alone, so a run stopped and resumed gives the same weights as one
+that was never stopped. It keeps a time budget (runtime.Budget: the deadline and the stop
+request every long loop checks, the teacher's hidden states included), checkpoints every few
+minutes, and stops cleanly at a step boundary when asked (request_stop, e.g. from a signal).
+`heal_model` is the whole job inside one budget: evaluate before (a bounded share), train
+(leaving time for the evaluation after), evaluate after.
 """
 from __future__ import annotations
 
 import math
-import os
-import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from ..io.fingerprint import fingerprint
+from ..io.folders import replace_with
+from ..models.evaluate import kv_bytes_per_token
+from ..runtime.budget import Budget, Stopped
 
 LORA_TARGETS = ("W_Q", "W_DQ", "W_UQ", "W_K", "W_V", "W_DKV", "W_KR", "W_UK", "W_UV", "W_O")
 
@@ -137,11 +144,12 @@ class Healer:
     """Layer-wise then end-to-end distillation of `student` from `teacher`, resumable (module docstring).
 
     windows: (N, T) training token ids. checkpoint: a file path (None: no checkpoints).
+    budget: a runtime.Budget (its deadline and stop request); default none of either.
     progress(info) is called after every step with a dict (phase, step, total, loss, tokens, ...).
     """
 
     def __init__(self, teacher, student, windows: torch.Tensor, plan: HealPlan, *, device="cpu",
-                 checkpoint=None, checkpoint_seconds: float = 300.0, progress=None):
+                 checkpoint=None, checkpoint_seconds: float = 300.0, progress=None, budget: Budget | None = None):
         plan.check()
         if windows.dim() != 2 or windows.shape[1] != plan.seq_len or windows.shape[0] < 1:
             raise ValueError(f"training windows must be (N >= 1, seq_len = {plan.seq_len}), "
@@ -151,9 +159,14 @@ class Healer:
         self.windows = windows
         self.checkpoint = None if checkpoint is None else Path(checkpoint)
         self.checkpoint_seconds, self.progress = checkpoint_seconds, progress
+        self.budget = budget if budget is not None else Budget()
         self.autocast = self.device.type == "cuda"  # bf16 where the hardware has it
         self.state = {"phase": "layers" if plan.layer_steps else "distill", "layer": 0, "step": 0, "tokens": 0,
-                      "total_steps": None, "elapsed": 0.0, "layer_losses": [], "distill_losses": []}
+                      "total_steps": None, "elapsed": 0.0, "layer_losses": [], "distill_losses": [],
+                      "steps_done": 0}
+        self.fingerprints = {"student": fingerprint((f"{i}.{k}", v) for i, m in enumerate(_modules(student))
+                                                    for k, v in m.state_dict().items()),
+                             "teacher": fingerprint(teacher.state_dict().items())}
         for p in teacher.parameters():
             p.requires_grad_(False)
         if plan.lora_rank:
@@ -161,26 +174,25 @@ class Healer:
         else:
             freeze_all_but_attention(student)
         self.optimizer = None
-        self._stop = False
+        self.steps_this_run = 0
         self._inputs = None
 
     # -- checkpoints ---------------------------------------------------------------------------
     def request_stop(self) -> None:
-        """Stop at the next step boundary, after writing a checkpoint."""
-        self._stop = True
+        """Stop at the next step boundary (or the next window of an evaluation), after writing a checkpoint."""
+        self.budget.request_stop()
 
     def save(self) -> None:
+        """Write the checkpoint atomically (a disk that refuses it gives a one-line ValueError, no leftover)."""
         if self.checkpoint is None:
             return
         blob = {"format": "attnlab-heal", "plan": asdict(self.plan), "state": dict(self.state),
+                "fingerprint": dict(self.fingerprints),
                 "student": {f"{i}.{k}": v.detach().cpu() for i, m in enumerate(_modules(self.student))
                             for k, v in m.state_dict().items()},
                 "optimizer": None if self.optimizer is None else self.optimizer.state_dict(),
                 "windows": self.windows.cpu()}
-        self.checkpoint.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.checkpoint.with_name(f".{self.checkpoint.name}.tmp")
-        torch.save(blob, tmp)
-        os.replace(tmp, self.checkpoint)
+        replace_with(self.checkpoint, lambda tmp: torch.save(blob, tmp))
 
     @staticmethod
     def read(path) -> dict:
@@ -196,16 +208,25 @@ class Healer:
             raise ValueError(f"{path} is not an attnlab heal checkpoint")
         return blob
 
-    def restore(self, blob: dict) -> None:
-        """Continue from a checkpoint of the same plan (weights, optimizer, phase, step, windows)."""
+    def restore(self, blob: dict, where: str = "the checkpoint") -> None:
+        """Continue from a checkpoint of the same plan, student and teacher (weights, optimizer, phase, step, windows)."""
+        marks = blob.get("fingerprint")
+        if not isinstance(marks, dict):
+            raise ValueError(f"{where} records no fingerprint of its models (an older attnlab wrote it); "
+                             "start afresh without --resume")
+        for who, what in (("student", "the converted model it started from"), ("teacher", "its teacher")):
+            if marks.get(who) != self.fingerprints[who]:
+                raise ValueError(f"{where} belongs to another run: {what} differs from this run's {who} "
+                                 "(resume with the same model and teacher, or start afresh)")
         if blob["plan"] != asdict(self.plan):
             diff = sorted(k for k in blob["plan"] if blob["plan"][k] != asdict(self.plan).get(k))
-            raise ValueError(f"the checkpoint was made with a different plan ({', '.join(diff)} differ)")
+            raise ValueError(f"{where} was made with a different plan ({', '.join(diff)} differ)")
         self.windows = blob["windows"]
         for i, m in enumerate(_modules(self.student)):
             prefix = f"{i}."
             m.load_state_dict({k[len(prefix):]: v for k, v in blob["student"].items() if k.startswith(prefix)})
         self.state = dict(blob["state"])
+        self.state.setdefault("steps_done", 0)
         self._make_optimizer()
         if blob["optimizer"] is not None and self.optimizer is not None:
             self.optimizer.load_state_dict(blob["optimizer"])
@@ -222,12 +243,21 @@ class Healer:
         else:
             self.optimizer = None
 
-    def _layer_inputs(self):
-        """Each layer's attention input (n, T, dim) on the first layer_windows windows, from the teacher."""
+    def _layer_inputs(self, chunk: int = 8):
+        """Each layer's attention input (n, T, dim) on the first layer_windows windows, from the teacher.
+
+        Computed `chunk` windows at a time, checking the budget in between (runtime.Stopped).
+        """
         if self._inputs is None:
             from ..models.evaluate import attention_inputs
             ids = self.windows[: self.plan.layer_windows].to(self.device)
-            self._inputs = [x.reshape(ids.shape[0], ids.shape[1], -1) for x in attention_inputs(self.teacher, ids)]
+            parts = []
+            for start in range(0, ids.shape[0], chunk):
+                if start:
+                    self.budget.check()
+                part = ids[start:start + chunk]
+                parts.append([x.reshape(part.shape[0], part.shape[1], -1) for x in attention_inputs(self.teacher, part)])
+            self._inputs = [torch.cat(layer) for layer in zip(*parts)]
         return self._inputs
 
     def _layer_step(self) -> float:
@@ -287,14 +317,17 @@ class Healer:
         return loss.item()
 
     # -- the loop ------------------------------------------------------------------------------
-    def run(self, minutes: float | None = None) -> str:
-        """Train until the plan is done, the time budget is spent or a stop is requested.
+    def run(self, minutes: float | None = None, *, reserve: float = 0.0) -> str:
+        """Train until the plan is done, the budget is spent or a stop is requested.
 
-        Returns "done", "budget" (time out; resumable) or "stopped". A checkpoint is written
-        at the end in every case, and every checkpoint_seconds on the way.
+        minutes: a budget for this call (within the Healer's own); reserve: seconds to leave
+        unspent at the end (the evaluation that follows). A step starts only if the last step's
+        time plus the reserve still fits. Returns "done", "budget" (resumable) or "stopped". A
+        checkpoint is written at the end in every case, and every checkpoint_seconds on the way.
         """
         plan, s = self.plan, self.state
-        if plan.tokens is None and minutes is None:
+        budget = self.budget if minutes is None else self.budget.share(seconds=60.0 * minutes)
+        if plan.tokens is None and budget.deadline is None:
             raise ValueError("give a number of tokens, a time budget in minutes, or both")
         if plan.tokens is not None and s["total_steps"] is None:
             s["total_steps"] = max(1, math.ceil(plan.tokens / (plan.batch_size * plan.seq_len)))
@@ -302,30 +335,37 @@ class Healer:
         self.student.to(self.device)
         if self.optimizer is None:
             self._make_optimizer()
-        start = time.monotonic()
-        deadline = None if minutes is None else start + 60 * minutes
+        clock = budget.clock
+        start = clock()
         last_save, step_time, status, elapsed0 = start, 0.0, "done", s["elapsed"]
+        self.steps_this_run = 0
         while s["phase"] != "done":
-            now = time.monotonic()
-            if self._stop:
+            if budget.stop_requested:
                 status = "stopped"
                 break
-            if deadline is not None and now + step_time > deadline:
+            if budget.expired(reserve + step_time):
                 status = "budget"
                 break
             phase = s["phase"]
-            loss = self._layer_step() if phase == "layers" else self._distill_step()
-            step_time = time.monotonic() - now
-            s["elapsed"] = elapsed0 + time.monotonic() - start
+            now = clock()
+            try:
+                loss = self._layer_step() if phase == "layers" else self._distill_step()
+            except Stopped as e:  # the teacher's hidden states were cut short
+                status = "stopped" if e.reason == "stop" else "budget"
+                break
+            step_time = clock() - now
+            self.steps_this_run += 1
+            s["steps_done"] += 1
+            s["elapsed"] = elapsed0 + clock() - start
             if phase == "distill" and s["total_steps"] is None and s["step"] == max(3, plan.warmup):
-                left = (deadline - time.monotonic()) / step_time  # steps the budget allows from here
+                left = (budget.left() - reserve) / max(step_time, 1e-9)  # steps the budget allows from here
                 s["total_steps"] = s["step"] + max(1, int(left))
             if self.progress:
                 self.progress(self._info(phase, loss, step_time))
-            if time.monotonic() - last_save > self.checkpoint_seconds:
+            if clock() - last_save > self.checkpoint_seconds:
                 self.save()
-                last_save = time.monotonic()
-        s["elapsed"] = elapsed0 + time.monotonic() - start
+                last_save = clock()
+        s["elapsed"] = elapsed0 + clock() - start
         self.save()
         return status
 
@@ -350,40 +390,63 @@ class Healer:
 
 
 def heal_model(teacher, student, windows: torch.Tensor, held_out: torch.Tensor, plan: HealPlan, *,
-               minutes: float | None = None, device="cpu", checkpoint=None, resume: bool = False,
-               checkpoint_seconds: float = 300.0, progress=None, evaluate: bool = True, stop_hook=None) -> dict:
-    """Measure, heal (Healer), measure again; returns the report. The student is healed in place.
+               minutes: float | None = None, budget: Budget | None = None, device="cpu", checkpoint=None,
+               resume: bool = False, checkpoint_seconds: float = 300.0, progress=None, evaluate: bool = True,
+               stop_hook=None, eval_share: float = 0.1) -> dict:
+    """Measure, heal (Healer), measure again, all inside one budget; returns the report. The student heals in place.
 
-    resume: continue from `checkpoint` (its plan must equal `plan`; its windows are used).
+    budget: a runtime.Budget (or minutes: a new one). The evaluation before training gets at most
+    eval_share of what is left (it scores as many held-out windows as fit, at least one); training
+    then stops early enough to leave the time that evaluation took for the one after it. A stop
+    request (Ctrl-C, request_stop) is honoured at the next step or evaluation window: the checkpoint
+    is written and the report's status is "stopped". report["trained_steps"] counts the steps of
+    this call; 0 means nothing was trained (the budget was spent first).
+    resume: continue from `checkpoint` (its plan, student and teacher must be this run's).
     stop_hook(healer) is called once the Healer exists (e.g. to wire a signal to request_stop).
     """
-    from ..models.evaluate import kv_bytes_per_token, perplexity
     from .data import check_pair
-    from .evaluate import evaluate_pair
+    from .evaluate import evaluate_pair, public
 
+    if budget is None:
+        budget = Budget(minutes)
+    elif minutes is not None:
+        budget = budget.share(seconds=60.0 * minutes)
     check_pair(teacher, student)
     blob = Healer.read(checkpoint) if resume else None
     healer = Healer(teacher, student, windows, plan, device=device, checkpoint=checkpoint,
-                    checkpoint_seconds=checkpoint_seconds, progress=progress)
+                    checkpoint_seconds=checkpoint_seconds, progress=progress, budget=budget)
     report = {"plan": asdict(plan), "device": str(device)}
     if blob is not None:
-        healer.restore(blob)
+        healer.restore(blob, str(checkpoint))
         report = blob["state"].get("report", report)
     if stop_hook:
         stop_hook(healer)
-    if evaluate and "before" not in report:
-        t0 = time.monotonic()
-        report["teacher"] = {"perplexity": perplexity(teacher, held_out),
-                             "kv_bytes_per_token": kv_bytes_per_token(teacher, torch.float32)}
-        report["before"] = evaluate_pair(teacher, student, held_out)
-        report["evaluation_seconds"] = time.monotonic() - t0
-    healer.state["report"] = report
-    status = healer.run(minutes)
+    status = None
+    try:
+        if evaluate and "before" not in report:
+            t0 = budget.clock()
+            before = evaluate_pair(teacher, student, held_out, budget=budget.share(eval_share))
+            report["teacher"] = {"perplexity": before.pop("teacher_perplexity"),
+                                 "kv_bytes_per_token": kv_bytes_per_token(teacher)}
+            report["before"] = public(before)
+            report["evaluation_seconds"] = budget.clock() - t0
+            healer.state["reference"] = before
+        healer.state["report"] = report
+        status = healer.run(reserve=report.get("evaluation_seconds", 0.0) if evaluate else 0.0)
+    except Stopped as e:
+        healer.save()
+        status = "stopped" if e.reason == "stop" else "budget"
     healer.finish()
     s = healer.state
-    report.update(status=status, minutes=s["elapsed"] / 60, distill_tokens=s["tokens"], distill_steps=s["step"]
-                  if s["phase"] != "layers" else 0, layer_losses=s["layer_losses"],
-                  distill_loss_first=s["distill_losses"][:1], distill_loss_last=s["distill_losses"][-5:])
-    if evaluate:
-        report["after"] = evaluate_pair(teacher, student, held_out)
+    report.update(status=status, minutes=s["elapsed"] / 60, distill_tokens=s["tokens"],
+                  distill_steps=s["step"] if s["phase"] != "layers" else 0, layer_losses=s["layer_losses"],
+                  distill_loss_first=s["distill_losses"][:1], distill_loss_last=s["distill_losses"][-5:],
+                  trained_steps=healer.steps_this_run, steps_done=s["steps_done"])
+    if evaluate and status != "stopped" and s["steps_done"] and "reference" in s:
+        try:
+            report["after"] = public(evaluate_pair(teacher, student, held_out, budget=budget.unbounded(),
+                                                   reference=s["reference"]))
+        except Stopped:
+            report["status"] = "stopped"
     return report
+

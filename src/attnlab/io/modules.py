@@ -13,7 +13,8 @@ import torch
 
 from ..modules.gqa import GroupedQueryAttention, MultiHeadAttention
 from ..modules.mla import MultiHeadLatentAttention
-from .folders import read_json, read_tensors, write_folder
+from .folders import write_folder
+from .readers import read_json, read_tensors
 
 CLASSES = {c.__name__: c for c in (GroupedQueryAttention, MultiHeadAttention, MultiHeadLatentAttention)}
 FORMAT = "attnlab"
@@ -47,8 +48,14 @@ def load_weights(module, state: dict[str, torch.Tensor], where: str) -> None:
         raise ValueError(f"{where} does not fit the config: {str(e).splitlines()[0]}") from None
 
 
-def save_module(module, folder: str | Path, *, extra: dict | None = None) -> Path:
-    """Write module (weights + config) to folder, atomically; returns the folder."""
+def save_module(module, folder: str | Path, *, extra: dict | None = None, force: bool = False,
+                sources=()) -> Path:
+    """Write module (weights + config) to folder, atomically; returns the folder.
+
+    The output rules of folders.check_output apply: an existing folder is replaced only with
+    force=True and only if attnlab wrote it; `sources` (e.g. the checkpoint the module came from)
+    may not be the folder, lie inside it or contain it.
+    """
     from safetensors.torch import save_file
 
     meta = {"format": FORMAT, "version": 1, **module_record(module), **(extra or {})}
@@ -57,7 +64,7 @@ def save_module(module, folder: str | Path, *, extra: dict | None = None) -> Pat
         save_file({k: v.detach().contiguous().cpu() for k, v in module.state_dict().items()},
                   str(tmp / "model.safetensors"))
         (tmp / "config.json").write_text(json.dumps(meta, indent=2))
-    return write_folder(folder, write)
+    return write_folder(folder, write, force=force, sources=sources, info={"what": "attnlab module"})
 
 
 def load_module(folder: str | Path):

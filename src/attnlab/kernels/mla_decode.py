@@ -11,6 +11,13 @@ Softmax and accumulation run in float32 for bfloat16, float16 and float32
 inputs; the output has the input dtype. A head with no key to attend gets zeros
 (as the attention core does).
 
+A quantised cache (modules/cache.py) comes as its codes, kv (B, S, r+p) int8 or
+float8_e4m3fn, and float32 kv_scales (B, S, n): one scale for the latent part and one for
+the rope part of each row, or with scale_group = g one per g channels of each part
+(n = ceil(r/g) + ceil(p/g)). Both readers dequantise a row as the cache does,
+(code * scale) in float32 (float64 for float64 q) rounded to q's dtype, and go on as
+with a plain cache of those values: the twin up front, the kernel in its tile load.
+
 - `absorbed_decode_reference`: plain torch ops, the oracle and the fallback anywhere.
 - `absorbed_decode`: the Triton kernel (mla_decode_triton.py), split along the
   sequence for long contexts (flash-decoding); on CPU tensors it runs in
@@ -58,21 +65,59 @@ def mode() -> str:
 
 
 # -- inputs --------------------------------------------------------------------------------------
-def _check(q, kv, lengths, latent_dim, key_padding_mask) -> torch.Tensor:
+CODES = (torch.int8, getattr(torch, "float8_e4m3fn", torch.int8))  # the storage dtypes of a quantised cache
+
+
+def _scale_columns(latent_dim: int, rope_dim: int, scale_group: int | None) -> tuple[int, int, int]:
+    """(channels per latent scale, channels per rope scale, number of latent scales)."""
+    gr = latent_dim if scale_group is None else min(scale_group, latent_dim)
+    gp = max(rope_dim, 1) if scale_group is None else min(scale_group, max(rope_dim, 1))
+    return gr, gp, -(-latent_dim // gr)
+
+
+def _check_scales(kv, kv_scales, scale_group, latent_dim: int) -> None:
+    """A quantised kv comes with its scales (see the module docstring); a floating one without."""
+    quantised = kv.dtype in CODES
+    if kv_scales is None:
+        if quantised:
+            raise ValueError(f"kv holds {kv.dtype} codes but no kv_scales were given: a quantised cache is read "
+                             "with its scales (B, S, n)")
+        if scale_group is not None:
+            raise ValueError(f"scale_group {scale_group!r} given without kv_scales")
+        return
+    if not quantised:
+        raise ValueError(f"kv_scales given but kv is {kv.dtype}: scales belong to an int8 or float8_e4m3fn cache")
+    if scale_group is not None and (isinstance(scale_group, bool) or not isinstance(scale_group, int)
+                                    or scale_group < 1):
+        raise ValueError(f"scale_group must be a positive int or None, got {scale_group!r}")
+    B, S, width = kv.shape
+    p = width - latent_dim
+    gr, gp, n_lat = _scale_columns(latent_dim, p, scale_group)
+    n = n_lat + (-(-p // gp) if p else 0)
+    if not isinstance(kv_scales, torch.Tensor) or kv_scales.dtype != torch.float32:
+        raise TypeError(f"kv_scales must be a float32 tensor (B, S, n), got "
+                        f"{kv_scales.dtype if isinstance(kv_scales, torch.Tensor) else type(kv_scales).__name__}")
+    if tuple(kv_scales.shape) != (B, S, n) or kv_scales.device != kv.device:
+        raise ValueError(f"kv_scales must have shape (B, S, n) = {(B, S, n)} (scale_group {scale_group}) on "
+                         f"{kv.device}, got {tuple(kv_scales.shape)} on {kv_scales.device}")
+
+
+def _check(q, kv, lengths, latent_dim, key_padding_mask, kv_scales=None, scale_group=None) -> torch.Tensor:
     """Validate; return lengths as a (B,) int32 tensor on kv's device."""
     for name, t, dims in (("q", q, "(B, H, r+p)"), ("kv", kv, "(B, S, r+p)")):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor {dims}, got {type(t).__name__}")
         if t.dim() != 3:
             raise ValueError(f"{name} must have shape {dims}, got {tuple(t.shape)}")
-    if not q.is_floating_point() or q.dtype != kv.dtype or q.device != kv.device:
-        raise TypeError(f"q and kv must share a floating dtype and a device, got q {q.dtype} on {q.device}, "
-                        f"kv {kv.dtype} on {kv.device}")
+    if not q.is_floating_point() or q.device != kv.device or (q.dtype != kv.dtype and kv.dtype not in CODES):
+        raise TypeError(f"q and kv must share a floating dtype (or kv hold int8 or float8_e4m3fn codes) and a "
+                        f"device, got q {q.dtype} on {q.device}, kv {kv.dtype} on {kv.device}")
     B, S, width = kv.shape
     if q.shape[0] != B or q.shape[2] != width:
         raise ValueError(f"q {tuple(q.shape)} must be (B, H, r+p) = ({B}, H, {width}) to match kv {tuple(kv.shape)}")
     if isinstance(latent_dim, bool) or not isinstance(latent_dim, int) or not 0 < latent_dim <= width:
         raise ValueError(f"latent_dim must be an int in 1..{width} (the cache row width), got {latent_dim!r}")
+    _check_scales(kv, kv_scales, scale_group, latent_dim)
     if isinstance(lengths, int) and not isinstance(lengths, bool):
         if not 0 <= lengths <= S:
             raise ValueError(f"lengths must lie in 0..{S} (the cache rows), got {lengths}")
@@ -93,14 +138,29 @@ def _check(q, kv, lengths, latent_dim, key_padding_mask) -> torch.Tensor:
 
 
 # -- the PyTorch twin ----------------------------------------------------------------------------
+def dequantised(kv: torch.Tensor, kv_scales: torch.Tensor, latent_dim: int, scale_group: int | None,
+                dtype: torch.dtype) -> torch.Tensor:
+    """Codes kv (B, S, r+p) with scales (B, S, n) -> (code * scale) (B, S, r+p) in `dtype`, as the cache reads them."""
+    r, p = latent_dim, kv.shape[-1] - latent_dim
+    gr, gp, n_lat = _scale_columns(r, p, scale_group)
+    col = torch.arange(r + p, device=kv.device)  # (r+p,)
+    col = torch.where(col < r, col // gr, n_lat + (col - r) // gp)  # (r+p,): the scale of each channel
+    work = torch.promote_types(dtype, torch.float32)
+    return (kv.to(work) * kv_scales.index_select(-1, col).to(work)).to(dtype)  # (B, S, r+p)
+
+
 def absorbed_decode_reference(q: torch.Tensor, kv: torch.Tensor, lengths, scale: float, latent_dim: int,
-                         key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+                         key_padding_mask: torch.Tensor | None = None, *, kv_scales: torch.Tensor | None = None,
+                         scale_group: int | None = None) -> torch.Tensor:
     """q (B, H, r+p), kv (B, S, r+p) -> (B, H, r), with the kernel's arithmetic in plain torch ops.
 
     Scores and softmax in at least float32 (float64 stays float64); the softmax
     weights are rounded to the input dtype before the weighted sum, as the kernel does.
+    kv_scales, scale_group: for a quantised kv (int8 or float8_e4m3fn codes), see the module docstring.
     """
-    lengths = _check(q, kv, lengths, latent_dim, key_padding_mask)
+    lengths = _check(q, kv, lengths, latent_dim, key_padding_mask, kv_scales, scale_group)
+    if kv_scales is not None:
+        kv = dequantised(kv, kv_scales, latent_dim, scale_group, q.dtype)  # (B, S, r+p)
     B, S, _ = kv.shape
     work = torch.promote_types(q.dtype, torch.float32)
     keep = torch.arange(S, device=kv.device)[None, :] < lengths[:, None]  # (B, S)
@@ -128,18 +188,20 @@ PARTIAL_SHARE = 4  # a split reads at least this many times the bytes its partia
 
 def plan(batch: int, num_heads: int, rows: int, latent_dim: int, device: torch.device,
          num_splits: int | None = None, block_n: int | None = None, row_bytes: int | None = None,
-         element_size: int = 2) -> dict:
+         element_size: int = 2, quantised: bool = False) -> dict:
     """Launch geometry: heads per program, rows per tile, splits of the sequence.
 
     Heads per program (a power of two, >= 16 for tl.dot) are capped so that the
     float32 accumulator stays at 16 x 512 values; float32 inputs (element_size 4, whose
     tl.dot runs on CUDA cores in full precision) take 16 heads and 2 pipeline stages,
-    which compile for sm_90 without register spills. Without num_splits, the sequence
+    which compile for sm_90 without register spills (1 stage when float32 activations read a
+    quantised cache: 2 stages spill). Without num_splits, the sequence
     is split until there is about one program per SM, but each split keeps at
     least 4 tiles and reads at least PARTIAL_SHARE times the bytes of its float32
     partial accumulator (written once, read once by the combine step), so that the
     partials cost at most about 1/PARTIAL_SHARE of the cache traffic.
-    row_bytes: bytes of one cache row, default 2 * latent_dim (16-bit, no rope).
+    row_bytes: bytes of one cache row, default 2 * latent_dim (16-bit, no rope); element_size: bytes of
+    an activation (q); quantised: the cache holds codes and scales.
     """
     BR = _pow2(latent_dim)
     wide = element_size >= 4
@@ -160,34 +222,49 @@ def plan(batch: int, num_heads: int, rows: int, latent_dim: int, device: torch.d
     chunk = -(-tiles // num_splits) * BN  # rows per split, a whole number of tiles
     num_splits = -(-max(rows, 1) // chunk)
     return dict(BH=BH, BN=BN, BR=BR, head_blocks=head_blocks, num_splits=num_splits, chunk=chunk,
-                num_warps=8 if BR >= 256 or wide else 4, num_stages=2 if wide else 3)
+                num_warps=8 if BR >= 256 or wide else 4, num_stages=(1 if quantised else 2) if wide else 3)
 
 
 def absorbed_decode(q: torch.Tensor, kv: torch.Tensor, lengths, scale: float, latent_dim: int,
-               key_padding_mask: torch.Tensor | None = None, *, num_splits: int | None = None,
+               key_padding_mask: torch.Tensor | None = None, *, kv_scales: torch.Tensor | None = None,
+               scale_group: int | None = None, num_splits: int | None = None,
                block_n: int | None = None) -> torch.Tensor:
     """The Triton kernel: q (B, H, r+p), kv (B, S, r+p) -> (B, H, r); same contract as the twin.
 
+    kv_scales, scale_group: for a quantised kv, dequantised in the kernel's tile load.
     num_splits and block_n override the launch plan (see `plan`). CUDA tensors are
     compiled for the GPU; CPU tensors run in triton's interpreter. The grid depends
     only on the shapes, not on `lengths`, so a static cache buffer with a lengths
     tensor can be captured in a CUDA graph.
     """
-    lengths = _check(q, kv, lengths, latent_dim, key_padding_mask)
+    lengths = _check(q, kv, lengths, latent_dim, key_padding_mask, kv_scales, scale_group)
     B, S, width = kv.shape
     H, r, p = q.shape[1], latent_dim, width - latent_dim
     if q.stride(-1) != 1:
         q = q.contiguous()
     if kv.stride(-1) != 1:
         kv = kv.contiguous()
+    quant = 0 if kv_scales is None else 1 if kv.dtype == torch.int8 else 2  # 2: float8_e4m3fn, decoded from its bits
+    if quant == 2:
+        kv = kv.view(torch.uint8)
+    if kv_scales is not None and kv_scales.stride(-1) != 1:
+        kv_scales = kv_scales.contiguous()
+    if scale_group is not None and scale_group & (scale_group - 1):
+        raise ValueError(f"the kernel reads scale groups of a power of two channels, got scale_group {scale_group}; "
+                         "use absorbed_decode_reference")
+    n_lat = _scale_columns(r, p, scale_group)[2]
+    n_rope = 0 if kv_scales is None else kv_scales.shape[-1] - n_lat
+    scales = kv_scales if kv_scales is not None else lengths  # a placeholder pointer when not quantised, never read
     from . import mla_decode_triton as kernels
     interpreted = kernels.interpreted()
     if not kv.is_cuda and not interpreted:
         raise ValueError(f"the Triton kernel needs CUDA tensors, got {kv.device}; on the CPU it runs only when "
                          "triton was imported with TRITON_INTERPRET=1 (tests); use absorbed_decode_reference")
-    g = plan(B, H, S, r, kv.device, num_splits, block_n, row_bytes=width * kv.element_size(),
-             element_size=kv.element_size())
-    T, BR = g["num_splits"], g["BR"]
+    row_bytes = width * kv.element_size() + (0 if kv_scales is None else kv_scales.shape[-1] * 4)
+    g = plan(B, H, S, r, kv.device, num_splits, block_n, row_bytes=row_bytes, element_size=q.element_size(),
+             quantised=kv_scales is not None)
+    T, BR, BP = g["num_splits"], g["BR"], _pow2(p)
+    GR, GP = (BR, BP) if scale_group is None else (min(scale_group, BR), min(scale_group, BP))  # see the kernel
     out = torch.empty(B, H, r, dtype=q.dtype, device=q.device)  # (B, H, r)
     if T > 1:
         m_part = torch.empty(B, H, T, dtype=torch.float32, device=q.device)  # (B, H, T)
@@ -200,15 +277,16 @@ def absorbed_decode(q: torch.Tensor, kv: torch.Tensor, lengths, scale: float, la
         keep = keep if keep.stride(-1) == 1 else keep.contiguous()
     else:
         keep = lengths  # a placeholder pointer, never read
-    dot_f32 = interpreted and kv.dtype == torch.bfloat16  # see mla_decode_triton's docstring
-    precision = "ieee" if kv.dtype == torch.float32 else "tf32"  # fp32: no TF32 rounding; 16-bit: ignored
+    dot_f32 = interpreted and q.dtype == torch.bfloat16  # see mla_decode_triton's docstring
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"  # fp32: no TF32 rounding; 16-bit: ignored
     kernels.split_kernel[(B, g["head_blocks"], T)](
-        q, kv, lengths, keep, out, m_part, l_part, acc_part,
-        H, r, p, g["chunk"], float(scale) * kernels.LOG2E,
-        q.stride(0), q.stride(1), kv.stride(0), kv.stride(1), keep.stride(0),
+        q, kv, scales, lengths, keep, out, m_part, l_part, acc_part,
+        H, r, p, g["chunk"], float(scale) * kernels.LOG2E, n_lat, n_rope,
+        q.stride(0), q.stride(1), kv.stride(0), kv.stride(1), scales.stride(0),
+        scales.stride(1) if kv_scales is not None else 0, keep.stride(0),
         out.stride(0), out.stride(1), H * T, T, 1,
-        BH=g["BH"], BN=g["BN"], BR=BR, BP=_pow2(p), HAS_ROPE=p > 0, HAS_KEEP=key_padding_mask is not None,
-        SPLIT=T > 1, PRECISION=precision,
+        BH=g["BH"], BN=g["BN"], BR=BR, BP=BP, HAS_ROPE=p > 0, HAS_KEEP=key_padding_mask is not None,
+        SPLIT=T > 1, QUANT=quant, GR=GR, GP=GP, PRECISION=precision,
         DOT_F32=dot_f32, num_warps=g["num_warps"], num_stages=g["num_stages"])
     if T > 1:
         kernels.combine_kernel[(B, H)](out, m_part, l_part, acc_part, r, T, out.stride(0), out.stride(1), H * T, T, 1,
@@ -220,12 +298,14 @@ def absorbed_decode(q: torch.Tensor, kv: torch.Tensor, lengths, scale: float, la
 # (no graph break), and a CUDA graph captures its two kernels like any other op.
 @torch.library.custom_op("attnlab::mla_absorbed_decode", mutates_args=())
 def _absorbed_decode_op(q: torch.Tensor, kv: torch.Tensor, length: int, scale: float, latent_dim: int,
-                        key_padding_mask: torch.Tensor | None) -> torch.Tensor:
-    return absorbed_decode(q, kv, length, scale, latent_dim, key_padding_mask)
+                        key_padding_mask: torch.Tensor | None, kv_scales: torch.Tensor | None,
+                        scale_group: int | None) -> torch.Tensor:
+    return absorbed_decode(q, kv, length, scale, latent_dim, key_padding_mask, kv_scales=kv_scales,
+                           scale_group=scale_group)
 
 
 @_absorbed_decode_op.register_fake
-def _(q, kv, length, scale, latent_dim, key_padding_mask):
+def _(q, kv, length, scale, latent_dim, key_padding_mask, kv_scales, scale_group):
     return q.new_empty(q.shape[0], q.shape[1], latent_dim)  # (B, H, r)
 
 
@@ -243,10 +323,11 @@ def _key_mask(mask, B: int, S: int):
     return m[:, 0, 0, :].expand(B, S)  # (B, S)
 
 
-def try_decode(q: torch.Tensor, kv: torch.Tensor, mask, scale: float, latent_dim: int) -> torch.Tensor | None:
-    """The kernel's (B, H, 1, r) for an absorbed decode step q (B, H, 1, r+p) against kv (B, S, r+p),
-    or None where it does not apply (several query rows, a float or per-head mask, autograd)
-    or is not selected (ATTNLAB_MLA_DECODE, device)."""
+def try_decode(q: torch.Tensor, kv: torch.Tensor, mask, scale: float, latent_dim: int, *,
+               kv_scales: torch.Tensor | None = None, scale_group: int | None = None) -> torch.Tensor | None:
+    """The kernel's (B, H, 1, r) for an absorbed decode step q (B, H, 1, r+p) against kv (B, S, r+p)
+    (a quantised cache's codes with kv_scales and scale_group), or None where it does not apply
+    (several query rows, a float or per-head mask, autograd) or is not selected (ATTNLAB_MLA_DECODE, device)."""
     m = mode()
     if m == "torch" or q.shape[2] != 1:
         return None
@@ -258,7 +339,13 @@ def try_decode(q: torch.Tensor, kv: torch.Tensor, mask, scale: float, latent_dim
     keys = _key_mask(mask, B, S)
     if keys is False:
         return None
+    if scale_group is not None and (scale_group & (scale_group - 1) or q.dtype == torch.float32):
+        return None  # groups the kernel does not read (or, with float32 activations, spills on): the PyTorch path
     if m == "triton" and not _triton_importable():
         raise ValueError(f"{ENV}=triton but triton is not installed (pip install 'attnlab[kernels]')")
-    run = _absorbed_decode_op if torch.compiler.is_compiling() else absorbed_decode
-    return run(q[:, :, 0], kv, S, scale, latent_dim, keys)[:, :, None]  # (B, H, 1, r)
+    if torch.compiler.is_compiling():
+        out = _absorbed_decode_op(q[:, :, 0], kv, S, scale, latent_dim, keys, kv_scales, scale_group)
+    else:
+        out = absorbed_decode(q[:, :, 0], kv, S, scale, latent_dim, keys, kv_scales=kv_scales,
+                              scale_group=scale_group)
+    return out[:, :, None]  # (B, H, 1, r)

@@ -22,6 +22,14 @@ truncate, so values are first rounded to nearest-even by hand (_round_to_bfloat1
 as the GPU's casts do.
 Scores are kept in base 2 (scale * log2(e) folded in once), so exp is exp2.
 Masked or empty keys score -inf; a head with nothing to attend gets zeros.
+
+Quantised caches (QUANT 1: int8 codes, 2: float8_e4m3fn codes passed as their bytes and
+decoded by _e4m3_to_float32, so the interpreter and GPUs without fp8 loads read them alike):
+each tile is dequantised right after its load, code * scale in float32, then rounded to q's
+dtype, as the cache's own read does. Scales cover GR latent channels (column j // GR) and GP
+rope channels (column n_lat + j // GP), powers of two, GR = BR for one scale per part: a tile's
+(BN, BR//GR) scales are loaded once and broadcast over groups, so the scales cost a few
+registers, not one gathered pointer per element.
 """
 from __future__ import annotations
 
@@ -40,13 +48,45 @@ def _round_to_bfloat16(x):
 
 
 @triton.jit
-def split_kernel(Q, KV, LENGTHS, KEEP, OUT, M_PART, L_PART, ACC_PART,
-                  num_heads, latent_dim, rope_dim, chunk, qk_scale,
-                  stride_qb, stride_qh, stride_kvb, stride_kvs, stride_keepb,
+def _e4m3_to_float32(code):
+    """float8_e4m3fn bytes (as uint8) -> their float32 values: sign, 4 exponent bits (bias 7), 3 mantissa bits;
+    exponent 0 is subnormal (m / 8 * 2^-6). NaN (0x7F, 0xFF) is never written by the cache (it clamps)."""
+    bits = code.to(tl.uint32)
+    sign = (bits >> 7) << 31
+    e = (bits >> 3) & 0xF
+    m = bits & 0x7
+    normal = (sign | ((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+    sub = m.to(tl.float32) * 0.001953125  # m * 2^-9
+    return tl.where(e == 0, tl.where(sign != 0, -sub, sub), normal)
+
+
+@triton.jit
+def _dequantised(code, scale_rows, first, count, row_ok, BN: tl.constexpr, WIDTH: tl.constexpr,
+                 GROUP: tl.constexpr, QUANT: tl.constexpr, OUT_TY: tl.constexpr, DOT_F32: tl.constexpr):
+    """A loaded (BN, WIDTH) tile of codes -> code * scale in float32, rounded to OUT_TY (float32 under DOT_F32).
+    Channel j takes scale column first + j // GROUP of its row (count columns exist)."""
+    if QUANT == 1:
+        x = code.to(tl.float32)
+    else:
+        x = _e4m3_to_float32(code)
+    NG: tl.constexpr = WIDTH // GROUP
+    offs_g = tl.arange(0, NG)  # (NG,)
+    sc = tl.load(scale_rows + first + offs_g[None, :], mask=row_ok[:, None] & (offs_g < count)[None, :],
+                 other=0.0)  # (BN, NG)
+    x = tl.reshape(tl.reshape(x, (BN, NG, GROUP)) * sc[:, :, None], (BN, WIDTH))  # (BN, WIDTH)
+    if DOT_F32:
+        return _round_to_bfloat16(x)
+    return x.to(OUT_TY)
+
+
+@triton.jit
+def split_kernel(Q, KV, SCALES, LENGTHS, KEEP, OUT, M_PART, L_PART, ACC_PART,
+                  num_heads, latent_dim, rope_dim, chunk, qk_scale, n_lat, n_rope,
+                  stride_qb, stride_qh, stride_kvb, stride_kvs, stride_sb, stride_ss, stride_keepb,
                   stride_ob, stride_oh, stride_pb, stride_ph, stride_pt,
                   BH: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr, BP: tl.constexpr,
-                  HAS_ROPE: tl.constexpr, HAS_KEEP: tl.constexpr, SPLIT: tl.constexpr,
-                  PRECISION: tl.constexpr, DOT_F32: tl.constexpr):
+                  HAS_ROPE: tl.constexpr, HAS_KEEP: tl.constexpr, SPLIT: tl.constexpr, QUANT: tl.constexpr,
+                  GR: tl.constexpr, GP: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr):
     b = tl.program_id(0)
     hb = tl.program_id(1)
     t = tl.program_id(2)
@@ -75,18 +115,26 @@ def split_kernel(Q, KV, LENGTHS, KEEP, OUT, M_PART, L_PART, ACC_PART,
     l_i = tl.zeros((BH,), tl.float32)
     acc = tl.zeros((BH, BR), tl.float32)
     row0 = KV + b.to(tl.int64) * stride_kvb  # 64-bit: B * S_max * (r + p) may pass 2^31
+    srow0 = SCALES + b.to(tl.int64) * stride_sb  # read only when QUANT
     for start in range(lo, hi, BN):
         n = start + offs_n  # (BN,)
         n_ok = n < hi
         rows = row0 + n[:, None] * stride_kvs  # (BN, 1)
-        c = tl.load(rows + offs_r[None, :], mask=n_ok[:, None] & r_ok[None, :], other=0.0)  # (BN, BR)
-        if DOT_F32:
+        c_ok = n_ok[:, None] & r_ok[None, :]  # (BN, BR)
+        c = tl.load(rows + offs_r[None, :], mask=c_ok, other=0)  # (BN, BR)
+        srows = srow0 + n[:, None] * stride_ss  # (BN, 1)
+        if QUANT:
+            c = _dequantised(c, srows, 0, n_lat, n_ok, BN, BR, GR, QUANT, Q.dtype.element_ty, DOT_F32)  # (BN, BR)
+        elif DOT_F32:
             c = c.to(tl.float32)
         s = tl.dot(q_lat, tl.trans(c), input_precision=PRECISION)  # (BH, BN)
         if HAS_ROPE:
-            k_rope = tl.load(rows + latent_dim + offs_p[None, :], mask=n_ok[:, None] & p_ok[None, :],
-                             other=0.0)  # (BN, BP)
-            if DOT_F32:
+            k_ok = n_ok[:, None] & p_ok[None, :]  # (BN, BP)
+            k_rope = tl.load(rows + latent_dim + offs_p[None, :], mask=k_ok, other=0)  # (BN, BP)
+            if QUANT:
+                k_rope = _dequantised(k_rope, srows, n_lat, n_rope, n_ok, BN, BP, GP, QUANT, Q.dtype.element_ty,
+                                      DOT_F32)  # (BN, BP)
+            elif DOT_F32:
                 k_rope = k_rope.to(tl.float32)
             s += tl.dot(q_rope, tl.trans(k_rope), input_precision=PRECISION)  # (BH, BN)
         s = s * qk_scale
@@ -103,7 +151,7 @@ def split_kernel(Q, KV, LENGTHS, KEEP, OUT, M_PART, L_PART, ACC_PART,
         if DOT_F32:  # the bfloat16 value, kept in float32
             w = _round_to_bfloat16(w)
         else:
-            w = w.to(KV.dtype.element_ty)  # rounded to the cache dtype for the product
+            w = w.to(Q.dtype.element_ty)  # rounded to the activation dtype (the cache's, when plain) for the product
         acc = acc * alpha[:, None] + tl.dot(w, c, input_precision=PRECISION)  # (BH, BR)
         m_i = m_new
 

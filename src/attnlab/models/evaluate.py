@@ -35,33 +35,100 @@ def attention_inputs(model, input_ids: torch.Tensor) -> list[torch.Tensor]:
             h.remove()
     return seen
 
-def perplexity(model, input_ids: torch.Tensor, window: int = 512, stride: int | None = None) -> float:
-    """exp(mean next-token loss) over non-overlapping windows of the token ids (1, N)."""
+def check_window(window: int, input_ids: torch.Tensor, model=None) -> None:
+    """ValueError naming the values unless window >= 2, ids (1, N >= 2), and window within the model's context."""
+    if isinstance(window, bool) or not isinstance(window, int) or window < 2:
+        raise ValueError(f"the evaluation window must be an int >= 2 tokens (a token and the one it predicts), "
+                         f"got {window!r}")
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[0] != 1:
+        shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
+        raise ValueError(f"token ids must have shape (1, N), got {shape}")
+    if input_ids.shape[1] < 2:
+        raise ValueError(f"the text has {input_ids.shape[1]} token(s); a perplexity needs at least 2")
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if limit and window > limit and input_ids.shape[1] > limit:
+        raise ValueError(f"the evaluation window ({window} tokens) exceeds the model's context "
+                         f"(max_position_embeddings {limit}); use --window <= {limit}")
+
+
+def next_token_nll(logits: torch.Tensor, chunk: torch.Tensor) -> tuple[float, int]:
+    """(summed negative log-likelihood of each next token, count) for one window: logits (1, n, V), chunk (1, n)."""
+    loss = torch.nn.functional.cross_entropy(logits[0, :-1].float(), chunk[0, 1:], reduction="sum")
+    return float(loss), chunk.shape[1] - 1
+
+
+def windows(input_ids: torch.Tensor, window: int, stride: int | None = None) -> list[torch.Tensor]:
+    """The (1, <= window) chunks perplexity scores, one every `stride` (default window) tokens; each has >= 2 tokens."""
     stride = stride or window
+    return [input_ids[:, s:s + window] for s in range(0, input_ids.shape[1] - 1, stride)
+            if input_ids[:, s:s + window].shape[1] >= 2]
+
+
+def perplexity(model, input_ids: torch.Tensor, window: int = 512, stride: int | None = None, *,
+               budget=None, progress=None) -> float:
+    """exp(mean next-token loss) over non-overlapping windows of the token ids (1, N).
+
+    budget (runtime.Budget): checked before every window after the first (a stop request or a
+    spent budget raises runtime.Stopped). progress(i) is called before window i.
+    """
+    check_window(window, input_ids, model)
     total, count = 0.0, 0
     with torch.no_grad():
-        for start in range(0, input_ids.shape[1] - 1, stride):
-            chunk = input_ids[:, start:start + window]
-            if chunk.shape[1] < 2:
-                break
-            logits = model(chunk).logits.float()
-            loss = torch.nn.functional.cross_entropy(logits[0, :-1], chunk[0, 1:], reduction="sum")
-            total += float(loss)
-            count += chunk.shape[1] - 1
+        for i, chunk in enumerate(windows(input_ids, window, stride)):
+            if budget is not None and i:
+                budget.check()
+            if progress is not None:
+                progress(i)
+            nll, n = next_token_nll(model(chunk).logits, chunk)
+            total += nll
+            count += n
     return float(torch.exp(torch.tensor(total / count)))
 
-def kv_bytes_per_token(model, dtype: torch.dtype | None = None) -> int:
-    """KV-cache bytes per token for the whole model, read from caches the attnlab modules allocate."""
+
+def kv_bytes_per_token(model, dtype: torch.dtype | None = None, kv_dtype: str | None = None) -> int:
+    """KV-cache bytes per token for the whole model, read from caches the attnlab modules allocate
+    (on the meta device). dtype: the activations' (default each module's weight dtype); kv_dtype: the
+    storage ("fp32", "bf16", "int8", "fp8", ...: scales counted), default each module's own kv_dtype,
+    else plain in dtype."""
+    from ..modules.cache import check_kv_dtype
+
+    check_kv_dtype(kv_dtype)
     total = 0
     for m in attnlab_modules(model):
-        cache = m.init_cache(1, 1, dtype=dtype or m._anchor.dtype, device="meta")
+        cache = m.init_cache(1, 1, dtype=dtype or m._anchor.dtype, device="meta", kv_dtype=kv_dtype)
         total += cache.bytes_per_token
     return total
 
-def read_text_ids(tok, path, max_tokens: int | None = None) -> torch.Tensor:
-    """Token ids (1, N) of a text file."""
+
+def set_kv_dtype(model, kv_dtype: str | None):
+    """Set kv_dtype (the cache storage, see modules/cache.py) on every attnlab module of a swapped model:
+    caches, a Generator and forwards without a cache (perplexity) then use that storage. Returns the model."""
+    from ..modules.cache import check_kv_dtype
+
+    check_kv_dtype(kv_dtype)  # one error before any module changes
+    for m in attnlab_modules(model):
+        m.kv_dtype = kv_dtype
+    return model
+
+def read_text_ids(tok, path, max_tokens: int | None = None, *, min_tokens: int = 1) -> torch.Tensor:
+    """Token ids (1, N) of a text file: its first max_tokens tokens (None: all), at least min_tokens of them.
+
+    ValueError, one line naming the value: no tokenizer (tok None: the model came without tokenizer
+    files), max_tokens neither None nor a positive int, min_tokens not an int >= 0 or above max_tokens,
+    a missing, unreadable or empty file, or fewer than min_tokens tokens (a perplexity needs 2).
+    """
     from pathlib import Path
 
+    if tok is None:
+        raise ValueError(f"cannot read {path}: the model has no tokenizer files (tokenizer.json, "
+                         "tokenizer_config.json, tokenizer.model, ...; for a GGUF, tokenizer.ggml.* metadata), "
+                         "so it takes token ids only")
+    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
+        raise ValueError(f"max_tokens must be None (all) or a positive int, got {max_tokens!r}")
+    if isinstance(min_tokens, bool) or not isinstance(min_tokens, int) or min_tokens < 0:
+        raise ValueError(f"min_tokens must be an int >= 0, got {min_tokens!r}")
+    if max_tokens is not None and max_tokens < min_tokens:
+        raise ValueError(f"max_tokens {max_tokens} keeps fewer tokens than the {min_tokens} needed")
     p = Path(path)
     if not p.is_file():
         raise ValueError(f"no such text file: {path}")
@@ -69,18 +136,26 @@ def read_text_ids(tok, path, max_tokens: int | None = None) -> torch.Tensor:
         text = p.read_text(encoding="utf-8")
     except (UnicodeDecodeError, OSError) as e:
         raise ValueError(f"cannot read {path} as text: {e}") from None
+    if min_tokens and not text.strip():
+        raise ValueError(f"{path} is empty or whitespace only ({len(text)} characters): 0 tokens of text, "
+                         f"at least {min_tokens} needed")
     ids = tok(text, return_tensors="pt").input_ids
-    return ids[:, :max_tokens] if max_tokens else ids
+    ids = ids if max_tokens is None else ids[:, :max_tokens]
+    if ids.shape[1] < min_tokens:
+        raise ValueError(f"{path} holds {ids.shape[1]} token(s); at least {min_tokens} needed")
+    return ids
 
 
-def top1_agreement(teacher, student, input_ids: torch.Tensor, window: int = 512) -> float:
+def top1_agreement(teacher, student, input_ids: torch.Tensor, window: int = 512, *, budget=None) -> float:
     """Fraction of positions of the token ids (1, N) where both models' most likely next token is the same."""
+    check_window(window, input_ids, student)
     same, count = 0, 0
     with torch.no_grad():
-        for start in range(0, input_ids.shape[1], window):
+        for i, start in enumerate(range(0, input_ids.shape[1], window)):
+            if budget is not None and i:
+                budget.check()
             chunk = input_ids[:, start:start + window]
             a, b = teacher(chunk).logits.argmax(-1), student(chunk).logits.argmax(-1)  # (1, n)
             same += int((a == b).sum())
             count += chunk.numel()
     return same / max(count, 1)
-

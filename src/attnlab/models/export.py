@@ -23,9 +23,13 @@ Only the decoupled-RoPE layout (`gqa_to_mla_decoupled`) maps to DeepSeek: the ex
 `rope_after_up` layout rotates keys after the up-projection, which DeepSeek cannot
 express. DeepSeek always normalises the latent (kv_a_layernorm): an MLA without a norm is
 exported exactly through one extra constant latent channel that makes the norm a fixed
-scale (constant_channel); `add_latent_norm` instead gives a converted MLA a norm of its own,
-initialised from calibration statistics (lossy: the error is reported; heal can train it),
-which is then exported as it is.
+scale (constant_channel). Engines without a latent bias (llama.cpp) need the norm in the model:
+`add_steady_channels` gives every layer a norm whose latent carries one more channel, a fitted
+linear function of the layer's input that is nearly constant over calibration text, so the
+norm is nearly a fixed scale (lossy, small, reported, and it survives llama.cpp's quantisers);
+`add_latent_norm(s)` fits a plain norm on the r channels (lossy, large before training: the
+norm rescales every token by its own latent's size; heal can train it). Either is then exported
+as it is.
 """
 from __future__ import annotations
 
@@ -63,23 +67,29 @@ def _with_latent_norm(mla: MultiHeadLatentAttention, eps: float) -> MultiHeadLat
     return new
 
 
+def kv_values_in_export(latent_dim: int, rope_dim: int, latent_norm: bool) -> int:
+    """Numbers a DeepSeek export caches per token and layer: the latent, plus the constant channel when the MLA has
+    no latent norm (constant_channel), plus the rope key."""
+    return latent_dim + (not latent_norm) + rope_dim
+
+
 def add_latent_norm(mla: MultiHeadLatentAttention, calibration: torch.Tensor | None = None, *, eps: float = 1e-6):
     """A copy of `mla` with an RMSNorm on its latent, and the relative output error it introduces.
 
     The norm divides each token's latent c by rms(c); per latent channel j the weight
     w_j = sum(c_j n_j) / sum(n_j^2) (n = c / rms(c), over the calibration inputs (..., context_dim))
     makes w * n the least-squares fit of c. The weight is then folded into the columns of
-    W_UK and W_UV (the norm's own weight stays 1), which is exact. Without calibration,
-    unit-variance Gaussian inputs stand in. The error is the output error of the normed
+    W_UK and W_UV (the norm's own weight stays 1), which is exact. Calibration is required
+    (Gaussian stand-ins say nothing about a real model's latents). The error is the output error of the normed
     module against `mla` on the calibration inputs (float64): the norm is not linear, so a
     token whose latent is larger or smaller than typical has its key and value rescaled.
     """
     from ..convert.report import probe_error
 
     _check_no_latent_norm(mla, "add_latent_norm")
-    if calibration is None:
-        g = torch.Generator().manual_seed(0)
-        calibration = torch.randn(1024, mla.context_dim, generator=g, dtype=torch.float64)
+    if calibration is None or calibration.numel() == 0:
+        raise ValueError("add_latent_norm fits the norm on calibration inputs (..., context_dim): give calibration "
+                         "(--calibration)")
     x = calibration.reshape(-1, mla.context_dim).to(torch.float64)
     c = x @ mla.W_DKV.weight.detach().to(torch.float64).T  # (N, r)
     n = c * torch.rsqrt(c.pow(2).mean(-1, keepdim=True) + eps)  # (N, r)
@@ -119,6 +129,79 @@ def linear_latent_norm(mla: MultiHeadLatentAttention, input_bound: float, eps: f
     return new, s
 
 
+# The steady channel's fit (chosen on SmolLM2, 50% cut, perplexity on GPL-3 with MPL-2.0 calibration; without a
+# norm 43.51): ridge 1e-2 44.98, 1e-3 45.20, 1e-1 46.36 (sink weight 16); sink weight 16 44.98, 64 44.74, the
+# sequence length (512) 44.71 (ridge 1e-2); no sink weighting (1, ridge 1e-3) 49.42.
+STEADY_RIDGE = 1e-2  # ridge of the steady channel's least squares, times the inputs' mean energy per dim
+STEADY_MARGIN = 32.0  # the steady channel's size over the largest calibration latent
+
+
+def steady_channel(mla: MultiHeadLatentAttention, calibration: torch.Tensor, *, eps: float = 1e-6,
+                   ridge: float = STEADY_RIDGE, sink_weight: float | None = None, margin: float = STEADY_MARGIN):
+    """A copy of `mla` with a latent RMSNorm that is nearly a fixed scale, its latent one channel wider, and its error.
+
+    For engines that always normalise the latent and give the down-projection no bias (llama.cpp's
+    deepseek2), and whose quantisers (block scales in float16) would flush linear_latent_norm's tiny
+    down-projection to zero. The extra channel is e = K u.x: u is the ridge least-squares fit of
+    u.x = 1 over the calibration inputs (..., L, D) (each sequence's first token, the attention
+    sink that every other token reads, weighted `sink_weight`, by default L: as much as the rest of
+    its sequence; its state is far from the others', and a plain fit would let its scale drift),
+    and K a power of two `margin` times
+    the largest calibration latent |c|. Then mean(latent^2) = (|c|^2 + e^2) / (r + 1) is
+    K^2 (u.x)^2 / (r + 1) to within 1 / margin^2, and the norm scales each token by 1 / |u.x|,
+    near 1: the error is how far u.x strays from 1. The latent weights w (least squares of c by
+    the normed latent, as add_latent_norm) fold into the columns of W_UK and W_UV, the extra
+    channel's columns are zero, the norm's own weight stays 1 and its eps is `eps` (the engine's).
+    Every weight keeps a usual size, so Q8_0 and Q4_K keep their usual precision. Costs one
+    cached number per token (r + 1 + rope_dim). The error returned is the relative output error
+    against `mla` on the calibration sequences (causal, float64).
+    """
+    _check_no_latent_norm(mla, "steady_channel")
+    x = calibration.detach().to(torch.float64)
+    x = x.reshape(-1, *x.shape[-2:]) if x.dim() >= 2 else x
+    if x.dim() == 2:
+        x = x[None]
+    if x.shape[-1] != mla.context_dim or x.shape[1] == 0:
+        raise ValueError(f"calibration must be (..., L >= 1, {mla.context_dim}), got {tuple(calibration.shape)}")
+    flat = x.reshape(-1, x.shape[-1])  # (N, D)
+    weight = torch.ones(x.shape[:2], dtype=torch.float64)
+    weight[:, 0] = x.shape[1] if sink_weight is None else sink_weight
+    weight = weight.reshape(-1, 1) / weight.sum()
+    gram = (flat * weight).T @ flat  # (D, D)
+    lam = ridge * float(torch.diagonal(gram).mean().clamp_min(1e-30))
+    u = torch.linalg.solve(gram + lam * torch.eye(gram.shape[0], dtype=gram.dtype), (flat * weight).sum(0))  # (D,)
+    w_dkv = mla.W_DKV.weight.detach().to(torch.float64)  # (r, D)
+    c = flat @ w_dkv.T  # (N, r)
+    K = 2.0 ** math.ceil(math.log2(max(margin * float(c.norm(dim=1).max()), 1e-30)))
+    down = torch.cat([w_dkv, K * u[None]])  # (r + 1, D)
+    latent = flat @ down.T
+    n = latent * torch.rsqrt(latent.pow(2).mean(-1, keepdim=True) + eps)  # (N, r + 1)
+    r = mla.latent_dim
+    w = (c * n[:, :r]).sum(0) / n[:, :r].pow(2).sum(0).clamp_min(1e-300)  # (r,)
+    cfg = mla.config()
+    cfg.update(latent_dim=r + 1, latent_norm=True, norm_eps=eps, kv_tiling=None)
+    new = MultiHeadLatentAttention(**cfg, device=mla._anchor.device, dtype=mla._anchor.dtype)
+    state = dict(mla.state_dict())
+    dt = new._anchor.dtype
+    state["W_DKV.weight"] = down.to(dt)
+    for name in ("W_UK", "W_UV"):
+        up = getattr(mla, name).weight.detach().to(torch.float64) * w  # (rows, r)
+        state[f"{name}.weight"] = torch.cat([up, torch.zeros(up.shape[0], 1, dtype=torch.float64)], 1).to(dt)
+    state["kv_norm.weight"] = torch.ones(r + 1, dtype=dt)
+    new.load_state_dict(state)
+    return new, _causal_error(mla, new, x)
+
+
+def _causal_error(old, new, x: torch.Tensor) -> float:
+    """Relative output error of new against old on the sequences x (B, L, D), causal self-attention, float64."""
+    import copy
+
+    a, b = copy.deepcopy(old).to(torch.float64), copy.deepcopy(new).to(torch.float64)
+    with torch.no_grad():
+        ya, yb = a(x, is_causal=True), b(x, is_causal=True)
+    return float((ya - yb).norm() / ya.norm().clamp_min(1e-300))
+
+
 # -- checks ---------------------------------------------------------------------------------------------
 def check_exportable(modules) -> None:
     """Refuse, naming the layer and the reason, what DeepSeek's layout cannot hold."""
@@ -142,8 +225,10 @@ def check_exportable(modules) -> None:
             raise ValueError(f"layer {i}'s shape differs from layer 0's ({m.config()} vs {first.config()}); "
                              "a DeepSeek config holds one shape for all layers")
         if not torch.equal(m.rope.inv_freq, first.rope.inv_freq) or m.rope.scaling != first.rope.scaling:
-            raise ValueError(f"layer {i} keeps other rotary frequencies than layer 0 (pair_selection 'norm'?); "
-                             "DeepSeek has one rotary embedding for all layers: use pair_selection 'frequency'")
+            raise ValueError(f"layer {i} keeps other rotary frequencies than layer 0 (chosen layer by layer: "
+                             "--rope-select norm, or rorope-score with shared_planes=False); DeepSeek has one rotary "
+                             "embedding for all layers: convert with --rope-select frequency, rorope or rorope-score "
+                             "(whole models: one allocation for all layers)")
 
 
 # -- one layer ----------------------------------------------------------------------------------------
@@ -250,10 +335,14 @@ def check_source_config(src: dict) -> None:
         raise ValueError("the source MLP has biases (mlp_bias); DeepSeek's dense MLP has none")
 
 
-def export_preflight(model, target: Path, force: bool, what: str) -> list:
-    """What every export checks before writing: the target, the family, the layers (check_exportable)."""
-    if target.exists() and not force:
-        raise ValueError(f"{target} exists; pass force=True (--force) to overwrite it")
+def export_preflight(model, target: Path, force: bool, what: str, ours=None) -> list:
+    """What every export checks before writing: the target (io.folders.check_output: never the model's own
+    sources, an existing one only with force and only if attnlab wrote it: ours(path) for a file), the
+    family, the layers (check_exportable)."""
+    from ..io.folders import check_output
+    from .store import sources_of
+
+    check_output(target, force=force, sources=sources_of(model), ours=ours)
     if family(model) != "llama":
         raise ValueError(f"{what} takes a Llama-family causal LM (Llama, Mistral, Qwen2)")
     modules = attnlab_modules(model)
@@ -353,46 +442,77 @@ def export_deepseek(model, folder, tokenizer=None, *, force: bool = False,
             tokenizer.save_pretrained(str(tmp))
         else:
             copy_tokenizer(getattr(model, "attnlab_source", None), tmp)
-    return write_folder(folder, write)
+    from .store import sources_of
+
+    return write_folder(folder, write, force=force, sources=sources_of(model), info={"what": "DeepSeek-V3 export"})
 
 
-def add_latent_norms(model, calibration_ids: torch.Tensor | None = None) -> list[float]:
+def add_latent_norms(model, calibration_ids: torch.Tensor) -> list[float]:
     """add_latent_norm on every layer of a converted model (in place); returns each layer's output error.
 
     Calibration inputs of layer i are what layer i reads in the converted model with
     layers < i already normed (the norms' errors compound as they will in use), all from
-    one forward: each layer fits its norm on its input, then runs with it. Without
-    calibration_ids, unit-variance Gaussian inputs stand in.
+    one forward: each layer fits its norm on its input, then runs with it.
     """
+    return _fit_layers(model, calibration_ids, lambda m, x: add_latent_norm(m, x.reshape(-1, m.dim)),
+                       "add_latent_norms")
+
+
+def add_steady_channels(model, calibration_ids: torch.Tensor, *, eps: float | None = None,
+                        window: int = 512) -> list[float]:
+    """steady_channel on every layer of a converted model (in place); returns each layer's output error.
+
+    The calibration ids (1, N) are cut into windows of `window` tokens (N // window of them, or one
+    window of N when shorter), run as one batch, so every window's first token is an attention sink
+    the fit sees. Layer i fits on what it reads with layers < i already changed, as add_latent_norms.
+    eps: the norm's eps, by default the model's rms_norm_eps (what llama.cpp's latent norm uses).
+    """
+    from ..modules import checks
+
+    checks.positive_int("window", window)
+    eps = float(getattr(model.config, "rms_norm_eps", 1e-6)) if eps is None else float(eps)
+    _check_calibration_ids(calibration_ids, "add_steady_channels")
+    ids = calibration_ids.reshape(1, -1)
+    n = ids.shape[1]
+    ids = ids[:, :n // window * window].reshape(-1, window) if n >= window else ids
+    return _fit_layers(model, ids, lambda m, x: steady_channel(m, x, eps=eps), "add_steady_channels")
+
+
+def _check_calibration_ids(ids, what: str) -> None:
+    if ids is None or not isinstance(ids, torch.Tensor) or ids.numel() == 0:
+        n = 0 if ids is None or not isinstance(ids, torch.Tensor) else ids.numel()
+        raise ValueError(f"{what} fits on calibration text: calibration_ids holds {n} tokens (give --calibration)")
+
+
+def _fit_layers(model, calibration_ids, fit, what: str) -> list[float]:
+    """Replace every layer by fit(module, its input (B, L, D)) -> (module, error), from one forward (in place)."""
     from .adapters import replace_attention
 
+    _check_calibration_ids(calibration_ids, what)
     modules = list(attnlab_modules(model))
-    if calibration_ids is None:
-        fitted = [add_latent_norm(m) for m in modules]
-    else:
-        fitted = []
-        replace_attention(model, [_FitNorm(m, fitted) for m in modules])
-        try:
-            with torch.no_grad():
-                model(calibration_ids)
-        finally:
-            replace_attention(model, modules)
-        if len(fitted) != len(modules):
-            raise ValueError(f"the calibration forward reached {len(fitted)} of {len(modules)} layers")
+    fitted = []
+    replace_attention(model, [_FitNorm(m, fitted, fit) for m in modules])
+    try:
+        with torch.no_grad():
+            model(calibration_ids)
+    finally:
+        replace_attention(model, modules)
+    if len(fitted) != len(modules):
+        raise ValueError(f"the calibration forward reached {len(fitted)} of {len(modules)} layers")
     replace_attention(model, [m for m, _ in fitted])
     return [err for _, err in fitted]
 
 
 class _FitNorm(torch.nn.Module):
-    """Stands in for one layer during add_latent_norms' forward: fits the norm on its input, runs with it."""
+    """Stands in for one layer during a fitting forward: fits on its input, then runs with the result."""
 
-    def __init__(self, mla, out: list):
+    def __init__(self, mla, out: list, fit):
         super().__init__()
-        self.mla, self.out = mla, out
+        self.mla, self.out, self.fit = mla, out, fit
         self.dim = mla.dim
 
     def forward(self, x, *args, **kwargs):
-        normed, err = add_latent_norm(self.mla, x.detach().reshape(-1, self.mla.dim))
+        normed, err = self.fit(self.mla, x.detach())
         self.out.append((normed, err))
         return normed(x, *args, **kwargs)
 

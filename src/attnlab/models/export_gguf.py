@@ -2,7 +2,7 @@
 
 llama.cpp's deepseek2 graph attends inside the latent (it caches the normalised latent and
 the rotated rope key, r + p numbers per token and layer) and differs from attnlab's MLA in
-three places; each is handled exactly or refused with the reason:
+three places; each is handled or refused with the reason and a way out:
 
 - softmax scale 1/sqrt(qk_nope + qk_rope): the ratio to attnlab's scale multiplies the
   query weights (as for the DeepSeek-V3 export; the tensors come from
@@ -10,19 +10,21 @@ three places; each is handled exactly or refused with the reason:
 - rotary frequencies: pair i of the shared rope key turns at rope_theta^(-2i/p), in
   consecutive pairs (ggml's "normal" rope), and deepseek2 reads no per-pair factors. The
   kept frequencies, sorted fastest first, must be exactly such a sequence: then the rope
-  rows are permuted into that order and rope_theta is fitted to them. Keeping the fastest
-  p/2 distinct frequencies does this (RoRoPE by frequency with p <= head_dim;
-  `--rope-select rorope`); per-head selection repeats each frequency G times and is refused;
+  rows are permuted into that order and rope_theta is fitted to them. gguf_rope_limit says,
+  from the source's own frequencies, the largest rope_dim RoRoPE by frequency
+  (`--rope-select rorope`) can keep that way (the fastest pairs, while they stay geometric: all
+  of head_dim without rope scaling, only the unscaled ones with Llama 3's); per-head selection
+  repeats each frequency G times and RoRoPE by score keeps repeated or skipped frequencies:
+  refused, pointing to --format deepseek (per-pair factors) or rorope within the limit;
 - the latent RMSNorm (kv_a_norm) always runs and kv_a_mqa has no bias, so the
-  constant-channel trick of the DeepSeek export is not available here. An MLA without a
-  latent norm is written through export.linear_latent_norm instead: the latent rows of
-  kv_a_mqa are scaled down (a power of two) until mean(c^2) is below 2^-24 eps for every
-  input the layer can see (its input is RMS-normalised, so its norm is bounded), and the
-  norm, which then divides by sqrt(eps) to float32 precision, gets the weight that undoes
-  both. Exact to float32 rounding; kv_a_mqa is written in F32 (float16 would flush the small
-  latent to zero; quantise it and the same happens). An MLA with a latent norm of its own
-  (`--latent-norm fit`, trained by heal) is written as it is; llama.cpp's norm then uses the
-  model's rms_norm_eps where attnlab's used its norm_eps.
+  constant-channel trick of the DeepSeek export is not available here. An MLA with a latent
+  norm is written as it is (its W_DKV rows times sqrt(llama.cpp's eps / the norm's eps), which
+  makes llama.cpp's norm, with the model's rms_norm_eps, equal to the MLA's). One without a
+  norm needs one first: export.add_steady_channels (fitted on calibration text, one more
+  cached number per token, survives llama.cpp's Q8_0/Q4_K quantisers), or, with
+  exact_f32=True, export.linear_latent_norm: W_DKV scaled down by a power of two until the
+  norm is a fixed scale to float32 precision, written in F32; exact, but any quantiser with
+  float16 block scales (llama-quantize's Q8_0, Q4_K, ...) flushes that tensor to zero.
 
 The tokenizer comes from the source GGUF (every tokenizer.* field, copied), or from a
 byte-level BPE tokenizer.json beside a source folder (pre-tokenizer "gpt-2" when it is plain
@@ -30,10 +32,9 @@ ByteLevel; otherwise name llama.cpp's pre-tokenizer with `pre_tokenizer=`). Need
 """
 from __future__ import annotations
 
+import copy
 import json
 import math
-import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -51,14 +52,71 @@ from .export import (
 ARCH = "deepseek2"
 
 
-# -- rotary frequencies ---------------------------------------------------------------------------
-def rope_order(m: MultiHeadLatentAttention, rtol: float = 1e-6) -> tuple[torch.Tensor, float]:
+# -- rotary frequencies ---------------------------------------------------------------------------------
+def _geometric_theta(f: torch.Tensor, rtol: float) -> tuple[float, int]:
+    """(rope_theta, bad): the base whose sequence theta^(-2i/p) (p = 2 len(f)) fits f (fastest first) in log space,
+    and the first i where f misses it by more than rtol (len(f) where none does)."""
+    n = len(f)
+    i = torch.arange(n, dtype=torch.float64)
+    slope = float((i * f.log()).sum() / (i * i).sum()) if n > 1 else -1.0  # log f_i = slope * i
+    theta = float(torch.exp(torch.tensor(-slope * n, dtype=torch.float64)))
+    want = theta ** (-2 * i / (2 * n))
+    bad = ((f - want).abs() > rtol * want).nonzero().flatten()
+    return theta, int(bad[0]) if len(bad) else n
+
+
+def gguf_rope_limit(source, *, scaling: float = 1.0, rtol: float = 1e-6) -> int:
+    """The largest rope_dim llama.cpp's deepseek2 can turn with a source's rotary frequencies (0: none).
+
+    source: a transformers model (its rotary embedding: the frequencies before any conversion, with
+    their rope scaling), an attnlab RotaryEmbedding, or the frequencies (1-D tensor); scaling: the
+    cos/sin factor (a RotaryEmbedding's or a model's own is read from it). deepseek2 turns pair i at
+    rope_theta^(-2i/p) with no per-pair factor and no cos/sin factor, so the limit is 2 x the number
+    of the fastest distinct source frequencies that form such a sequence from the fastest one, which
+    must be 1: without rope scaling every pair (head_dim); with Llama 3's, the unscaled fast pairs (and
+    one more, since two frequencies from 1 always fit). RoRoPE by frequency (`--rope-select rorope`)
+    with rope_dim at most this keeps exactly those.
+    """
+    freq = source
+    if hasattr(source, "config") and hasattr(source, "model"):  # a transformers causal LM
+        from .adapters import rope_from_rotary
+        rot = getattr(source.model, "rotary_emb", None)
+        if rot is None:
+            raise ValueError("gguf_rope_limit needs a Llama-family model (its rotary embedding)")
+        freq = rope_from_rotary(source.config, rot)
+    if hasattr(freq, "inv_freq"):
+        scaling, freq = float(freq.scaling), freq.inv_freq
+    f = torch.unique(torch.as_tensor(freq, dtype=torch.float64).flatten()).flip(0)  # distinct, fastest first
+    if scaling != 1.0 or not len(f) or abs(float(f[0]) - 1.0) > rtol:
+        return 0
+    n = 1
+    for k in range(2, len(f) + 1):
+        if _geometric_theta(f[:k], rtol)[1] < k:
+            break
+        n = k
+    return 2 * n
+
+
+def _rope_advice(limit: int | None) -> str:
+    if limit is None:
+        return ("export with --format deepseek (which carries per-pair frequencies), or convert with "
+                "--rope-select rorope and a rope_dim within export_gguf.gguf_rope_limit(model)")
+    if limit == 0:
+        return ("this source's rotary embedding has no such sequence (its fastest pair does not turn at 1, or "
+                "cos/sin are scaled): export with --format deepseek, which carries per-pair frequencies")
+    return (f"export with --format deepseek (which carries per-pair frequencies), or convert with --rope-select "
+            f"rorope --rope-dim <= {limit} (this source's limit for llama.cpp: export_gguf.gguf_rope_limit)")
+
+
+def rope_order(m: MultiHeadLatentAttention, rtol: float = 1e-6, *, limit: int | None = None) -> tuple[torch.Tensor,
+                                                                                                     float]:
     """(perm, rope_theta): rope dims reordered into consecutive pairs, fastest first, and the base that gives them.
 
     perm[k] is the attnlab rope dim that becomes llama.cpp's rope dim k. Raises a ValueError
-    naming the frequencies when llama.cpp cannot turn them. rtol: transformers computes a
-    source's frequencies in float32 (and llama.cpp its angles), so they agree to float32
-    rounding; rope_theta is the least-squares fit of log f_i = -(2i/p) log theta.
+    naming the frequencies when llama.cpp cannot turn them, with the way out (limit: the source's
+    gguf_rope_limit, named in it). rtol: transformers computes a source's frequencies in float32 (and
+    llama.cpp its angles), so they agree to float32 rounding; rope_theta is the least-squares fit of
+    log f_i = -(2i/p) log theta.
     """
     p = m.rope_dim
     kept = m.rope.inv_freq.to(torch.float64)  # (p/2,)
@@ -66,47 +124,64 @@ def rope_order(m: MultiHeadLatentAttention, rtol: float = 1e-6) -> tuple[torch.T
     f = kept[order]
     if m.rope.scaling != 1.0:
         raise ValueError(f"the rotary embedding scales cos/sin by {m.rope.scaling} (the source's rope scaling); "
-                         "llama.cpp's deepseek2 has no such factor")
-    i = torch.arange(p // 2, dtype=torch.float64)
-    slope = float((i * f.log()).sum() / (i * i).sum()) if p > 2 else -1.0  # log f_i = slope * i
-    theta = float(torch.exp(torch.tensor(-slope * p / 2, dtype=torch.float64)))
-    want = theta ** (-2 * i / p)
-    bad = ((f - want).abs() > rtol * want).nonzero().flatten()
-    if len(bad):
-        j = int(bad[0])
+                         f"llama.cpp's deepseek2 has no such factor: {_rope_advice(0)}")
+    theta, j = _geometric_theta(f, rtol)
+    if j < len(f) or abs(float(f[0]) - 1.0) > rtol:
+        want = theta ** (-2 * j / p) if j < len(f) else 1.0
+        j = j if j < len(f) else 0
+        twice = " (a frequency kept twice)" if len(torch.unique(f)) < len(f) else ""
         raise ValueError(
             f"llama.cpp's deepseek2 turns rope pair i at rope_theta^(-2i/{p}) with no per-pair factors, but the kept "
             f"frequencies (fastest first) are not such a sequence: pair {j} turns at {float(f[j]):.6g}, not "
-            f"{float(want[j]):.6g}{' (a frequency kept twice)' if len(torch.unique(f)) < len(f) else ''}; convert "
-            f"with --rope-select rorope and --rope-dim <= head_dim ({m.head_dim}), which keeps the fastest distinct pairs")
+            f"{float(want):.6g}{twice}; {_rope_advice(limit)}")
     half = p // 2
     a = order * 2 if m.rope.interleaved else order  # (p/2,) first dim of each pair, fastest first
     b = a + 1 if m.rope.interleaved else order + half
     return torch.stack([a, b], dim=1).reshape(-1), theta  # (p,)
 
 
-def check_gguf_exportable(modules) -> None:
-    """Refuse, naming the layer and the reason, what llama.cpp's deepseek2 cannot hold."""
+def check_gguf_exportable(modules, *, limit: int | None = None, exact_f32: bool = False) -> None:
+    """Refuse, naming the layer and the reason, what llama.cpp's deepseek2 cannot hold (limit: gguf_rope_limit)."""
     check_exportable(modules)
-    _check_gguf_only(modules)
+    _check_gguf_only(modules, limit, exact_f32)
 
 
-def _check_gguf_only(modules) -> None:
+def _check_gguf_only(modules, limit: int | None = None, exact_f32: bool = False) -> None:
     """What llama.cpp refuses beyond check_exportable (which export_preflight has run)."""
+    rope_order(modules[0], limit=limit)
     for i, m in enumerate(modules):
         if m.W_O.bias is not None:
             raise ValueError(f"layer {i} has an output bias; llama.cpp's deepseek2 attn_output has none")
-    rope_order(modules[0])
+        if m.kv_norm is None and not exact_f32:
+            raise ValueError(NEEDS_NORM.format(i=i))
+
+
+NEEDS_NORM = ("layer {i}'s MLA has no latent norm, which llama.cpp always applies (and attn_kv_a_mqa has no bias for "
+              "the DeepSeek export's constant channel): give calibration text to fit one (--calibration FILE; "
+              "export.add_steady_channels), or convert with --latent-norm steady; exact_f32=True (--exact-f32) "
+              "writes the exact linear form instead, which llama.cpp's quantisers (Q8_0, Q4_K_M) destroy")
 
 
 def gguf_ready(m: MultiHeadLatentAttention, input_norm: torch.Tensor, eps: float) -> MultiHeadLatentAttention:
-    """The layer as llama.cpp will run it: an MLA without a latent norm gets export.linear_latent_norm.
+    """The layer as llama.cpp will run it, with the model's rms_norm_eps `eps` in its latent norm.
 
-    input_norm: the weight of the RMSNorm before the attention (its input has norm at most
-    max|weight| sqrt(dim)); eps: the model's rms_norm_eps, which llama.cpp's latent norm uses.
+    An MLA with a latent norm of eps e gets its W_DKV rows times sqrt(eps / e): the norm
+    k c / sqrt(mean((k c)^2) + eps) equals c / sqrt(mean(c^2) + e) exactly when k^2 = eps / e.
+    One without a norm gets export.linear_latent_norm (the exact F32 form); input_norm: the
+    weight of the RMSNorm before the attention (its input has norm at most max|weight| sqrt(dim)).
     """
+    import numpy as np
+
     if m.kv_norm is not None:
-        return m
+        ours, theirs = float(m.kv_norm.eps), float(np.float32(eps))  # llama.cpp adds eps in float32
+        if float(np.float32(ours)) == theirs:
+            return m
+        new = copy.deepcopy(m)
+        with torch.no_grad():
+            new.W_DKV.weight.copy_((m.W_DKV.weight.detach().to(torch.float64) * math.sqrt(theirs / ours))
+                                   .to(m.W_DKV.weight.dtype))
+            new.kv_norm.eps = theirs
+        return new
     bound = float(input_norm.detach().abs().max()) * math.sqrt(m.dim)
     return linear_latent_norm(m, bound, eps)[0]
 
@@ -201,19 +276,22 @@ def _array(t: torch.Tensor, f32: bool = False) -> tuple[np.ndarray, object]:
     raise ValueError(f"cannot write a {t.dtype} tensor to GGUF")
 
 
-def export_gguf(model, path, tokenizer=None, *, force: bool = False, pre_tokenizer: str | None = None) -> Path:
+def export_gguf(model, path, tokenizer=None, *, force: bool = False, pre_tokenizer: str | None = None,
+                exact_f32: bool = False) -> Path:
     """Write an attnlab'd, converted Llama-family model as one GGUF file (llama.cpp `deepseek2`), atomically.
 
-    Every layer must be a decoupled-RoPE MLA with a latent norm and frequencies llama.cpp
-    can turn (check_gguf_exportable says why not). The tokenizer comes from the source
-    (model.attnlab_source, set when loading a checkpoint or bundled model): a GGUF's
-    tokenizer fields are copied; a folder's tokenizer.json is written with `tokenizer`.
+    Every layer must be a decoupled-RoPE MLA with frequencies llama.cpp can turn (within
+    gguf_rope_limit(model)) and a latent norm (export.add_steady_channels fits one; with
+    exact_f32=True an MLA without one is written in the exact linear F32 form instead, which
+    llama.cpp's quantisers destroy); check_gguf_exportable says why not. The tokenizer comes
+    from the source (model.attnlab_source, set when loading a checkpoint or bundled model): a
+    GGUF's tokenizer fields are copied; a folder's tokenizer.json is written with `tokenizer`.
     """
     import gguf
 
     path = Path(path)
-    modules = export_preflight(model, path, force, "export_gguf")
-    _check_gguf_only(modules)
+    modules = export_preflight(model, path, force, "export_gguf", ours=is_attnlab_gguf)
+    _check_gguf_only(modules, gguf_rope_limit(model), exact_f32)
     cfg = model.config
     source = getattr(model, "attnlab_source", None)
     if source is None:
@@ -229,6 +307,7 @@ def export_gguf(model, path, tokenizer=None, *, force: bool = False, pre_tokeniz
 
     def build(writer) -> None:
         writer.add_name(f"{source.stem} (attnlab MLA)")
+        writer.add_string(WRITTEN_BY, "attnlab")  # what --force recognises as attnlab's own file
         writer.add_context_length(int(getattr(cfg, "max_position_embeddings", 4096) or 4096))
         writer.add_embedding_length(cfg.hidden_size)
         writer.add_block_count(L)
@@ -256,15 +335,15 @@ def export_gguf(model, path, tokenizer=None, *, force: bool = False, pre_tokeniz
         else:
             _folder_tokenizer(writer, source, tokenizer, pre_tokenizer)
 
-        def add(name, t):  # the small pre-norm latent (linear_latent_norm) needs float32's exponent range
-            arr, raw = _array(t, f32=name.endswith("attn_kv_a_mqa.weight"))
+        def add(name, t, f32=False):
+            arr, raw = _array(t, f32=f32)
             writer.add_tensor(name, arr, raw_dtype=raw)
         add("token_embd.weight", base.embed_tokens.weight)
         for i, (layer, m) in enumerate(zip(_layers(model), modules)):
             add(f"blk.{i}.attn_norm.weight", layer.input_layernorm.weight)
             ready = gguf_ready(m, layer.input_layernorm.weight, float(cfg.rms_norm_eps))
-            for k, v in gguf_attention_tensors(ready, i).items():
-                add(k, v)
+            for k, v in gguf_attention_tensors(ready, i).items():  # linear_latent_norm's small pre-norm latent
+                add(k, v, f32=m.kv_norm is None and k.endswith("attn_kv_a_mqa.weight"))  # needs float32's range
             add(f"blk.{i}.ffn_norm.weight", layer.post_attention_layernorm.weight)
             for ours, theirs in (("gate_proj", "ffn_gate"), ("up_proj", "ffn_up"), ("down_proj", "ffn_down")):
                 add(f"blk.{i}.{theirs}.weight", getattr(layer.mlp, ours).weight)
@@ -272,25 +351,36 @@ def export_gguf(model, path, tokenizer=None, *, force: bool = False, pre_tokeniz
         if not tied:
             add("output.weight", model.lm_head.weight)
 
-    return write_gguf(path, ARCH, build)
+    from .store import sources_of
+
+    return write_gguf(path, ARCH, build, force=force, sources=sources_of(model))
 
 
-def write_gguf(path: Path, arch: str, build) -> Path:
-    """build(writer) fills a GGUFWriter; the file is written beside `path` under a temporary name, then renamed."""
+WRITTEN_BY = "attnlab.written_by"
+
+
+def is_attnlab_gguf(path) -> bool:
+    """True for a GGUF file attnlab wrote (its metadata carries WRITTEN_BY): what --force may replace."""
+    try:
+        from gguf import GGUFReader
+
+        return WRITTEN_BY in GGUFReader(str(path)).fields
+    except Exception:  # noqa: BLE001 - not a GGUF at all, or unreadable: not ours
+        return False
+
+
+def write_gguf(path: Path, arch: str, build, *, force: bool = False, sources=()) -> Path:
+    """build(writer) fills a GGUFWriter; written under a temporary name beside `path`, then renamed
+    (io.folders.write_file: an existing file is replaced only with force and only if attnlab wrote it)."""
     import gguf
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    os.close(fd)
-    try:
-        writer = gguf.GGUFWriter(tmp, arch)
+    from ..io.folders import write_file
+
+    def write(tmp: Path) -> None:
+        writer = gguf.GGUFWriter(str(tmp), arch)
         build(writer)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
         writer.close()
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    return write_file(path, write, force=force, sources=sources, ours=is_attnlab_gguf)

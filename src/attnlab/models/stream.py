@@ -9,7 +9,10 @@ into place at the end (nothing half-written is left on error).
 Calibration, optional: the token ids' hidden states are carried through the layers as
 they are read, twice: through the original layers (their inputs whiten each layer's SVD,
 as convert_model does from one forward of the original model) and through the converted
-ones (their inputs fit the latent norm, as add_latent_norms does). The result equals the
+ones (their inputs fit the latent norm, as add_latent_norms does). RoRoPE by score allocates
+the kept planes for all layers at once (convert.transforms.shared_planes), so it reads the
+attention weights (and carries the calibration states through the original layers) in a
+first pass that only scores the planes, then converts in a second. The result equals the
 in-memory convert_model + add_latent_norms + export_deepseek (tests/test_export.py).
 """
 from __future__ import annotations
@@ -86,7 +89,9 @@ def _rope(folder: Path):
 
 
 def _attention(cfg: dict, rope, tensors: LazyTensors, i: int) -> GroupedQueryAttention:
-    """Layer i's attention as an attnlab GQA (float32), as adapters.to_attnlab builds it."""
+    """Layer i's attention as an attnlab GQA (float32), as adapters.to_attnlab builds it; weights checked finite."""
+    from .convert import check_finite
+
     D, H = cfg["hidden_size"], cfg["num_attention_heads"]
     G = cfg.get("num_key_value_heads") or H
     d = cfg.get("head_dim") or D // H
@@ -100,6 +105,8 @@ def _attention(cfg: dict, rope, tensors: LazyTensors, i: int) -> GroupedQueryAtt
             if lin.bias is not None:
                 b = p + name + ".bias"
                 lin.bias.copy_(tensors.get(b) if b in tensors else torch.zeros_like(lin.bias))
+    check_finite(i, {f"{name}.weight": lin.weight for lin, name in ((m.W_Q, "q_proj"), (m.W_K, "k_proj"),
+                                                                      (m.W_V, "v_proj"), (m.W_O, "o_proj"))})
     return m
 
 
@@ -134,16 +141,44 @@ class _Block:
 
 
 def calibration_ids_for(folder, text, max_tokens: int | None = None) -> torch.Tensor:
-    """Token ids (1, N) of a text file, with the checkpoint's own tokenizer."""
+    """Token ids (1, N) of a text file, with the checkpoint's own tokenizer (at most max_tokens, positive)."""
     from transformers import AutoTokenizer
 
     from .evaluate import read_text_ids
+
+    if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
+        raise ValueError(f"calibration tokens must be a positive number of tokens, got {max_tokens!r}")
 
     try:
         tok = AutoTokenizer.from_pretrained(str(folder))
     except (OSError, ValueError) as e:
         raise ValueError(f"{folder}: calibration needs the checkpoint's tokenizer files: {e}") from None
-    return read_text_ids(tok, text, max_tokens)
+    ids = read_text_ids(tok, text, max_tokens)
+    if ids.numel() == 0:
+        raise ValueError(f"{text}: 0 tokens; calibration needs text")
+    return ids
+
+
+def _plane_scores(cfg: dict, rope, tensors: LazyTensors, calibration_ids: torch.Tensor | None) -> torch.Tensor:
+    """(layers, d/2, G) rorope_plane_scores of every layer: the first pass of a rorope-score conversion.
+
+    Reads each layer's attention (and, with calibration, its norms and MLP to carry the hidden
+    states through the original layers, as the converting pass will).
+    """
+    from ..convert.decoupled import rorope_plane_scores
+
+    h = None
+    if calibration_ids is not None:
+        h = tensors.get("model.embed_tokens.weight")[calibration_ids.reshape(-1)].to(F32)  # (N, D)
+    scores = []
+    for i in range(cfg["num_hidden_layers"]):
+        gqa = _attention(cfg, rope, tensors, i)
+        block = _Block(cfg, tensors, i) if h is not None else None
+        scores.append(rorope_plane_scores(gqa, block.attention_input(h) if h is not None else None))
+        if h is not None:
+            h = block.forward(h, gqa)
+        del gqa, block
+    return torch.stack(scores)
 
 
 def convert_checkpoint(source, out, *, latent_dim: int | None, rope_dim: int | None = None,
@@ -153,35 +188,50 @@ def convert_checkpoint(source, out, *, latent_dim: int | None, rope_dim: int | N
     """Stream a Llama/Mistral/Qwen2 folder into a DeepSeek-V3 MLA checkpoint at `out`; returns a summary.
 
     latent_dim, rope_dim, pair_selection, balance: as convert_model (decoupled RoPE; rope_dim defaults to
-    2 * num_kv_heads * 16). calibration_ids (1, N): token ids whose activations whiten the SVDs
-    and fit the latent norms. latent_norm: "constant" (exact: export.constant_channel, latent + 1)
-    or "fit" (add_latent_norm from calibration statistics, lossy). progress(i, n) is called after each layer.
+    2 * num_kv_heads * 16; rorope-score allocates its planes for all layers at once, as convert_model does).
+    calibration_ids (1, N): token ids whose activations whiten the SVDs and fit the latent norms.
+    latent_norm: "constant" (exact: export.constant_channel, latent + 1 cached) or "fit"
+    (add_latent_norm from the calibration, lossy; needs calibration_ids). progress(i, n) is
+    called after each layer.
     """
     from ..convert.decoupled import gqa_to_mla_decoupled, selection_options
-    from .convert import DEFAULT_ROPE_PAIRS
+    from .convert import DEFAULT_ROPE_PAIRS, ROROPE_SELECTIONS, check_rope_dim
+    from .export import kv_values_in_export
 
     folder, out = Path(str(source)), Path(str(out))
     if latent_dim is None:
         raise ValueError(NEEDS_LATENT)
     if latent_norm not in ("constant", "fit"):
         raise ValueError(f"latent_norm must be 'constant' or 'fit', got {latent_norm!r}")
+    if latent_norm == "fit" and calibration_ids is None:
+        raise ValueError("latent_norm='fit' fits the norm on calibration text: give calibration_ids (--calibration)")
+    if calibration_ids is not None and calibration_ids.numel() == 0:
+        raise ValueError("calibration_ids holds 0 tokens; calibration needs text")
     options = selection_options(pair_selection, balance)
     cfg = inspect_checkpoint(folder)
     check_source_config(cfg)
-    if out.exists() and not force:
-        raise ValueError(f"{out} exists; pass force=True (--force) to overwrite it")
+    from ..io.folders import check_output
+    check_output(out, force=force, sources=[folder])
     tensors = LazyTensors(folder)
     hf_cfg, rope = _rope(folder)
     L, G = cfg["num_hidden_layers"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    d = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     rope_dim = 2 * G * DEFAULT_ROPE_PAIRS if rope_dim is None else rope_dim
-    if rope_dim <= 0 or rope_dim % (2 * G):
-        raise ValueError(f"rope_dim ({rope_dim}) must be a positive multiple of 2 * num_kv_heads ({2 * G})")
+    count = check_rope_dim(rope_dim, G, d, pair_selection, positive=True)  # DeepSeek needs qk_rope_head_dim > 0
     if any(f"model.layers.{i}.self_attn.q_proj.bias" in tensors for i in range(L)):
         raise ValueError(f"{folder}: query bias (Qwen2's q_proj bias): DeepSeek's q_proj has none, and the bias's "
                          "product with each key varies from key to key, so it cannot be folded")
     dtype = tensors.get("model.layers.0.self_attn.q_proj.weight").dtype
     tied = bool(getattr(hf_cfg, "tie_word_embeddings", False))
     errors: list[float] = []
+    planes = None
+    if pair_selection == "rorope-score":
+        from .convert import plane_choice
+        planes = plane_choice(list(_plane_scores(cfg, rope, tensors, calibration_ids)), count)
+    if pair_selection not in ROROPE_SELECTIONS:
+        how = {"rope_pairs": count}
+    else:
+        how = {"rope_pairs": None, "rope_planes": count}
 
     def write(tmp: Path) -> None:
         shards = ShardWriter(tmp, shard_bytes)
@@ -198,8 +248,8 @@ def convert_checkpoint(source, out, *, latent_dim: int | None, rope_dim: int | N
             block = _Block(cfg, tensors, i)
             x_orig = block.attention_input(h_orig) if h_orig is not None else None
             x_conv = block.attention_input(h_conv) if h_conv is not None else None
-            mla, _ = gqa_to_mla_decoupled(gqa, latent_dim, rope_dim // (2 * G), calibration=x_orig,
-                                          **options)
+            layer = how if planes is None else {"rope_pairs": None, "planes": planes[i]}
+            mla, _ = gqa_to_mla_decoupled(gqa, latent_dim, calibration=x_orig, **layer, **options)
             mla, err = add_latent_norm(mla, x_conv) if latent_norm == "fit" else (mla, 0.0)
             check_exportable([first or mla, mla])
             first = first or mla
@@ -224,10 +274,10 @@ def convert_checkpoint(source, out, *, latent_dim: int | None, rope_dim: int | N
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         copy_tokenizer(folder, tmp)
 
-    write_folder(out, write)
-    kv_before = 2 * G * (cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
+    write_folder(out, write, force=force, sources=[folder], info={"what": "DeepSeek-V3 export (streamed)"})
     return {"source": str(folder), "out": str(out), "layers": L, "latent_dim": latent_dim, "rope_dim": rope_dim,
-            "kv_values_per_token_per_layer": [kv_before, latent_dim + rope_dim],
+            "kv_values_per_token_per_layer": [2 * G * d, kv_values_in_export(latent_dim, rope_dim,
+                                                                              latent_norm == "fit")],
             "latent_norm_output_errors": errors, "bytes_read": tensors.bytes_read,
             "calibration_tokens": 0 if calibration_ids is None else int(calibration_ids.numel()),
             "rms_latent_norm_error": math.sqrt(sum(e * e for e in errors) / max(len(errors), 1))}

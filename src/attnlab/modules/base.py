@@ -1,11 +1,11 @@
-"""What every attention module does before its own math: check inputs, find positions."""
+"""What every attention module does before its own math: check inputs, find positions; its KV storage."""
 from __future__ import annotations
 
 from torch import nn
 
 from . import checks
 from .attention import with_key_padding
-from .cache import _Cache
+from .cache import StorageFormat, _Cache, check_kv_dtype, round_trip
 from .rope import default_positions
 
 
@@ -18,6 +18,23 @@ class AttentionModule(nn.Module):
 
     dim: int
     context_dim: int
+    _kv_format: StorageFormat | None = None
+
+    @property
+    def kv_dtype(self) -> str | None:
+        """How this module's caches store keys and values ("fp32", "bf16", "int8", "fp8", "int8/g<N>",
+        "fp8/g<N>"; None: plain, in the activation dtype). init_cache defaults to it, and a forward without
+        one of attnlab's caches passes what it would cache through that storage (quantised and read back),
+        so that it equals cached decode. Part of config(); see modules/cache.py."""
+        return None if self._kv_format is None else self._kv_format.name
+
+    @kv_dtype.setter
+    def kv_dtype(self, value) -> None:
+        self._kv_format = check_kv_dtype(value)
+
+    def _as_stored(self, t, parts: tuple[int, ...]):
+        """t (..., W) as a cache of this module's kv_dtype would return it (t itself when kv_dtype is None)."""
+        return t if self._kv_format is None else round_trip(t, self._kv_format, parts)
 
     def _prepare(self, x, context, cache: _Cache | None, positions, mask, key_padding_mask, query_heads: int):
         """Validate; return (source of keys, query positions, merged mask or None)."""

@@ -1,4 +1,4 @@
-"""KV and latent caches: preallocated buffers that grow along the sequence axis.
+"""KV and latent caches: preallocated buffers that grow along the sequence axis, stored plain or quantised.
 
 A cache belongs to the module that made it (`module.init_cache(...)`) and is
 passed back to that module's forward. It is a plain object, not an nn.Module:
@@ -14,41 +14,220 @@ twice and then never again. Its tensors never enter a module's state_dict.
   Keeping them side by side lets the absorbed decode read key and value as
   views of one tensor, with no copy per step.
 
+Storage (`kv_dtype`; `cache.dtype` stays the activation dtype the cache returns):
+- None: plain, in the activation dtype (the default); "fp32", "bf16": plain in that dtype.
+- "int8": symmetric integers, code = round_half_even(x / s) clamped to [-127, 127], one
+  float32 scale s = amax / 127 per token and *part* of a row: for an MLA row the latent c
+  (r numbers) and the rotary key k_R (p numbers) have a scale each (k_R is rotated and not
+  normalised, its size has nothing to do with c's); for K and V of a GQA one per token and
+  KV head; for a GQA-tiled MLA row one per token and KV head of K and of V.
+- "fp8": torch.float8_e4m3fn codes of x / s with s = amax / 448 (its largest finite value),
+  the same scales; where the torch build has no float8_e4m3fn it is refused.
+- "int8/g<N>", "fp8/g<N>": one scale per N channels of a part instead of one per part.
+Per part is the default because per-group scales did not measure clearly better on a real
+model (docs/generation.md, "Quantised KV caches"): on SmolLM2-135M, int8 per part costs at
+most 1.003x perplexity on the GQA and nothing measurable on its MLA at half the KV values
+(2 scales, 8 bytes per token and layer); groups of 32 gained 0.1-0.2% on the GQA and nothing
+on the MLA for 7 scales (28 bytes) on the MLA's 192 codes.
+Scales are float32: 4 bytes each, counted in bytes_per_token; float16 would save 2 bytes a
+scale, but below amax = 127 * 6e-5 its scales turn subnormal and lose precision.
+Tokens are quantised once, when written (`extend`), and read back dequantised to the
+activation dtype, (code * s) computed in float32 (float64 for float64 activations).
+`round_trip` applies the same quantisation to new keys of a forward without a cache.
+
 Cross-attention: the first call with a context fills the cache and marks it
 `static`; later calls reuse it and append nothing.
 """
 from __future__ import annotations
 
 import copy
+import functools
+import re
 import weakref
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
 from . import checks
 
+KV_DTYPES = ("fp32", "bf16", "int8", "fp8")
+PLAIN = {"fp32": torch.float32, "bf16": torch.bfloat16}
+QMAX = {"int8": 127.0, "fp8": 448.0}  # the largest code: int8 symmetric, float8_e4m3fn's largest finite value
+SCALE_DTYPE = torch.float32
+_SPELLING = re.compile(r"(fp32|bf16)|(int8|fp8)(?:/g([1-9][0-9]*))?")
 
+
+@functools.cache
+def fp8_supported() -> bool:
+    """True where this torch build has torch.float8_e4m3fn and can cast to and from it."""
+    if not hasattr(torch, "float8_e4m3fn"):
+        return False
+    try:
+        return bool(torch.ones(1).to(torch.float8_e4m3fn).float().item() == 1.0)
+    except (RuntimeError, TypeError):
+        return False
+
+
+class StorageFormat(NamedTuple):
+    """A parsed kv_dtype: its spelling, its code ("fp32", "bf16", "int8", "fp8"), its scale group (None: per part)."""
+    name: str
+    code: str
+    group: int | None
+
+    @property
+    def quantised(self) -> bool:
+        return self.code in QMAX
+
+    @property
+    def storage_dtype(self) -> torch.dtype:
+        return PLAIN[self.code] if self.code in PLAIN else torch.int8 if self.code == "int8" else torch.float8_e4m3fn
+
+
+def check_kv_dtype(kv_dtype) -> StorageFormat | None:
+    """Parse a kv_dtype ("fp32", "bf16", "int8", "fp8", "int8/g<N>", "fp8/g<N>" or None); one-line errors."""
+    if kv_dtype is None:
+        return None
+    choices = "'fp32', 'bf16', 'int8', 'fp8' (or 'int8/g<N>', 'fp8/g<N>': one scale per N channels) or None"
+    if not isinstance(kv_dtype, str):
+        raise TypeError(f"kv_dtype must be one of {choices}, got {type(kv_dtype).__name__} ({kv_dtype!r})")
+    found = _SPELLING.fullmatch(kv_dtype)
+    if found is None:
+        raise ValueError(f"kv_dtype must be one of {choices}, got {kv_dtype!r}")
+    code = found.group(1) or found.group(2)
+    if code == "fp8" and not fp8_supported():
+        raise ValueError(f"kv_dtype {kv_dtype!r} needs torch.float8_e4m3fn, which torch {torch.__version__} "
+                         "does not support; use 'int8'")
+    return StorageFormat(kv_dtype, code, int(found.group(3)) if found.group(3) else None)
+
+
+# -- quantisation --------------------------------------------------------------------------------
+def num_scales(parts: tuple[int, ...], group: int | None) -> int:
+    """Scales per row: one per part, or one per `group` channels of each part (the last group may be short)."""
+    return sum(1 if group is None else -(-w // group) for w in parts)
+
+
+def scale_index(parts: tuple[int, ...], group: int | None, device) -> torch.Tensor:
+    """(W,) int64: the scale column of each channel of a row (made on `device`, no host copy)."""
+    cols, first = [], 0
+    for w in parts:
+        g = w if group is None else group
+        cols.append(torch.arange(w, device=device) // g + first)
+        first += -(-w // g)
+    return torch.cat(cols)  # (W,)
+
+
+def quantise(x: torch.Tensor, parts: tuple[int, ...], fmt: StorageFormat) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (..., W) -> codes (..., W) in fmt's storage dtype and float32 scales (..., n); see the module docstring."""
+    xf = x.to(torch.promote_types(x.dtype, SCALE_DTYPE))  # (..., W)
+    amax, start = [], 0
+    for w in parts:
+        part = xf[..., start:start + w].abs()  # (..., w)
+        if fmt.group is None or fmt.group >= w:
+            amax.append(part.amax(-1, keepdim=True))  # (..., 1)
+        else:
+            n = -(-w // fmt.group)
+            part = nn.functional.pad(part, (0, n * fmt.group - w))  # (..., n*g), zeros do not raise amax
+            amax.append(part.unflatten(-1, (n, fmt.group)).amax(-1))  # (..., n)
+        start += w
+    scales = (torch.cat(amax, -1) / QMAX[fmt.code]).to(SCALE_DTYPE)  # (..., n)
+    s = scales.index_select(-1, scale_index(parts, fmt.group, x.device)).to(xf.dtype)  # (..., W)
+    y = xf / torch.where(s > 0, s, torch.ones_like(s))  # (..., W), |y| <= QMAX up to rounding
+    if fmt.code == "int8":
+        return torch.round(y).clamp_(-127, 127).to(torch.int8), scales
+    return y.clamp_(-QMAX["fp8"], QMAX["fp8"]).to(torch.float8_e4m3fn), scales
+
+
+def dequantise(codes: torch.Tensor, scales: torch.Tensor, parts: tuple[int, ...], group: int | None,
+               dtype: torch.dtype) -> torch.Tensor:
+    """codes (..., W), scales (..., n) -> (codes * scale) (..., W) in `dtype`, multiplied in float32
+    (float64 for float64)."""
+    work = torch.promote_types(dtype, SCALE_DTYPE)
+    s = scales.index_select(-1, scale_index(parts, group, codes.device)).to(work)  # (..., W)
+    return (codes.to(work) * s).to(dtype)
+
+
+def round_trip(x: torch.Tensor, kv_dtype, parts: tuple[int, ...]) -> torch.Tensor:
+    """x as a cache with this kv_dtype (a spelling or a StorageFormat) returns it: quantised then
+    dequantised, or rounded to a plain storage dtype."""
+    fmt = kv_dtype if isinstance(kv_dtype, StorageFormat) else check_kv_dtype(kv_dtype)
+    if fmt is None:
+        return x
+    if not fmt.quantised:
+        return x.to(fmt.storage_dtype).to(x.dtype)
+    codes, scales = quantise(x, parts, fmt)
+    return dequantise(codes, scales, parts, fmt.group, x.dtype)
+
+
+class QuantisedKV(NamedTuple):
+    """Rows of a quantised cache as stored: codes (..., S, W), float32 scales (..., S, n), how scales map
+    to channels (parts, group), and the activation dtype they are read back in."""
+    data: torch.Tensor
+    scales: torch.Tensor
+    parts: tuple[int, ...]
+    group: int | None
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+    def dequantise(self) -> torch.Tensor:
+        return dequantise(self.data, self.scales, self.parts, self.group, self.dtype)  # (..., S, W)
+
+
+def dense(kv):
+    """A tensor as it is; QuantisedKV rows dequantised."""
+    return kv.dequantise() if isinstance(kv, QuantisedKV) else kv
+
+
+# -- the caches ----------------------------------------------------------------------------------
 class _Cache:
-    """Named buffers of shape (B, ..., S_max, width) that share a length."""
+    """Named buffers of shape (B, ..., S_max, width) that share a length; quantised ones with scales beside them.
+
+    parts[name]: the widths each scale covers in a row of buffer `name` (see the module docstring).
+    """
 
     def __init__(self, owner: nn.Module, batch_size: int, max_len: int, buffers: dict[str, tuple[int, ...]],
-                 dtype: torch.dtype, device):
+                 dtype: torch.dtype, device, *, kv_dtype=None, parts: dict[str, tuple[int, ...]] | None = None):
         checks.positive_int("batch_size", batch_size)
         checks.positive_int("max_len", max_len)
+        fmt = check_kv_dtype(kv_dtype)
         self._owner = weakref.ref(owner)
         self.batch_size, self.max_len = batch_size, max_len
         self._length = 0
         self.static = False
-        for name, shape in buffers.items():
-            setattr(self, name, torch.zeros(shape, dtype=dtype, device=device))
+        self._dtype, self.kv_dtype, self._format = dtype, kv_dtype, fmt
+        stored = dtype if fmt is None else fmt.storage_dtype
+        self._parts = {name: (parts or {}).get(name, (shape[-1],)) for name, shape in buffers.items()}
         self._names = list(buffers)
+        self._scale_names = {}
+        for name, shape in buffers.items():
+            setattr(self, name, torch.zeros(shape, dtype=stored, device=device))
+            if fmt is not None and fmt.quantised:
+                if sum(self._parts[name]) != shape[-1]:
+                    raise ValueError(f"scale parts {self._parts[name]} of {name} do not add up to its width "
+                                     f"{shape[-1]}")
+                self._scale_names[name] = name + "_scales"
+                setattr(self, name + "_scales", torch.zeros(
+                    *shape[:-1], num_scales(self._parts[name], fmt.group), dtype=SCALE_DTYPE, device=device))
 
     def tensors(self) -> list[torch.Tensor]:
-        return [getattr(self, n) for n in self._names]
+        """Every tensor the cache allocated: the buffers and, for quantised storage, their scales."""
+        return [getattr(self, n) for n in self._names + list(self._scale_names.values())]
 
     @property
     def dtype(self) -> torch.dtype:
+        """The activation dtype the cache takes and returns (its storage is `kv_dtype`)."""
+        return self._dtype
+
+    @property
+    def storage_dtype(self) -> torch.dtype:
         return getattr(self, self._names[0]).dtype
+
+    @property
+    def quantised(self) -> bool:
+        return bool(self._scale_names)
 
     @property
     def device(self) -> torch.device:
@@ -56,12 +235,12 @@ class _Cache:
 
     @property
     def values_per_token(self) -> int:
-        """Numbers stored per token of one sequence, counted from the allocated buffers."""
+        """Numbers stored per token of one sequence (scales included), counted from the allocated tensors."""
         return sum(b.numel() for b in self.tensors()) // (self.batch_size * self.max_len)
 
     @property
     def bytes_per_token(self) -> int:
-        """Bytes stored per token of one sequence, measured from the allocated buffers."""
+        """Bytes stored per token of one sequence (scales included), measured from the allocated tensors."""
         return sum(b.numel() * b.element_size() for b in self.tensors()) // (self.batch_size * self.max_len)
 
     @property
@@ -112,26 +291,61 @@ class _Cache:
         if dtype != self.dtype:
             raise ValueError(f"cache holds {self.dtype} but the input is {dtype}")
 
-    def extend(self, **new: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Write the new tokens after the cached ones; return each buffer up to the new length."""
+    # -- writing and reading -----------------------------------------------------------------
+    def _encode(self, name: str, t: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(buffer, rows to write into it) pairs for new rows t of buffer `name`: codes and scales, or t in storage."""
+        buf = getattr(self, name)
+        if name not in self._scale_names:
+            return [(buf, t.to(buf.dtype))]
+        codes, scales = quantise(t, self._parts[name], self._format)
+        return [(buf, codes), (getattr(self, self._scale_names[name]), scales)]
+
+    def write(self, **new: torch.Tensor) -> None:
+        """Write the new tokens after the cached ones (at the slot, for a fixed_slot view), quantised if so stored."""
         n = next(iter(new.values())).shape[-2]
         if self._slot is not None:
             if n != 1:
                 raise ValueError(f"a fixed_slot view writes one token per call, got {n}")
             for name, t in new.items():
-                buf = getattr(self, name)
-                buf.index_copy_(buf.dim() - 2, self._slot, t)
-            return tuple(self.tensors())
+                for buf, rows in self._encode(name, t):
+                    if buf.element_size() == 1 and buf.is_floating_point():  # index_copy_ lacks float8: copy bytes
+                        buf, rows = buf.view(torch.uint8), rows.view(torch.uint8)
+                    buf.index_copy_(buf.dim() - 2, self._slot, rows)
+            return
         if self.length + n > self.max_len:
             raise ValueError(f"cannot append {n} tokens: the cache holds {self.length} of max_len {self.max_len}")
         end = self.length + n
-        out = []
         for name, t in new.items():
-            buf = getattr(self, name)
-            buf[..., self.length:end, :] = t
-            out.append(buf[..., :end, :])
+            for buf, rows in self._encode(name, t):
+                buf[..., self.length:end, :] = rows
         self._length = end
+
+    def stored(self, rows: int | None = None) -> tuple:
+        """Each buffer's first `rows` rows (default: the tokens held; a fixed_slot view: all max_len) as stored:
+        a tensor in the activation dtype for plain storage, QuantisedKV for quantised storage."""
+        if rows is None:
+            rows = self.max_len if self._slot is not None else self._length
+        out = []
+        for name in self._names:
+            buf = getattr(self, name)[..., :rows, :]
+            if name in self._scale_names:
+                scales = getattr(self, self._scale_names[name])[..., :rows, :]
+                out.append(QuantisedKV(buf, scales, self._parts[name], self._format.group, self.dtype))
+            else:
+                out.append(buf if buf.dtype == self.dtype else buf.to(self.dtype))
         return tuple(out)
+
+    def extend(self, **new: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Write the new tokens after the cached ones; return each buffer up to the new length (the
+        whole buffers for a fixed_slot view), in the activation dtype (dequantised)."""
+        self.write(**new)
+        return tuple(dense(t) for t in self.stored())
+
+    def extend_stored(self, **new: torch.Tensor) -> tuple:
+        """As extend, but quantised buffers come back as stored (QuantisedKV), for readers that dequantise
+        themselves (the absorbed-decode kernel)."""
+        self.write(**new)
+        return self.stored()
 
     def batch_view(self, batch_size: int) -> "_Cache":
         """This cache for its first `batch_size` rows, sharing its memory (a smaller batch in a bigger cache)."""
@@ -141,29 +355,43 @@ class _Cache:
         if batch_size == self.batch_size:
             return self
         part = copy.copy(self)
-        for name in self._names:
+        for name in self._names + list(self._scale_names.values()):
             setattr(part, name, getattr(self, name)[:batch_size])
         part.batch_size = batch_size
         return part
 
     def view(self) -> tuple[torch.Tensor, ...]:
-        return tuple(b[..., :self.length, :] for b in self.tensors())
+        """The tokens held, in the activation dtype (dequantised)."""
+        return tuple(dense(t) for t in self.stored(self.length))
+
+    def view_stored(self) -> tuple:
+        """The tokens held, as stored (see stored())."""
+        return self.stored(self.length)
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(batch_size={self.batch_size}, max_len={self.max_len}, length={self.length}, dtype={self.dtype})"
+        return (f"{type(self).__name__}(batch_size={self.batch_size}, max_len={self.max_len}, length={self.length}, "
+                f"dtype={self.dtype}, kv_dtype={self.kv_dtype!r})")
 
 
 class KVCache(_Cache):
+    """K (B, G, S_max, d) and V (B, G, S_max, dv); quantised: scales per token and KV head (or per group)."""
+
     def __init__(self, owner, batch_size: int, max_len: int, num_kv_heads: int, head_dim: int, v_head_dim: int,
-                 *, dtype, device=None):
+                 *, dtype, device=None, kv_dtype=None):
         super().__init__(owner, batch_size, max_len, {
             "k": (batch_size, num_kv_heads, max_len, head_dim),
             "v": (batch_size, num_kv_heads, max_len, v_head_dim),
-        }, dtype, device)
+        }, dtype, device, kv_dtype=kv_dtype)
 
 
 class LatentCache(_Cache):
-    def __init__(self, owner, batch_size: int, max_len: int, latent_dim: int, rope_dim: int, *, dtype, device=None):
+    """[c, k_R] rows (B, S_max, r + p); quantised: a scale per token for c and one for k_R (or per group),
+    or, for a GQA-tiled MLA, `parts` = its KV heads' widths (one scale per token and head of K and of V)."""
+
+    def __init__(self, owner, batch_size: int, max_len: int, latent_dim: int, rope_dim: int, *, dtype, device=None,
+                 kv_dtype=None, parts: tuple[int, ...] | None = None):
+        if parts is None:
+            parts = (latent_dim, rope_dim) if rope_dim else (latent_dim,)
         super().__init__(owner, batch_size, max_len, {"kv": (batch_size, max_len, latent_dim + rope_dim)},
-                         dtype, device)
+                         dtype, device, kv_dtype=kv_dtype, parts={"kv": tuple(parts)})
         self.latent_dim, self.rope_dim = latent_dim, rope_dim

@@ -34,13 +34,16 @@ class GroupedQueryAttention(AttentionModule):
         grouping: "strided" (query head h reads KV head h mod G) or "blocked" (h // (H/G)).
         rope_base: apply rotary embeddings of this base to q and k (None: no RoPE).
         rope_interleaved: rotate pairs (2i, 2i+1) instead of (i, i + d/2).
+        kv_dtype: storage of K and V in a cache ("fp32", "bf16", "int8", "fp8", "int8/g<N>", "fp8/g<N>";
+            None: plain, in the activation dtype); see AttentionModule.kv_dtype and modules/cache.py.
     """
 
     def __init__(self, dim: int, num_heads: int, num_kv_heads: int, *, head_dim: int | None = None,
                  v_head_dim: int | None = None, context_dim: int | None = None, bias: bool = False,
                  grouping: str = "strided", rope_base: float | None = None, rope_interleaved: bool = False,
-                 device=None, dtype=None):
+                 kv_dtype: str | None = None, device=None, dtype=None):
         super().__init__()
+        self.kv_dtype = kv_dtype
         checks.positive_int("dim", dim)
         checks.positive_int("num_heads", num_heads)
         checks.positive_int("num_kv_heads", num_kv_heads)
@@ -66,7 +69,7 @@ class GroupedQueryAttention(AttentionModule):
         return dict(dim=self.dim, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
                     v_head_dim=self.v_head_dim, context_dim=self.context_dim, bias=self.W_Q.bias is not None,
                     grouping=self.grouping, rope_base=None if self.rope is None else self.rope.base,
-                    rope_interleaved=False if self.rope is None else self.rope.interleaved)
+                    rope_interleaved=False if self.rope is None else self.rope.interleaved, kv_dtype=self.kv_dtype)
 
     @property
     def scale(self) -> float:
@@ -77,10 +80,14 @@ class GroupedQueryAttention(AttentionModule):
         """Numbers a KV cache stores per token (Part 14): G*(d + dv); 2*D for MHA with d = D/H."""
         return self.num_kv_heads * (self.head_dim + self.v_head_dim)
 
-    def init_cache(self, batch_size: int, max_len: int, *, dtype=None, device=None) -> KVCache:
-        """A preallocated cache of K and V for num_kv_heads heads."""
+    def init_cache(self, batch_size: int, max_len: int, *, dtype=None, device=None, kv_dtype=None) -> KVCache:
+        """A preallocated cache of K and V for num_kv_heads heads.
+
+        dtype: the activation dtype it takes and returns (default the weights'); kv_dtype: its storage
+        (default self.kv_dtype; None: plain in dtype)."""
         return KVCache(self, batch_size, max_len, self.num_kv_heads, self.head_dim, self.v_head_dim,
-                       dtype=dtype or self._anchor.dtype, device=device or self._anchor.device)
+                       dtype=dtype or self._anchor.dtype, device=device or self._anchor.device,
+                       kv_dtype=kv_dtype if kv_dtype is not None else self.kv_dtype)
 
     def project_kv(self, source: torch.Tensor, positions: torch.Tensor | None = None):
         """K (B, G, S, d) and V (B, G, S, dv) of a sequence, RoPE applied to K at `positions`."""
@@ -99,6 +106,7 @@ class GroupedQueryAttention(AttentionModule):
         mask: bool (True = may attend) or additive float, broadcastable to (B, H, L, S).
         key_padding_mask: (B, S) bool, True for real tokens. is_causal: bottom-right aligned.
         cache: from init_cache(); the new K/V are appended and everything cached is attended.
+            Without one (or with transformers' cache), K/V go through self.kv_dtype's storage first.
         positions: RoPE positions of x, (L,) or (B, L); default cache.length + arange(L).
         """
         source, positions, mask = self._prepare(x, context, cache, positions, mask,
@@ -111,6 +119,8 @@ class GroupedQueryAttention(AttentionModule):
             k, v = cache.view()  # (B, G, S, d), (B, G, S, dv)
         else:
             k, v = self.project_kv(source, positions if context is None else None)  # (B, G, S_new, *)
+            if not isinstance(cache, KVCache):  # no storage of ours: quantise and read back as it would
+                k, v = self._as_stored(k, (self.head_dim,)), self._as_stored(v, (self.v_head_dim,))
             if cache is not None:
                 k, v = cache.extend(k=k, v=v)  # (B, G, S, *)
                 cache.static = context is not None
@@ -129,7 +139,7 @@ class MultiHeadAttention(GroupedQueryAttention):
 
     def __init__(self, dim: int, num_heads: int, *, head_dim: int | None = None, v_head_dim: int | None = None,
                  context_dim: int | None = None, bias: bool = False, rope_base: float | None = None,
-                 rope_interleaved: bool = False, device=None, dtype=None):
+                 rope_interleaved: bool = False, kv_dtype: str | None = None, device=None, dtype=None):
         super().__init__(dim, num_heads, num_heads, head_dim=head_dim, v_head_dim=v_head_dim,
                          context_dim=context_dim, bias=bias, rope_base=rope_base,
-                         rope_interleaved=rope_interleaved, device=device, dtype=dtype)
+                         rope_interleaved=rope_interleaved, kv_dtype=kv_dtype, device=device, dtype=dtype)

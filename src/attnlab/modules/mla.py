@@ -36,6 +36,13 @@ views of the latent as GQA reads its cache. Checked against the weights before
 every call (cheaply, by version counter): once W_UK/W_UV stop being that tiling
 (training), the general paths take over, and a cache filled in the tiled layout
 is refused. An explicit `absorbed=` also takes the general paths.
+
+Quantised storage (`kv_dtype`, modules/cache.py): the cache holds codes and scales, one
+scale per token for c and one for k_R (for a tiled cache one per token and KV head of K
+and of V, as a GQA's KVCache). Every path reads the rows dequantised, except the absorbed
+decode kernel (kernels/mla_decode.py), which is handed the codes and scales and
+dequantises in its tile load. Without a cache, the new [c, k_R] go through the same
+quantisation before attention, so a whole-sequence forward equals cached decode.
 """
 from __future__ import annotations
 
@@ -48,7 +55,7 @@ from ..kernels import mla_decode
 from . import checks
 from .attention import attend
 from .base import AttentionModule
-from .cache import LatentCache
+from .cache import LatentCache, QuantisedKV, dense
 from .heads import check_grouping, gqa_block, tile_heads
 from .rope import RotaryEmbedding
 
@@ -77,6 +84,8 @@ class MultiHeadLatentAttention(AttentionModule):
         kv_tiling: "strided" or "blocked" when W_UK/W_UV are the 0/1 GQA tiling of a latent
             [K of G heads, V of G heads], G = latent_dim / (head_dim + v_head_dim) (see the
             module docstring); the fresh module's W_UK/W_UV are set to that tiling.
+        kv_dtype: storage of the cache ("fp32", "bf16", "int8", "fp8", "int8/g<N>", "fp8/g<N>"; None:
+            plain, in the activation dtype); see AttentionModule.kv_dtype and modules/cache.py.
     A latent_dim above min(H*(d + dv), context_dim) cannot compress anything; it
     is allowed (exact conversions may produce it) with a warning.
     """
@@ -86,8 +95,9 @@ class MultiHeadLatentAttention(AttentionModule):
                  q_latent_dim: int | None = None, latent_norm: bool = False, bias: bool = False,
                  latent_bias: bool = False, softmax_scale: float | None = None, rope_base: float = 10000.0,
                  rope_interleaved: bool = False, rope_after_up: bool = False, norm_eps: float = 1e-6,
-                 kv_tiling: str | None = None, device=None, dtype=None):
+                 kv_tiling: str | None = None, kv_dtype: str | None = None, device=None, dtype=None):
         super().__init__()
+        self.kv_dtype = kv_dtype
         checks.positive_int("dim", dim)
         checks.positive_int("num_heads", num_heads)
         checks.positive_int("latent_dim", latent_dim)
@@ -156,7 +166,8 @@ class MultiHeadLatentAttention(AttentionModule):
                     bias=q_proj.bias is not None, latent_bias=self.W_DKV.bias is not None,
                     softmax_scale=self.softmax_scale, rope_base=self.rope.base if self.rope else 10000.0,
                     rope_interleaved=bool(self.rope and self.rope.interleaved), rope_after_up=self.rope_after_up,
-                    norm_eps=norm.eps if norm is not None else 1e-6, kv_tiling=self.kv_tiling)
+                    norm_eps=norm.eps if norm is not None else 1e-6, kv_tiling=self.kv_tiling,
+                    kv_dtype=self.kv_dtype)
 
     @property
     def scale(self) -> float:
@@ -169,10 +180,21 @@ class MultiHeadLatentAttention(AttentionModule):
         """Numbers the cache stores per token (Part 14): r, plus rope_dim for the shared rotary key."""
         return self.latent_dim + self.rope_dim
 
-    def init_cache(self, batch_size: int, max_len: int, *, dtype=None, device=None) -> LatentCache:
-        """A preallocated cache of the latent (and the shared rotary key) only."""
+    def init_cache(self, batch_size: int, max_len: int, *, dtype=None, device=None, kv_dtype=None) -> LatentCache:
+        """A preallocated cache of the latent (and the shared rotary key) only.
+
+        dtype: the activation dtype it takes and returns (default the weights'); kv_dtype: its storage
+        (default self.kv_dtype; None: plain in dtype)."""
         return LatentCache(self, batch_size, max_len, self.latent_dim, self.rope_dim,
-                           dtype=dtype or self._anchor.dtype, device=device or self._anchor.device)
+                           dtype=dtype or self._anchor.dtype, device=device or self._anchor.device,
+                           kv_dtype=kv_dtype if kv_dtype is not None else self.kv_dtype, parts=self._kv_parts())
+
+    def _kv_parts(self) -> tuple[int, ...]:
+        """The widths a quantised cache row gives a scale each: (r, p), or with kv_tiling the KV heads of K and V."""
+        G = self._tiling_groups() if self.kv_tiling is not None else None
+        if G is not None:
+            return (self.head_dim,) * G + (self.v_head_dim,) * G
+        return (self.latent_dim, self.rope_dim) if self.rope_dim else (self.latent_dim,)
 
     # -- projections ---------------------------------------------------------------------------
     def project_query(self, x: torch.Tensor, positions: torch.Tensor):
@@ -330,21 +352,23 @@ class MultiHeadLatentAttention(AttentionModule):
         B, L, _ = x.shape
         q_nope, q_rope = self.project_query(x, positions)  # (B, H, L, d), (B, H, L, p)
         tiled = self._choose_tiled(cache, absorbed)
+        ours = isinstance(cache, LatentCache)  # else no cache, or transformers' (adapters.TransformersCache)
+        # kv below: a tensor (B, S, r+p) in x's dtype, or QuantisedKV rows of a quantised cache (read by dense())
         if cache is not None and cache.static:
-            (kv,) = cache.view()  # (B, S, r+p)
-        elif tiled:
-            kv = self._tiled_kv(source, positions if context is None else None)  # (B, S_new, r)
-            if cache is not None:
-                (kv,) = cache.extend(kv=kv)  # (B, S, r)
-                cache.static = context is not None
+            (kv,) = cache.view_stored() if ours else cache.view()  # (B, S, r+p)
         else:
-            kv = self.compress(source, positions if context is None else None)  # (B, S_new, r+p)
+            if tiled:
+                kv = self._tiled_kv(source, positions if context is None else None)  # (B, S_new, r)
+            else:
+                kv = self.compress(source, positions if context is None else None)  # (B, S_new, r+p)
+            if not ours:  # no storage of ours: quantise and read back as our cache would
+                kv = self._as_stored(kv, self._kv_parts())  # (B, S_new, r+p)
             if cache is not None:
-                (kv,) = cache.extend(kv=kv)  # (B, S, r+p)
+                (kv,) = cache.extend_stored(kv=kv) if ours else cache.extend(kv=kv)  # (B, S, r+p)
                 cache.static = context is not None
         key_positions = None
         if tiled:
-            o = self._tiled(q_nope, kv, mask, is_causal)  # (B, H, L, dv)
+            o = self._tiled(q_nope, dense(kv), mask, is_causal)  # (B, H, L, dv)
             return self.W_O(o.transpose(1, 2).reshape(B, L, self.num_heads * self.v_head_dim))  # (B, L, dim)
         if self.rope_after_up:
             if absorbed:
@@ -356,7 +380,7 @@ class MultiHeadLatentAttention(AttentionModule):
         if absorbed:
             o = self._absorbed(q_nope, q_rope, kv, mask, is_causal)  # (B, H, L, dv)
         else:
-            o = self._expanded(q_nope, q_rope, kv, mask, is_causal, key_positions)  # (B, H, L, dv)
+            o = self._expanded(q_nope, q_rope, dense(kv), mask, is_causal, key_positions)  # (B, H, L, dv)
         o = o.transpose(1, 2).reshape(B, L, self.num_heads * self.v_head_dim)  # (B, L, H*dv)
         return self.W_O(o)  # (B, L, dim)
 
@@ -377,6 +401,7 @@ class MultiHeadLatentAttention(AttentionModule):
         return attend(q, k, v, mask=mask, is_causal=is_causal, scale=self.scale)  # (B, H, L, dv)
 
     def _absorbed(self, q_nope, q_rope, kv, mask, is_causal):
+        """kv: (B, S, r+p) tensor, or QuantisedKV rows that the kernel reads as stored."""
         r = self.latent_dim
         w_uk, w_uv_t = self.absorbed_weights()  # (H, d, r), (H, r, dv)
         q = q_nope @ w_uk  # (B, H, L, r): W_UK_h^T q_h
@@ -384,9 +409,15 @@ class MultiHeadLatentAttention(AttentionModule):
             q = torch.cat([q, q_rope], dim=-1)  # (B, H, L, r+p)
         b_v = self.W_UV.bias
         if b_v is None:  # one decode row per sequence on CUDA: the Triton kernel (kernels/mla_decode.py)
-            o = mla_decode.try_decode(q, kv, mask, self.scale, r)  # (B, H, 1, r) or None where it does not apply
+            if not isinstance(kv, QuantisedKV):
+                o = mla_decode.try_decode(q, kv, mask, self.scale, r)  # (B, H, 1, r) or None where it does not apply
+            elif kv.parts == ((r, self.rope_dim) if self.rope_dim else (r,)):  # the layouts the kernel reads
+                o = mla_decode.try_decode(q, kv.data, mask, self.scale, r, kv_scales=kv.scales, scale_group=kv.group)
+            else:
+                o = None
             if o is not None:
                 return o @ w_uv_t  # (B, H, 1, dv)
+        kv = dense(kv)  # (B, S, r+p)
         k = kv[:, None]  # (B, 1, S, r+p): one latent "KV head" for all H query heads
         v = kv[:, None, :, :r]  # (B, 1, S, r)
         if b_v is not None:  # carry the softmax weight sum (1, or 0 on a fully masked row) for the value bias

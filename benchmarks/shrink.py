@@ -1,0 +1,170 @@
+"""shrink on SmolLM2-135M: the planner's choice before training, and what one `attnlab shrink` command gives.
+
+    python benchmarks/shrink.py --part proxy [--budget 50%,25%]     # every candidate: proxy KL vs held-out perplexity
+    python benchmarks/shrink.py --part run --case NAME [--redo]     # one shrink command, timed, evaluated
+    python benchmarks/shrink.py --part report                       # the tables of docs/real-models.md
+
+Run it alone on the machine (it records the load average before and after each figure and warns
+above 1). Rows go to benchmarks/shrink.json, merged by key.
+
+Texts, none overlapping another:
+- calibration and training: Python's documentation (pydoc_data.topics) for the "--text" cases;
+  text the model writes itself for the no-text cases (shrink's default);
+- evaluation: /usr/share/common-licenses/GPL-3, first 2048 tokens in windows of 512 (never
+  calibrated or trained on; the shrink commands get --eval-text Apache-2.0 for their own report,
+  so not even their report reads GPL-3);
+- the proxy part calibrates on MPL-2.0 (2048 tokens) as docs/real-models.md's ablation did, so its
+  before-training perplexities compare with that table's.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+HERE = Path(__file__).parent
+JSON = HERE / "shrink.json"
+EVALUATION = "/usr/share/common-licenses/GPL-3"
+REPORT_TEXT = "/usr/share/common-licenses/Apache-2.0"
+CALIBRATION = "/usr/share/common-licenses/MPL-2.0"
+
+CASES = {  # name: (shrink arguments, what it checks)
+    "50-notext-10": (["--kv-budget", "50%", "--minutes", "10", "--kv-dtype", "bf16"],
+                     "50% with no text and no other flag, 10 minutes (16-bit cache: the values cut in half)"),
+    "50-notext-10-auto": (["--kv-budget", "50%", "--minutes", "10"],
+                          "the same command as a user types it (--kv-dtype auto may pick 8-bit)"),
+    "50-text-30": (["--kv-budget", "50%", "--minutes", "30", "--kv-dtype", "bf16", "--text", "{pydoc}"],
+                   "50% with text, 30 minutes"),
+    "25-text-30": (["--kv-budget", "25%", "--minutes", "30", "--kv-dtype", "bf16", "--text", "{pydoc}"],
+                   "the 75% cut with text, 30 minutes, 16-bit"),
+    "25-bytes-text-30": (["--kv-budget", "25%", "--minutes", "30", "--text", "{pydoc}"],
+                         "25% of the original's 16-bit bytes, 8-bit storage allowed, 30 minutes"),
+    "50-gguf-text-30": (["--kv-budget", "50%", "--minutes", "30", "--format", "gguf", "--text", "{pydoc}"],
+                        "50% as a GGUF (quantised by llama.cpp in benchmarks/export_gguf.py)"),
+}
+
+
+def load() -> float:
+    return os.getloadavg()[0]
+
+
+def note_load(row: dict, key: str) -> None:
+    row[key] = load()
+    if row[key] > 1:
+        warnings.warn(f"load average {row[key]:.2f} > 1: something else runs; the timings are not alone")
+
+
+def pydoc_text() -> Path:
+    import pydoc_data.topics as topics
+
+    path = Path(tempfile.gettempdir()) / "attnlab-bench-pydoc-topics.txt"
+    path.write_text("\n\n".join(topics.topics.values()), encoding="utf-8")
+    return path
+
+
+def save(key: str, row: dict) -> None:
+    data = json.loads(JSON.read_text()) if JSON.exists() else {}
+    data[key] = row
+    JSON.write_text(json.dumps(data, indent=2))
+
+
+def evaluate(source: str) -> dict:
+    from attnlab import models as hf
+
+    model, tok, meta = hf.load_model(source)
+    ids = hf.read_text_ids(tok, EVALUATION, 2048)
+    return {"perplexity": hf.perplexity(model, ids, window=512), "kv_bytes_per_token": hf.kv_bytes_per_token(model)}
+
+
+def part_proxy(budgets: list[str]) -> None:
+    """Every candidate the planner measures, with its held-out perplexity: how well the proxy ranks."""
+    import copy
+
+    from attnlab import models as hf
+    from attnlab.shrink.plan import apply, parse_budget, plan, rank_agreement
+
+    teacher, tok, _ = hf.load_model("smollm2")
+    cal = hf.read_text_ids(tok, CALIBRATION, 2048)
+    ev = hf.read_text_ids(tok, EVALUATION, 2048)
+    original = hf.perplexity(teacher, ev)
+    for b in budgets:
+        row = {"budget": b}
+        note_load(row, "load_before")
+        t0 = time.monotonic()
+        result = plan(teacher, cal, parse_budget(b), storages=("bf16",))
+        row["plan_seconds"] = time.monotonic() - t0
+        cands = []
+        for c in result.measured:
+            m = copy.deepcopy(teacher)
+            apply(m, c, cal)
+            cands.append({**c.to_dict(), "perplexity": hf.perplexity(m, ev), "ratio": hf.perplexity(m, ev) / original})
+            print(f"{b} {c.label():45s} proxy {c.proxy:.4f}  perplexity {cands[-1]['perplexity']:.2f}", flush=True)
+        row.update(original=original, chosen=result.best.label(), candidates=cands,
+                   spearman=rank_agreement([c["proxy"] for c in cands], [c["perplexity"] for c in cands]))
+        note_load(row, "load_after")
+        save(f"proxy-{b}", row)
+        print(f"{b}: chosen {row['chosen']}, Spearman {row['spearman']:.3f}")
+
+
+def part_run(case: str, redo: bool) -> None:
+    """One `attnlab shrink smollm2 ...` command in a child process, its wall time, and its output on GPL-3."""
+    data = json.loads(JSON.read_text()) if JSON.exists() else {}
+    if f"run-{case}" in data and not redo:
+        print(f"run-{case} is in {JSON}; --redo to run it again")
+        return
+    args, what = CASES[case]
+    args = [a.replace("{pydoc}", str(pydoc_text())) for a in args]
+    work = Path(tempfile.mkdtemp(prefix="attnlab-shrink-bench-"))
+    out = work / ("out.gguf" if "gguf" in args else "out")
+    row = {"case": case, "what": what, "command": "attnlab shrink smollm2 " + " ".join(args[:]) + " --out OUT"}
+    note_load(row, "load_before")
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "attnlab", "shrink", "smollm2", *args, "--eval-text", REPORT_TEXT,
+                           "--out", str(out)], capture_output=True, text=True)
+    row["wall_minutes"] = (time.monotonic() - t0) / 60
+    note_load(row, "load_after")
+    row["returncode"] = proc.returncode
+    if proc.returncode:
+        row["stderr"] = proc.stderr[-2000:]
+        save(f"run-{case}", row)
+        raise SystemExit(f"shrink failed: {proc.stderr[-500:]}")
+    report = json.loads((out / "config.json").read_text())["shrink"] if out.is_dir() and \
+        (out / "attention.safetensors").exists() else json.loads(out.with_name(out.name + ".shrink.json").read_text())
+    row["report"] = {k: report[k] for k in ("kv_bytes_per_token", "held_out", "minutes", "heal_plan")}
+    row["plan"] = report["plan"].get("chosen")
+    if out.is_dir() and (out / "attention.safetensors").exists():
+        from attnlab import models as hf
+
+        teacher, tok, _ = hf.load_model("smollm2")
+        ids = hf.read_text_ids(tok, EVALUATION, 2048)
+        row["original"] = hf.perplexity(teacher, ids)
+        row["evaluation"] = evaluate(str(out))
+        row["ratio"] = row["evaluation"]["perplexity"] / row["original"]
+    row["out"] = str(out)
+    save(f"run-{case}", row)
+    print(json.dumps({k: v for k, v in row.items() if k != "report"}, indent=2))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--part", choices=("proxy", "run"), required=True)
+    ap.add_argument("--budget", default="50%,25%")
+    ap.add_argument("--case", choices=sorted(CASES))
+    ap.add_argument("--redo", action="store_true")
+    a = ap.parse_args()
+    if a.part == "proxy":
+        part_proxy(a.budget.split(","))
+    else:
+        if not a.case:
+            ap.error("--part run needs --case")
+        part_run(a.case, a.redo)
+
+
+if __name__ == "__main__":
+    main()

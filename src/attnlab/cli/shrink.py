@@ -1,0 +1,123 @@
+"""`attnlab shrink`: a KV budget in, a healed model out, in one command that keeps its time budget.
+
+The pipeline is attnlab.shrink's (plan -> convert -> heal -> export over the library's own
+functions); this file parses, wires Ctrl-C and the one progress display, and prints the report.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.table import Table
+
+from .base import RunDisplay, UsageProblem, console, positive
+
+
+def _summary(report: dict) -> Table:
+    kv = report["kv_bytes_per_token"]
+    held = report["held_out"]
+    chosen = report["plan"].get("chosen", {})
+    table = Table(title=f"shrink: {chosen.get('label', '')} ({report['minutes'].get('total', 0):.1f} min)")
+    table.add_column("")
+    table.add_column("teacher", justify="right")
+    table.add_column("student before heal", justify="right")
+    table.add_column("student after heal", justify="right")
+    t, b, a = held.get("teacher") or {}, held.get("before") or {}, held.get("after") or {}
+    fmt = lambda d, k, spec: "-" if d.get(k) is None else format(d[k], spec)  # noqa: E731
+    table.add_row("held-out perplexity", fmt(t, "perplexity", ".3f"), fmt(b, "perplexity", ".3f"),
+                  fmt(a, "perplexity", ".3f"))
+    table.add_row("top-1 agreement", "1", fmt(b, "top1_agreement", ".4f"), fmt(a, "top1_agreement", ".4f"))
+    greedy = lambda d: "-" if "greedy_agreement" not in d else f"{d['greedy_agreement']['prefix']:.4f}"  # noqa: E731
+    table.add_row("greedy prefix (64)", "1", greedy(b), greedy(a))
+    table.add_row("KV bytes/token", f"{kv['original_16bit']} (16-bit)", str(kv["shrunk"]), str(kv["shrunk"]))
+    return table
+
+
+def _candidates(report: dict) -> Table | None:
+    plan = report["plan"]
+    if plan.get("explicit") or not plan.get("candidates"):
+        return None
+    table = Table(title=f"plan for a KV budget of {plan['budget']} ({plan['budget_bytes']:.0f} bytes/token): "
+                        "candidates by proxy (KL on the calibration text)")
+    for col in ("candidate", "bytes/token", "proxy KL"):
+        table.add_column(col, justify="left" if col == "candidate" else "right")
+    for c in plan["candidates"]:
+        table.add_row(c["label"], str(c["bytes_per_token"]), f"{c['proxy']:.4f}")
+    return table
+
+
+def shrink(source: str = typer.Argument(..., help="The model: smollm2, a transformers folder or a .gguf file "
+                                          "(Llama, Mistral, Qwen2)."),
+           kv_budget: str = typer.Option(..., "--kv-budget", help="The KV cache to keep: a share of the original's "
+                                         "16-bit cache (50%, 0.25) or bytes per token for the whole model (6000)."),
+           out: Path = typer.Option(..., "--out", help="Where to write: a folder (attnlab, deepseek) or a .gguf file."),
+           minutes: float = typer.Option(10.0, "--minutes", help="Time budget for everything, from the start."),
+           text: Optional[list[Path]] = typer.Option(None, "--text", help="Training and calibration text (repeat); "
+                                                     "default: text the model writes itself."),
+           eval_text: Optional[list[Path]] = typer.Option(None, "--eval-text", help="Held-out text for the report "
+                                                          "(never trained or calibrated on)."),
+           fmt: str = typer.Option("attnlab", "--format", help="attnlab (attention layers beside the base), deepseek "
+                                   "(a DeepseekV3 folder) or gguf (one file llama.cpp runs)."),
+           kv_dtype: str = typer.Option("auto", "--kv-dtype", help="Cache storage: auto (attnlab's format may "
+                                        "choose 8-bit when it measures better), bf16, int8."),
+           latent_dim: Optional[int] = typer.Option(None, "--latent-dim", help="Skip the planner: this latent size "
+                                                    "(with --rope-dim)."),
+           rope_dim: Optional[int] = typer.Option(None, "--rope-dim", help="Skip the planner: this rope size."),
+           calibration: bool = typer.Option(True, "--calibration/--no-calibration", help="Calibrate the cut on "
+                                            "text (default); --no-calibration cuts on the weights alone (much worse)."),
+           seed: int = typer.Option(0, "--seed", help="Seed of the model's own text and of the data order."),
+           tokens: Optional[int] = typer.Option(None, "--tokens", help="End-to-end heal tokens (default: as many "
+                                                "as the time allows)."),
+           seq_len: int = typer.Option(256, "--seq-len", help="Tokens per training window."),
+           device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
+           resume: bool = typer.Option(False, "--resume/--no-resume", help="Continue a stopped run (same arguments)."),
+           force: bool = typer.Option(False, "--force/--no-force", help="Replace an existing --out (only one "
+                                      "attnlab wrote).")):
+    """Shrink a model's KV cache to a budget: plan, convert, heal and export in one run.
+
+    Example: attnlab shrink smollm2 --kv-budget 50% --out smol-half
+    Example: attnlab shrink ~/Llama-3.2-1B --kv-budget 25% --text notes.txt --minutes 30 --format gguf --out small.gguf
+    """
+    from ..runtime.budget import Budget, Stopped, stop_on_signals
+    from ..shrink.pipeline import ShrinkRequest, check_request, run_folder
+    from ..shrink.pipeline import shrink as run
+
+    positive("--minutes", minutes)
+    positive("--tokens", tokens, integer=True)
+    positive("--seq-len", seq_len, integer=True)
+    positive("--latent-dim", latent_dim, integer=True)
+    positive("--rope-dim", rope_dim, integer=True)
+    if device not in ("cpu", "cuda"):
+        raise UsageProblem(f"--device must be cpu or cuda, not {device!r}")
+    req = ShrinkRequest(source=source, kv_budget=kv_budget, out=str(out), fmt=fmt, minutes=minutes,
+                        text=[str(t) for t in text or []], eval_text=[str(t) for t in eval_text or []], seed=seed,
+                        device=device, calibration=calibration, storage=kv_dtype, latent_dim=latent_dim,
+                        rope_dim=rope_dim, tokens=tokens, seq_len=seq_len)
+    check_request(req)
+    if not calibration:
+        console.print("[yellow]warning:[/yellow] --no-calibration: the cut is chosen on the weights alone, which "
+                      "measured many times worse before healing (docs/real-models.md)")
+    from transformers.utils import logging as hf_logging
+
+    from ..io.folders import output_lock
+
+    hf_logging.disable_progress_bar()
+    budget = Budget(minutes)
+    with output_lock(out), stop_on_signals(budget), RunDisplay(budget) as show:
+        try:
+            report = run(req, resume=resume, force=force, budget=budget, display=show)
+        except Stopped as e:
+            where = run_folder(out)
+            if e.reason == "stop":
+                console.print(f"stopped; the run's state is in {where} (continue with --resume)")
+                raise typer.Exit(1)
+            raise UsageProblem(f"the budget ({minutes} min) was spent before the heal could start: nothing written; "
+                               f"--resume with more --minutes continues from {where}") from None
+    table = _candidates(report)
+    if table is not None:
+        console.print(table)
+    console.print(_summary(report))
+    minutes_by_phase = ", ".join(f"{k} {v:.1f}" for k, v in report["minutes"].items())
+    console.print(f"minutes per phase: {minutes_by_phase}")
+    console.print(f"wrote {out}")

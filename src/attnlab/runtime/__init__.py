@@ -1,0 +1,9 @@
+"""What every long run shares: a time budget, a stop request (Ctrl-C, SIGTERM), progress as log lines.
+
+- budget.py    Budget: a deadline and a stop flag that every long loop checks; shares of it for phases
+- progress.py  Progress: a line every ~30 s (phase, step, loss, tokens/s, time left) when nothing draws a bar
+"""
+from .budget import Budget, Stopped, stop_on_signals
+from .progress import Progress
+
+__all__ = ["Budget", "Stopped", "stop_on_signals", "Progress"]

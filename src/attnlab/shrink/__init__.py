@@ -1,0 +1,9 @@
+"""shrink: a KV budget in, the best model attnlab can make out: plan -> convert -> heal -> export.
+
+- plan.py      the planner: candidates measured on calibration text, the best within the budget and format
+- pipeline.py  the one-command run over the library's convert, heal and export; one budget, one resumable state
+"""
+from .pipeline import ShrinkRequest, check_request, shrink
+from .plan import Candidate, KVBudget, PlanResult, parse_budget, plan
+
+__all__ = ["ShrinkRequest", "check_request", "shrink", "Candidate", "KVBudget", "PlanResult", "parse_budget", "plan"]

@@ -1,0 +1,392 @@
+"""`shrink`: a KV budget in, a healed model in the requested format out, in one run inside one time budget.
+
+A thin pipeline over the library (the same functions the separate commands call):
+    load -> data -> plan -> convert -> heal -> export
+- data: the user's text (calibration: its first CALIBRATION_TOKENS tokens; held out: --eval-text,
+  else its last tenth), or, without text, text the teacher writes itself (seeded, a bounded share
+  of the budget) for calibration and training, and other samples of it as held-out text;
+- plan: shrink.plan.plan measures candidates on the calibration text (skipped when the sizes are
+  given explicitly);
+- convert: models.convert_model, then (for DeepSeek and GGUF) a latent norm fitted on the
+  calibration text (models.add_latent_norms) that the heal then trains;
+- heal: heal.heal_model (layer-wise, then end-to-end KL), its layer-wise steps sized to the time;
+- export: models.save_model, export_deepseek or export_gguf.
+One budget (runtime.Budget) covers every phase from the start, loading included; each phase gets
+a bounded share and the heal keeps back what the final evaluation and the export need. One
+resumable state: a run folder beside the output (OUT.shrink-run) holds state.json (the request,
+the phase reached, the plan, minutes per phase), the data, the converted student (student/), the heal's
+checkpoint and the healed student (healed/), each written atomically when its phase ends; `resume=True` continues from the last
+phase that ended (a request with other arguments is refused), and the folder is deleted once the
+output is written. A stop request (Ctrl-C) ends the run at the next step or window with its
+state saved; kill -9 loses at most the phase (or heal steps since the last checkpoint) in flight.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..runtime.budget import Budget, Stopped
+from .plan import Candidate, feasible, parse_budget
+
+CALIBRATION_TOKENS = 2048
+PHASES = ("data", "plan", "convert", "heal", "export")
+RUN_FORMAT = "attnlab-shrink-run"
+STORAGE_CHOICES = {"auto": ("bf16", "int8"), "bf16": ("bf16",), "int8": ("int8",)}
+
+
+@dataclass
+class ShrinkRequest:
+    """What the user asked for. `identity()` is what a resumed run must share with the run it continues."""
+    source: str
+    kv_budget: str
+    out: str
+    fmt: str = "attnlab"
+    minutes: float = 10.0
+    text: list = field(default_factory=list)
+    eval_text: list = field(default_factory=list)
+    seed: int = 0
+    device: str = "cpu"
+    calibration: bool = True
+    storage: str = "auto"  # "auto" (the planner may choose 8-bit for attnlab's format), "bf16" or "int8"
+    latent_dim: int | None = None
+    rope_dim: int | None = None
+    windows: int = 96  # teacher-written training windows at most (no text)
+    seq_len: int = 256  # tokens per training window
+    tokens: int | None = None  # end-to-end heal tokens (None: as many as the time allows)
+    layer_steps: int | None = None  # layer-wise steps per layer (None: sized to the time)
+
+    def identity(self) -> dict:
+        keep = ("source", "kv_budget", "fmt", "text", "eval_text", "seed", "calibration", "storage", "latent_dim",
+                "rope_dim", "windows", "seq_len", "tokens", "layer_steps")
+        return {k: [str(x) for x in v] if isinstance(v, list) else v for k, v in asdict(self).items() if k in keep}
+
+
+def check_request(req: ShrinkRequest) -> None:
+    """ValueError naming the value for anything the run cannot do, before any work."""
+    from .plan import FORMATS
+
+    if req.fmt not in FORMATS:
+        raise ValueError(f"--format must be one of {', '.join(FORMATS)}, got {req.fmt!r}")
+    if req.storage not in ("auto", "bf16", "int8"):
+        raise ValueError(f"--kv-dtype must be auto, bf16 or int8, got {req.storage!r}")
+    if req.storage == "int8" and req.fmt != "attnlab":
+        raise ValueError(f"--kv-dtype int8 is attnlab's own cache; a {req.fmt} export's cache type is the engine's "
+                         "choice (llama.cpp: --cache-type-k q8_0; vLLM: kv_cache_dtype fp8)")
+    parse_budget(req.kv_budget)
+    if (req.latent_dim is None) != (req.rope_dim is None):
+        raise ValueError("give --latent-dim and --rope-dim together (or neither: the planner chooses)")
+    if req.fmt == "gguf" and not str(req.out).endswith(".gguf"):
+        raise ValueError(f"--format gguf writes one file: --out must end in .gguf, got {req.out}")
+    if isinstance(req.minutes, bool) or not isinstance(req.minutes, (int, float)) or not req.minutes > 0:
+        raise ValueError(f"--minutes must be a positive number, got {req.minutes!r}")
+    for name in ("windows", "seq_len", "tokens", "layer_steps"):
+        v = getattr(req, name)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "layer_steps" else 1)):
+            raise ValueError(f"{name} must be a positive integer, got {v!r}")
+    for p in [*req.text, *req.eval_text]:
+        if not Path(p).is_file():
+            raise ValueError(f"no such text file: {p}")
+
+
+def run_folder(out) -> Path:
+    out = Path(out)
+    return out.with_name(out.name + ".shrink-run")
+
+
+# -- the state on disk --------------------------------------------------------------------------------
+class RunState:
+    """The run folder: state.json, data.safetensors, student/ (a converted model), heal.pt."""
+
+    def __init__(self, folder: Path, request: ShrinkRequest):
+        self.folder, self.request = folder, request
+        self.data: dict = {"format": RUN_FORMAT, "request": request.identity(), "done": [], "minutes": {},
+                           "plan": None, "heal_plan": None, "report": {}}
+
+    @property
+    def path(self) -> Path:
+        return self.folder / "state.json"
+
+    def load(self) -> None:
+        from ..io.readers import read_json
+
+        if not self.path.is_file():
+            raise ValueError(f"no shrink run to resume at {self.folder} (nothing to resume)")
+        data = read_json(self.path)
+        if data.get("format") != RUN_FORMAT:
+            raise ValueError(f"{self.path} is not the state of an attnlab shrink run")
+        theirs, mine = data.get("request", {}), self.request.identity()
+        differ = sorted(k for k in set(theirs) | set(mine) if theirs.get(k) != mine.get(k))
+        if differ:
+            raise ValueError(f"--resume: this run's arguments differ from the run in {self.folder} "
+                             f"({', '.join(f'{k}: {theirs.get(k)!r} -> {mine.get(k)!r}' for k in differ)}); "
+                             "resume with the same ones, or start afresh with --force")
+        self.data = data
+
+    def save(self) -> None:
+        from ..io.folders import replace_file
+
+        self.folder.mkdir(parents=True, exist_ok=True)
+        replace_file(self.path, json.dumps(self.data, indent=2).encode())
+
+    def done(self, phase: str) -> bool:
+        return phase in self.data["done"]
+
+    def finish(self, phase: str, minutes: float) -> None:
+        if phase not in self.data["done"]:
+            self.data["done"].append(phase)
+        self.data["minutes"][phase] = self.data["minutes"].get(phase, 0.0) + minutes
+        self.save()
+
+    def save_data(self, tensors: dict[str, torch.Tensor]) -> None:
+        from safetensors.torch import save_file
+
+        from ..io.folders import replace_with
+
+        self.folder.mkdir(parents=True, exist_ok=True)
+        replace_with(self.folder / "data.safetensors",
+                     lambda tmp: save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp)))
+
+    def load_data(self) -> dict[str, torch.Tensor]:
+        from ..io.readers import read_tensors
+
+        return read_tensors(self.folder / "data.safetensors")
+
+
+# -- the phases ------------------------------------------------------------------------------------------
+class _Lines:
+    """The default display when the caller gives none: log lines (runtime.Progress)."""
+
+    def __init__(self, budget):
+        from ..runtime.progress import Progress
+
+        self.lines = Progress(budget=budget)
+
+    def phase(self, text):
+        self.lines.line(text)
+
+    def count(self, done, total, what=""):
+        self.lines.update(what or "working", done, total)
+
+    def step(self, info):
+        what = f"layer-wise (layer {info['layer']})" if info["phase"] == "layers" else "end-to-end KL"
+        self.lines.update(what, info["done"], info["total"], loss=info["loss"], tokens_per_s=info["tokens_per_s"])
+
+
+def _data(req: ShrinkRequest, teacher, tok, budget: Budget, show) -> dict[str, torch.Tensor]:
+    """train (N, T), held (1, M), calibration (1, C) token ids (module docstring)."""
+    from ..heal.data import training_data
+
+    if req.text:
+        show.phase("reading the training text")
+    else:
+        show.phase("the teacher writes its own training text")
+    train, held, _ = training_data(teacher, tok, req.seq_len, text=req.text, eval_text=req.eval_text,
+                                   windows=req.windows, seed=req.seed, budget=budget, share=0.3,
+                                   progress=lambda i, n: show.count(i, n, "the teacher writes text"))
+    calibration = train[: max(1, CALIBRATION_TOKENS // req.seq_len)].reshape(1, -1).clone()
+    return {"train": train, "held": held, "calibration": calibration}
+
+
+def _explicit(req: ShrinkRequest) -> Candidate:
+    """The candidate of explicit sizes: the best measured choices otherwise (docs/real-models.md), the format's norm."""
+    return Candidate(req.latent_dim, req.rope_dim, "rorope" if req.fmt == "gguf" else "rorope-score", True,
+                     "int8" if req.storage == "int8" else "bf16", req.fmt == "gguf", extra=int(req.fmt != "attnlab"))
+
+
+def _heal_plan(req, student, train: torch.Tensor, seconds: float):
+    """HealPlan for the time left: the layer-wise phase sized to take at most 40% of it (timed on layer 0)."""
+    import time
+
+    from ..heal.distill import HealPlan
+    from ..models.adapters import attnlab_modules
+
+    plan = HealPlan(seq_len=req.seq_len, seed=req.seed, layer_windows=min(64, train.shape[0]), tokens=req.tokens)
+    if req.layer_steps is not None:
+        plan.layer_steps = req.layer_steps
+        return plan
+    mods = attnlab_modules(student)
+    m = copy.deepcopy(mods[0]).train()
+    x = torch.randn(plan.layer_batch, req.seq_len, m.dim, dtype=m._anchor.dtype)
+    t0 = time.perf_counter()
+    for _ in range(2):
+        m(x, is_causal=True).pow(2).mean().backward()
+    step = (time.perf_counter() - t0) / 2 * 1.3  # an optimizer step and the teacher's target on top
+    plan.layer_steps = int(max(10, min(100, 0.4 * seconds / max(step * len(mods), 1e-9))))
+    return plan
+
+
+def shrink(req: ShrinkRequest, *, resume: bool = False, force: bool = False, budget: Budget | None = None,
+           display=None) -> dict:
+    """Run the pipeline (module docstring); returns the report. Raises runtime.Stopped when stopped (state saved)."""
+    from .. import models as hf
+    from ..heal.distill import HealPlan, heal_model
+    from ..io.folders import check_output
+    from ..models.export_gguf import is_attnlab_gguf
+    from .plan import plan as choose
+
+    check_request(req)
+    budget = budget if budget is not None else Budget(req.minutes)
+    show = display or _Lines(budget)
+    out, folder = Path(req.out), run_folder(req.out)
+    readers = [*hf.source_paths(req.source), *req.text, *req.eval_text]
+    check_output(out, force=force or resume, sources=readers,
+                 ours=(is_attnlab_gguf if req.fmt == "gguf" else None))
+    state = RunState(folder, req)
+    if resume:
+        state.load()
+    else:
+        check_output(folder, force=force, sources=readers, what="the run folder")
+        if folder.exists():
+            shutil.rmtree(folder)
+    clock = budget.clock
+
+    def phase_time(start):
+        return (clock() - start) / 60
+
+    t = clock()
+    show.phase(f"loading {req.source}")
+    teacher, tok, meta = hf.load_model(req.source)
+    if hf.family(teacher) != "llama":
+        raise ValueError("shrink cuts causal language models (Llama, Mistral, Qwen2); for an encoder, use "
+                         "attnlab convert and attnlab.heal.encoder")
+    if tok is None:
+        raise ValueError(f"{req.source} has no tokenizer files (tokenizer.json ...): shrink needs one to read or "
+                         "write text")
+    limit = getattr(teacher.config, "max_position_embeddings", None)
+    if limit and req.seq_len > limit:
+        raise ValueError(f"--seq-len {req.seq_len} exceeds the model's context (max_position_embeddings {limit})")
+    if req.latent_dim is None:
+        feasible(teacher, parse_budget(req.kv_budget), req.fmt, STORAGE_CHOICES[req.storage])
+    state.data["minutes"]["load"] = state.data["minutes"].get("load", 0.0) + phase_time(t)
+    budget.check()
+
+    # data
+    if state.done("data"):
+        data = state.load_data()
+    else:
+        t = clock()
+        data = _data(req, teacher, tok, budget, show)
+        state.save_data(data)
+        state.finish("data", phase_time(t))
+    calibration = data["calibration"] if req.calibration else None
+
+    # plan
+    if not state.done("plan"):
+        t = clock()
+        if req.latent_dim is not None:
+            chosen = {"chosen": _explicit(req).to_dict(), "explicit": True}
+        else:
+            show.phase("planning: measuring candidate conversions on the calibration text")
+            result = choose(teacher, data["calibration"], parse_budget(req.kv_budget), fmt=req.fmt,
+                            storages=STORAGE_CHOICES[req.storage], time_budget=budget.share(0.15),
+                            progress=lambda i, label: show.phase(f"planning: candidate {i + 1}: {label}"))
+            chosen = result.to_dict()
+        state.data["plan"] = chosen
+        state.finish("plan", phase_time(t))
+    best = Candidate(**{k: v for k, v in state.data["plan"]["chosen"].items()
+                        if k in Candidate.__dataclass_fields__})
+    budget.check()
+
+    # convert
+    student_dir = folder / "student"
+    if state.done("convert"):
+        student, _, _ = hf.load_model(str(student_dir))
+    else:
+        t = clock()
+        show.phase(f"converting: {best.label()}")
+        from .plan import apply
+
+        student = copy.deepcopy(teacher)
+        apply(student, best, calibration)
+        hf.save_model(student, meta["base"], student_dir, force=True, sources=readers)
+        state.finish("convert", phase_time(t))
+    budget.check()
+
+    # heal
+    if not state.done("heal"):
+        t = clock()
+        reserve = 30.0 + (20.0 if req.fmt != "attnlab" else 5.0)  # the export, after the final evaluation
+        if state.data["heal_plan"] is None:
+            state.data["heal_plan"] = asdict(_heal_plan(req, student, data["train"],
+                                                        max(0.0, budget.left() - reserve)))
+            state.save()
+        plan = HealPlan(**state.data["heal_plan"])
+        show.phase("evaluating the converted model before training")
+        checkpoint = folder / "heal.pt"
+        report = heal_model(teacher, student, data["train"], data["held"], plan, device=req.device,
+                            budget=budget.share(seconds=max(0.0, budget.left() - reserve)) if budget.deadline
+                            else budget, checkpoint=checkpoint, resume=checkpoint.is_file(),
+                            progress=show.step)
+        state.data["report"]["heal"] = report
+        state.data["minutes"]["heal"] = state.data["minutes"].get("heal", 0.0) + phase_time(t)
+        state.save()
+        if report["status"] == "stopped":
+            raise Stopped("stop")
+        if not report["steps_done"]:
+            raise ValueError(f"nothing was trained: the budget ({req.minutes} min) was spent before the first heal "
+                             f"step ({budget.elapsed() / 60:.1f} min went to loading, data, planning and "
+                             "converting); nothing written (give more --minutes; --resume keeps what is done)")
+        if report["status"] == "budget" or report["status"] == "done":
+            hf.save_model(student, meta["base"], folder / "healed", force=True, sources=readers)
+            state.finish("heal", 0.0)
+    else:
+        student, _, _ = hf.load_model(str(folder / "healed"))
+
+    # export
+    t = clock()
+    show.phase(f"writing {out} ({req.fmt})")
+    if budget.stop_requested:  # honoured at the phase boundary; the export itself is short and atomic
+        raise Stopped("stop")
+    report = final_report(req, state, teacher, student, meta)
+    if req.fmt == "attnlab":
+        hf.save_model(student, meta["base"], out, extra={"shrink": report}, force=force or resume, sources=readers)
+    else:
+        sidecar = out.with_name(out.name + ".shrink.json")
+        check_output(sidecar, force=force or resume, sources=readers, ours=_is_report)
+        if req.fmt == "deepseek":
+            hf.export_deepseek(student, out, tokenizer=None if Path(meta["base"]).is_dir() else tok,
+                               force=force or resume)
+        else:
+            hf.export_gguf(student, out, tokenizer=tok, force=force or resume)
+        report["minutes"]["export"] = phase_time(t)
+        from ..io.folders import replace_file
+        replace_file(sidecar, json.dumps(report, indent=2).encode())
+    report["minutes"]["export"] = phase_time(t)
+    report["minutes"]["total"] = budget.elapsed() / 60
+    shutil.rmtree(folder, ignore_errors=True)
+    return report
+
+
+def _is_report(path: Path) -> bool:
+    try:
+        return json.loads(path.read_text()).get("format") == "attnlab-shrink-report"
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def final_report(req: ShrinkRequest, state: RunState, teacher, student, meta) -> dict:
+    """KV bytes per token before/after, held-out perplexity (teacher, student before/after), agreement, the plan,
+    minutes per phase."""
+    from ..models.evaluate import kv_bytes_per_token
+    from .plan import original_sizes
+
+    L, _, _, V = original_sizes(teacher)
+    heal = state.data["report"].get("heal", {})
+    plan = state.data["plan"] or {}
+    chosen = plan.get("chosen", {})
+    return {"format": "attnlab-shrink-report", "request": req.identity(),
+            "kv_bytes_per_token": {"original_16bit": 2 * V * L, "shrunk": kv_bytes_per_token(student),
+                                   "storage": chosen.get("kv_dtype"),
+                                   "values_per_token_per_layer": [V, chosen.get("values_per_token_per_layer")]},
+            "plan": plan, "heal_plan": state.data["heal_plan"],
+            "held_out": {"teacher": heal.get("teacher"), "before": heal.get("before"), "after": heal.get("after")},
+            "heal": {k: v for k, v in heal.items() if k not in ("teacher", "before", "after")},
+            "data": {"text": req.identity()["text"], "eval_text": req.identity()["eval_text"],
+                     "calibration": ("the first tokens of --text" if req.text else "text the teacher wrote (seeded)")
+                     if req.calibration else "none (--no-calibration)"},
+            "minutes": dict(state.data["minutes"]), "base": meta.get("base")}

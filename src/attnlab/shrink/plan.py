@@ -1,0 +1,308 @@
+"""The planner: a KV budget in, the conversion that meets it best out, chosen by measuring candidates.
+
+Notation: L layers, G KV heads, d head size; V = 2 G d values per token and layer in the original
+GQA cache; a compressed MLA caches r (latent) + p (rope key) values per token and layer.
+
+A budget is a fraction of the original's cache (`50%`, `0.5`) or bytes per token for the whole
+model (`6000`). Both are measured against the original's cache stored in 16 bits (2 V L bytes
+per token), the storage engines and attnlab serve in. A candidate is a conversion (r, p, what
+keeps rotating, BKV, a fitted latent norm) and a cache storage (16-bit, or 8-bit with per-token
+scales where the output format is attnlab's own); it meets the budget when its measured bytes
+per token do.
+
+Candidates are ranked by a cheap proxy of held-out perplexity: the mean KL(teacher || student)
+of the next-token distributions on the calibration windows (text the conversion was calibrated
+on, not the text anything is evaluated on). Each candidate converts the teacher's own attention
+modules (the conversions never change their input) with calibration inputs computed once, is
+measured, and is swapped out again: nothing is copied. The search, in three rounds so that it
+fits a few minutes on a CPU:
+1. what keeps rotating and BKV, at a rope share of about 30% of the values;
+2. the split between latent and rope key, for the winner;
+3. storage: the best 16-bit plan against the best 8-bit one (more values in the same bytes).
+Within the constraints of the output format: a DeepSeek export needs the same frequencies in
+every layer (RoRoPE by score is chosen for all layers at once); a GGUF needs distinct kept
+frequencies that llama.cpp can turn (RoRoPE by frequency, rope_dim within gguf_rope_limit) and
+a latent norm (fitted here, trained by the heal); attnlab's own format takes any of them.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+FORMATS = ("attnlab", "deepseek", "gguf")
+STORAGES = ("bf16", "int8")
+
+
+@dataclass(frozen=True)
+class KVBudget:
+    """What the user asked for: a fraction of the original's 16-bit cache, or bytes per token."""
+    kind: str  # "fraction" or "bytes"
+    value: float
+
+    def bytes_for(self, original_bytes: float) -> float:
+        return self.value * original_bytes if self.kind == "fraction" else self.value
+
+    def __str__(self) -> str:
+        return f"{self.value:.0%}" if self.kind == "fraction" else f"{self.value:.0f} bytes/token"
+
+
+def parse_budget(text) -> KVBudget:
+    """`50%` or `0.5` (a fraction of the original's 16-bit cache) or `6000` (bytes per token); ValueError otherwise."""
+    s = str(text).strip().lower()
+    m = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*(%|b|bytes)?", s)
+    if not m:
+        raise ValueError(f"--kv-budget must be a percentage (50%), a fraction (0.5) or bytes per token (6000), "
+                         f"got {text!r}")
+    number, unit = float(m.group(1)), m.group(2)
+    if unit == "%" or (unit is None and number < 1):
+        fraction = number / 100 if unit == "%" else number
+        if not 0 < fraction < 1:
+            raise ValueError(f"--kv-budget must lie strictly between 0% and 100% of the original's cache, got {text!r}")
+        return KVBudget("fraction", fraction)
+    if number < 1:
+        raise ValueError(f"--kv-budget in bytes must be at least 1, got {text!r}")
+    return KVBudget("bytes", number)
+
+
+@dataclass
+class Candidate:
+    """One conversion and cache storage, and what it measured."""
+    latent_dim: int
+    rope_dim: int
+    rope_select: str
+    balance: bool
+    kv_dtype: str  # "bf16" or "int8"
+    latent_norm: bool  # a steady latent channel and norm (export.add_steady_channels): GGUF's route
+    bytes_per_token: int = 0
+    proxy: float | None = None  # mean KL(teacher || student) on the calibration windows
+    round: int = 0
+
+    extra: int = 0  # latent values the export adds (DeepSeek's constant channel, GGUF's steady channel)
+
+    @property
+    def values(self) -> int:
+        return self.latent_dim + self.extra + self.rope_dim
+
+    def label(self) -> str:
+        return (f"r={self.latent_dim}{'+1' if self.extra else ''} p={self.rope_dim} {self.rope_select}"
+                f"{' +BKV' if self.balance else ''} {self.kv_dtype}")
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "values_per_token_per_layer": self.values, "label": self.label()}
+
+
+@dataclass
+class PlanResult:
+    best: Candidate
+    measured: list[Candidate] = field(default_factory=list)
+    budget: str = ""
+    original_bytes_16bit: int = 0
+    budget_bytes: float = 0.0
+    note: str = ""
+
+    def to_dict(self) -> dict:
+        ranked = sorted((c for c in self.measured if c.proxy is not None), key=lambda c: c.proxy)
+        return {"chosen": self.best.to_dict(), "budget": self.budget, "budget_bytes": self.budget_bytes,
+                "original_bytes_per_token_16bit": self.original_bytes_16bit, "note": self.note,
+                "candidates": [c.to_dict() for c in ranked]}
+
+
+# -- sizes ------------------------------------------------------------------------------------------
+def original_sizes(model) -> tuple[int, int, int, int]:
+    """(layers L, KV heads G, head size d, values per token and layer V = 2 G d) of an unconverted Llama-family model."""
+    from ..models.adapters import attnlab_modules
+    from ..modules.gqa import GroupedQueryAttention
+
+    mods = attnlab_modules(model)
+    m = mods[0]
+    if not isinstance(m, GroupedQueryAttention):
+        raise ValueError(f"the model is already converted (layer 0 is a {type(m).__name__}): plan from its source")
+    if m.rope is None:
+        raise ValueError("the planner cuts RoPE models (Llama, Mistral, Qwen2); this model has no rotary embedding")
+    return len(mods), m.num_kv_heads, m.head_dim, m.kv_values_per_token
+
+
+def layer_bytes(latent_dim: int, rope_dim: int, storage: str) -> int:
+    """Bytes one layer's latent cache allocates per token in that storage, scales included (a meta-device cache)."""
+    from ..modules.mla import MultiHeadLatentAttention
+
+    width = max(8, latent_dim)  # wide enough that the latent is not above the layer's useful rank
+    m = MultiHeadLatentAttention(width, 1, latent_dim, head_dim=width, rope_dim=rope_dim, kv_dtype=storage,
+                                 device="meta")
+    return m.init_cache(1, 1, device="meta").bytes_per_token
+
+
+def bytes_per_token(values: int, storage: str, layers: int, rope_dim: int = 2) -> int:
+    """Whole-model cache bytes per token of `values` per layer (latent + rope key) in that storage."""
+    return layers * layer_bytes(values - rope_dim, rope_dim, storage)
+
+
+def values_for(budget_bytes: float, storage: str, layers: int) -> int:
+    """The most values per token and layer that fit the byte budget in that storage (even, for RoPE pairs)."""
+    per_value = layer_bytes(3, 2, storage) - layer_bytes(2, 2, storage)
+    fixed = layer_bytes(2, 2, storage) - 4 * per_value  # the scales
+    v = int((budget_bytes / layers - fixed) // per_value)
+    return v - v % 2
+
+
+def _even(x: float) -> int:
+    return max(2, int(round(x / 2)) * 2)
+
+
+def splits(values: int, shares=(0.3,), *, max_rope: int, min_latent: int = 8) -> list[tuple[int, int]]:
+    """(latent, rope) pairs of `values` with the rope key taking about each share (even, >= 2, <= max_rope)."""
+    out = []
+    for s in shares:
+        p = min(_even(values * s), max_rope - max_rope % 2)
+        if values - p >= min_latent and (values - p, p) not in out:
+            out.append((values - p, p))
+    return out
+
+
+# -- measuring ----------------------------------------------------------------------------------------
+def teacher_log_probs(teacher, windows: torch.Tensor) -> list[torch.Tensor]:
+    """The teacher's next-token log-probabilities on each proxy window (1, T, V), kept for every candidate."""
+    with torch.no_grad():
+        return [teacher(w[None]).logits.float().log_softmax(-1) for w in windows]
+
+
+def proxy_kl(student, windows: torch.Tensor, reference: list[torch.Tensor]) -> float:
+    """Mean KL(teacher || student) per position over the proxy windows."""
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for w, t in zip(windows, reference):
+            s = student(w[None]).logits.float().log_softmax(-1)
+            total += float((t.exp() * (t - s)).sum())
+            count += w.numel()
+    return total / count
+
+
+def apply(model, cand: Candidate, calibration_ids: torch.Tensor | None, inputs=None) -> None:
+    """Convert the model in place to the candidate: decoupled-RoPE MLA, the steady latent channel, the storage."""
+    from ..models.convert import convert_model
+    from ..models.evaluate import set_kv_dtype
+    from ..models.export import add_steady_channels
+
+    convert_model(model, "mla", latent_dim=cand.latent_dim, rope_dim=cand.rope_dim, calibration_ids=calibration_ids,
+                  pair_selection=cand.rope_select, balance=cand.balance, inputs=inputs)
+    if cand.latent_norm:
+        if calibration_ids is None:
+            raise ValueError("a latent norm for a GGUF is fitted on calibration text: give text, or --format attnlab")
+        add_steady_channels(model, calibration_ids)
+    set_kv_dtype(model, cand.kv_dtype)
+
+
+def feasible(teacher, budget: KVBudget, fmt: str = "attnlab", storages=STORAGES) -> tuple[int, float, dict]:
+    """(original 16-bit bytes/token, the budget in bytes, {storage: values per token and layer that fit}) for a
+    budget some plan can meet; ValueError naming the budget otherwise (checked before any work)."""
+    L, G, d, V = original_sizes(teacher)
+    original = bytes_per_token(V, "bf16", L)
+    budget_bytes = budget.bytes_for(original)
+    if budget_bytes >= original:
+        raise ValueError(f"a KV budget of {budget} ({budget_bytes:.0f} bytes/token) is not below the original's "
+                         f"{original} bytes/token (16-bit): nothing to cut")
+    storages = [s for s in storages if s in STORAGES and (s == "bf16" or fmt == "attnlab")] or ["bf16"]
+    per_storage = {s: values_for(budget_bytes, s, L) for s in storages}
+    per_storage = {s: min(v, V - 2) for s, v in per_storage.items() if v >= 10}
+    if not per_storage:
+        raise ValueError(f"no plan can meet a KV budget of {budget} ({budget_bytes:.0f} bytes/token): it leaves "
+                         f"fewer than 10 values per token in each of the {L} layers (one rope pair and a latent)")
+    return original, budget_bytes, per_storage
+
+
+def plan(teacher, calibration_ids: torch.Tensor, budget: KVBudget, *, fmt: str = "attnlab",
+         storages=("bf16", "int8"), proxy_windows: int = 4, window: int = 256, time_budget=None,
+         progress=None) -> PlanResult:
+    """Choose the conversion and storage that meet `budget` with the lowest proxy (module docstring).
+
+    teacher: an attnlab'd Llama-family model (unconverted); it is converted and restored for
+    every candidate and comes back unchanged. calibration_ids (1, N): calibration text; its first
+    `proxy_windows` windows of `window` tokens also score the candidates. storages: which cache
+    storages may be chosen (8-bit only for fmt "attnlab"). time_budget (runtime.Budget): once
+    spent, no new candidate starts (the best so far wins; at least one is measured).
+    progress(i, label) is called before each candidate.
+    """
+    from ..models.adapters import attnlab_modules, replace_attention
+    from ..models.evaluate import attention_inputs, kv_bytes_per_token
+
+    if fmt not in FORMATS:
+        raise ValueError(f"format must be one of {', '.join(FORMATS)}, got {fmt!r}")
+    L, G, d, V = original_sizes(teacher)
+    original, budget_bytes, per_storage = feasible(teacher, budget, fmt, storages)
+    max_rope = G * d
+    if fmt == "gguf":
+        from ..models.export_gguf import gguf_rope_limit
+        max_rope = min(max_rope, gguf_rope_limit(teacher))
+    selections = [("rorope", True), ("rorope", False)] if fmt == "gguf" else \
+        [("rorope-score", True), ("rorope", True), ("rorope-score", False), ("rorope", False)]
+    # DeepSeek and llama.cpp always normalise the latent: a GGUF gets the steady channel now (the heal trains it), a
+    # DeepSeek folder its exact constant channel at export; either caches one value more per token and layer
+    norm, extra = fmt == "gguf", int(fmt != "attnlab")
+
+    originals = list(attnlab_modules(teacher))
+    inputs = attention_inputs(teacher, calibration_ids)
+    windows = calibration_ids[0, : proxy_windows * window]
+    windows = windows[: windows.numel() // window * window].reshape(-1, window) if windows.numel() >= window \
+        else windows[None]
+    reference = teacher_log_probs(teacher, windows)
+    measured: list[Candidate] = []
+
+    def measure(cand: Candidate) -> Candidate:
+        if progress:
+            progress(len(measured), cand.label())
+        try:
+            apply(teacher, cand, calibration_ids, inputs=inputs)
+            # what the caches allocate; a DeepSeek export's constant channel comes on top of the attnlab model
+            added = L * (layer_bytes(3, 2, cand.kv_dtype) - layer_bytes(2, 2, cand.kv_dtype)) * (fmt == "deepseek")
+            cand.bytes_per_token = kv_bytes_per_token(teacher) + added
+            if cand.bytes_per_token > budget_bytes:
+                raise RuntimeError(f"planner bug: {cand.label()} takes {cand.bytes_per_token} bytes/token, over the "
+                                     f"budget's {budget_bytes:.0f}")
+            cand.proxy = proxy_kl(teacher, windows, reference)
+        finally:
+            replace_attention(teacher, originals)
+        measured.append(cand)
+        return cand
+
+    def spent() -> bool:
+        return bool(measured) and time_budget is not None and (time_budget.expired() or time_budget.stop_requested)
+
+    first = "bf16" if "bf16" in per_storage else next(iter(per_storage))
+    v0 = per_storage[first]
+    # 1. what keeps rotating, BKV
+    for sel, bkv in selections:
+        if spent():
+            break
+        for r, p in splits(v0 - extra, (0.3,), max_rope=max_rope)[:1]:
+            measure(Candidate(r, p, sel, bkv, first, norm, extra=extra, round=1))
+    best = min(measured, key=lambda c: c.proxy)
+    # 2. the split, for the winner
+    for r, p in splits(v0 - extra, (0.2, 0.25, 0.35, 0.4, 0.5), max_rope=max_rope):
+        if spent():
+            break
+        if all((c.latent_dim, c.rope_dim) != (r, p) or c.rope_select != best.rope_select for c in measured):
+            measure(Candidate(r, p, best.rope_select, best.balance, first, norm, extra=extra, round=2))
+    best = min(measured, key=lambda c: c.proxy)
+    # 3. storage: the same choices in the other storage, at its own number of values
+    share = best.rope_dim / best.values
+    for storage, v in per_storage.items():
+        if storage == first or spent():
+            continue
+        for r, p in splits(v - extra, (share,), max_rope=max_rope)[:1]:
+            measure(Candidate(r, p, best.rope_select, best.balance, storage, norm, extra=extra, round=3))
+    best = min(measured, key=lambda c: c.proxy)
+    note = "" if len(measured) > 1 else "only one candidate fitted the time given to planning"
+    return PlanResult(best, measured, str(budget), original, budget_bytes, note)
+
+
+def rank_agreement(a: list[float], b: list[float]) -> float:
+    """Spearman's rank correlation of two lists (how well a proxy ranks as perplexity does); 1 is the same order."""
+    n = len(a)
+    if n < 2:
+        return math.nan
+    ra = torch.tensor(a).argsort().argsort().double()
+    rb = torch.tensor(b).argsort().argsort().double()
+    return float(1 - 6 * ((ra - rb) ** 2).sum() / (n * (n * n - 1)))

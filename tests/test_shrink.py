@@ -1,0 +1,274 @@
+"""shrink: the planner (within the budget, ranking as perplexity does), the budget (a fake clock), the pipeline
+end to end for each format, resume after each phase, and bad input. Tiny random Llama checkpoints."""
+import copy
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from tiny_checkpoints import TEXT, make_checkpoint
+
+from attnlab import models as hf
+from attnlab.cli import main
+from attnlab.runtime import Budget, Stopped
+from attnlab.shrink import ShrinkRequest, parse_budget, plan, shrink
+from attnlab.shrink.pipeline import run_folder
+from attnlab.shrink.plan import Candidate, apply, bytes_per_token, proxy_kl, teacher_log_probs
+
+T = 16
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(folder, model, tokenizer, text file): a 2-layer Llama (H=4, G=2, d=16: 64 KV values per token and layer)."""
+    root = tmp_path_factory.mktemp("shrink")
+    folder = root / "llama"
+    make_checkpoint("llama", folder, initializer_range=0.3, max_position_embeddings=512)
+    model, tok, _ = hf.load_model(str(folder))
+    text = root / "train.txt"
+    text.write_text(TEXT * 40)
+    held = root / "held.txt"
+    held.write_text(TEXT[::-1] * 8)
+    return folder, model, tok, text, held
+
+
+def _cli(args, capsys):
+    code = main([str(a) for a in args])
+    return code, capsys.readouterr()
+
+
+def _one_line_error(code, out, fragment):
+    lines = out.err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and fragment in lines[0], out.err
+
+
+def _ids(tok, path, n=None):
+    return hf.read_text_ids(tok, path, n)
+
+
+def _req(folder, out, **kw):
+    """A request sized for the tiny model: windows of T tokens, a few heal steps (not the time) end it."""
+    return ShrinkRequest(**{**dict(source=str(folder), kv_budget="50%", out=str(out), minutes=5, seq_len=T,
+                                   tokens=4 * T * 4, layer_steps=2, windows=16), **kw})
+
+
+# -- the budget ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("text, kind, value", [("50%", "fraction", 0.5), ("0.25", "fraction", 0.25),
+                                                ("6000", "bytes", 6000.0), ("1500 bytes", "bytes", 1500.0)])
+def test_budget_parses(text, kind, value):
+    b = parse_budget(text)
+    assert (b.kind, b.value) == (kind, value)
+
+
+@pytest.mark.parametrize("text, fragment", [("0%", "strictly between 0% and 100%"), ("100%", "strictly between"),
+                                             ("150%", "strictly between"), ("-5", "must be a percentage"),
+                                             ("half", "must be a percentage")])
+def test_bad_budgets_name_the_value(text, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        parse_budget(text)
+
+
+# -- the planner ---------------------------------------------------------------------------------------------
+def test_plan_meets_the_budget_and_leaves_the_model_as_it_was(tiny):
+    _, model, tok, text, _ = tiny
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    cal = _ids(tok, text, 256)
+    result = plan(model, cal, parse_budget("50%"), window=T)
+    original = bytes_per_token(64, "bf16", 2)  # 2 layers x 64 values x 2 bytes
+    assert result.original_bytes_16bit == original
+    assert all(c.bytes_per_token <= 0.5 * original for c in result.measured)
+    assert result.best.proxy == min(c.proxy for c in result.measured)
+    measured = hf.kv_bytes_per_token  # the planner's byte count is what the caches allocate
+    probe = copy.deepcopy(model)
+    apply(probe, result.best, cal)
+    assert measured(probe) == result.best.bytes_per_token
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert {type(m).__name__ for m in hf.attnlab_modules(model)} == {"GroupedQueryAttention"}
+
+
+def test_the_proxy_ranks_two_clearly_different_cuts_as_held_out_perplexity_does(tiny):
+    """Held out: text the (random) teacher writes itself, on which its own perplexity is low; never calibrated on."""
+    from attnlab.heal.data import teacher_windows
+
+    _, model, tok, text, _ = tiny
+    cal = _ids(tok, text, 256)
+    held = teacher_windows(model, tok, 8, 32, seed=123).reshape(1, -1)
+    windows = cal[0, :4 * T].reshape(4, T)
+    reference = teacher_log_probs(model, windows)
+    scores = {}
+    for name, cand in {"wide": Candidate(40, 16, "rorope", True, "bf16", False),
+                       "narrow": Candidate(4, 2, "rorope", True, "bf16", False)}.items():
+        m = copy.deepcopy(model)
+        apply(m, cand, cal)
+        scores[name] = (proxy_kl(m, windows, reference), hf.perplexity(m, held, window=64))
+    assert scores["wide"][0] < scores["narrow"][0] and scores["wide"][1] < scores["narrow"][1]
+
+
+def test_no_plan_meets_a_budget_below_one_rope_pair_and_a_latent(tiny):
+    _, model, tok, text, _ = tiny
+    with pytest.raises(ValueError, match="no plan can meet a KV budget of 20 bytes/token"):
+        plan(model, _ids(tok, text, 64), parse_budget("20"), window=T)
+
+
+def test_the_gguf_plan_keeps_within_what_llama_cpp_can_turn(tiny):
+    from attnlab.models.export_gguf import gguf_rope_limit
+
+    _, model, tok, text, _ = tiny
+    result = plan(model, _ids(tok, text, 256), parse_budget("50%"), fmt="gguf", window=T)
+    limit = gguf_rope_limit(model)
+    assert all(c.rope_select == "rorope" and c.rope_dim <= limit and c.kv_dtype == "bf16" for c in result.measured)
+
+
+# -- the pipeline ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("fmt", ["attnlab", "deepseek", "gguf"])
+def test_shrink_end_to_end_for_each_format(tiny, tmp_path, fmt):
+    folder, _, _, text, held = tiny
+    out = tmp_path / ("out.gguf" if fmt == "gguf" else "out")
+    report = shrink(_req(folder, out, fmt=fmt, text=[str(text)], eval_text=[str(held)]))
+    assert out.exists() and not run_folder(out).exists()
+    kv = report["kv_bytes_per_token"]
+    assert kv["shrunk"] <= 0.5 * kv["original_16bit"] + (2 * 2 * 4 if kv["storage"] == "int8" else 0)
+    assert report["held_out"]["after"]["perplexity"] > 0 and report["heal"]["steps_done"] > 0
+    assert set(report["minutes"]) >= {"load", "data", "plan", "convert", "heal", "export", "total"}
+    if fmt == "attnlab":
+        model, _, meta = hf.load_model(str(out))
+        assert meta["shrink"]["plan"]["chosen"]["label"] == report["plan"]["chosen"]["label"]
+    elif fmt == "deepseek":
+        assert json.loads((out / "config.json").read_text())["model_type"] == "deepseek_v3"
+        assert json.loads(out.with_name("out.shrink.json").read_text())["format"] == "attnlab-shrink-report"
+    else:
+        from gguf import GGUFReader
+        assert GGUFReader(str(out)).fields["general.architecture"].contents() == "deepseek2"
+
+
+def test_data_writing_cannot_eat_the_budget_and_a_run_that_trains_nothing_exits_2(tiny, tmp_path, monkeypatch):
+    """A fake clock where each pass through the model costs 1 s: with no text, the teacher's writing stops at its
+    share; with a budget too small for any training, nothing is written and the state stays for --resume."""
+    folder, _, _, _, _ = tiny
+    clock = [0.0]
+    import attnlab.models.store as store
+    real_load = store.load_model
+
+    def load(source):
+        model, tok, meta = real_load(source)
+        model.model.embed_tokens.register_forward_pre_hook(lambda *_: clock.__setitem__(0, clock[0] + 1.0))
+        return model, tok, meta
+
+    monkeypatch.setattr(hf, "load_model", load)
+    budget = Budget(10, clock=lambda: clock[0])  # 600 "seconds"
+    out = tmp_path / "out"
+    report = shrink(_req(folder, out, windows=64, tokens=None, minutes=10), budget=budget)
+    batch = 8 * T  # the longest a batch of teacher text can take: T passes, plus its prefill
+    assert report["minutes"]["data"] * 60 <= 0.3 * 600 + batch + 0.3 * 600 / 5 + batch
+    assert report["heal"]["steps_done"] > 0
+    assert clock[0] <= 600 + 2 + report["heal"]["evaluation_seconds"] + 60
+    clock[0] = 0.0
+    tight = Budget(0.05, clock=lambda: clock[0])  # 3 "seconds": spent before any training
+    with pytest.raises((Stopped, ValueError), match="budget|nothing was trained"):
+        shrink(_req(folder, tmp_path / "none", minutes=0.05, tokens=None), budget=tight)
+    assert not (tmp_path / "none").exists()
+
+
+def test_resume_continues_after_each_phase(tiny, tmp_path):
+    folder, _, _, text, held = tiny
+    out = tmp_path / "out"
+    req = _req(folder, out, text=[str(text)], eval_text=[str(held)])
+    phases = []
+
+    class StopAt:
+        """A display that asks the run to stop when a phase with this text begins."""
+
+        def __init__(self, budget, word):
+            self.budget, self.word = budget, word
+
+        def phase(self, text):
+            phases.append(text)
+            if self.word in text:
+                self.budget.request_stop()
+
+        def count(self, *a, **k):
+            pass
+
+        def step(self, info):
+            pass
+
+    for word in ("planning", "converting", "evaluating", "writing"):
+        budget = Budget(5)
+        with pytest.raises(Stopped):
+            shrink(req, resume=run_folder(out).exists(), budget=budget, display=StopAt(budget, word))
+        state = json.loads((run_folder(out) / "state.json").read_text())
+        assert not out.exists()
+        done = state["done"]
+        assert done == ["data", "plan", "convert", "heal"][:len(done)]
+    report = shrink(req, resume=True)
+    assert out.exists() and report["heal"]["steps_done"] > 0
+    assert sum("reading the training text" in p for p in phases) == 1  # data was read once, then resumed
+
+
+def test_resume_with_other_arguments_is_refused(tiny, tmp_path):
+    folder, _, _, text, _ = tiny
+    out = tmp_path / "out"
+    budget = Budget(5)
+
+    class StopAtPlan:
+        def phase(self, text):
+            if "planning" in text:
+                budget.request_stop()
+
+        def count(self, *a, **k):
+            pass
+
+        step = count
+
+    with pytest.raises(Stopped):
+        shrink(_req(folder, out, text=[str(text)]), budget=budget, display=StopAtPlan())
+    with pytest.raises(ValueError, match=r"arguments differ .*kv_budget: '50%' -> '25%'"):
+        shrink(_req(folder, out, text=[str(text)], kv_budget="25%"), resume=True)
+
+
+def test_cli_bad_input_is_one_line(tiny, tmp_path, capsys):
+    folder, _, _, text, _ = tiny
+    o = tmp_path / "o"
+    cases = [(["--kv-budget", "0%"], "strictly between 0% and 100%"),
+             (["--kv-budget", "100%"], "strictly between 0% and 100%"),
+             (["--kv-budget", "20"], "no plan can meet"),
+             (["--kv-budget", "50%", "--format", "gguf"], "--out must end in .gguf"),
+             (["--kv-budget", "50%", "--format", "gguf", "--kv-dtype", "int8"], "attnlab's own cache"),
+             (["--kv-budget", "50%", "--latent-dim", "12"], "give --latent-dim and --rope-dim together"),
+             (["--kv-budget", "50%", "--minutes", "0"], "--minutes must be a positive number"),
+             (["--kv-budget", "50%", "--resume"], "no shrink run to resume")]
+    for extra, fragment in cases:
+        _one_line_error(*_cli(["shrink", folder, "--out", o, "--text", text, *extra], capsys), fragment)
+    o.mkdir()
+    _one_line_error(*_cli(["shrink", folder, "--out", o, "--kv-budget", "50%"], capsys), "exists")
+    gguf_out = tmp_path / "x.gguf"
+    _one_line_error(*_cli(["shrink", folder, "--out", gguf_out, "--kv-budget", "50%", "--format", "gguf",
+                           "--latent-dim", "20", "--rope-dim", "44", "--text", text], capsys), "rope")
+
+
+@pytest.mark.slow
+def test_kill_9_mid_heal_then_resume_loses_nothing_written(tiny, tmp_path):
+    """A run killed with SIGKILL while it heals leaves no output and a state that --resume completes."""
+    folder, _, _, text, held = tiny
+    out = tmp_path / "out"
+    args = [sys.executable, "-m", "attnlab", "shrink", str(folder), "--kv-budget", "50%", "--out", str(out),
+            "--text", str(text), "--eval-text", str(held), "--minutes", "3", "--seq-len", str(T), "--tokens", "64000"]
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    state = run_folder(out) / "state.json"
+    deadline = time.time() + 240
+    while time.time() < deadline:
+        if state.is_file() and "convert" in json.loads(state.read_text()).get("done", []):
+            time.sleep(0.3)  # the heal (1000 steps of the tiny model) has begun
+            break
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not out.exists()
+    done = subprocess.run(args + ["--resume"], capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, done.stderr
+    assert out.is_dir() and not run_folder(out).exists()
