@@ -142,7 +142,6 @@ def mla_reference(x, y, p, H, *, mask=None, causal=False, q_positions=None, k_po
     x, y = x.detach().to(F64), y.detach().to(F64)
     B, L1, _ = x.shape
     L2 = y.shape[1]
-    r = p["W_DKV"].shape[0]
     d = p["W_UK"].shape[0] // H
     dv = p["W_UV"].shape[0] // H
     pr = 0 if p.get("W_KR") is None else p["W_KR"].shape[0]

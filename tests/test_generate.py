@@ -236,6 +236,25 @@ def test_top_k_top_p_restrict_to_the_right_support(top_k, top_p):
         assert set(col.tolist()) <= keep
 
 
+def test_top_k_top_p_on_a_large_vocabulary_draw_from_the_same_distribution():
+    """Above CANDIDATES tokens, sample() looks at the most likely ones first: same support, same frequencies."""
+    from attnlab.generation.sampling import CANDIDATES
+
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(3, 4 * CANDIDATES, generator=g) * 3
+    for top_k, top_p in ((None, 0.9), (60, None), (60, 0.5), (2 * CANDIDATES, 0.95)):
+        probs = filtered_probs(logits, 0.8, top_k, top_p)
+        expected = _support_oracle(logits, 0.8, top_k, top_p)
+        n = 4000
+        draws = sample(logits.repeat(n, 1), 0.8, top_k, top_p, torch.Generator().manual_seed(1)).view(n, 3)
+        for r in range(3):
+            assert set(draws[:, r].tolist()) <= expected[r]
+            top = int(probs[r].argmax())
+            p = float(probs[r, top])
+            share = float((draws[:, r] == top).float().mean())
+            assert abs(share - p) <= 4 * (p * (1 - p) / n) ** 0.5 + 1e-9  # within four standard errors
+
+
 # -- EOS and streaming ---------------------------------------------------------------------------
 def test_eos_stops_each_row_and_stream_sees_the_generated_tokens(pair, batch):
     _, ours = pair

@@ -226,3 +226,19 @@ def test_lora_heal_trains_only_adapters_and_merges_them_exactly(tiny):
                for n in ("W_Q", "W_DKV", "W_UK", "W_UV", "W_O"))
     assert distill_loss(teacher, student, train) < before
     assert all(torch.equal(v, student.state_dict()[k]) for k, v in outside.items())
+
+
+def test_teacher_windows_as_long_as_the_context_fit_it_whatever_the_prompts(tiny):
+    """Left-padded prompts of different lengths once asked the cache for more than the context (a bug
+    found when convert began to write its own calibration text): windows of exactly the context's length
+    come back whole, and one token more is refused naming both numbers."""
+    from attnlab.heal.data import PROMPTS, teacher_windows
+
+    _, teacher, tok = tiny
+    ctx = teacher.config.max_position_embeddings
+    lengths = [tok(p, return_tensors="pt").input_ids.shape[1] for p in PROMPTS[:4]]
+    assert max(lengths) > min(lengths)  # the case: prompts of unequal length in one batch
+    out = teacher_windows(teacher, tok, 4, ctx, batch_size=4, prompts=PROMPTS[:4])
+    assert out.shape == (4, ctx) and bool((out >= 0).all()) and bool((out < teacher.config.vocab_size).all())
+    with pytest.raises(ValueError, match=rf"{ctx + 1} tokens exceed .*max_position_embeddings {ctx}"):
+        teacher_windows(teacher, tok, 1, ctx + 1)

@@ -31,9 +31,22 @@ def _report_table(report) -> Table:
 
 
 
+def _self_calibration(model, tok, tokens: int, seed: int):
+    """(token ids (1, N), what they are): text the model writes itself, for a lossy cut given no --calibration."""
+    from ..heal.data import teacher_windows
+
+    if tok is None:
+        raise UsageProblem("a lossy cut is calibrated on text, and the model has no tokenizer to write its own: give "
+                           "--calibration FILE (or --no-calibration)")
+    seq = 256
+    with console.status(f"the model writes {tokens} tokens of its own calibration text (seed {seed})"):
+        ids = teacher_windows(model, tok, max(1, -(-tokens // seq)), seq, seed=seed, batch_size=8).reshape(1, -1)
+    return ids[:, :tokens], f"{ids[:, :tokens].shape[1]} tokens the model wrote itself (seed {seed})"
+
+
 def _convert_model(source, to, out, latent_dim, rope_dim, kv_heads, method, calibration, calibration_tokens,
-                   report_json, fmt="attnlab", force=False, rope_select="frequency", balance=False,
-                   latent_norm="none"):
+                   report_json, fmt="attnlab", force=False, rope_select="rorope-score", balance=True,
+                   latent_norm="none", kv_budget=None, use_calibration=True, seed=0):
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
     from .. import models as hf
@@ -50,18 +63,55 @@ def _convert_model(source, to, out, latent_dim, rope_dim, kv_heads, method, cali
     if latent_norm == "steady" and fmt == "deepseek":
         raise UsageProblem("--latent-norm steady is for llama.cpp (GGUF); --format deepseek is exact without a norm "
                            "(one constant latent channel, the same one extra cached number)")
+    if kv_budget is not None and (latent_dim is not None or rope_dim is not None):
+        raise UsageProblem("give --kv-budget (attnlab chooses the sizes) or --latent-dim/--rope-dim, not both")
+    if kv_budget is not None and to != "mla":
+        raise UsageProblem(f"--kv-budget plans an MLA: use --to mla, not {to!r}")
+    if kv_budget is not None and not use_calibration:
+        raise UsageProblem("--kv-budget measures candidate cuts on text: it cannot run with --no-calibration "
+                           "(give --latent-dim and --rope-dim instead)")
+    if calibration is not None and not use_calibration:
+        raise UsageProblem("give --calibration FILE or --no-calibration, not both")
+    lossy = to == "mla" and (latent_dim is not None or kv_budget is not None)
     from ..io.folders import check_output
     check_output(out, force=force, sources=[*hf.source_paths(source), calibration])  # before any work
     if fmt == "deepseek" and Path(source).is_dir() and hf.is_checkpoint(source):
+        if kv_budget is not None:
+            raise UsageProblem("--kv-budget measures candidates on the model in memory; the streamed DeepSeek "
+                               "conversion of a folder takes --latent-dim and --rope-dim")
+        if lossy and calibration is None and use_calibration:
+            raise UsageProblem("the streamed conversion never holds the model, so it cannot write its own "
+                               "calibration text: give --calibration FILE (or --no-calibration, much worse)")
         return _convert_streamed(source, to, out, latent_dim, rope_dim, calibration, calibration_tokens,
                                  report_json, force, rope_select, balance,
                                  "fit" if latent_norm == "fit" else "constant")
     model, tok, meta = hf.load_model(source)
     if fmt == "deepseek":
-        hf.check_deepseek_request(model, to, latent_dim)
+        hf.check_deepseek_request(model, to, latent_dim if kv_budget is None else 1)
+    calibrated_on = None
     ids = hf.read_text_ids(tok, calibration, calibration_tokens) if calibration is not None else None
     if ids is not None and ids.numel() == 0:
         raise UsageProblem(f"{calibration}: 0 tokens; calibration needs text")
+    if ids is not None:
+        calibrated_on = f"{ids.shape[1]} tokens of {calibration}"
+    elif lossy and use_calibration and hf.family(model) == "llama":
+        ids, calibrated_on = _self_calibration(model, tok, calibration_tokens, seed)
+    elif lossy and not use_calibration:
+        console.print("[yellow]warning:[/yellow] --no-calibration: the cut is chosen on the weights alone, which "
+                      "measured many times worse (docs/real-models.md)")
+    plan = None
+    if kv_budget is not None:
+        from ..shrink.plan import parse_budget
+        from ..shrink.plan import plan as choose
+
+        with console.status("planning: measuring candidate cuts on the calibration text") as status:
+            plan = choose(model, ids, parse_budget(kv_budget), fmt=fmt, storages=("bf16",),
+                          progress=lambda i, label: status.update(f"planning: candidate {i + 1}: {label}"))
+        best = plan.best
+        latent_dim, rope_dim, rope_select, balance = best.latent_dim, best.rope_dim, best.rope_select, best.balance
+        console.print(f"plan for a KV budget of {plan.budget}: {best.label()} (proxy KL {best.proxy:.4f}; "
+                      + "; ".join(f"{c.label()} {c.proxy:.4f}" for c in sorted(plan.measured, key=lambda c: c.proxy)[1:4])
+                      + ")")
     n = len(hf.attnlab_modules(model))
     before = hf.kv_bytes_per_token(model)
     with Progress(TextColumn("converting layers"), BarColumn(), MofNCompleteColumn(), console=console,
@@ -100,7 +150,8 @@ def _convert_model(source, to, out, latent_dim, rope_dim, kv_heads, method, cali
     console.print(f"KV cache bytes per token (whole model, {modules[0]._anchor.dtype}"
                   f"{', as the DeepSeek export caches it' if fmt == 'deepseek' else ''}): {before} -> {after}")
     summary = {"source": source, "to": to, "latent_dim": latent_dim, "rope_dim": rope_dim,
-               "rope_select": rope_select, "balance": balance,
+               "rope_select": rope_select, "balance": balance, "calibration": calibrated_on,
+               "plan": None if plan is None else plan.to_dict(),
                "kv_bytes_per_token_before": before, "kv_bytes_per_token_after": after,
                "layers": [r.to_dict() for r in reports], "latent_norm": latent_norm,
                "latent_norm_errors": norm_errors}
@@ -165,13 +216,22 @@ def convert(source: str = typer.Argument(..., help="An attnlab checkpoint folder
             energy: Optional[float] = typer.Option(None, "--energy", help="mla: keep this fraction of energy."),
             split: bool = typer.Option(False, "--split/--joint", metavar="",
                                        help="mla of a saved module: factor K and V separately (default: jointly)."),
-            rope_select: str = typer.Option("frequency", "--rope-select",
+            rope_select: str = typer.Option("rorope-score", "--rope-select",
                                             help="mla of a RoPE model: what keeps rotating: frequency, norm "
                                                  "(pairs per KV head), rorope (mixed planes by frequency: GGUF within "
                                                  "its rope limit) or rorope-score (mixed planes by score, allocated "
                                                  "for all layers at once; DeepSeek export) (docs/real-models.md)."),
-            balance: bool = typer.Option(False, "--balance/--no-balance", metavar="",
-                                         help="mla of a RoPE model: balance K and V before the joint SVD (BKV)."),
+            balance: bool = typer.Option(True, "--balance/--no-balance", metavar="",
+                                         help="mla of a RoPE model: balance K and V before the joint SVD (BKV; "
+                                              "on by default, the best measured)."),
+            kv_budget: Optional[str] = typer.Option(None, "--kv-budget", help="mla of a RoPE model: the KV cache to "
+                                                    "keep (50%, 0.25, or bytes per token); attnlab chooses the sizes "
+                                                    "and what keeps rotating by measuring candidates."),
+            no_calibration: bool = typer.Option(False, "--no-calibration", metavar="",
+                                                help="Cut on the weights alone (much worse). By default a lossy cut "
+                                                     "is calibrated on --calibration FILE, or on text the model "
+                                                     "writes itself."),
+            seed: int = typer.Option(0, "--seed", help="Seed of the model's own calibration text."),
             calibration: Optional[Path] = typer.Option(None, "--calibration",
                                                        help="Model conversions: a text file whose activations "
                                                             "whiten the SVDs."),
@@ -190,6 +250,7 @@ def convert(source: str = typer.Argument(..., help="An attnlab checkpoint folder
     """Convert a saved attention module, or every layer of a real model, to another family.
 
     Writes safetensors + config.json and prints the report table.
+    Example: attnlab convert smollm2 --to mla --kv-budget 50% --out smollm2-half
     Example: attnlab convert smollm2 --to mla --latent-dim 256 --out smollm2-mla256
     Example: attnlab convert ckpt/gqa --to mla --latent-dim 64 --out ckpt/mla64
     Example: attnlab convert ~/Llama-3.2-1B --to mla --latent-dim 256 --format deepseek --out llama-mla
@@ -205,7 +266,8 @@ def convert(source: str = typer.Argument(..., help="An attnlab checkpoint folder
             raise UsageProblem(f"{'--energy' if energy is not None else '--split'} applies to a saved attention "
                                "module; a whole model takes --latent-dim (and --rope-dim)")
         return _convert_model(source, to, out, latent_dim, rope_dim, kv_heads, method, calibration,
-                              calibration_tokens, report_json, fmt, force, rope_select, balance, latent_norm)
+                              calibration_tokens, report_json, fmt, force, rope_select, balance, latent_norm,
+                              kv_budget=kv_budget, use_calibration=not no_calibration, seed=seed)
     module = load_module(source)
     new, report = run_conversion(module, to, num_kv_heads=kv_heads, method=method, latent_dim=latent_dim,
                                  energy=energy, joint=not split)

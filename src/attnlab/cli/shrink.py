@@ -64,8 +64,8 @@ def shrink(source: str = typer.Argument(..., help="The model: smollm2, a transfo
            latent_dim: Optional[int] = typer.Option(None, "--latent-dim", help="Skip the planner: this latent size "
                                                     "(with --rope-dim)."),
            rope_dim: Optional[int] = typer.Option(None, "--rope-dim", help="Skip the planner: this rope size."),
-           calibration: bool = typer.Option(True, "--calibration/--no-calibration", help="Calibrate the cut on "
-                                            "text (default); --no-calibration cuts on the weights alone (much worse)."),
+           no_calibration: bool = typer.Option(False, "--no-calibration", metavar="", help="Cut on the weights "
+                                               "alone (much worse; by default the cut is calibrated on text)."),
            seed: int = typer.Option(0, "--seed", help="Seed of the model's own text and of the data order."),
            tokens: Optional[int] = typer.Option(None, "--tokens", help="End-to-end heal tokens (default: as many "
                                                 "as the time allows)."),
@@ -92,10 +92,10 @@ def shrink(source: str = typer.Argument(..., help="The model: smollm2, a transfo
         raise UsageProblem(f"--device must be cpu or cuda, not {device!r}")
     req = ShrinkRequest(source=source, kv_budget=kv_budget, out=str(out), fmt=fmt, minutes=minutes,
                         text=[str(t) for t in text or []], eval_text=[str(t) for t in eval_text or []], seed=seed,
-                        device=device, calibration=calibration, storage=kv_dtype, latent_dim=latent_dim,
+                        device=device, calibration=not no_calibration, storage=kv_dtype, latent_dim=latent_dim,
                         rope_dim=rope_dim, tokens=tokens, seq_len=seq_len)
     check_request(req)
-    if not calibration:
+    if no_calibration:
         console.print("[yellow]warning:[/yellow] --no-calibration: the cut is chosen on the weights alone, which "
                       "measured many times worse before healing (docs/real-models.md)")
     from transformers.utils import logging as hf_logging

@@ -48,11 +48,37 @@ def filtered_probs(logits: torch.Tensor, temperature: float = 1.0, top_k: int | 
     return scores.softmax(dim=-1)  # (B, V)
 
 
+CANDIDATES = 1024  # top-k / top-p draws look at the most likely tokens first (exact: see sample)
+
 
 def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
            generator: torch.Generator | None = None) -> torch.Tensor:
-    """Next token ids (B,) from logits (B, V): argmax at temperature 0, else one draw from filtered_probs."""
+    """Next token ids (B,) from logits (B, V): argmax at temperature 0, else one draw from filtered_probs.
+
+    With top-k or top-p the draw looks only at the CANDIDATES most likely tokens (sorted by topk
+    instead of sorting the whole vocabulary every step): exact whenever the support lies among them,
+    which top-k <= CANDIDATES guarantees and which is checked for top-p (the rows whose nucleus is
+    wider fall back to the whole vocabulary).
+    """
     if temperature == 0:
         return logits.argmax(dim=-1)
-    probs = filtered_probs(logits, temperature, top_k, top_p)
-    return torch.multinomial(probs, 1, generator=generator)[:, 0]
+    V = logits.shape[-1]
+    if (top_k is None or top_k > CANDIDATES) and (top_p is None or top_p >= 1) or V <= CANDIDATES:
+        probs = filtered_probs(logits, temperature, top_k, top_p)
+        return torch.multinomial(probs, 1, generator=generator)[:, 0]
+    scores = logits.float() / temperature  # (B, V)
+    c = min(CANDIDATES, top_k) if top_k is not None else CANDIDATES
+    values, index = scores.topk(c, dim=-1)  # (B, c), most likely first
+    if top_k is not None:  # ties at the k-th score are kept, as filtered_probs keeps them
+        kth = values[:, -1:]
+        if bool((scores == kth).sum(-1).gt((values == kth).sum(-1)).any()):
+            return torch.multinomial(filtered_probs(logits, temperature, top_k, top_p), 1, generator=generator)[:, 0]
+    if top_p is not None and top_p < 1:
+        total = (scores.masked_fill(scores < values[:, -1:], float("-inf")) if top_k is not None else scores)
+        p = (values - total.logsumexp(dim=-1, keepdim=True)).exp()  # (B, c): probabilities within the top-k set
+        before = p.cumsum(dim=-1) - p
+        if bool((p.sum(-1) < top_p).any()):  # some nucleus reaches beyond the candidates: the whole vocabulary
+            return torch.multinomial(filtered_probs(logits, temperature, top_k, top_p), 1, generator=generator)[:, 0]
+        values = values.masked_fill(before >= top_p, float("-inf"))
+    pick = torch.multinomial(values.softmax(dim=-1), 1, generator=generator)  # (B, 1)
+    return index.gather(-1, pick)[:, 0]

@@ -35,6 +35,9 @@ PROMPTS = (
 )
 
 
+HELD_OUT_PROMPTS = 4  # the last prompts write held-out text only (training_data)
+
+
 def _windows(ids: torch.Tensor, seq_len: int) -> torch.Tensor:
     n = ids.numel() // seq_len
     return ids[: n * seq_len].reshape(n, seq_len)  # (N, T)
@@ -82,24 +85,32 @@ def teacher_windows(teacher, tok, count: int, seq_len: int, *, seed: int = 0, ba
     """Up to `count` windows (n, seq_len) of text the teacher writes from the prompts (sampled, seeded).
 
     Written batch_size windows at a time with attnlab's generation loop. budget (runtime.Budget):
-    no new batch starts once it is spent (the windows written so far are returned, at least one
-    batch); a stop request raises runtime.Stopped, also in the middle of a batch.
+    a batch starts only if the last batch's time still fits (the windows written so far are
+    returned, at least one batch); a stop request raises runtime.Stopped, also in a batch.
     """
     from ..generation.loop import generate
     from ..runtime.budget import Stopped
 
     if isinstance(count, bool) or not isinstance(count, int) or count < 1:
         raise ValueError(f"windows to generate must be at least 1, got {count!r}")
+    context = getattr(getattr(teacher, "config", None), "max_position_embeddings", None) or float("inf")
+    if seq_len > context:
+        raise ValueError(f"windows of {seq_len} tokens exceed the model's context (max_position_embeddings {context})")
     pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
     out = []
+    last = 0.0  # seconds the last batch took: a batch starts only if one more still fits
     for start in range(0, count, batch_size):
         if budget is not None and start:
             if budget.stop_requested:
                 raise Stopped("stop")
-            if budget.expired():
+            if budget.expired(last):
                 break
+        began = None if budget is None else budget.clock()
         rows = [prompts[(start + k) % len(prompts)] for k in range(min(batch_size, count - start))]
         enc = [tok(p, return_tensors="pt").input_ids[0][: seq_len // 2] for p in rows]
+        if max(e.numel() for e in enc) + seq_len - min(e.numel() for e in enc) > context:
+            short = min(e.numel() for e in enc)  # left padding would run past the context: equal prompts
+            enc = [e[:short] for e in enc]
         P = max(e.numel() for e in enc)
         ids = torch.full((len(enc), P), pad, dtype=torch.long)
         mask = torch.zeros(len(enc), P, dtype=torch.long)
@@ -112,19 +123,23 @@ def teacher_windows(teacher, tok, count: int, seq_len: int, *, seed: int = 0, ba
             # (B, P + new)
         for k, e in enumerate(enc):  # the prompt (without its padding) and the continuation, cut to seq_len
             out.append(torch.cat([e, full[k, P:]])[:seq_len])
+        if began is not None:
+            last = budget.clock() - began
         if progress:
             progress(len(out), count)
     return torch.stack(out)  # (n, T)
 
 
 def training_data(teacher, tok, seq_len: int, *, text=None, eval_text=None, windows: int = 64, seed: int = 0,
-                  budget=None, share: float = 0.3, progress=None) -> tuple[torch.Tensor, torch.Tensor, dict]:
+                  budget=None, share: float = 0.3, batch_size: int = 16,
+                  progress=None) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """(training windows (N, T), held-out ids (1, M), what was used) for a heal run.
 
     With `text` files: text_windows (the last tenth held out unless `eval_text` is given). Without:
-    the teacher writes up to `windows` training windows within `share` of the budget (what is left
-    of it, at the time of the call), and 8 more from other samples as held-out text unless
-    `eval_text` is given (within a further share of a fifth of that). progress(i, n) counts windows.
+    the teacher writes up to `windows` windows within `share` of the budget (what is left of it at
+    the time of the call), batch_size at a time; unless `eval_text` is given, it first writes one
+    window from each of the HELD_OUT_PROMPTS last prompts, which no training window starts from,
+    as the held-out text. progress(i, n) counts windows.
     """
     from ..runtime.budget import Stopped
 
@@ -134,13 +149,16 @@ def training_data(teacher, tok, seq_len: int, *, text=None, eval_text=None, wind
         if tok is None:
             raise ValueError("the teacher has no tokenizer: give --text (token windows need one)")
         mine = None if budget is None else budget.share(share)
-        train = teacher_windows(teacher, tok, windows, seq_len, seed=seed, budget=mine, progress=progress)
-        if eval_text:
-            held = read_ids(tok, eval_text)[None]
-        else:
-            mine = None if budget is None else budget.share(min(1.0, share / 5))
-            held = teacher_windows(teacher, tok, 8, seq_len, seed=seed + 7919, budget=mine,
-                                   progress=progress).reshape(1, -1)
+        n = 0 if eval_text else HELD_OUT_PROMPTS
+        train_prompts = PROMPTS[:len(PROMPTS) - HELD_OUT_PROMPTS]
+        order = PROMPTS[len(PROMPTS) - n:] + tuple(train_prompts[i % len(train_prompts)] for i in range(windows))
+        written = teacher_windows(teacher, tok, n + windows, seq_len, seed=seed, budget=mine, batch_size=batch_size,
+                                  prompts=order, progress=progress)
+        if written.shape[0] <= n:
+            raise ValueError(f"the teacher wrote {written.shape[0]} window(s) in the time given: too few to train on "
+                             "(give more time, or --text)")
+        train = written[n:]
+        held = read_ids(tok, eval_text)[None] if eval_text else written[:n].reshape(1, -1)
         if budget is not None and budget.stop_requested:
             raise Stopped("stop")
     used = {"text": [str(x) for x in text or []], "eval_text": [str(x) for x in eval_text or []],

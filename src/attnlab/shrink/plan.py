@@ -215,7 +215,7 @@ def feasible(teacher, budget: KVBudget, fmt: str = "attnlab", storages=STORAGES)
 
 def plan(teacher, calibration_ids: torch.Tensor, budget: KVBudget, *, fmt: str = "attnlab",
          storages=("bf16", "int8"), proxy_windows: int = 4, window: int = 256, time_budget=None,
-         progress=None) -> PlanResult:
+         progress=None, calibrate: bool = True) -> PlanResult:
     """Choose the conversion and storage that meet `budget` with the lowest proxy (module docstring).
 
     teacher: an attnlab'd Llama-family model (unconverted); it is converted and restored for
@@ -223,7 +223,8 @@ def plan(teacher, calibration_ids: torch.Tensor, budget: KVBudget, *, fmt: str =
     `proxy_windows` windows of `window` tokens also score the candidates. storages: which cache
     storages may be chosen (8-bit only for fmt "attnlab"). time_budget (runtime.Budget): once
     spent, no new candidate starts (the best so far wins; at least one is measured).
-    progress(i, label) is called before each candidate.
+    progress(i, label) is called before each candidate. calibrate=False converts every candidate on
+    the weights alone (what --no-calibration will do), still ranking them on the calibration text.
     """
     from ..models.adapters import attnlab_modules, replace_attention
     from ..models.evaluate import attention_inputs, kv_bytes_per_token
@@ -254,7 +255,7 @@ def plan(teacher, calibration_ids: torch.Tensor, budget: KVBudget, *, fmt: str =
         if progress:
             progress(len(measured), cand.label())
         try:
-            apply(teacher, cand, calibration_ids, inputs=inputs)
+            apply(teacher, cand, calibration_ids if calibrate else None, inputs=inputs if calibrate else None)
             # what the caches allocate; a DeepSeek export's constant channel comes on top of the attnlab model
             added = L * (layer_bytes(3, 2, cand.kv_dtype) - layer_bytes(2, 2, cand.kv_dtype)) * (fmt == "deepseek")
             cand.bytes_per_token = kv_bytes_per_token(teacher) + added
