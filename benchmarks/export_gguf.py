@@ -14,7 +14,9 @@ Q4_K_M copies of each. Texts: calibration MPL-2.0 (2048 tokens), evaluation GPL-
 tokens, windows of 512; never calibrated on). Measured: perplexity in llama.cpp (float32 KV
 cache, one thread) and in attnlab, the logits' difference, KV-cache bytes per token as
 llama.cpp allocates them; with --timing also decode time per token after prompts of several
-lengths (greedy, llama.cpp's default f16 KV cache, 2 threads). Prints a table and writes JSON.
+lengths (greedy, llama.cpp's default f16 KV cache, 2 threads); and perplexity with llama.cpp's
+f16 and q8_0 KV cache types (keys and values, flash attention on) for the original and the MLA.
+Prints a table and writes JSON.
 """
 from __future__ import annotations
 
@@ -71,17 +73,25 @@ class Captured:
         self.file.close()
 
 
-def open_llama(path: Path, n_ctx: int, logits_all: bool = False, f32_cache: bool = False, threads: int = 2):
+CACHE_TYPES = {"f32": 0, "f16": 1, "q8_0": 8}  # llama.cpp's GGML_TYPE_* numbers for type_k / type_v
+
+
+def open_llama(path: Path, n_ctx: int, logits_all: bool = False, f32_cache: bool = False, threads: int = 2,
+               cache: str | None = None):
     """(Llama, KV-cache bytes per token (cell) that llama.cpp allocated, from its log).
 
     f32_cache: float32 keys and values (for parity); otherwise llama.cpp's default f16 cache.
+    cache: one of CACHE_TYPES for both keys and values, with flash attention on (llama.cpp quantises
+    a V cache only under flash attention), the setting in which cache types are compared.
     """
     from llama_cpp import Llama
 
     kw = dict(type_k=0, type_v=0) if f32_cache else {}  # GGML_TYPE_F32
+    if cache is not None:
+        kw = dict(type_k=CACHE_TYPES[cache], type_v=CACHE_TYPES[cache])
     with Captured() as log:
         llm = Llama(str(path), n_ctx=n_ctx, n_batch=512, n_threads=threads, logits_all=logits_all, verbose=True,
-                    flash_attn=False, **kw)
+                    flash_attn=cache is not None, **kw)
     sizes = re.findall(r"llama_kv_cache: size =\s*([\d.]+) MiB \(\s*(\d+) cells", log.text)
     if not sizes:
         raise RuntimeError("llama.cpp did not report its KV cache size:\n" +
@@ -188,9 +198,26 @@ def run(quick: bool, timing: bool = False) -> dict:
             del llm
         for name in ("original", "mla"):
             _, row[f"kv_bytes_per_token_llama_cpp_{name}"] = open_llama(paths[name], 64)
+        row["cache_types"] = cache_type_rows({k: paths[k] for k in ("original", "mla")}, flat)
         if timing:
             row["decode"] = decode_rows(tok, {k: paths[k] for k in ("original", "mla")}, quick)
     return row
+
+
+def cache_type_rows(paths: dict, flat: list) -> dict:
+    """{model: {cache type: {perplexity, kv_bytes_per_token}}}: llama.cpp's own f16 and q8_0 KV caches
+    (keys and values, flash attention on in both), bytes per token from llama.cpp's log."""
+    rows = {}
+    for name, path in paths.items():
+        rows[name] = {}
+        for cache in ("f16", "q8_0"):
+            llm, per_token = open_llama(path, 512, logits_all=True, cache=cache)
+            ppl, _ = llama_perplexity(llm, flat)
+            rows[name][cache] = {"perplexity": ppl, "kv_bytes_per_token": per_token}
+            print(f"  llama.cpp {name}, {cache} cache: perplexity {ppl:.3f}, {per_token:.0f} KV bytes/token", flush=True)
+            del llm
+        rows[name]["q8_0_over_f16"] = rows[name]["q8_0"]["perplexity"] / rows[name]["f16"]["perplexity"]
+    return rows
 
 
 def decode_rows(tok, paths: dict, quick: bool) -> list:
@@ -244,6 +271,16 @@ def table(row: dict, command: str) -> str:
            f"{min(row['steady_errors']):.3f} to {max(row['steady_errors']):.3f}. llama.cpp's logits against "
            f"attnlab's (steady export, F32, first 512 tokens): relative difference "
            f"{row['logits_rel_diff_vs_attnlab']:.1e}."]
+    if row.get("cache_types"):
+        out += ["", "llama.cpp's own KV cache types (keys and values, flash attention on; the F32 models above; "
+                "bytes per token from llama.cpp's log):", "",
+                "| model | f16 cache: perplexity | bytes/token | q8_0 cache: perplexity | bytes/token | q8_0 ÷ f16 |",
+                "|---|---|---|---|---|---|"]
+        for name, label in (("original", "SmolLM2-135M (GQA)"), ("mla", "MLA, steady channel")):
+            c = row["cache_types"][name]
+            out.append(f"| {label} | {c['f16']['perplexity']:.3f} | {c['f16']['kv_bytes_per_token']:.0f} | "
+                       f"{c['q8_0']['perplexity']:.3f} | {c['q8_0']['kv_bytes_per_token']:.0f} | "
+                       f"{c['q8_0_over_f16']:.4f}x |")
     if row.get("decode"):
         out += ["", "Decode in llama.cpp (2 threads, greedy, default f16 cache; median of the runs, the two models "
                 "taking turns):", "", "| context | original, ms/token | MLA, ms/token | MLA speed ÷ original's |",

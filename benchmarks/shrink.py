@@ -2,6 +2,8 @@
 
     python benchmarks/shrink.py --part proxy [--budget 50%,25%]     # every candidate: proxy KL vs held-out perplexity
     python benchmarks/shrink.py --part run --case NAME [--redo]     # one shrink command, timed, evaluated
+    python benchmarks/shrink.py --part curve                        # bytes/token vs perplexity, 16- and 8-bit
+    python benchmarks/shrink.py --part plot                         # benchmarks/kv_bytes_vs_ppl.png from the rows
     python benchmarks/shrink.py --part report                       # the tables of docs/real-models.md
 
 Run it alone on the machine (it records the load average before and after each figure and warns
@@ -13,8 +15,9 @@ Texts, none overlapping another:
 - evaluation: /usr/share/common-licenses/GPL-3, first 2048 tokens in windows of 512 (never
   calibrated or trained on; the shrink commands get --eval-text Apache-2.0 for their own report,
   so not even their report reads GPL-3);
-- the proxy part calibrates on MPL-2.0 (2048 tokens) as docs/real-models.md's ablation did, so its
-  before-training perplexities compare with that table's.
+- the proxy part calibrates on MPL-2.0 (its first 2048 tokens) as docs/real-models.md's ablation
+  did, so its before-training perplexities compare with that table's, and scores the candidates
+  on MPL-2.0's next 1024 tokens (the planner's proxy, shrink.plan.plan's proxy_ids).
 """
 from __future__ import annotations
 
@@ -90,14 +93,15 @@ def part_proxy(budgets: list[str]) -> None:
     from attnlab.shrink.plan import apply, parse_budget, plan, rank_agreement
 
     teacher, tok, _ = hf.load_model("smollm2")
-    cal = hf.read_text_ids(tok, CALIBRATION, 2048)
+    full = hf.read_text_ids(tok, CALIBRATION, 2048 + 1024)
+    cal, scoring = full[:, :2048], full[:, 2048:]  # calibrated on the first 2048 tokens, scored on the next 1024
     ev = hf.read_text_ids(tok, EVALUATION, 2048)
     original = hf.perplexity(teacher, ev)
     for b in budgets:
         row = {"budget": b}
         note_load(row, "load_before")
         t0 = time.monotonic()
-        result = plan(teacher, cal, parse_budget(b), storages=("bf16",))
+        result = plan(teacher, cal, parse_budget(b), storages=("bf16",), proxy_ids=scoring)
         row["plan_seconds"] = time.monotonic() - t0
         cands = []
         for c in result.measured:
@@ -110,6 +114,121 @@ def part_proxy(budgets: list[str]) -> None:
         note_load(row, "load_after")
         save(f"proxy-{b}", row)
         print(f"{b}: chosen {row['chosen']}, Spearman {row['spearman']:.3f}")
+
+
+CURVE_FRACTIONS = (0.75, 0.5, 0.375, 0.25, 0.125)  # of the original's KV values per token and layer
+PLOT = HERE / "kv_bytes_vs_ppl.png"
+
+
+def part_curve() -> None:
+    """Bytes per token against held-out perplexity, 16-bit and 8-bit storage, no training: the original
+    GQA, GQA merged to fewer KV heads (mean of the heads, fitted on the calibration text), and MLA at
+    several sizes (RoRoPE by score with BKV, 30% of the values rotating); the healed shrink runs are
+    added from their rows. Calibration MPL-2.0 (2048 tokens), evaluation GPL-3 (2048, windows of 512)."""
+    import copy
+
+    from attnlab import models as hf
+    from attnlab.convert.choose import convert as convert_module
+    from attnlab.models.convert import convert_layers
+
+    teacher, tok, _ = hf.load_model("smollm2")
+    cal = hf.read_text_ids(tok, CALIBRATION, 2048)
+    ev = hf.read_text_ids(tok, EVALUATION, 2048)
+    first = hf.attnlab_modules(teacher)[0]
+    G, d = first.num_kv_heads, first.head_dim
+    values = 2 * G * d
+    row = {"points": []}
+    note_load(row, "load_before")
+
+    def measure(model, kind: str, label: str) -> None:
+        for storage in ("bf16", "int8"):
+            hf.set_kv_dtype(model, storage)
+            point = {"kind": kind, "label": label, "storage": storage, "perplexity": hf.perplexity(model, ev),
+                     "kv_bytes_per_token": hf.kv_bytes_per_token(model)}
+            row["points"].append(point)
+            print(f"{kind:9s} {label:28s} {storage:5s} {point['kv_bytes_per_token']:6d} B/token  "
+                  f"perplexity {point['perplexity']:.2f}", flush=True)
+        hf.set_kv_dtype(model, None)
+
+    measure(teacher, "original", f"GQA, {G} KV heads")
+    for g in [g for g in range(G - 1, 0, -1) if first.num_heads % g == 0]:
+        m = copy.deepcopy(teacher)
+        convert_layers(m, lambda mod, x: convert_module(mod, "gqa", num_kv_heads=g, method="fit", calibration=x),
+                       calibration_ids=cal)
+        measure(m, "gqa", f"GQA, {g} KV head{'s' * (g > 1)}")
+    for f in CURVE_FRACTIONS:
+        total = round(f * values)
+        rope = 2 * round(0.3 * total / 2)
+        m = copy.deepcopy(teacher)
+        hf.convert_model(m, "mla", latent_dim=total - rope, rope_dim=rope, calibration_ids=cal,
+                         pair_selection="rorope-score", balance=True)
+        measure(m, "mla", f"MLA r={total - rope} p={rope} ({f:.1%} of the values)")
+    note_load(row, "load_after")
+    save("curve", row)
+    plot()
+
+
+def plot() -> None:
+    """benchmarks/kv_bytes_vs_ppl.png from the curve row and the healed run rows of shrink.json."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    data = json.loads(JSON.read_text())
+    points = data["curve"]["points"]
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    styles = {("original", "bf16"): ("k", "*"), ("original", "int8"): ("k", "x"), ("gqa", "bf16"): ("tab:green", "s"),
+              ("gqa", "int8"): ("tab:green", "x"), ("mla", "bf16"): ("tab:blue", "o"), ("mla", "int8"): ("tab:orange", "o")}
+    names = {"original": "original GQA", "gqa": "GQA, fewer KV heads (no training)",
+             "mla": "MLA (calibrated, no training)"}
+    for (kind, storage), (color, marker) in styles.items():
+        pts = sorted((p for p in points if p["kind"] == kind and p["storage"] == storage),
+                     key=lambda p: p["kv_bytes_per_token"])
+        if pts:
+            ax.plot([p["kv_bytes_per_token"] for p in pts], [p["perplexity"] for p in pts], marker=marker,
+                    color=color, linestyle="-" if kind != "original" else "none",
+                    label=f"{names[kind]}, {'16-bit' if storage == 'bf16' else '8-bit'} cache")
+    healed = [r for k, r in data.items() if k.startswith("run-") and "evaluation" in r and "note" not in r]
+    if healed:
+        ax.scatter([r["evaluation"]["kv_bytes_per_token"] for r in healed],
+                   [r["evaluation"]["perplexity"] for r in healed], marker="D", color="tab:red", zorder=5,
+                   label="attnlab shrink (healed)")
+        for r in healed:
+            ax.annotate(f"{r['case']}", (r["evaluation"]["kv_bytes_per_token"], r["evaluation"]["perplexity"]),
+                        textcoords="offset points", xytext=(4, 4), fontsize=7)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("KV-cache bytes per token (whole model, scales included)")
+    ax.set_ylabel("perplexity, GPL-3 (held out)")
+    ax.set_title("SmolLM2-135M: bytes per token against perplexity")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(PLOT, dpi=120)
+    print(f"wrote {PLOT}")
+
+
+def part_report() -> None:
+    """The rows of shrink.json as Markdown tables (what docs/real-models.md shows)."""
+    data = json.loads(JSON.read_text()) if JSON.exists() else {}
+    for key in sorted(k for k in data if k.startswith("proxy-")):
+        r = data[key]
+        print(f"\n{r['budget']}: chosen {r['chosen']}, Spearman {r['spearman']:.3f}, original {r['original']:.2f}\n")
+        print("| candidate | bytes/token | proxy KL | perplexity | ratio |\n|---|---|---|---|---|")
+        for c in sorted(r["candidates"], key=lambda c: c["proxy"]):
+            print(f"| {c['label']} | {c['bytes_per_token']} | {c['proxy']:.4f} | {c['perplexity']:.2f} | "
+                  f"{c['ratio']:.3f}x |")
+    runs = [data[k] for k in sorted(data) if k.startswith("run-")]
+    if runs:
+        print("\n| case | command | plan | KV bytes/token | perplexity GPL-3 | ratio | wall min | load |\n"
+              "|---|---|---|---|---|---|---|---|")
+    for r in runs:
+        ev = r.get("evaluation", {})
+        print(f"| {r['case']} | `{r['command']}` | {r.get('plan', {}).get('label', '-') if isinstance(r.get('plan'), dict) else r.get('plan')} | "
+              f"{ev.get('kv_bytes_per_token', '-')} | {ev.get('perplexity', float('nan')):.2f} | "
+              f"{r.get('ratio', float('nan')):.3f}x | {r['wall_minutes']:.1f} | "
+              f"{r['load_before']:.2f}/{r['load_after']:.2f} |")
 
 
 def part_run(case: str, redo: bool) -> None:
@@ -153,13 +272,19 @@ def part_run(case: str, redo: bool) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--part", choices=("proxy", "run"), required=True)
+    ap.add_argument("--part", choices=("proxy", "run", "curve", "plot", "report"), required=True)
     ap.add_argument("--budget", default="50%,25%")
     ap.add_argument("--case", choices=sorted(CASES))
     ap.add_argument("--redo", action="store_true")
     a = ap.parse_args()
     if a.part == "proxy":
         part_proxy(a.budget.split(","))
+    elif a.part == "curve":
+        part_curve()
+    elif a.part == "plot":
+        plot()
+    elif a.part == "report":
+        part_report()
     else:
         if not a.case:
             ap.error("--part run needs --case")

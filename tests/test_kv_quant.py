@@ -263,6 +263,45 @@ def test_quantised_decode_equals_full_forward_through_the_same_storage(name, kv_
     assert rel_err(full, plain) > 1e3 * F64_TOL  # the forward did go through the storage
 
 
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+@pytest.mark.parametrize("name", ["gqa", "mla"])
+def test_training_through_a_quantised_storage_reaches_the_key_value_weights(name, kv_dtype):
+    """A heal of a model with 8-bit storage: the forward's values are the storage's (equal to the no-grad
+    forward), and the gradient reaches every weight, the key/value (latent) projections included, as
+    the straight-through identity's: the gradient of the same loss with the storage's values held fixed
+    (integer codes once cut the graph, and those projections never trained)."""
+    torch.manual_seed(0)
+    m = DECODERS[name]()
+    m.kv_dtype = kv_dtype
+    x = torch.randn(2, 8, m.dim, dtype=F64)
+    target = torch.randn(2, 8, m.dim, dtype=F64)
+    with torch.no_grad():
+        stored = m(x, is_causal=True)
+    out = m(x, is_causal=True)
+    assert rel_err(out.detach(), stored) <= F64_TOL
+    ((out - target) ** 2).sum().backward()
+    grads = {k: p.grad.clone() for k, p in m.named_parameters()}
+    assert all(g is not None and bool(g.abs().sum() > 0) for g in grads.values()), \
+        [k for k, g in grads.items() if g is None or not bool(g.abs().sum() > 0)]
+    # the oracle: the same loss where the stored values are the unquantised ones plus a fixed offset
+    m.zero_grad()
+    parts = {}
+    original = cache_mod.round_trip
+
+    def fixed_offset(t, fmt, p):
+        parts[t.shape] = (original(t.detach(), fmt, p) - t.detach())
+        return t + parts[t.shape]
+    m.kv_dtype = kv_dtype
+    import attnlab.modules.base as base_mod
+    base_mod.round_trip, saved = fixed_offset, base_mod.round_trip
+    try:
+        ((m(x, is_causal=True) - target) ** 2).sum().backward()
+    finally:
+        base_mod.round_trip = saved
+    for k, p in m.named_parameters():
+        assert rel_err(grads[k], p.grad) <= F64_TOL, k
+
+
 # -- a whole model: the Generator's quantised caches, transformers' cache, bytes -----------------
 def _tiny_llama():
     transformers = pytest.importorskip("transformers")

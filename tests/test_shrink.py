@@ -90,6 +90,22 @@ def test_plan_meets_the_budget_and_leaves_the_model_as_it_was(tiny):
     assert {type(m).__name__ for m in hf.attnlab_modules(model)} == {"GroupedQueryAttention"}
 
 
+def test_the_plan_scores_candidates_on_the_proxy_text_it_is_given(tiny):
+    """With proxy_ids, every candidate's proxy is the KL on those windows (recomputed here on a copy
+    converted the same way), not on the calibration text's."""
+    _, model, tok, text, held = tiny
+    cal, other = _ids(tok, text, 256), _ids(tok, held, 4 * T)
+    result = plan(model, cal, parse_budget("50%"), window=T, proxy_ids=other, storages=("bf16",))
+    windows = other[0].reshape(4, T)
+    reference = teacher_log_probs(model, windows)
+    for cand in result.measured[:2]:
+        m = copy.deepcopy(model)
+        apply(m, cand, cal)
+        assert proxy_kl(m, windows, reference) == pytest.approx(cand.proxy, rel=1e-6)
+    in_sample = plan(model, cal, parse_budget("50%"), window=T, storages=("bf16",))
+    assert in_sample.measured[0].proxy != pytest.approx(result.measured[0].proxy, rel=1e-3)
+
+
 def test_the_proxy_ranks_two_clearly_different_cuts_as_held_out_perplexity_does(tiny):
     """Held out: text the (random) teacher writes itself, on which its own perplexity is low; never calibrated on."""
     from attnlab.heal.data import teacher_windows
@@ -272,3 +288,49 @@ def test_kill_9_mid_heal_then_resume_loses_nothing_written(tiny, tmp_path):
     done = subprocess.run(args + ["--resume"], capture_output=True, text=True, timeout=400)
     assert done.returncode == 0, done.stderr
     assert out.is_dir() and not run_folder(out).exists()
+
+
+def test_convert_with_a_kv_budget_plans_within_it_and_reports_the_plan(tiny, tmp_path, capsys):
+    """`attnlab convert --kv-budget`: the planner's choice is what was converted, its bytes (16-bit storage)
+    are within the budget, and the report names the calibration text and the candidates."""
+    folder, model, tok, text, _ = tiny
+    out = tmp_path / "planned"
+    code, _ = _cli(["convert", folder, "--to", "mla", "--kv-budget", "50%", "--calibration", text,
+                    "--calibration-tokens", "256", "--out", out], capsys)
+    assert code == 0
+    conv = json.loads((out / "config.json").read_text())["conversion"]
+    best = conv["plan"]["chosen"]
+    assert (conv["latent_dim"], conv["rope_dim"]) == (best["latent_dim"], best["rope_dim"])
+    assert best["bytes_per_token"] <= 0.5 * bytes_per_token(64, "bf16", 2) and len(conv["plan"]["candidates"]) > 1
+    assert conv["calibration"] == f"256 tokens of {text}"
+    loaded, _, _ = hf.load_model(str(out))
+    assert hf.kv_bytes_per_token(loaded, dtype=torch.bfloat16) == best["bytes_per_token"]
+
+
+def test_a_lossy_convert_without_text_calibrates_on_text_the_model_writes(tiny, tmp_path, capsys):
+    """No --calibration: the cut is calibrated on the model's own seeded text (the same weights as
+    convert_model given those ids), and the report says so; --no-calibration cuts on the weights alone
+    (the same weights as convert_model without ids), with a warning; both flags at once are refused."""
+    from attnlab.cli.convert import _self_calibration
+    from safetensors.torch import load_file
+
+    folder, model, tok, _, _ = tiny
+    args = ["convert", folder, "--to", "mla", "--latent-dim", "12", "--rope-dim", "4", "--calibration-tokens", "256"]
+    code, out = _cli([*args, "--seed", "3", "--out", tmp_path / "self"], capsys)
+    assert code == 0
+    conv = json.loads((tmp_path / "self" / "config.json").read_text())["conversion"]
+    assert conv["calibration"] == "256 tokens of text the model wrote itself (seed 3)"
+    ids, _ = _self_calibration(model, tok, 256, 3)
+    for name, calibration in (("self", ids), ("none", None)):
+        if name == "none":
+            code, out = _cli([*args, "--no-calibration", "--out", tmp_path / "none"], capsys)
+            assert code == 0 and "--no-calibration" in out.out
+        expected = copy.deepcopy(model)
+        hf.convert_model(expected, "mla", latent_dim=12, rope_dim=4, calibration_ids=calibration,
+                         pair_selection="rorope-score", balance=True)
+        saved = load_file(str(tmp_path / name / "attention.safetensors"))
+        mine = {f"layers.{i}.{k}": v for i, m in enumerate(hf.attnlab_modules(expected))
+                for k, v in m.state_dict().items()}
+        assert mine.keys() == saved.keys() and all(torch.equal(saved[k], mine[k]) for k in mine)
+    _one_line_error(*_cli([*args, "--no-calibration", "--calibration", folder / "config.json", "--out",
+                           tmp_path / "both"], capsys), "not both")

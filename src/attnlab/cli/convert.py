@@ -41,7 +41,7 @@ def _self_calibration(model, tok, tokens: int, seed: int):
     seq = 256
     with console.status(f"the model writes {tokens} tokens of its own calibration text (seed {seed})"):
         ids = teacher_windows(model, tok, max(1, -(-tokens // seq)), seq, seed=seed, batch_size=8).reshape(1, -1)
-    return ids[:, :tokens], f"{ids[:, :tokens].shape[1]} tokens the model wrote itself (seed {seed})"
+    return ids[:, :tokens], f"text the model wrote itself (seed {seed})"
 
 
 def _convert_model(source, to, out, latent_dim, rope_dim, kv_heads, method, calibration, calibration_tokens,
@@ -89,13 +89,20 @@ def _convert_model(source, to, out, latent_dim, rope_dim, kv_heads, method, cali
     if fmt == "deepseek":
         hf.check_deepseek_request(model, to, latent_dim if kv_budget is None else 1)
     calibrated_on = None
-    ids = hf.read_text_ids(tok, calibration, calibration_tokens) if calibration is not None else None
+    scoring = 1024 if kv_budget is not None else 0  # the planner scores candidates on text after the calibration's
+    ids = hf.read_text_ids(tok, calibration, calibration_tokens + scoring) if calibration is not None else None
     if ids is not None and ids.numel() == 0:
         raise UsageProblem(f"{calibration}: 0 tokens; calibration needs text")
     if ids is not None:
-        calibrated_on = f"{ids.shape[1]} tokens of {calibration}"
+        calibrated_on = str(calibration)
     elif lossy and use_calibration and hf.family(model) == "llama":
-        ids, calibrated_on = _self_calibration(model, tok, calibration_tokens, seed)
+        ids, calibrated_on = _self_calibration(model, tok, calibration_tokens + scoring, seed)
+    proxy_ids = None
+    if ids is not None and scoring:
+        ids, proxy_ids = ids[:, :calibration_tokens], ids[:, calibration_tokens:]
+        proxy_ids = proxy_ids if proxy_ids.shape[1] >= 256 else None  # too short: scored on the calibration
+    if ids is not None:
+        calibrated_on = f"{ids.shape[1]} tokens of {calibrated_on}"
     elif lossy and not use_calibration:
         console.print("[yellow]warning:[/yellow] --no-calibration: the cut is chosen on the weights alone, which "
                       "measured many times worse (docs/real-models.md)")
@@ -105,7 +112,7 @@ def _convert_model(source, to, out, latent_dim, rope_dim, kv_heads, method, cali
         from ..shrink.plan import plan as choose
 
         with console.status("planning: measuring candidate cuts on the calibration text") as status:
-            plan = choose(model, ids, parse_budget(kv_budget), fmt=fmt, storages=("bf16",),
+            plan = choose(model, ids, parse_budget(kv_budget), fmt=fmt, storages=("bf16",), proxy_ids=proxy_ids,
                           progress=lambda i, label: status.update(f"planning: candidate {i + 1}: {label}"))
         best = plan.best
         latent_dim, rope_dim, rope_select, balance = best.latent_dim, best.rope_dim, best.rope_select, best.balance

@@ -33,7 +33,9 @@ Scales are float32: 4 bytes each, counted in bytes_per_token; float16 would save
 scale, but below amax = 127 * 6e-5 its scales turn subnormal and lose precision.
 Tokens are quantised once, when written (`extend`), and read back dequantised to the
 activation dtype, (code * s) computed in float32 (float64 for float64 activations).
-`round_trip` applies the same quantisation to new keys of a forward without a cache.
+`round_trip` applies the same quantisation to new keys of a forward without a cache; when they
+require gradients (a heal), the gradient passes straight through the storage (the identity's),
+since integer codes would cut the graph and leave the key/value projections untrained.
 
 Cross-attention: the first call with a context fills the cache and marks it
 `static`; later calls reuse it and append nothing.
@@ -154,9 +156,13 @@ def round_trip(x: torch.Tensor, kv_dtype, parts: tuple[int, ...]) -> torch.Tenso
     if fmt is None:
         return x
     if not fmt.quantised:
-        return x.to(fmt.storage_dtype).to(x.dtype)
-    codes, scales = quantise(x, parts, fmt)
-    return dequantise(codes, scales, parts, fmt.group, x.dtype)
+        stored = x.to(fmt.storage_dtype).to(x.dtype)
+    else:
+        codes, scales = quantise(x, parts, fmt)
+        stored = dequantise(codes, scales, parts, fmt.group, x.dtype)
+    if x.requires_grad:  # training through the storage: its values forward, the identity's gradient back
+        return x + (stored - x).detach()  # (straight-through; integer codes would cut the graph)
+    return stored
 
 
 class QuantisedKV(NamedTuple):

@@ -5,8 +5,8 @@ A thin pipeline over the library (the same functions the separate commands call)
 - data: the user's text (calibration: its first CALIBRATION_TOKENS tokens; held out: --eval-text,
   else its last tenth), or, without text, text the teacher writes itself (seeded, a bounded share
   of the budget) for calibration and training, and other samples of it as held-out text;
-- plan: shrink.plan.plan measures candidates on the calibration text (skipped when the sizes are
-  given explicitly);
+- plan: shrink.plan.plan converts candidates calibrated on the calibration text and scores them
+  on the next windows of the training text (skipped when the sizes are given explicitly);
 - convert: models.convert_model, then (for DeepSeek and GGUF) a latent norm fitted on the
   calibration text (models.add_latent_norms) that the heal then trains;
 - heal: heal.heal_model (layer-wise, then end-to-end KL), its layer-wise steps sized to the time;
@@ -34,6 +34,7 @@ from ..runtime.budget import Budget, Stopped
 from .plan import Candidate, feasible, parse_budget
 
 CALIBRATION_TOKENS = 2048
+PROXY_TOKENS = 1024  # the planner's scoring windows, after the calibration's
 PHASES = ("data", "plan", "convert", "heal", "export")
 RUN_FORMAT = "attnlab-shrink-run"
 STORAGE_CHOICES = {"auto": ("bf16", "int8"), "bf16": ("bf16",), "int8": ("int8",)}
@@ -190,8 +191,12 @@ def _data(req: ShrinkRequest, teacher, tok, budget: Budget, show) -> dict[str, t
     train, held, _ = training_data(teacher, tok, req.seq_len, text=req.text, eval_text=req.eval_text,
                                    windows=req.windows, seed=req.seed, budget=budget, share=0.3, batch_size=32,
                                    progress=lambda i, n: show.count(i, n, "the teacher writes text"))
-    calibration = train[: max(1, CALIBRATION_TOKENS // req.seq_len)].reshape(1, -1).clone()
-    return {"train": train, "held": held, "calibration": calibration}
+    n = max(1, CALIBRATION_TOKENS // req.seq_len)
+    calibration = train[:n].reshape(1, -1).clone()
+    data = {"train": train, "held": held, "calibration": calibration}
+    if train.shape[0] > n:  # the planner scores candidates on other windows than the calibration's
+        data["proxy"] = train[n: n + max(1, PROXY_TOKENS // req.seq_len)].reshape(1, -1).clone()
+    return data
 
 
 def _explicit(req: ShrinkRequest) -> Candidate:
@@ -303,7 +308,8 @@ def shrink(req: ShrinkRequest, *, resume: bool = False, force: bool = False, bud
         else:
             show.phase("planning: measuring candidate conversions on the calibration text")
             result = choose(teacher, data["calibration"], parse_budget(req.kv_budget), fmt=req.fmt,
-                            storages=STORAGE_CHOICES[req.storage], calibrate=req.calibration, time_budget=budget.share(0.15),
+                            storages=STORAGE_CHOICES[req.storage], calibrate=req.calibration,
+                            proxy_ids=data.get("proxy"), time_budget=budget.share(0.15),
                             progress=lambda i, label: show.phase(f"planning: candidate {i + 1}: {label}"))
             chosen = result.to_dict()
         state.data["plan"] = chosen

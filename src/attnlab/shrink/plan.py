@@ -17,8 +17,9 @@ modules (the conversions never change their input) with calibration inputs compu
 measured, and is swapped out again: nothing is copied. The search, in three rounds so that it
 fits a few minutes on a CPU:
 1. what keeps rotating and BKV, at a rope share of about 30% of the values;
-2. the split between latent and rope key, for the winner;
-3. storage: the best 16-bit plan against the best 8-bit one (more values in the same bytes).
+2. storage: the winner in 8 bits against 16 (more values in the same bytes), before the split so
+   that a short planning time never leaves it out;
+3. the split between latent and rope key, for the winner's selection and storage.
 Within the constraints of the output format: a DeepSeek export needs the same frequencies in
 every layer (RoRoPE by score is chosen for all layers at once); a GGUF needs distinct kept
 frequencies that llama.cpp can turn (RoRoPE by frequency, rope_dim within gguf_rope_limit) and
@@ -215,12 +216,15 @@ def feasible(teacher, budget: KVBudget, fmt: str = "attnlab", storages=STORAGES)
 
 def plan(teacher, calibration_ids: torch.Tensor, budget: KVBudget, *, fmt: str = "attnlab",
          storages=("bf16", "int8"), proxy_windows: int = 4, window: int = 256, time_budget=None,
-         progress=None, calibrate: bool = True) -> PlanResult:
+         progress=None, calibrate: bool = True, proxy_ids: torch.Tensor | None = None) -> PlanResult:
     """Choose the conversion and storage that meet `budget` with the lowest proxy (module docstring).
 
     teacher: an attnlab'd Llama-family model (unconverted); it is converted and restored for
-    every candidate and comes back unchanged. calibration_ids (1, N): calibration text; its first
-    `proxy_windows` windows of `window` tokens also score the candidates. storages: which cache
+    every candidate and comes back unchanged. calibration_ids (1, N): calibration text. proxy_ids
+    (1, M): text the candidates are scored on, in up to `proxy_windows` windows of `window` tokens;
+    it should be other text than the calibration's (scored in-sample, a candidate that fits the
+    calibration text closely is favoured: on SmolLM2 at 50%, docs/real-models.md); None scores on
+    the calibration text's first windows. storages: which cache
     storages may be chosen (8-bit only for fmt "attnlab"). time_budget (runtime.Budget): once
     spent, no new candidate starts (the best so far wins; at least one is measured).
     progress(i, label) is called before each candidate. calibrate=False converts every candidate on
@@ -245,7 +249,7 @@ def plan(teacher, calibration_ids: torch.Tensor, budget: KVBudget, *, fmt: str =
 
     originals = list(attnlab_modules(teacher))
     inputs = attention_inputs(teacher, calibration_ids)
-    windows = calibration_ids[0, : proxy_windows * window]
+    windows = (calibration_ids if proxy_ids is None else proxy_ids)[0, : proxy_windows * window]
     windows = windows[: windows.numel() // window * window].reshape(-1, window) if windows.numel() >= window \
         else windows[None]
     reference = teacher_log_probs(teacher, windows)
@@ -280,20 +284,22 @@ def plan(teacher, calibration_ids: torch.Tensor, budget: KVBudget, *, fmt: str =
         for r, p in splits(v0 - extra, (0.3,), max_rope=max_rope)[:1]:
             measure(Candidate(r, p, sel, bkv, first, norm, extra=extra, round=1))
     best = min(measured, key=lambda c: c.proxy)
-    # 2. the split, for the winner
-    for r, p in splits(v0 - extra, (0.2, 0.25, 0.35, 0.4, 0.5), max_rope=max_rope):
-        if spent():
-            break
-        if all((c.latent_dim, c.rope_dim) != (r, p) or c.rope_select != best.rope_select for c in measured):
-            measure(Candidate(r, p, best.rope_select, best.balance, first, norm, extra=extra, round=2))
-    best = min(measured, key=lambda c: c.proxy)
-    # 3. storage: the same choices in the other storage, at its own number of values
+    # 2. storage: the winner in the other storage, at its own number of values (before the split: 8 bits can
+    # nearly double the values in the same bytes, which matters more than the split, and must not be cut by time)
     share = best.rope_dim / best.values
     for storage, v in per_storage.items():
         if storage == first or spent():
             continue
         for r, p in splits(v - extra, (share,), max_rope=max_rope)[:1]:
-            measure(Candidate(r, p, best.rope_select, best.balance, storage, norm, extra=extra, round=3))
+            measure(Candidate(r, p, best.rope_select, best.balance, storage, norm, extra=extra, round=2))
+    best = min(measured, key=lambda c: c.proxy)
+    # 3. the split, for the winner's selection and storage
+    for r, p in splits(per_storage[best.kv_dtype] - extra, (0.2, 0.25, 0.35, 0.4, 0.5), max_rope=max_rope):
+        if spent():
+            break
+        if all((c.latent_dim, c.rope_dim, c.rope_select, c.kv_dtype) != (r, p, best.rope_select, best.kv_dtype)
+               for c in measured):
+            measure(Candidate(r, p, best.rope_select, best.balance, best.kv_dtype, norm, extra=extra, round=3))
     best = min(measured, key=lambda c: c.proxy)
     note = "" if len(measured) > 1 else "only one candidate fitted the time given to planning"
     return PlanResult(best, measured, str(budget), original, budget_bytes, note)
