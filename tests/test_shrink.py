@@ -124,6 +124,17 @@ def test_the_proxy_ranks_two_clearly_different_cuts_as_held_out_perplexity_does(
     assert scores["wide"][0] < scores["narrow"][0] and scores["wide"][1] < scores["narrow"][1]
 
 
+@pytest.mark.parametrize("values, max_rope", [(191, 64), (95, 64), (287, 64), (150, 128)])
+def test_gguf_splits_fit_llama_cpps_cache_blocks_within_the_values(values, max_rope):
+    """For llama.cpp's q8_0 cache (blocks of 32): the rope key and the latent with its steady channel are
+    multiples of 32, never more values than given; where no aligned split exists, the plain one."""
+    from attnlab.shrink.plan import splits
+
+    for r, p in splits(values, (0.2, 0.3, 0.5), max_rope=max_rope, block=32, extra=1):
+        assert p % 32 == 0 and (r + 1) % 32 == 0 and r + p <= values and p <= max_rope and r >= 8
+    assert splits(31, (0.3,), max_rope=32, block=32, extra=1) == splits(31, (0.3,), max_rope=32)
+
+
 def test_no_plan_meets_a_budget_below_one_rope_pair_and_a_latent(tiny):
     _, model, tok, text, _ = tiny
     with pytest.raises(ValueError, match="no plan can meet a KV budget of 20 bytes/token"):

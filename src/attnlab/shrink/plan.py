@@ -23,7 +23,9 @@ fits a few minutes on a CPU:
 Within the constraints of the output format: a DeepSeek export needs the same frequencies in
 every layer (RoRoPE by score is chosen for all layers at once); a GGUF needs distinct kept
 frequencies that llama.cpp can turn (RoRoPE by frequency, rope_dim within gguf_rope_limit) and
-a latent norm (fitted here, trained by the heal); attnlab's own format takes any of them.
+a latent norm (fitted here, trained by the heal), and its sizes are made multiples of 32 where
+they allow it (llama.cpp's q8_0 KV cache stores rows in blocks of 32); attnlab's own format
+takes any of them.
 """
 from __future__ import annotations
 
@@ -153,11 +155,24 @@ def _even(x: float) -> int:
     return max(2, int(round(x / 2)) * 2)
 
 
-def splits(values: int, shares=(0.3,), *, max_rope: int, min_latent: int = 8) -> list[tuple[int, int]]:
-    """(latent, rope) pairs of `values` with the rope key taking about each share (even, >= 2, <= max_rope)."""
+def splits(values: int, shares=(0.3,), *, max_rope: int, min_latent: int = 8, block: int | None = None,
+           extra: int = 0) -> list[tuple[int, int]]:
+    """(latent, rope) pairs of `values` with the rope key taking about each share (even, >= 2, <= max_rope).
+
+    block: for llama.cpp, whose quantised KV caches (q8_0) store rows in blocks of 32, the rope key and
+    the latent with its `extra` channels are made multiples of `block` (at most `values` in all) where
+    the sizes allow it; the pairs that cannot be aligned are returned as they are."""
     out = []
     for s in shares:
         p = min(_even(values * s), max_rope - max_rope % 2)
+        if block:
+            pb = min(max(block, round(p / block) * block), max_rope // block * block)
+            rb = (values + extra - pb) // block * block - extra
+            if pb >= block and rb >= min_latent:
+                p = pb
+                if (rb, p) not in out:
+                    out.append((rb, p))
+                continue
         if values - p >= min_latent and (values - p, p) not in out:
             out.append((values - p, p))
     return out
@@ -246,6 +261,7 @@ def plan(teacher, calibration_ids: torch.Tensor, budget: KVBudget, *, fmt: str =
     # DeepSeek and llama.cpp always normalise the latent: a GGUF gets the steady channel now (the heal trains it), a
     # DeepSeek folder its exact constant channel at export; either caches one value more per token and layer
     norm, extra = fmt == "gguf", int(fmt != "attnlab")
+    aligned = {"block": 32, "extra": extra} if fmt == "gguf" else {}  # llama.cpp's q8_0 cache blocks
 
     originals = list(attnlab_modules(teacher))
     inputs = attention_inputs(teacher, calibration_ids)
@@ -281,7 +297,7 @@ def plan(teacher, calibration_ids: torch.Tensor, budget: KVBudget, *, fmt: str =
     for sel, bkv in selections:
         if spent():
             break
-        for r, p in splits(v0 - extra, (0.3,), max_rope=max_rope)[:1]:
+        for r, p in splits(v0 - extra, (0.3,), max_rope=max_rope, **aligned)[:1]:
             measure(Candidate(r, p, sel, bkv, first, norm, extra=extra, round=1))
     best = min(measured, key=lambda c: c.proxy)
     # 2. storage: the winner in the other storage, at its own number of values (before the split: 8 bits can
@@ -290,11 +306,12 @@ def plan(teacher, calibration_ids: torch.Tensor, budget: KVBudget, *, fmt: str =
     for storage, v in per_storage.items():
         if storage == first or spent():
             continue
-        for r, p in splits(v - extra, (share,), max_rope=max_rope)[:1]:
+        for r, p in splits(v - extra, (share,), max_rope=max_rope, **aligned)[:1]:
             measure(Candidate(r, p, best.rope_select, best.balance, storage, norm, extra=extra, round=2))
     best = min(measured, key=lambda c: c.proxy)
     # 3. the split, for the winner's selection and storage
-    for r, p in splits(per_storage[best.kv_dtype] - extra, (0.2, 0.25, 0.35, 0.4, 0.5), max_rope=max_rope):
+    for r, p in splits(per_storage[best.kv_dtype] - extra, (0.2, 0.25, 0.35, 0.4, 0.5), max_rope=max_rope,
+                       **aligned):
         if spent():
             break
         if all((c.latent_dim, c.rope_dim, c.rope_select, c.kv_dtype) != (r, p, best.rope_select, best.kv_dtype)
