@@ -122,7 +122,7 @@ PLOT = HERE / "kv_bytes_vs_ppl.png"
 
 def part_curve() -> None:
     """Bytes per token against held-out perplexity, 16-bit and 8-bit storage, no training: the original
-    GQA, GQA merged to fewer KV heads (mean of the heads, fitted on the calibration text), and MLA at
+    GQA, GQA merged to fewer KV heads (mean of the heads: the fitted merge refuses RoPE), and MLA at
     several sizes (RoRoPE by score with BKV, 30% of the values rotating); the healed shrink runs are
     added from their rows. Calibration MPL-2.0 (2048 tokens), evaluation GPL-3 (2048, windows of 512)."""
     import copy
@@ -153,7 +153,7 @@ def part_curve() -> None:
     measure(teacher, "original", f"GQA, {G} KV heads")
     for g in [g for g in range(G - 1, 0, -1) if first.num_heads % g == 0]:
         m = copy.deepcopy(teacher)
-        convert_layers(m, lambda mod, x: convert_module(mod, "gqa", num_kv_heads=g, method="fit", calibration=x),
+        convert_layers(m, lambda mod, x: convert_module(mod, "gqa", num_kv_heads=g, method="mean", calibration=x),
                        calibration_ids=cal)
         measure(m, "gqa", f"GQA, {g} KV head{'s' * (g > 1)}")
     for f in CURVE_FRACTIONS:

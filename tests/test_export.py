@@ -230,7 +230,7 @@ def test_exact_layout_refused(sources, tmp_path):
 
 def test_qwen2_query_bias_refused(sources, tmp_path, capsys):
     assert main(["convert", str(sources / "qwen2"), "--to", "mla", "--latent-dim", str(LATENT), "--format", "deepseek",
-                 "--out", str(tmp_path / "q")]) == 2
+                 "--no-calibration", "--out", str(tmp_path / "q")]) == 2
     assert "query bias (Qwen2's q_proj bias): DeepSeek's q_proj has none" in capsys.readouterr().err
     assert not (tmp_path / "q").exists()
 
@@ -238,7 +238,7 @@ def test_qwen2_query_bias_refused(sources, tmp_path, capsys):
 def test_cli_format_deepseek_and_force(sources, tmp_path, capsys):
     out = tmp_path / "ds"
     argv = ["convert", str(sources / "llama"), "--to", "mla", "--latent-dim", str(LATENT), "--rope-dim", str(ROPE),
-            "--format", "deepseek", "--out", str(out)]
+            "--format", "deepseek", "--no-calibration", "--out", str(out)]
     assert main(argv) == 0
     assert "wrote" in capsys.readouterr().out
     assert json.loads((out / "config.json").read_text())["model_type"] == "deepseek_v3"

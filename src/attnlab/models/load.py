@@ -61,12 +61,9 @@ def read_config(folder: Path) -> dict:
         raise ValueError(f"{folder} is not a folder (a transformers checkpoint is a folder with config.json)")
     if not path.is_file():
         raise ValueError(f"{folder} has no config.json: not a transformers checkpoint")
-    try:
-        cfg = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path} is not valid JSON: {e}") from None
-    if not isinstance(cfg, dict):
-        raise ValueError(f"{path} holds a JSON {type(cfg).__name__}, not an object: not a transformers config")
+    from ..io.readers import read_json
+
+    cfg = read_json(path)  # bad JSON, or a list: one line naming the file
     check_supported(cfg, str(path))
     check_sizes(cfg, str(path))
     return cfg
