@@ -13,6 +13,12 @@ from .adapters import attnlab_modules, family, replace_attention
 from .evaluate import attention_inputs
 
 DEFAULT_ROPE_PAIRS = 16  # per KV head when only a latent size is given: half the pairs (rope_dim 2 * G * 16)
+
+
+def default_rope_dim(G: int, d: int) -> int:
+    """rope_dim when only a latent size is given: 2 G DEFAULT_ROPE_PAIRS, at most half of each head's pairs
+    (head_dim 64: 2 G * 16; a smaller head keeps half its own)."""
+    return 2 * G * min(DEFAULT_ROPE_PAIRS, max(1, d // 4))
 ROROPE_SELECTIONS = ("rorope", "rorope-score")
 
 
@@ -132,7 +138,7 @@ def convert_model(model, to: str, *, latent_dim: int | None = None, rope_dim: in
                 raise ValueError("--rope-dim and calibration apply to a compressed MLA: give --latent-dim too")
             return convert_layers(model, lambda m, x: gqa_to_mla(m), progress=progress)
         G, d = first.num_kv_heads, first.head_dim
-        rope_dim = 2 * G * DEFAULT_ROPE_PAIRS if rope_dim is None else rope_dim
+        rope_dim = default_rope_dim(G, d) if rope_dim is None else rope_dim
         count = check_rope_dim(rope_dim, G, d, pair_selection)
         options = selection_options(pair_selection, balance)
         if pair_selection not in ROROPE_SELECTIONS:

@@ -195,7 +195,7 @@ def convert_checkpoint(source, out, *, latent_dim: int | None, rope_dim: int | N
     called after each layer.
     """
     from ..convert.decoupled import gqa_to_mla_decoupled, selection_options
-    from .convert import DEFAULT_ROPE_PAIRS, ROROPE_SELECTIONS, check_rope_dim
+    from .convert import ROROPE_SELECTIONS, check_rope_dim, default_rope_dim
     from .export import kv_values_in_export
 
     folder, out = Path(str(source)), Path(str(out))
@@ -216,7 +216,7 @@ def convert_checkpoint(source, out, *, latent_dim: int | None, rope_dim: int | N
     hf_cfg, rope = _rope(folder)
     L, G = cfg["num_hidden_layers"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
     d = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    rope_dim = 2 * G * DEFAULT_ROPE_PAIRS if rope_dim is None else rope_dim
+    rope_dim = default_rope_dim(G, d) if rope_dim is None else rope_dim
     count = check_rope_dim(rope_dim, G, d, pair_selection, positive=True)  # DeepSeek needs qk_rope_head_dim > 0
     if any(f"model.layers.{i}.self_attn.q_proj.bias" in tensors for i in range(L)):
         raise ValueError(f"{folder}: query bias (Qwen2's q_proj bias): DeepSeek's q_proj has none, and the bias's "
