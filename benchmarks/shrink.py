@@ -107,7 +107,8 @@ def part_proxy(budgets: list[str]) -> None:
         for c in result.measured:
             m = copy.deepcopy(teacher)
             apply(m, c, cal)
-            cands.append({**c.to_dict(), "perplexity": hf.perplexity(m, ev), "ratio": hf.perplexity(m, ev) / original})
+            ppl = hf.perplexity(m, ev)
+            cands.append({**c.to_dict(), "perplexity": ppl, "ratio": ppl / original})
             print(f"{b} {c.label():45s} proxy {c.proxy:.4f}  perplexity {cands[-1]['perplexity']:.2f}", flush=True)
         row.update(original=original, chosen=result.best.label(), candidates=cands,
                    spearman=rank_agreement([c["proxy"] for c in cands], [c["perplexity"] for c in cands]))
@@ -177,7 +178,7 @@ def plot() -> None:
 
     data = json.loads(JSON.read_text())
     points = data["curve"]["points"]
-    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    fig, ax = plt.subplots(figsize=(7.5, 5.6))
     styles = {("original", "bf16"): ("k", "*"), ("original", "int8"): ("k", "x"), ("gqa", "bf16"): ("tab:green", "s"),
               ("gqa", "int8"): ("tab:green", "x"), ("mla", "bf16"): ("tab:blue", "o"), ("mla", "int8"): ("tab:orange", "o")}
     names = {"original": "original GQA", "gqa": "GQA, fewer KV heads (no training)",
@@ -194,17 +195,20 @@ def plot() -> None:
         ax.scatter([r["evaluation"]["kv_bytes_per_token"] for r in healed],
                    [r["evaluation"]["perplexity"] for r in healed], marker="D", color="tab:red", zorder=5,
                    label="attnlab shrink (healed)")
-        for r in healed:
-            ax.annotate(f"{r['case']}", (r["evaluation"]["kv_bytes_per_token"], r["evaluation"]["perplexity"]),
-                        textcoords="offset points", xytext=(4, 4), fontsize=7)
+        for i, r in enumerate(sorted(healed, key=lambda r: r["evaluation"]["perplexity"])):
+            ev = r["evaluation"]
+            ax.annotate(f"{r['case']}: {ev['perplexity']:.1f}", (ev["kv_bytes_per_token"], ev["perplexity"]),
+                        textcoords="offset points", xytext=(6, -12 + 12 * i), fontsize=7)
+    original = next(p["perplexity"] for p in points if p["kind"] == "original" and p["storage"] == "bf16")
+    ax.axhline(1.10 * original, color="grey", linestyle=":", linewidth=1, label="1.10x the original's perplexity")
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("KV-cache bytes per token (whole model, scales included)")
     ax.set_ylabel("perplexity, GPL-3 (held out)")
     ax.set_title("SmolLM2-135M: bytes per token against perplexity")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
+    fig.legend(*ax.get_legend_handles_labels(), loc="lower center", ncol=2, fontsize=7, frameon=False)
+    fig.tight_layout(rect=(0, 0.17, 1, 1))
     fig.savefig(PLOT, dpi=120)
     print(f"wrote {PLOT}")
 

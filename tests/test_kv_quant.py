@@ -230,6 +230,85 @@ def test_module_hands_the_quantised_cache_to_the_kernel(monkeypatch, kv_dtype):
     assert rel_err(outs["triton"], outs["torch"]) <= F64_TOL
 
 
+# -- (b') scales folded into the scores and weights: the same attention as on the scaled rows --------
+@pytest.mark.parametrize("grouping", ["blocked", "strided"])
+@pytest.mark.parametrize("H,G,L", [(6, 2, 1), (6, 2, 5), (3, 3, 1), (4, 1, 3)])
+def test_attend_with_row_scales_equals_attend_on_the_scaled_rows(grouping, H, G, L):
+    """attend(q, k, v, key_scale=a, value_scale=b) against attend(q, k * a, v * b) in float64: decode rows
+    (the few-rows route folds the factors into scores and weights), prefill rows (causal: they go on the
+    rows), C = 1 heads, a key-padding mask with a row that has nothing to attend."""
+    from attnlab.modules.attention import attend
+
+    g = torch.Generator().manual_seed(H * 10 + G + L)
+    B, S, d, dv = 2, 9, 5, 4
+    q, k, v = (torch.randn(B, n, m, w, generator=g, dtype=F64) for n, m, w in ((H, L, d), (G, S, d), (G, S, dv)))
+    a, b = (torch.rand(B, G, S, generator=g, dtype=F64) + 0.1 for _ in range(2))
+    a[0, 0, 2] = 0.0  # a zero scale (an all-zero row of a quantised cache)
+    mask = torch.ones(B, 1, 1, S, dtype=torch.bool)
+    mask[1] = False  # nothing to attend: zeros either way
+    for kw in ({"is_causal": True}, {"mask": mask} if L == 1 else {"is_causal": True}, {}):
+        got = attend(q, k, v, grouping=grouping, key_scale=a, value_scale=b, **kw)
+        want = attend(q, k * a[..., None], v * b[..., None], grouping=grouping, **kw)
+        assert rel_err(got, want) <= F64_TOL
+        assert rel_err(got, attend(q, k, v, grouping=grouping, **kw)) > 1e3 * F64_TOL  # the factors mattered
+
+
+def test_attend_names_a_row_scale_of_the_wrong_shape():
+    from attnlab.modules.attention import attend
+
+    q, k = torch.zeros(1, 4, 1, 3), torch.zeros(1, 2, 5, 3)
+    with pytest.raises(ValueError, match=r"key_scale must have shape \(1, 2, 5\), got \(1, 5\)"):
+        attend(q, k, k, key_scale=torch.ones(1, 5))
+    with pytest.raises(ValueError, match=r"key_scale must have shape \(1, 2, 5, 2\), got \(1, 2, 5\)"):
+        attend(q, k, k, key_scale=torch.ones(1, 2, 5), key_parts=(1, 2))
+    with pytest.raises(ValueError, match=r"key_parts \(2, 2\) must be positive widths adding up to the key size 3"):
+        attend(q, k, k, key_scale=torch.ones(1, 2, 5, 2), key_parts=(2, 2))
+
+
+@pytest.mark.parametrize("L", [1, 4])
+def test_attend_with_a_scale_per_key_part_equals_attend_on_the_scaled_parts(L):
+    """key_parts (an MLA row: latent and rope key, each with its scale): the factors multiply each part's partial
+    scores on the few-rows route and each part's columns otherwise; float64 against the scaled rows."""
+    from attnlab.modules.attention import attend
+
+    g = torch.Generator().manual_seed(L)
+    B, H, S, r, p = 2, 4, 7, 6, 3
+    q = torch.randn(B, H, L, r + p, generator=g, dtype=F64)
+    rows = torch.randn(B, 1, S, r + p, generator=g, dtype=F64)
+    s = torch.rand(B, 1, S, 2, generator=g, dtype=F64) + 0.1
+    scaled = torch.cat([rows[..., :r] * s[..., :1], rows[..., r:] * s[..., 1:]], -1)
+    got = attend(q, rows, rows[..., :r], is_causal=True, key_scale=s, key_parts=(r, p), value_scale=s[..., 0])
+    want = attend(q, scaled, scaled[..., :r], is_causal=True)
+    assert rel_err(got, want) <= F64_TOL
+    swapped = attend(q, rows, rows[..., :r], is_causal=True, key_scale=s.flip(-1), key_parts=(r, p),
+                     value_scale=s[..., 0])
+    assert rel_err(swapped, want) > 1e3 * F64_TOL  # each part takes its own scale
+
+
+@pytest.mark.parametrize("name", ["gqa", "mla-absorbed"])
+def test_decode_on_per_token_int8_reads_the_codes_without_a_dequantised_copy(monkeypatch, name):
+    """One int8 scale per token and part: a decode step takes the codes and folds the scales into the scores
+    (QuantisedKV.dequantise is never called), and equals the same step on a twin cache read dequantised
+    (foldable switched off). An all-zero token with a zero scale is among the cached ones."""
+    make, dim, kw = MODULES[name]
+    m = make()
+    g = torch.Generator().manual_seed(5)
+    x, x1 = torch.randn(2, 6, dim, generator=g), torch.randn(2, 1, dim, generator=g)
+    caches = [m.init_cache(2, 8, kv_dtype="int8") for _ in range(2)]
+    with torch.no_grad():
+        for c in caches:
+            m(x, cache=c, is_causal=True, **kw)
+            for t in c.tensors():
+                t[0, ..., 2, :] = 0  # token 2 of row 0: zero codes and zero scales
+        with monkeypatch.context() as patch:
+            patch.setattr(QuantisedKV, "dequantise", lambda self: pytest.fail("decode dequantised the cache"))
+            got = m(x1, cache=caches[0], **kw)
+        with monkeypatch.context() as patch:
+            patch.setattr(QuantisedKV, "foldable", property(lambda self: False))
+            want = m(x1, cache=caches[1], **kw)
+    assert rel_err(got, want) <= F32_TOL
+
+
 # -- (c) cached decode with a quantised cache == a forward without cache through the same storage --
 DECODERS = {
     "gqa": lambda: randomize(GroupedQueryAttention(24, 6, 2, rope_base=10000.0, bias=True, dtype=F64), std=0.3),

@@ -102,8 +102,19 @@ def fused_sdpa(q, k, v, *, attn_mask=None, is_causal=False, scale=None, enable_g
 ROWS_WRITTEN_OUT = 64  # at most this many query rows per KV head take the plain-products route
 
 
-def _rows_attention(q, k, v, attn_mask, scale):
+def _part_bounds(parts: tuple[int, ...]) -> list[tuple[int, int]]:
+    """[(first column, end)] of consecutive parts of these widths."""
+    ends = [sum(parts[:i + 1]) for i in range(len(parts))]
+    return list(zip([0] + ends[:-1], ends))
+
+
+def _rows_attention(q, k, v, attn_mask, scale, key_scale=None, value_scale=None, key_parts=None):
     """Attention of the query rows that share one KV head, q (B, G, R, d) -> (B, G, R, dv).
+
+    key_scale (B, G, S, n), with key_parts the n column widths of the key it covers, and value_scale
+    (B, G, S), or None: per-key factors of the keys' parts and the values' rows (a quantised cache's
+    scales), applied to the partial scores and the weights instead of to k and v, which saves a pass
+    over the cache; they always take the written-out products.
 
     Fused SDPA kernels are the wrong tool for a few rows against a long cache in two
     cases, measured (docs/performance.md): on the CPU, when q/k and v head sizes
@@ -115,36 +126,66 @@ def _rows_attention(q, k, v, attn_mask, scale):
     query rows, and the softmax runs in at least float32.
     """
     few = q.shape[-2] <= ROWS_WRITTEN_OUT
-    if not few or (q.device.type == "cpu" and k.shape[-1] == v.shape[-1]):
+    scaled = key_scale is not None or value_scale is not None
+    if not scaled and (not few or (q.device.type == "cpu" and k.shape[-1] == v.shape[-1])):
         return fused_sdpa(q, k, v, attn_mask=attn_mask, scale=scale)
-    s = (q * (scale if scale is not None else q.shape[-1] ** -0.5)) @ k.transpose(-1, -2)  # (B, G, R, S)
+    q = q * (scale if scale is not None else q.shape[-1] ** -0.5)  # (B, G, R, d)
+    if key_scale is None:
+        s = q @ k.transpose(-1, -2)  # (B, G, R, S)
+    else:  # q . k_j = sum over parts i of (q_i . codes_ij) * key_scale_ji
+        s = sum((q[..., a:b] @ k[..., a:b].transpose(-1, -2)) * key_scale[:, :, None, :, i]
+                for i, (a, b) in enumerate(_part_bounds(key_parts)))  # (B, G, R, S)
     if attn_mask is not None:
         s = s.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else s + attn_mask
     p = torch.softmax(s, dim=-1, dtype=torch.promote_types(s.dtype, torch.float32))
     if attn_mask is not None:  # a row with nothing to attend gives zeros, as SDPA does
         p = p.nan_to_num(0.0)
+    if value_scale is not None:
+        p = p * value_scale[:, :, None, :]  # (B, G, R, S): sum_j p_j (v_j * value_scale_j)
     return p.to(v.dtype) @ v  # (B, G, R, dv)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, grouping: str = "blocked",
            mask: torch.Tensor | None = None, is_causal: bool = False,
-           scale: float | None = None) -> torch.Tensor:
+           scale: float | None = None, key_scale: torch.Tensor | None = None,
+           value_scale: torch.Tensor | None = None, key_parts: tuple[int, ...] | None = None) -> torch.Tensor:
     """softmax(q k^T * scale + mask) v with G shared KV heads.
 
     q (B, H, L, d), k (B, G, S, d), v (B, G, S, dv) -> (B, H, L, dv).
     grouping says which KV head query head h reads: h mod G ("strided") or
     h // (H/G) ("blocked"). scale defaults to 1/sqrt(d).
+    key_scale, value_scale (B, G, S): optional factors of each key and value row, as if k and v
+    were k * key_scale[..., None] and v * value_scale[..., None] (int8 codes and their per-row
+    scales); on the few-rows route they multiply the scores and the weights instead. With
+    key_parts (widths adding up to d), key_scale is (B, G, S, len(key_parts)): one factor per
+    part of each key row (an MLA row's latent and rope key are scaled apart).
     """
     check_grouping(grouping)
     B, H, L, d = q.shape
     G, S, dv = k.shape[1], k.shape[2], v.shape[-1]
     if H % G:
         raise ValueError(f"query heads ({H}) must be divisible by key/value heads ({G})")
+    if key_parts is not None and (not key_parts or sum(key_parts) != d or min(key_parts) < 1):
+        raise ValueError(f"key_parts {key_parts} must be positive widths adding up to the key size {d}")
+    want = {"key_scale": (B, G, S) + ((len(key_parts),) if key_parts is not None else ()),
+            "value_scale": (B, G, S)}
+    for name, f in (("key_scale", key_scale), ("value_scale", value_scale)):
+        if f is not None and tuple(f.shape) != want[name]:
+            raise ValueError(f"{name} must have shape {want[name]}, got {tuple(f.shape)}")
+    if key_scale is not None and key_parts is None:
+        key_scale, key_parts = key_scale[..., None], (d,)  # (B, G, S, 1)
     C = H // G
     attn_mask, native_causal = combine_masks(mask, is_causal, (B, H, L, S), q.dtype, q.device)
 
     foldable = not native_causal and (attn_mask is None or (L == 1 and attn_mask.shape[1] == 1))
-    if C == 1 and not (foldable and q.device.type != "cpu" and L <= ROWS_WRITTEN_OUT):
+    if not (foldable and C * L <= ROWS_WRITTEN_OUT):  # the factors go on the rows themselves
+        if key_scale is not None:
+            k = torch.cat([k[..., a:b] * key_scale[..., i, None] for i, (a, b) in enumerate(_part_bounds(key_parts))],
+                          -1)  # (B, G, S, d)
+        v = v if value_scale is None else v * value_scale[..., None]  # (B, G, S, dv)
+        key_scale = value_scale = None
+    scaled = key_scale is not None or value_scale is not None  # (only left on the few-rows route)
+    if C == 1 and not scaled and not (foldable and q.device.type != "cpu" and L <= ROWS_WRITTEN_OUT):
         return fused_sdpa(q, k, v, attn_mask=attn_mask, is_causal=native_causal, scale=scale)
 
     strided = grouping == "strided"
@@ -153,7 +194,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, grouping: str =
             qf = q.reshape(B, C, G, L, d).transpose(1, 2).reshape(B, G, C * L, d)  # (B, G, C*L, d)
         else:  # head h = g*C + c
             qf = q.reshape(B, G, C * L, d)  # (B, G, C*L, d)
-        o = _rows_attention(qf, k, v, attn_mask, scale)  # (B, G, C*L, dv)
+        o = _rows_attention(qf, k, v, attn_mask, scale, key_scale, value_scale, key_parts)  # (B, G, C*L, dv)
         if strided:
             return o.reshape(B, G, C, L, dv).transpose(1, 2).reshape(B, H, L, dv)  # (B, H, L, dv)
         return o.reshape(B, H, L, dv)  # (B, H, L, dv)

@@ -32,7 +32,11 @@ on the MLA for 7 scales (28 bytes) on the MLA's 192 codes.
 Scales are float32: 4 bytes each, counted in bytes_per_token; float16 would save 2 bytes a
 scale, but below amax = 127 * 6e-5 its scales turn subnormal and lose precision.
 Tokens are quantised once, when written (`extend`), and read back dequantised to the
-activation dtype, (code * s) computed in float32 (float64 for float64 activations).
+activation dtype, (code * s) computed in float32 (float64 for float64 activations), each part
+times its scale by broadcasting. Readers that can (`QuantisedKV.foldable`: one scale per part,
+float32/float64 activations) skip that copy: the GQA and the absorbed MLA decode take the codes
+and multiply the scores and the softmax weights by the scales (`attend(key_scale=, value_scale=)`),
+which makes an 8-bit decode step cost what a 16-bit one does (docs/generation.md).
 `round_trip` applies the same quantisation to new keys of a forward without a cache; when they
 require gradients (a heal), the gradient passes straight through the storage (the identity's),
 since integer codes would cut the graph and leave the key/value projections untrained.
@@ -145,8 +149,18 @@ def dequantise(codes: torch.Tensor, scales: torch.Tensor, parts: tuple[int, ...]
     """codes (..., W), scales (..., n) -> (codes * scale) (..., W) in `dtype`, multiplied in float32
     (float64 for float64)."""
     work = torch.promote_types(dtype, SCALE_DTYPE)
-    s = scales.index_select(-1, scale_index(parts, group, codes.device)).to(work)  # (..., W)
-    return (codes.to(work) * s).to(dtype)
+    out = codes.to(work)  # (..., W), scaled in place below
+    start = col = 0
+    for w in parts:  # each part (and each group of it) times its scale, broadcast: no gathered copy of the scales
+        g = w if group is None or group >= w else group
+        n, whole = -(-w // g), w // g * g  # scales of the part; channels in its full groups
+        out_p, s = out[..., start:start + w], scales[..., col:col + n].to(work)
+        if whole:
+            out_p[..., :whole].unflatten(-1, (whole // g, g)).mul_(s[..., :whole // g, None])
+        if whole < w:  # the short last group
+            out_p[..., whole:].mul_(s[..., n - 1:])
+        start, col = start + w, col + n
+    return out if work == dtype else out.to(dtype)
 
 
 def round_trip(x: torch.Tensor, kv_dtype, parts: tuple[int, ...]) -> torch.Tensor:
@@ -178,6 +192,17 @@ class QuantisedKV(NamedTuple):
     def shape(self) -> torch.Size:
         return self.data.shape
 
+    @property
+    def foldable(self) -> bool:
+        """Whether a reader may take the codes in the activation dtype and apply the scales per row of
+        each part (one scale per part, a float32/float64 activation dtype: the same products in the same
+        precision as dequantise(), in another order)."""
+        return num_scales(self.parts, self.group) == len(self.parts) and self.dtype in (torch.float32, torch.float64)
+
+    def codes(self) -> torch.Tensor:
+        """The codes in the activation dtype (exact: int8 and e4m3 codes are representable), (..., S, W)."""
+        return self.data.to(self.dtype)
+
     def dequantise(self) -> torch.Tensor:
         return dequantise(self.data, self.scales, self.parts, self.group, self.dtype)  # (..., S, W)
 
@@ -185,6 +210,14 @@ class QuantisedKV(NamedTuple):
 def dense(kv):
     """A tensor as it is; QuantisedKV rows dequantised."""
     return kv.dequantise() if isinstance(kv, QuantisedKV) else kv
+
+
+def with_row_scale(kv) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(rows, per-row factor (..., S) or None) whose product is dense(kv): the codes and their scale for
+    one-part QuantisedKV rows a reader can fold (QuantisedKV.foldable), else dense(kv) and None."""
+    if isinstance(kv, QuantisedKV) and kv.foldable and len(kv.parts) == 1:
+        return kv.codes(), kv.scales[..., 0].to(kv.dtype)
+    return dense(kv), None
 
 
 # -- the caches ----------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from torch import nn
 from . import checks
 from .attention import attend
 from .base import AttentionModule
-from .cache import KVCache
+from .cache import KVCache, with_row_scale
 from .heads import check_grouping
 from .rope import RotaryEmbedding
 
@@ -115,16 +115,21 @@ class GroupedQueryAttention(AttentionModule):
         q = self.W_Q(x).view(B, L, self.num_heads, self.head_dim).transpose(1, 2)  # (B, H, L, d)
         if self.rope is not None:
             q = self.rope(q, positions)
+        ours = isinstance(cache, KVCache)  # else no cache, or transformers' (adapters.TransformersCache)
+        # k, v below: tensors, or QuantisedKV rows of a quantised cache of ours
         if cache is not None and cache.static:
-            k, v = cache.view()  # (B, G, S, d), (B, G, S, dv)
+            k, v = cache.view_stored() if ours else cache.view()  # (B, G, S, d), (B, G, S, dv)
         else:
             k, v = self.project_kv(source, positions if context is None else None)  # (B, G, S_new, *)
-            if not isinstance(cache, KVCache):  # no storage of ours: quantise and read back as it would
+            if not ours:  # no storage of ours: quantise and read back as it would
                 k, v = self._as_stored(k, (self.head_dim,)), self._as_stored(v, (self.v_head_dim,))
             if cache is not None:
-                k, v = cache.extend(k=k, v=v)  # (B, G, S, *)
+                k, v = cache.extend_stored(k=k, v=v) if ours else cache.extend(k=k, v=v)  # (B, G, S, *)
                 cache.static = context is not None
-        o = attend(q, k, v, grouping=self.grouping, mask=mask, is_causal=is_causal, scale=self.scale)  # (B, H, L, dv)
+        # int8 codes with one scale per token and head: the scales multiply scores and weights, not the rows
+        (k, key_scale), (v, value_scale) = with_row_scale(k), with_row_scale(v)
+        o = attend(q, k, v, grouping=self.grouping, mask=mask, is_causal=is_causal, scale=self.scale,
+                   key_scale=key_scale, value_scale=value_scale)  # (B, H, L, dv)
         o = o.transpose(1, 2).reshape(B, L, self.num_heads * self.v_head_dim)  # (B, L, H*dv)
         return self.W_O(o)  # (B, L, dim)
 

@@ -417,6 +417,8 @@ class MultiHeadLatentAttention(AttentionModule):
                 o = None
             if o is not None:
                 return o @ w_uv_t  # (B, H, 1, dv)
+        if isinstance(kv, QuantisedKV) and kv.foldable and b_v is None:
+            return self._absorbed_codes(q, kv, mask, is_causal) @ w_uv_t  # (B, H, L, dv)
         kv = dense(kv)  # (B, S, r+p)
         k = kv[:, None]  # (B, 1, S, r+p): one latent "KV head" for all H query heads
         v = kv[:, None, :, :r]  # (B, 1, S, r)
@@ -427,6 +429,17 @@ class MultiHeadLatentAttention(AttentionModule):
         if b_v is not None:
             out = out + o[..., r:] * b_v.view(self.num_heads, 1, self.v_head_dim)  # (B, H, L, dv)
         return out
+
+    def _absorbed_codes(self, q, kv: QuantisedKV, mask, is_causal):
+        """The absorbed attention on int8/fp8 codes with their scales folded into the scores and the
+        weights (attend's key_scale/value_scale) instead of a dequantised copy of the cache:
+        q . [c s_c, k_R s_R] = (q_c . c) s_c + (q_R . k_R) s_R, and the value is c s_c.
+        q (B, H, L, r+p) -> (B, H, L, r)."""
+        r = self.latent_dim
+        rows = kv.codes()[:, None]  # (B, 1, S, r+p)
+        s = kv.scales.to(kv.dtype)[:, None]  # (B, 1, S, 1 or 2): the latent's scale, the rope key's
+        return attend(q, rows, rows[..., :r], mask=mask, is_causal=is_causal, scale=self.scale,
+                      key_scale=s, key_parts=kv.parts, value_scale=s[..., 0])  # (B, H, L, r)
 
     @classmethod
     def from_transformers(cls, attn: nn.Module, rotary: nn.Module | None = None) -> "MultiHeadLatentAttention":
