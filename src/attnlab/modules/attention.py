@@ -133,8 +133,11 @@ def _rows_attention(q, k, v, attn_mask, scale, key_scale=None, value_scale=None,
     if key_scale is None:
         s = q @ k.transpose(-1, -2)  # (B, G, R, S)
     else:  # q . k_j = sum over parts i of (q_i . codes_ij) * key_scale_ji
-        s = sum((q[..., a:b] @ k[..., a:b].transpose(-1, -2)) * key_scale[:, :, None, :, i]
-                for i, (a, b) in enumerate(_part_bounds(key_parts)))  # (B, G, R, S)
+        s = None
+        for i, (a, b) in enumerate(_part_bounds(key_parts)):
+            part = q[..., a:b] @ k[..., a:b].transpose(-1, -2)  # (B, G, R, S)
+            f = key_scale[:, :, None, :, i]  # (B, G, 1, S)
+            s = part.mul_(f) if s is None else s.addcmul_(part, f)  # (B, G, R, S)
     if attn_mask is not None:
         s = s.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else s + attn_mask
     p = torch.softmax(s, dim=-1, dtype=torch.promote_types(s.dtype, torch.float32))

@@ -113,14 +113,20 @@ def num_scales(parts: tuple[int, ...], group: int | None) -> int:
     return sum(1 if group is None else -(-w // group) for w in parts)
 
 
-def scale_index(parts: tuple[int, ...], group: int | None, device) -> torch.Tensor:
-    """(W,) int64: the scale column of each channel of a row (made on `device`, no host copy)."""
-    cols, first = [], 0
+def _each_scale(y: torch.Tensor, scales: torch.Tensor, parts: tuple[int, ...], group: int | None, op) -> torch.Tensor:
+    """y (..., W) in place: op(channels, scale) for each part (each group of N channels of it with /g<N>)
+    and its scale column of scales (..., n), broadcast over the channels (no gathered copy of the scales)."""
+    start = col = 0
     for w in parts:
-        g = w if group is None else group
-        cols.append(torch.arange(w, device=device) // g + first)
-        first += -(-w // g)
-    return torch.cat(cols)  # (W,)
+        g = w if group is None or group >= w else group
+        n, whole = -(-w // g), w // g * g  # scales of the part; channels in its full groups
+        y_p, s = y[..., start:start + w], scales[..., col:col + n]
+        if whole:
+            op(y_p[..., :whole].unflatten(-1, (whole // g, g)), s[..., :whole // g, None])
+        if whole < w:  # the short last group
+            op(y_p[..., whole:], s[..., n - 1:])
+        start, col = start + w, col + n
+    return y
 
 
 def quantise(x: torch.Tensor, parts: tuple[int, ...], fmt: StorageFormat) -> tuple[torch.Tensor, torch.Tensor]:
@@ -137,8 +143,8 @@ def quantise(x: torch.Tensor, parts: tuple[int, ...], fmt: StorageFormat) -> tup
             amax.append(part.unflatten(-1, (n, fmt.group)).amax(-1))  # (..., n)
         start += w
     scales = (torch.cat(amax, -1) / QMAX[fmt.code]).to(SCALE_DTYPE)  # (..., n)
-    s = scales.index_select(-1, scale_index(parts, fmt.group, x.device)).to(xf.dtype)  # (..., W)
-    y = xf / torch.where(s > 0, s, torch.ones_like(s))  # (..., W), |y| <= QMAX up to rounding
+    s = torch.where(scales > 0, scales, torch.ones_like(scales)).to(xf.dtype)  # (..., n)
+    y = _each_scale(xf.clone(), s, parts, fmt.group, torch.Tensor.div_)  # (..., W), |y| <= QMAX up to rounding
     if fmt.code == "int8":
         return torch.round(y).clamp_(-127, 127).to(torch.int8), scales
     return y.clamp_(-QMAX["fp8"], QMAX["fp8"]).to(torch.float8_e4m3fn), scales
@@ -149,17 +155,7 @@ def dequantise(codes: torch.Tensor, scales: torch.Tensor, parts: tuple[int, ...]
     """codes (..., W), scales (..., n) -> (codes * scale) (..., W) in `dtype`, multiplied in float32
     (float64 for float64)."""
     work = torch.promote_types(dtype, SCALE_DTYPE)
-    out = codes.to(work)  # (..., W), scaled in place below
-    start = col = 0
-    for w in parts:  # each part (and each group of it) times its scale, broadcast: no gathered copy of the scales
-        g = w if group is None or group >= w else group
-        n, whole = -(-w // g), w // g * g  # scales of the part; channels in its full groups
-        out_p, s = out[..., start:start + w], scales[..., col:col + n].to(work)
-        if whole:
-            out_p[..., :whole].unflatten(-1, (whole // g, g)).mul_(s[..., :whole // g, None])
-        if whole < w:  # the short last group
-            out_p[..., whole:].mul_(s[..., n - 1:])
-        start, col = start + w, col + n
+    out = _each_scale(codes.to(work), scales.to(work), parts, group, torch.Tensor.mul_)  # (..., W)
     return out if work == dtype else out.to(dtype)
 
 
