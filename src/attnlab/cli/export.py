@@ -69,8 +69,8 @@ def export(source: str = typer.Argument(..., help="A converted-model folder (att
             hf.check_gguf_exportable(modules, limit=gguf_rope_limit(model), exact_f32=True)  # before fitting
             _fit_steady(model, tok, calibration, calibration_tokens)
         hf.export_gguf(model, out, tokenizer=tok, force=force, pre_tokenizer=gguf_pre, exact_f32=exact_f32)
-        cached, how = _cached(hf.attnlab_modules(model)[0], constant=False)
-        m0 = hf.attnlab_modules(model)[0]
+        m0 = hf.attnlab_modules(model)[0]  # read again: fitting the steady channel replaced the modules
+        cached, how = _cached(m0, constant=False)
         if m0.latent_dim % 32 or m0.rope_dim % 32:
             console.print(f"note: llama.cpp's quantised KV caches (--cache-type-k q8_0: blocks of 32) need a latent "
                           f"({m0.latent_dim}) and a rope key ({m0.rope_dim}) that are multiples of 32; this file runs "

@@ -144,7 +144,8 @@ def quantise(x: torch.Tensor, parts: tuple[int, ...], fmt: StorageFormat) -> tup
         start += w
     scales = (torch.cat(amax, -1) / QMAX[fmt.code]).to(SCALE_DTYPE)  # (..., n)
     s = torch.where(scales > 0, scales, torch.ones_like(scales)).to(xf.dtype)  # (..., n)
-    y = _each_scale(xf.clone(), s, parts, fmt.group, torch.Tensor.div_)  # (..., W), |y| <= QMAX up to rounding
+    y = xf.clone() if xf is x else xf  # divided in place below; x itself stays as given
+    y = _each_scale(y, s, parts, fmt.group, torch.Tensor.div_)  # (..., W), |y| <= QMAX up to rounding
     if fmt.code == "int8":
         return torch.round(y).clamp_(-127, 127).to(torch.int8), scales
     return y.clamp_(-QMAX["fp8"], QMAX["fp8"]).to(torch.float8_e4m3fn), scales
