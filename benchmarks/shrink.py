@@ -2,7 +2,7 @@
 
     python benchmarks/shrink.py --part proxy [--budget 50%,25%]     # every candidate: proxy KL vs held-out perplexity
     python benchmarks/shrink.py --part run --case NAME [--redo]     # one shrink command, timed, evaluated
-    python benchmarks/shrink.py --part curve                        # bytes/token vs perplexity, 16- and 8-bit
+    python benchmarks/shrink.py --part curve                        # bytes/token vs perplexity: baselines, MLA bits
     python benchmarks/shrink.py --part plot                         # benchmarks/kv_bytes_vs_ppl.png from the rows
     python benchmarks/shrink.py --part report                       # the tables of docs/real-models.md
 
@@ -48,6 +48,10 @@ CASES = {  # name: (shrink arguments, what it checks)
                    "the 75% cut with text, 30 minutes, 16-bit"),
     "25-bytes-text-30": (["--kv-budget", "25%", "--minutes", "30", "--text", "{pydoc}"],
                          "25% of the original's 16-bit bytes, 8-bit storage allowed, 30 minutes"),
+    "25-notext-10": (["--kv-budget", "25%"], "25% as a user types it: no text, no other flag, 10 minutes "
+                     "(--kv-dtype auto may pick 4- or 2-bit latents)"),
+    "12-text-30": (["--kv-budget", "12.5%", "--minutes", "30", "--text", "{pydoc}"], "12.5% with text, 30 minutes"),
+    "6-text-30": (["--kv-budget", "6.25%", "--minutes", "30", "--text", "{pydoc}"], "6.25% with text, 30 minutes"),
     "50-gguf-text-30": (["--kv-budget", "50%", "--minutes", "30", "--format", "gguf", "--text", "{pydoc}"],
                         "50% as a GGUF (quantised by llama.cpp in benchmarks/export_gguf.py)"),
 }
@@ -117,19 +121,23 @@ def part_proxy(budgets: list[str]) -> None:
         print(f"{b}: chosen {row['chosen']}, Spearman {row['spearman']:.3f}")
 
 
-CURVE_FRACTIONS = (0.75, 0.5, 0.375, 0.25, 0.125)  # of the original's KV values per token and layer
+CURVE_FRACTIONS = (0.75, 0.5, 0.25)  # of the original's KV values per token and layer
+MLA_STORAGES = ("bf16", "int8", "int4/g32+r8", "int2/g32+r8")  # the few-bit ones on a rotated latent
+BASELINES = ("bf16", "int8", "q8_0", "q5_0", "q4_1", "q4_0", "kivi4", "kivi2")  # the original's cache, no training
 PLOT = HERE / "kv_bytes_vs_ppl.png"
 
 
 def part_curve() -> None:
-    """Bytes per token against held-out perplexity, 16-bit and 8-bit storage, no training: the original
-    GQA, GQA merged to fewer KV heads (mean of the heads: the fitted merge refuses RoPE), and MLA at
-    several sizes (RoRoPE by score with BKV, 30% of the values rotating); the healed shrink runs are
+    """Bytes per token against held-out perplexity, no training: the original's cache in every training-free
+    storage users have today (llama.cpp's types, KIVI, int8), GQA merged to fewer KV heads (mean of the
+    heads), and MLA at several sizes (RoRoPE by score with BKV, 30% of the values rotating) in 16, 8, 4 and
+    2 bits (the few-bit ones with the latent rotated, the rope key in 8 bits); the healed shrink runs are
     added from their rows. Calibration MPL-2.0 (2048 tokens), evaluation GPL-3 (2048, windows of 512)."""
     import copy
 
     from attnlab import models as hf
     from attnlab.convert.choose import convert as convert_module
+    from attnlab.convert.rotate import rotate_latent
     from attnlab.models.convert import convert_layers
 
     teacher, tok, _ = hf.load_model("smollm2")
@@ -141,36 +149,41 @@ def part_curve() -> None:
     row = {"points": []}
     note_load(row, "load_before")
 
-    def measure(model, kind: str, label: str) -> None:
-        for storage in ("bf16", "int8"):
+    def measure(model, kind: str, label: str, storages) -> None:
+        for storage in storages:
             hf.set_kv_dtype(model, storage)
             point = {"kind": kind, "label": label, "storage": storage, "perplexity": hf.perplexity(model, ev),
                      "kv_bytes_per_token": hf.kv_bytes_per_token(model)}
             row["points"].append(point)
-            print(f"{kind:9s} {label:28s} {storage:5s} {point['kv_bytes_per_token']:6d} B/token  "
+            print(f"{kind:9s} {label:28s} {storage:12s} {point['kv_bytes_per_token']:6d} B/token  "
                   f"perplexity {point['perplexity']:.2f}", flush=True)
         hf.set_kv_dtype(model, None)
 
-    measure(teacher, "original", f"GQA, {G} KV heads")
+    measure(teacher, "original", f"GQA, {G} KV heads", BASELINES)
     for g in [g for g in range(G - 1, 0, -1) if first.num_heads % g == 0]:
         m = copy.deepcopy(teacher)
         convert_layers(m, lambda mod, x: convert_module(mod, "gqa", num_kv_heads=g, method="mean", calibration=x),
                        calibration_ids=cal)
-        measure(m, "gqa", f"GQA, {g} KV head{'s' * (g > 1)}")
+        measure(m, "gqa", f"GQA, {g} KV head{'s' * (g > 1)}", ("bf16", "int8"))
     for f in CURVE_FRACTIONS:
         total = round(f * values)
         rope = 2 * round(0.3 * total / 2)
         m = copy.deepcopy(teacher)
         hf.convert_model(m, "mla", latent_dim=total - rope, rope_dim=rope, calibration_ids=cal,
                          pair_selection="rorope-score", balance=True)
-        measure(m, "mla", f"MLA r={total - rope} p={rope} ({f:.1%} of the values)")
+        label = f"MLA r={total - rope} p={rope} ({f:.1%} of the values)"
+        measure(m, "mla", label, MLA_STORAGES[:2])
+        for mod in hf.attnlab_modules(m):
+            rotate_latent(mod, "random")
+        measure(m, "mla", label + ", rotated", MLA_STORAGES[2:])
     note_load(row, "load_after")
     save("curve", row)
     plot()
 
 
 def plot() -> None:
-    """benchmarks/kv_bytes_vs_ppl.png from the curve row and the healed run rows of shrink.json."""
+    """benchmarks/kv_bytes_vs_ppl.png from the curve row and the healed run rows of shrink.json: the
+    original's training-free storages as one curve, untrained MLA per storage, the healed shrinks."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -178,18 +191,24 @@ def plot() -> None:
 
     data = json.loads(JSON.read_text())
     points = data["curve"]["points"]
-    fig, ax = plt.subplots(figsize=(7.5, 5.6))
-    styles = {("original", "bf16"): ("k", "*"), ("original", "int8"): ("k", "x"), ("gqa", "bf16"): ("tab:green", "s"),
-              ("gqa", "int8"): ("tab:green", "x"), ("mla", "bf16"): ("tab:blue", "o"), ("mla", "int8"): ("tab:orange", "o")}
-    names = {"original": "original GQA", "gqa": "GQA, fewer KV heads (no training)",
-             "mla": "MLA (calibrated, no training)"}
-    for (kind, storage), (color, marker) in styles.items():
+    fig, ax = plt.subplots(figsize=(7.5, 5.8))
+    base = sorted((p for p in points if p["kind"] == "original"), key=lambda p: p["kv_bytes_per_token"])
+    ax.plot([p["kv_bytes_per_token"] for p in base], [p["perplexity"] for p in base], "k*-",
+            label="the original, its cache quantized (no training)")
+    for p in base:
+        ax.annotate(p["storage"], (p["kv_bytes_per_token"], p["perplexity"]), textcoords="offset points",
+                    xytext=(4, 4), fontsize=7)
+    styles = {("gqa", "bf16"): ("tab:green", "s", "GQA, fewer KV heads, 16-bit"),
+              ("mla", "bf16"): ("tab:blue", "o", "MLA (no training), 16-bit"),
+              ("mla", "int8"): ("tab:orange", "o", "MLA (no training), 8-bit"),
+              ("mla", "int4/g32+r8"): ("tab:purple", "o", "MLA (no training), 4-bit latent, rotated"),
+              ("mla", "int2/g32+r8"): ("tab:brown", "o", "MLA (no training), 2-bit latent, rotated")}
+    for (kind, storage), (color, marker, name) in styles.items():
         pts = sorted((p for p in points if p["kind"] == kind and p["storage"] == storage),
                      key=lambda p: p["kv_bytes_per_token"])
         if pts:
             ax.plot([p["kv_bytes_per_token"] for p in pts], [p["perplexity"] for p in pts], marker=marker,
-                    color=color, linestyle="-" if kind != "original" else "none",
-                    label=f"{names[kind]}, {'16-bit' if storage == 'bf16' else '8-bit'} cache")
+                    color=color, linestyle="-", label=name)
     healed = [r for k, r in data.items() if k.startswith("run-") and "evaluation" in r and "note" not in r]
     if healed:
         ax.scatter([r["evaluation"]["kv_bytes_per_token"] for r in healed],
@@ -198,17 +217,18 @@ def plot() -> None:
         for i, r in enumerate(sorted(healed, key=lambda r: r["evaluation"]["perplexity"])):
             ev = r["evaluation"]
             ax.annotate(f"{r['case']}: {ev['perplexity']:.1f}", (ev["kv_bytes_per_token"], ev["perplexity"]),
-                        textcoords="offset points", xytext=(6, -12 + 12 * i), fontsize=7)
+                        textcoords="offset points", xytext=(6, -12 + 10 * i), fontsize=7, color="tab:red")
     original = next(p["perplexity"] for p in points if p["kind"] == "original" and p["storage"] == "bf16")
     ax.axhline(1.10 * original, color="grey", linestyle=":", linewidth=1, label="1.10x the original's perplexity")
     ax.set_xscale("log")
     ax.set_yscale("log")
-    ax.set_xlabel("KV-cache bytes per token (whole model, scales included)")
+    ax.set_ylim(top=min(ax.get_ylim()[1], 4 * original))
+    ax.set_xlabel("KV-cache bytes per token (whole model, scales and minima included)")
     ax.set_ylabel("perplexity, GPL-3 (held out)")
     ax.set_title("SmolLM2-135M: bytes per token against perplexity")
     ax.grid(True, which="both", alpha=0.3)
     fig.legend(*ax.get_legend_handles_labels(), loc="lower center", ncol=2, fontsize=7, frameon=False)
-    fig.tight_layout(rect=(0, 0.17, 1, 1))
+    fig.tight_layout(rect=(0, 0.2, 1, 1))
     fig.savefig(PLOT, dpi=120)
     print(f"wrote {PLOT}")
 
@@ -259,7 +279,7 @@ def part_run(case: str, redo: bool) -> None:
         raise SystemExit(f"shrink failed: {proc.stderr[-500:]}")
     report = json.loads((out / "config.json").read_text())["shrink"] if out.is_dir() and \
         (out / "attention.safetensors").exists() else json.loads(out.with_name(out.name + ".shrink.json").read_text())
-    row["report"] = {k: report[k] for k in ("kv_bytes_per_token", "held_out", "minutes", "heal_plan")}
+    row["report"] = {k: report.get(k) for k in ("kv_bytes_per_token", "held_out", "minutes", "heal_plan", "baselines")}
     row["plan"] = report["plan"].get("chosen")
     if out.is_dir() and (out / "attention.safetensors").exists():
         from attnlab import models as hf

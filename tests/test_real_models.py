@@ -136,7 +136,7 @@ def test_cli_eval_and_generate_on_a_converted_model(tmp_path):
     assert p.returncode == 0, p.stderr
     ppl = float(next(line for line in p.stdout.splitlines() if line.startswith("perplexity: ")).split()[1])
     assert 1.0 < ppl < 1e4
-    assert "kv bytes per token: 46080" in p.stdout
+    assert "kv bytes per token: 46080 (200.0% of its 16-bit cache, 23040)" in p.stdout
     p = run("generate", str(out), "The capital of France is", "--max-new-tokens", "4")
     assert p.returncode == 0 and "Paris" in p.stdout, p.stdout + p.stderr
 

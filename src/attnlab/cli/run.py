@@ -16,12 +16,15 @@ def eval_(source: str = typer.Argument(..., help="A model (smollm2) or a folder 
           window: int = typer.Option(512, "--window", help="Tokens per forward pass."),
           kv_dtype: Optional[str] = typer.Option(None, "--kv-dtype", help="KV-cache storage to score and count: "
                                                  "fp32, bf16, int8, fp8 (int8/g<N>, fp8/g<N>: a scale per N "
-                                                 "channels); default the model's own.")):
+                                                 "channels); llama.cpp's q8_0, q5_0, q4_0, q4_1; int4, int2 "
+                                                 "(/g<N>, +r8 for an MLA's rope key); KIVI's kivi4, kivi2; "
+                                                 "default the model's own.")):
     """Perplexity of a causal model on a text, and its KV-cache bytes per token.
 
     With --kv-dtype the keys and values go through that storage (quantised and read back) before
     attention, as cached decode reads them, and the bytes count its scales.
     Example: attnlab eval smollm2-mla256 --text /usr/share/common-licenses/GPL-3 --kv-dtype int8
+    Example: attnlab eval smollm2 --text /usr/share/common-licenses/GPL-3 --kv-dtype q4_0   (llama.cpp's cache type)
     """
     from .. import models as hf
     from ..modules.cache import check_kv_dtype
@@ -42,7 +45,8 @@ def eval_(source: str = typer.Argument(..., help="A model (smollm2) or a folder 
                             progress=lambda i: busy.update(f"scoring {ids.shape[1]} tokens: window {i + 1} of {n}"))
     print(f"perplexity: {ppl:.4f}")
     print(f"tokens: {ids.shape[1]}")
-    print(f"kv bytes per token: {hf.kv_bytes_per_token(model)}")
+    stored, sixteen = hf.kv_bytes_per_token(model), hf.kv_bytes_per_token(model, kv_dtype="bf16")
+    print(f"kv bytes per token: {stored} ({stored / sixteen:.1%} of its 16-bit cache, {sixteen})")
     if kv_dtype is not None:
         print(f"kv storage: {kv_dtype}")
 

@@ -34,6 +34,17 @@ def _summary(report: dict) -> Table:
     return table
 
 
+def _against_baselines(report: dict) -> str | None:
+    """One line: the best training-free baseline at or above the bytes reached, and whether the result beats it."""
+    against = (report.get("baselines") or {}).get("against")
+    if not against:
+        return None
+    verdict = "beats" if against["beats"] else "does NOT beat"
+    return (f"against the original with a {against['baseline']} cache ({against['baseline_bytes']} bytes/token, "
+            f"no training): perplexity {against['baseline_perplexity']:.3f}; this result ({against['perplexity']:.3f}) "
+            f"{verdict} it ({against['perplexity_ratio_to_baseline']:.3f}x)")
+
+
 def _candidates(report: dict) -> Table | None:
     plan = report["plan"]
     if plan.get("explicit") or not plan.get("candidates"):
@@ -60,7 +71,8 @@ def shrink(source: str = typer.Argument(..., help="The model: smollm2, a transfo
            fmt: str = typer.Option("attnlab", "--format", help="attnlab (attention layers beside the base), deepseek "
                                    "(a DeepseekV3 folder) or gguf (one file llama.cpp runs)."),
            kv_dtype: str = typer.Option("auto", "--kv-dtype", help="Cache storage: auto (attnlab's format may "
-                                        "choose 8-bit when it measures better), bf16, int8."),
+                                        "choose 8-bit or 4/2-bit latents when they measure better), bf16, int8, int4, int2 (int4/g<N>: a scale "
+                                        "per N channels; +r8: the rope key in 8 bits)."),
            latent_dim: Optional[int] = typer.Option(None, "--latent-dim", help="Skip the planner: this latent size "
                                                     "(with --rope-dim)."),
            rope_dim: Optional[int] = typer.Option(None, "--rope-dim", help="Skip the planner: this rope size."),
@@ -118,6 +130,9 @@ def shrink(source: str = typer.Argument(..., help="The model: smollm2, a transfo
     if table is not None:
         console.print(table)
     console.print(_summary(report))
+    line = _against_baselines(report)
+    if line:
+        console.print(line)
     minutes_by_phase = ", ".join(f"{k} {v:.1f}" for k, v in report["minutes"].items())
     console.print(f"minutes per phase: {minutes_by_phase}")
     console.print(f"wrote {out}")

@@ -90,11 +90,16 @@ def kv_bytes_per_token(model, dtype: torch.dtype | None = None, kv_dtype: str | 
     (on the meta device). dtype: the activations' (default each module's weight dtype); kv_dtype: the
     storage ("fp32", "bf16", "int8", "fp8", ...: scales counted), default each module's own kv_dtype,
     else plain in dtype."""
+    from ..modules import lowbit
     from ..modules.cache import check_kv_dtype
 
-    check_kv_dtype(kv_dtype)
+    asked = check_kv_dtype(kv_dtype)
     total = 0
     for m in attnlab_modules(model):
+        fmt = asked or m._kv_format
+        if fmt is not None and fmt.evaluation_only:  # KIVI has no cache here: its steady-state bytes
+            total += lowbit.kivi_bytes(m.kv_values_per_token, fmt.low)
+            continue
         cache = m.init_cache(1, 1, dtype=dtype or m._anchor.dtype, device="meta", kv_dtype=kv_dtype)
         total += cache.bytes_per_token
     return total

@@ -30,11 +30,18 @@ class AttentionModule(nn.Module):
 
     @kv_dtype.setter
     def kv_dtype(self, value) -> None:
-        self._kv_format = check_kv_dtype(value)
+        fmt = check_kv_dtype(value)
+        if fmt is not None and fmt.evaluation_only and not self.separate_keys:
+            raise ValueError(f"kv_dtype {value!r} (KIVI) quantises separate keys per channel and values per token; "
+                             f"a {type(self).__name__} caches one latent row: use int4/g<N>, int2/g<N> or q4_0")
+        self._kv_format = fmt
 
-    def _as_stored(self, t, parts: tuple[int, ...]):
-        """t (..., W) as a cache of this module's kv_dtype would return it (t itself when kv_dtype is None)."""
-        return t if self._kv_format is None else round_trip(t, self._kv_format, parts)
+    separate_keys = True  # whether the cache holds keys and values apart (KIVI treats them differently)
+
+    def _as_stored(self, t, parts: tuple[int, ...], role: str | None = None):
+        """t (..., W) as a cache of this module's kv_dtype would return it (t itself when kv_dtype is None);
+        role: "key" or "value" where the storage treats them apart (KIVI)."""
+        return t if self._kv_format is None else round_trip(t, self._kv_format, parts, role)
 
     def _prepare(self, x, context, cache: _Cache | None, positions, mask, key_padding_mask, query_heads: int):
         """Validate; return (source of keys, query positions, merged mask or None)."""

@@ -55,9 +55,9 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from . import checks
+from . import checks, lowbit
 
-KV_DTYPES = ("fp32", "bf16", "int8", "fp8")
+KV_DTYPES = ("fp32", "bf16", "int8", "fp8", "q8_0", "q5_0", "q4_0", "q4_1", "int4", "int2", "kivi4", "kivi2")
 PLAIN = {"fp32": torch.float32, "bf16": torch.bfloat16}
 QMAX = {"int8": 127.0, "fp8": 448.0}  # the largest code: int8 symmetric, float8_e4m3fn's largest finite value
 SCALE_DTYPE = torch.float32
@@ -76,27 +76,43 @@ def fp8_supported() -> bool:
 
 
 class StorageFormat(NamedTuple):
-    """A parsed kv_dtype: its spelling, its code ("fp32", "bf16", "int8", "fp8"), its scale group (None: per part)."""
+    """A parsed kv_dtype: its spelling, its code ("fp32", "bf16", "int8", "fp8", or a few-bit one), its scale
+    group (None: per part), and for the few-bit storages their LowBit (modules/lowbit.py)."""
     name: str
     code: str
     group: int | None
+    low: lowbit.LowBit | None = None
 
     @property
     def quantised(self) -> bool:
-        return self.code in QMAX
+        return self.code in QMAX or self.low is not None
+
+    @property
+    def evaluation_only(self) -> bool:
+        """KIVI: applied to keys and values of a forward without a cache, never stored by a cache."""
+        return self.low is not None and self.low.kind == "kivi"
 
     @property
     def storage_dtype(self) -> torch.dtype:
+        if self.low is not None:
+            return torch.uint8
         return PLAIN[self.code] if self.code in PLAIN else torch.int8 if self.code == "int8" else torch.float8_e4m3fn
 
 
 def check_kv_dtype(kv_dtype) -> StorageFormat | None:
-    """Parse a kv_dtype ("fp32", "bf16", "int8", "fp8", "int8/g<N>", "fp8/g<N>" or None); one-line errors."""
+    """Parse a kv_dtype ("fp32", "bf16", "int8", "fp8", "int8/g<N>", "fp8/g<N>", the few-bit ones of
+    modules/lowbit.py: "q8_0", "q5_0", "q4_0", "q4_1", "int4[/g<N>]", "int2[/g<N>]", "kivi4", "kivi2"; or
+    None); one-line errors."""
     if kv_dtype is None:
         return None
-    choices = "'fp32', 'bf16', 'int8', 'fp8' (or 'int8/g<N>', 'fp8/g<N>': one scale per N channels) or None"
+    choices = ("'fp32', 'bf16', 'int8', 'fp8' (or 'int8/g<N>', 'fp8/g<N>': one scale per N channels), llama.cpp's "
+               "'q8_0', 'q5_0', 'q4_0', 'q4_1', 'int4', 'int2' (or 'int4/g<N>', 'int2/g<N>', and '+r8' after either "
+               "for an MLA's rope key in 8 bits), 'kivi4', 'kivi2' or None")
     if not isinstance(kv_dtype, str):
         raise TypeError(f"kv_dtype must be one of {choices}, got {type(kv_dtype).__name__} ({kv_dtype!r})")
+    low = lowbit.parse(kv_dtype)
+    if low is not None:
+        return StorageFormat(kv_dtype, low.code, low.group, low)
     found = _SPELLING.fullmatch(kv_dtype)
     if found is None:
         raise ValueError(f"kv_dtype must be one of {choices}, got {kv_dtype!r}")
@@ -130,7 +146,10 @@ def _each_scale(y: torch.Tensor, scales: torch.Tensor, parts: tuple[int, ...], g
 
 
 def quantise(x: torch.Tensor, parts: tuple[int, ...], fmt: StorageFormat) -> tuple[torch.Tensor, torch.Tensor]:
-    """x (..., W) -> codes (..., W) in fmt's storage dtype and float32 scales (..., n); see the module docstring."""
+    """x (..., W) -> codes (..., W) in fmt's storage dtype and float32 scales (..., n); see the module docstring.
+    Few-bit formats: packed uint8 codes and float16 scales (and minima), modules/lowbit.py."""
+    if fmt.low is not None:
+        return lowbit.encode(x, parts, fmt.low)
     xf = x.to(torch.promote_types(x.dtype, SCALE_DTYPE))  # (..., W)
     amax, start = [], 0
     for w in parts:
@@ -152,25 +171,32 @@ def quantise(x: torch.Tensor, parts: tuple[int, ...], fmt: StorageFormat) -> tup
 
 
 def dequantise(codes: torch.Tensor, scales: torch.Tensor, parts: tuple[int, ...], group: int | None,
-               dtype: torch.dtype) -> torch.Tensor:
+               dtype: torch.dtype, low: lowbit.LowBit | None = None) -> torch.Tensor:
     """codes (..., W), scales (..., n) -> (codes * scale) (..., W) in `dtype`, multiplied in float32
-    (float64 for float64)."""
+    (float64 for float64); few-bit formats (low) through lowbit.decode."""
+    if low is not None:
+        return lowbit.decode(codes, scales, parts, low, dtype)
     work = torch.promote_types(dtype, SCALE_DTYPE)
     out = _each_scale(codes.to(work), scales.to(work), parts, group, torch.Tensor.mul_)  # (..., W)
     return out if work == dtype else out.to(dtype)
 
 
-def round_trip(x: torch.Tensor, kv_dtype, parts: tuple[int, ...]) -> torch.Tensor:
+def round_trip(x: torch.Tensor, kv_dtype, parts: tuple[int, ...], role: str | None = None) -> torch.Tensor:
     """x as a cache with this kv_dtype (a spelling or a StorageFormat) returns it: quantised then
-    dequantised, or rounded to a plain storage dtype."""
+    dequantised, or rounded to a plain storage dtype. role ("key", "value"): what x (..., S, W) holds,
+    for KIVI, which quantises keys along the tokens (lowbit.kivi_round_trip)."""
     fmt = kv_dtype if isinstance(kv_dtype, StorageFormat) else check_kv_dtype(kv_dtype)
     if fmt is None:
         return x
-    if not fmt.quantised:
+    if fmt.evaluation_only:
+        stored = lowbit.kivi_round_trip(x.detach(), fmt.low, role)
+    elif not fmt.quantised:
         stored = x.to(fmt.storage_dtype).to(x.dtype)
+    elif fmt.low is not None:
+        stored = lowbit.round_trip(x.detach(), parts, fmt.low)
     else:
         codes, scales = quantise(x, parts, fmt)
-        stored = dequantise(codes, scales, parts, fmt.group, x.dtype)
+        stored = dequantise(codes, scales, parts, fmt.group, x.dtype, fmt.low)
     if x.requires_grad:  # training through the storage: its values forward, the identity's gradient back
         return x + (stored - x).detach()  # (straight-through; integer codes would cut the graph)
     return stored
@@ -184,24 +210,27 @@ class QuantisedKV(NamedTuple):
     parts: tuple[int, ...]
     group: int | None
     dtype: torch.dtype
+    low: lowbit.LowBit | None = None  # a few-bit format: data holds packed codes, scales float16 meta
 
     @property
     def shape(self) -> torch.Size:
-        return self.data.shape
+        """(..., S, W): the rows' shape as read back (a packed row is narrower in storage)."""
+        return (*self.data.shape[:-1], sum(self.parts)) if self.low is not None else self.data.shape
 
     @property
     def foldable(self) -> bool:
         """Whether a reader may take the codes in the activation dtype and apply the scales per row of
         each part (one scale per part, a float32/float64 activation dtype: the same products in the same
         precision as dequantise(), in another order)."""
-        return num_scales(self.parts, self.group) == len(self.parts) and self.dtype in (torch.float32, torch.float64)
+        return (self.low is None and num_scales(self.parts, self.group) == len(self.parts)
+                and self.dtype in (torch.float32, torch.float64))
 
     def codes(self) -> torch.Tensor:
         """The codes in the activation dtype (exact: int8 and e4m3 codes are representable), (..., S, W)."""
         return self.data.to(self.dtype)
 
     def dequantise(self) -> torch.Tensor:
-        return dequantise(self.data, self.scales, self.parts, self.group, self.dtype)  # (..., S, W)
+        return dequantise(self.data, self.scales, self.parts, self.group, self.dtype, self.low)  # (..., S, W)
 
 
 def dense(kv):
@@ -229,6 +258,10 @@ class _Cache:
         checks.positive_int("batch_size", batch_size)
         checks.positive_int("max_len", max_len)
         fmt = check_kv_dtype(kv_dtype)
+        if fmt is not None and fmt.evaluation_only:
+            raise ValueError(f"kv_dtype {kv_dtype!r} is KIVI, an evaluation baseline (keys quantised per channel "
+                             "over whole groups of tokens, in a forward without a cache); attnlab's caches store "
+                             "q8_0, q5_0, q4_0, q4_1, int4/g<N>, int2/g<N>, int8 or fp8")
         self._owner = weakref.ref(owner)
         self.batch_size, self.max_len = batch_size, max_len
         self._length = 0
@@ -239,14 +272,22 @@ class _Cache:
         self._names = list(buffers)
         self._scale_names = {}
         for name, shape in buffers.items():
+            parts_n = self._parts[name]
+            if fmt is not None and fmt.quantised and sum(parts_n) != shape[-1]:
+                raise ValueError(f"scale parts {parts_n} of {name} do not add up to its width {shape[-1]}")
+            if fmt is not None and fmt.low is not None:  # packed codes, float16 meta per group
+                lowbit.check_parts(parts_n, fmt.low)
+                setattr(self, name, torch.zeros(*shape[:-1], lowbit.packed_row(parts_n, fmt.low), dtype=stored,
+                                                device=device))
+                self._scale_names[name] = name + "_scales"
+                setattr(self, name + "_scales", torch.zeros(*shape[:-1], lowbit.meta_row(parts_n, fmt.low),
+                                                            dtype=lowbit.META_DTYPE, device=device))
+                continue
             setattr(self, name, torch.zeros(shape, dtype=stored, device=device))
             if fmt is not None and fmt.quantised:
-                if sum(self._parts[name]) != shape[-1]:
-                    raise ValueError(f"scale parts {self._parts[name]} of {name} do not add up to its width "
-                                     f"{shape[-1]}")
                 self._scale_names[name] = name + "_scales"
                 setattr(self, name + "_scales", torch.zeros(
-                    *shape[:-1], num_scales(self._parts[name], fmt.group), dtype=SCALE_DTYPE, device=device))
+                    *shape[:-1], num_scales(parts_n, fmt.group), dtype=SCALE_DTYPE, device=device))
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor the cache allocated: the buffers and, for quantised storage, their scales."""
@@ -366,7 +407,8 @@ class _Cache:
             buf = getattr(self, name)[..., :rows, :]
             if name in self._scale_names:
                 scales = getattr(self, self._scale_names[name])[..., :rows, :]
-                out.append(QuantisedKV(buf, scales, self._parts[name], self._format.group, self.dtype))
+                out.append(QuantisedKV(buf, scales, self._parts[name], self._format.group, self.dtype,
+                                       self._format.low))
             else:
                 out.append(buf if buf.dtype == self.dtype else buf.to(self.dtype))
         return tuple(out)

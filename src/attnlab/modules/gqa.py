@@ -122,7 +122,7 @@ class GroupedQueryAttention(AttentionModule):
         else:
             k, v = self.project_kv(source, positions if context is None else None)  # (B, G, S_new, *)
             if not ours:  # no storage of ours: quantise and read back as it would
-                k, v = self._as_stored(k, (self.head_dim,)), self._as_stored(v, (self.v_head_dim,))
+                k, v = self._as_stored(k, (self.head_dim,), "key"), self._as_stored(v, (self.v_head_dim,), "value")
             if cache is not None:
                 k, v = cache.extend_stored(k=k, v=v) if ours else cache.extend(k=k, v=v)  # (B, G, S, *)
                 cache.static = context is not None

@@ -90,6 +90,8 @@ class MultiHeadLatentAttention(AttentionModule):
     is allowed (exact conversions may produce it) with a warning.
     """
 
+    separate_keys = False  # one latent row per token: KIVI's key/value split does not apply
+
     def __init__(self, dim: int, num_heads: int, latent_dim: int, *, head_dim: int | None = None,
                  v_head_dim: int | None = None, context_dim: int | None = None, rope_dim: int = 0,
                  q_latent_dim: int | None = None, latent_norm: bool = False, bias: bool = False,
@@ -411,7 +413,7 @@ class MultiHeadLatentAttention(AttentionModule):
         if b_v is None:  # one decode row per sequence on CUDA: the Triton kernel (kernels/mla_decode.py)
             if not isinstance(kv, QuantisedKV):
                 o = mla_decode.try_decode(q, kv, mask, self.scale, r)  # (B, H, 1, r) or None where it does not apply
-            elif kv.parts == ((r, self.rope_dim) if self.rope_dim else (r,)):  # the layouts the kernel reads
+            elif kv.low is None and kv.parts == ((r, self.rope_dim) if self.rope_dim else (r,)):  # what it reads
                 o = mla_decode.try_decode(q, kv.data, mask, self.scale, r, kv_scales=kv.scales, scale_group=kv.group)
             else:
                 o = None

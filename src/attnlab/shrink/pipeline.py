@@ -31,13 +31,18 @@ from pathlib import Path
 import torch
 
 from ..runtime.budget import Budget, Stopped
-from .plan import Candidate, feasible, parse_budget
+from .plan import STORAGES, Candidate, feasible, few_bit, parse_budget, storage_ok
 
 CALIBRATION_TOKENS = 2048
 PROXY_TOKENS = 1024  # the planner's scoring windows, after the calibration's
 PHASES = ("data", "plan", "convert", "heal", "export")
 RUN_FORMAT = "attnlab-shrink-run"
-STORAGE_CHOICES = {"auto": ("bf16", "int8"), "bf16": ("bf16",), "int8": ("int8",)}
+STORAGE_CHOICES = {"auto": STORAGES}
+
+
+def storage_choices(storage: str) -> tuple[str, ...]:
+    """The storages the planner may choose for --kv-dtype: every one for auto, else the one named."""
+    return STORAGE_CHOICES.get(storage, (storage,))
 
 
 @dataclass
@@ -73,11 +78,12 @@ def check_request(req: ShrinkRequest) -> None:
 
     if req.fmt not in FORMATS:
         raise ValueError(f"--format must be one of {', '.join(FORMATS)}, got {req.fmt!r}")
-    if req.storage not in ("auto", "bf16", "int8"):
-        raise ValueError(f"--kv-dtype must be auto, bf16 or int8, got {req.storage!r}")
-    if req.storage == "int8" and req.fmt != "attnlab":
-        raise ValueError(f"--kv-dtype int8 is attnlab's own cache; a {req.fmt} export's cache type is the engine's "
-                         "choice (llama.cpp: --cache-type-k q8_0; vLLM: kv_cache_dtype fp8)")
+    if req.storage != "auto" and not storage_ok(req.storage):
+        raise ValueError(f"--kv-dtype must be auto, bf16, int8, int4 or int2 (int4/g<N>, int2/g<N>: a scale and "
+                         f"minimum per N latent channels; '+r8': the rope key in 8 bits), got {req.storage!r}")
+    if req.storage not in ("auto", "bf16") and req.fmt != "attnlab":
+        raise ValueError(f"--kv-dtype {req.storage} is attnlab's own cache; a {req.fmt} export's cache type is the "
+                         "engine's choice (llama.cpp: --cache-type-k q8_0; vLLM: kv_cache_dtype fp8)")
     parse_budget(req.kv_budget)
     if (req.latent_dim is None) != (req.rope_dim is None):
         raise ValueError("give --latent-dim and --rope-dim together (or neither: the planner chooses)")
@@ -201,8 +207,10 @@ def _data(req: ShrinkRequest, teacher, tok, budget: Budget, show) -> dict[str, t
 
 def _explicit(req: ShrinkRequest) -> Candidate:
     """The candidate of explicit sizes: the best measured choices otherwise (docs/real-models.md), the format's norm."""
+    storage = "bf16" if req.storage == "auto" else req.storage
     return Candidate(req.latent_dim, req.rope_dim, "rorope" if req.fmt == "gguf" else "rorope-score", True,
-                     "int8" if req.storage == "int8" else "bf16", req.fmt == "gguf", extra=int(req.fmt != "attnlab"))
+                     storage, req.fmt == "gguf", extra=int(req.fmt != "attnlab"),
+                     rotation="random" if few_bit(storage) else None)
 
 
 def _heal_plan(req, teacher, student, train: torch.Tensor, seconds: float):
@@ -286,7 +294,7 @@ def shrink(req: ShrinkRequest, *, resume: bool = False, force: bool = False, bud
     if limit and req.seq_len > limit:
         raise ValueError(f"--seq-len {req.seq_len} exceeds the model's context (max_position_embeddings {limit})")
     if req.latent_dim is None:
-        feasible(teacher, parse_budget(req.kv_budget), req.fmt, STORAGE_CHOICES[req.storage])
+        feasible(teacher, parse_budget(req.kv_budget), req.fmt, storage_choices(req.storage))
     state.data["minutes"]["load"] = state.data["minutes"].get("load", 0.0) + phase_time(t)
     budget.check()
 
@@ -308,7 +316,7 @@ def shrink(req: ShrinkRequest, *, resume: bool = False, force: bool = False, bud
         else:
             show.phase("planning: measuring candidate conversions on the calibration text")
             result = choose(teacher, data["calibration"], parse_budget(req.kv_budget), fmt=req.fmt,
-                            storages=STORAGE_CHOICES[req.storage], calibrate=req.calibration,
+                            storages=storage_choices(req.storage), calibrate=req.calibration,
                             proxy_ids=data.get("proxy"), time_budget=budget.share(0.15),
                             progress=lambda i, label: show.phase(f"planning: candidate {i + 1}: {label}"))
             chosen = result.to_dict()
@@ -336,7 +344,7 @@ def shrink(req: ShrinkRequest, *, resume: bool = False, force: bool = False, bud
     # heal
     if not state.done("heal"):
         t = clock()
-        reserve = 30.0 if req.fmt != "attnlab" else 10.0  # the export, after the final evaluation
+        reserve = (30.0 if req.fmt != "attnlab" else 10.0) + BASELINE_SECONDS  # baselines and export, after it
         if state.data["heal_plan"] is None:
             state.data["heal_plan"] = asdict(_heal_plan(req, teacher, student, data["train"],
                                                         max(0.0, budget.left() - reserve)))
@@ -363,6 +371,13 @@ def shrink(req: ShrinkRequest, *, resume: bool = False, force: bool = False, bud
     else:
         student, _, _ = hf.load_model(str(folder / "healed"))
 
+    # the training-free baselines at or above the bytes reached, on the windows the heal scored
+    if "baselines" not in state.data["report"]:
+        show.phase("scoring the original with its cache quantized (llama.cpp types, KIVI), no training")
+        state.data["report"]["baselines"] = _baselines(teacher, student, data["held"],
+                                                       state.data["report"].get("heal", {}))
+        state.save()
+
     # export
     t = clock()
     show.phase(f"writing {out} ({req.fmt})")
@@ -388,6 +403,25 @@ def shrink(req: ShrinkRequest, *, resume: bool = False, force: bool = False, bud
     return report
 
 
+BASELINE_SECONDS = 30.0  # kept back from the heal: two teacher passes over the held-out windows
+
+
+def _baselines(teacher, student, held, heal: dict) -> dict:
+    """shrink.baselines for the report: every baseline's bytes, the two cheapest at or above the student's
+    scored on the held-out tokens the heal's final evaluation read (with its window)."""
+    from ..models.evaluate import kv_bytes_per_token
+    from . import baselines
+
+    after, teacher_eval = heal.get("after") or {}, heal.get("teacher") or {}
+    if after.get("perplexity") is None or teacher_eval.get("perplexity") is None:
+        return {"note": "not scored: the heal has no final evaluation"}
+    sizes = baselines.baseline_bytes(teacher)
+    reached = kv_bytes_per_token(student)
+    names = baselines.at_or_above(sizes, reached)
+    scored = baselines.score(teacher, held, names, tokens=after.get("tokens"))
+    return baselines.compare(reached, after["perplexity"], teacher_eval["perplexity"], sizes, scored)
+
+
 def _is_report(path: Path) -> bool:
     try:
         return json.loads(path.read_text()).get("format") == "attnlab-shrink-report"
@@ -411,6 +445,7 @@ def final_report(req: ShrinkRequest, state: RunState, teacher, student, meta) ->
                                    "values_per_token_per_layer": [V, chosen.get("values_per_token_per_layer")]},
             "plan": plan, "heal_plan": state.data["heal_plan"],
             "held_out": {"teacher": heal.get("teacher"), "before": heal.get("before"), "after": heal.get("after")},
+            "baselines": state.data["report"].get("baselines"),
             "heal": {k: v for k, v in heal.items() if k not in ("teacher", "before", "after")},
             "data": {"text": req.identity()["text"], "eval_text": req.identity()["eval_text"],
                      "calibration": ("the first tokens of --text" if req.text else "text the teacher wrote (seeded)")

@@ -6,9 +6,11 @@ GQA cache; a compressed MLA caches r (latent) + p (rope key) values per token an
 A budget is a fraction of the original's cache (`50%`, `0.5`) or bytes per token for the whole
 model (`6000`). Both are measured against the original's cache stored in 16 bits (2 V L bytes
 per token), the storage engines and attnlab serve in. A candidate is a conversion (r, p, what
-keeps rotating, BKV, a fitted latent norm) and a cache storage (16-bit, or 8-bit with per-token
-scales where the output format is attnlab's own); it meets the budget when its measured bytes
-per token do.
+keeps rotating, BKV, a fitted latent norm) and a cache storage (16-bit; where the output format is
+attnlab's own also 8-bit with per-token scales, and 4- or 2-bit latents in groups of 32 with the
+rope key in 8 bits, their latent rotated first by an orthogonal matrix folded into the weights,
+convert/rotate.py); it meets the budget when its measured bytes per token do. A few-bit row's
+bytes step with its groups, so each few-bit candidate takes the largest latent that fits (fit()).
 
 Candidates are ranked by a cheap proxy of held-out perplexity: the mean KL(teacher || student)
 of the next-token distributions on the calibration windows (text the conversion was calibrated
@@ -17,8 +19,8 @@ modules (the conversions never change their input) with calibration inputs compu
 measured, and is swapped out again: nothing is copied. The search, in three rounds so that it
 fits a few minutes on a CPU:
 1. what keeps rotating and BKV, at a rope share of about 30% of the values;
-2. storage: the winner in 8 bits against 16 (more values in the same bytes), before the split so
-   that a short planning time never leaves it out;
+2. storage: the winner in 8, 4 and 2 bits against 16 (more values in the same bytes), before the
+   split so that a short planning time never leaves it out;
 3. the split between latent and rope key, for the winner's selection and storage.
 Within the constraints of the output format: a DeepSeek export needs the same frequencies in
 every layer (RoRoPE by score is chosen for all layers at once); a GGUF needs distinct kept
@@ -36,7 +38,26 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 FORMATS = ("attnlab", "deepseek", "gguf")
-STORAGES = ("bf16", "int8")
+FEW_BIT = ("int4/g32+r8", "int2/g32+r8")  # latent in 4 or 2 bits (groups of 32), rope key in 8 (docs/real-models.md)
+STORAGES = ("bf16", "int8", *FEW_BIT)
+
+
+def storage_ok(storage: str) -> bool:
+    """Whether the planner can store a latent cache so: bf16, int8, or attnlab's int4/int2 groups (any /g<N>,
+    with or without +r8)."""
+    from ..modules.cache import check_kv_dtype
+
+    if storage in ("bf16", "int8"):
+        return True
+    try:
+        fmt = check_kv_dtype(storage)
+    except ValueError:
+        return False
+    return fmt.low is not None and fmt.low.kind == "asym"
+
+
+def few_bit(storage: str) -> bool:
+    return storage.startswith(("int4", "int2"))
 
 
 @dataclass(frozen=True)
@@ -77,13 +98,14 @@ class Candidate:
     rope_dim: int
     rope_select: str
     balance: bool
-    kv_dtype: str  # "bf16" or "int8"
+    kv_dtype: str  # "bf16", "int8" or a few-bit storage ("int4/g32+r8", ...)
     latent_norm: bool  # a steady latent channel and norm (export.add_steady_channels): GGUF's route
     bytes_per_token: int = 0
     proxy: float | None = None  # mean KL(teacher || student) on the calibration windows
     round: int = 0
 
     extra: int = 0  # latent values the export adds (DeepSeek's constant channel, GGUF's steady channel)
+    rotation: str | None = None  # an orthogonal rotation of the latent folded into the weights (convert/rotate.py)
 
     @property
     def values(self) -> int:
@@ -91,7 +113,7 @@ class Candidate:
 
     def label(self) -> str:
         return (f"r={self.latent_dim}{'+1' if self.extra else ''} p={self.rope_dim} {self.rope_select}"
-                f"{' +BKV' if self.balance else ''} {self.kv_dtype}")
+                f"{' +BKV' if self.balance else ''}{' rotated' if self.rotation else ''} {self.kv_dtype}")
 
     def to_dict(self) -> dict:
         return {**asdict(self), "values_per_token_per_layer": self.values, "label": self.label()}
@@ -144,11 +166,25 @@ def bytes_per_token(values: int, storage: str, layers: int, rope_dim: int = 2) -
 
 
 def values_for(budget_bytes: float, storage: str, layers: int) -> int:
-    """The most values per token and layer that fit the byte budget in that storage (even, for RoPE pairs)."""
+    """The most values per token and layer that fit the byte budget in that storage (even, for RoPE pairs);
+    for a few-bit storage an estimate from its mean cost per value (fit() makes each split fit)."""
+    if few_bit(storage):
+        per_value = (layer_bytes(258, 62, storage) - layer_bytes(2, 2, storage)) / 316
+        fixed = layer_bytes(2, 2, storage) - 4 * per_value
+        v = int((budget_bytes / layers - fixed) // per_value)
+        return v - v % 2
     per_value = layer_bytes(3, 2, storage) - layer_bytes(2, 2, storage)
     fixed = layer_bytes(2, 2, storage) - 4 * per_value  # the scales
     v = int((budget_bytes / layers - fixed) // per_value)
     return v - v % 2
+
+
+def fit(latent: int, rope: int, storage: str, layers: int, budget_bytes: float, extra: int = 0) -> int:
+    """The largest latent size <= `latent` whose layers fit the budget with this rope key (0 if none does):
+    a few-bit row's bytes step with its groups and packing, not with each value."""
+    while latent > 0 and layers * layer_bytes(latent + extra, rope, storage) > budget_bytes:
+        latent -= 1
+    return latent
 
 
 def _even(x: float) -> int:
@@ -208,6 +244,12 @@ def apply(model, cand: Candidate, calibration_ids: torch.Tensor | None, inputs=N
         if calibration_ids is None:
             raise ValueError("a latent norm for a GGUF is fitted on calibration text: give text, or --format attnlab")
         add_steady_channels(model, calibration_ids)
+    if cand.rotation:
+        from ..convert.rotate import rotate_latent
+        from ..models.adapters import attnlab_modules
+
+        for m in attnlab_modules(model):
+            rotate_latent(m, cand.rotation)
     set_kv_dtype(model, cand.kv_dtype)
 
 
@@ -220,12 +262,15 @@ def feasible(teacher, budget: KVBudget, fmt: str = "attnlab", storages=STORAGES)
     if budget_bytes >= original:
         raise ValueError(f"a KV budget of {budget} ({budget_bytes:.0f} bytes/token) is not below the original's "
                          f"{original} bytes/token (16-bit): nothing to cut")
-    storages = [s for s in storages if s in STORAGES and (s == "bf16" or fmt == "attnlab")] or ["bf16"]
+    storages = [s for s in storages if storage_ok(s) and (s == "bf16" or fmt == "attnlab")] or ["bf16"]
     per_storage = {s: values_for(budget_bytes, s, L) for s in storages}
     per_storage = {s: min(v, V - 2) for s, v in per_storage.items() if v >= 10}
     if not per_storage:
+        smallest = min(L * layer_bytes(8, 2, s) for s in storages)
         raise ValueError(f"no plan can meet a KV budget of {budget} ({budget_bytes:.0f} bytes/token): it leaves "
-                         f"fewer than 10 values per token in each of the {L} layers (one rope pair and a latent)")
+                         f"fewer than 10 values per token in each of the {L} layers (one rope pair and a latent); "
+                         f"the smallest these storages ({', '.join(storages)}) can meet is {smallest} bytes/token "
+                         f"({smallest / original:.1%})")
     return original, budget_bytes, per_storage
 
 
@@ -272,6 +317,9 @@ def plan(teacher, calibration_ids: torch.Tensor, budget: KVBudget, *, fmt: str =
     measured: list[Candidate] = []
 
     def measure(cand: Candidate) -> Candidate:
+        if few_bit(cand.kv_dtype):  # the latent a few-bit row can afford with this rope key; rotated for the codes
+            cand.latent_dim = fit(cand.latent_dim, cand.rope_dim, cand.kv_dtype, L, budget_bytes, cand.extra)
+            cand.rotation = None if cand.latent_norm else "random"
         if progress:
             progress(len(measured), cand.label())
         try:

@@ -1,0 +1,88 @@
+"""An orthogonal rotation of an MLA's latent, folded into its weights, so that few-bit codes see no outlier channel.
+
+A latent c = W_DKV y is read only through the up-projections, k_h = W_UK_h c and v_h = W_UV_h c. For an
+orthogonal R (R^T R = I), caching c' = R c with W_DKV' = R W_DKV (and its bias b' = R b) and reading it
+through W_UK' = W_UK R^T, W_UV' = W_UV R^T gives W_UK' c' = W_UK R^T R c = W_UK c: every key, value and
+score is unchanged, exactly in float64 and to rounding in float32. With a latent RMSNorm of weight w,
+c = w * z / rms(z) with z = W_DKV y: w is first folded into the up-projections (W_U diag(w)) and set
+to 1, and rms(R z) = rms(z) (an orthogonal map keeps the norm), so the norm commutes with R and the
+rotation folds as above. The model is the same; what changes is what a quantiser sees. An SVD latent
+puts most of its energy in few channels, and a few-bit code with one scale per group of channels
+spends its levels on those outliers; after a rotation that spreads every direction over all channels,
+each group holds values of similar size and the same bits buy a smaller error (QuaRot and SpinQuant's
+argument for rotated KV caches, here folded into weights the conversion writes anyway, so decode pays
+nothing).
+
+The rotary key k_R is not rotated: RoPE turns it after W_KR, and a rotation would have to be applied
+to it and to every query at run time.
+
+Rotations: "hadamard" (Sylvester's, scaled by 1/sqrt(n), for n a power of two) and "random" (a Haar
+orthogonal matrix from a seeded QR, any n); both in float64.
+Core module: torch only.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+F64 = torch.float64
+ROTATIONS = ("random", "hadamard")
+
+
+def hadamard(n: int) -> torch.Tensor:
+    """Sylvester's Hadamard matrix of size n (a power of two), scaled to be orthogonal, float64."""
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"a Sylvester Hadamard matrix needs a power-of-two size, got {n}; use rotation 'random'")
+    h = torch.ones(1, 1, dtype=F64)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h / math.sqrt(n)
+
+
+def random_orthogonal(n: int, seed: int = 0) -> torch.Tensor:
+    """A Haar-distributed orthogonal n x n matrix (QR of a seeded Gaussian, signs fixed), float64."""
+    if n < 1:
+        raise ValueError(f"a rotation needs a positive size, got {n}")
+    g = torch.Generator().manual_seed(seed)
+    q, r = torch.linalg.qr(torch.randn(n, n, generator=g, dtype=F64))
+    return q * torch.sign(torch.diagonal(r))[None, :]
+
+
+def rotation_matrix(kind: str, n: int, seed: int = 0) -> torch.Tensor:
+    if kind == "hadamard":
+        return hadamard(n)
+    if kind == "random":
+        return random_orthogonal(n, seed)
+    raise ValueError(f"rotation must be one of {', '.join(ROTATIONS)}, got {kind!r}")
+
+
+def rotate_latent(mla, rotation="random", *, seed: int = 0):
+    """Rotate `mla`'s latent in place (module docstring); returns the r x r float64 rotation applied.
+
+    rotation: "random", "hadamard", or an orthogonal (r, r) tensor. A GQA tiling (kv_tiling) no
+    longer holds afterwards and is dropped."""
+    r = mla.latent_dim
+    if isinstance(rotation, torch.Tensor):
+        R = rotation.to(F64)
+        if R.shape != (r, r):
+            raise ValueError(f"the rotation must be {r} x {r} (the latent), got {tuple(R.shape)}")
+        if not torch.allclose(R @ R.T, torch.eye(r, dtype=F64), atol=1e-9):
+            raise ValueError("the rotation is not orthogonal (R R^T != I within 1e-9)")
+    else:
+        R = rotation_matrix(rotation, r, seed)
+    with torch.no_grad():
+        if mla.kv_norm is not None and getattr(mla.kv_norm, "weight", None) is not None:
+            w = mla.kv_norm.weight.to(F64)
+            for up in (mla.W_UK, mla.W_UV):
+                up.weight.copy_((up.weight.to(F64) * w[None, :]).to(up.weight.dtype))
+            mla.kv_norm.weight.fill_(1.0)
+        down = mla.W_DKV
+        down.weight.copy_((R @ down.weight.to(F64)).to(down.weight.dtype))
+        if down.bias is not None:
+            down.bias.copy_((R @ down.bias.to(F64)).to(down.bias.dtype))
+        for up in (mla.W_UK, mla.W_UV):
+            up.weight.copy_((up.weight.to(F64) @ R.T).to(up.weight.dtype))
+    if mla.kv_tiling is not None:
+        mla.detect_kv_tiling()
+    return R

@@ -1,0 +1,273 @@
+"""Few-bit cache storages, packed into bytes: llama.cpp's block formats, attnlab's asymmetric groups, KIVI.
+
+Beside int8's quantiser (modules/cache.py), which stores one byte per value and a float32 scale per part,
+these store b-bit codes packed into uint8 bytes and, per group of channels, a float16 scale (and a float16
+minimum where the format is asymmetric), so that a cache's allocated tensors are the bytes it costs.
+
+llama.cpp's block formats (groups of 32 channels, a row must be a whole number of blocks), as its
+reference quantisers write them (ggml-quants.c, quantize_row_*_ref), bytes per 32 values in brackets:
+- q8_0 [34]: d = amax / 127, code = round(x / d) (half away from zero); x = code * d.
+- q4_0 [18]: m = the value of largest magnitude (first on ties), d = m / -8, code = min(15, trunc(x / d + 8.5));
+  x = (code - 8) * d.
+- q5_0 [22]: as q4_0 with d = m / -16, code = min(31, trunc(x / d + 16.5)); x = (code - 16) * d.
+- q4_1 [20]: d = (max - min) / 15, code = min(15, trunc((x - min) / d + 0.5)); x = code * d + min.
+The codes are computed with the float32 d, the stored d (and min) are float16: what llama.cpp reads back.
+
+attnlab's own ("int4/g<N>", "int2/g<N>"; N = 32 when not given): asymmetric round-to-nearest over groups
+of N channels of each part of a row (the last group of a part may be short); m = float16(min),
+d = float16((max - m) / (2^b - 1)), code = clamp(round((x - m) / d), 0, 2^b - 1); x = code * d + m. The
+codes are computed with the stored m and d, so a read returns the nearest level the storage holds.
+
+KIVI-style ("kivi4", "kivi2"; Liu et al. 2024): asymmetric b-bit codes with a float16 scale and zero per
+group of 32; keys per channel over groups of 32 tokens, values per token over groups of 32 channels.
+A key's scale needs its whole group of tokens, so KIVI keeps the newest (incomplete) group in 16 bits;
+attnlab applies it as an evaluation baseline of a GQA cache (a forward without a cache: whole groups of
+tokens quantised, a trailing partial group kept as it is) and counts its bytes in the steady state,
+(b + 1) bits a value; its caches refuse it.
+
+Packing: codes of b in (2, 4, 8) bits sit 8/b to a byte, the first in the low bits; 5-bit codes are
+their low 4 bits packed as 4-bit codes, followed by their fifth bits packed 8 to a byte (5/8 of a byte
+a value, as llama.cpp's q5_0). A row whose width is not a multiple of 8 is padded with zero codes.
+"""
+from __future__ import annotations
+
+import re
+from typing import NamedTuple
+
+import torch
+
+META_DTYPE = torch.float16
+BLOCK = 32  # llama.cpp's block, KIVI's group
+
+
+class LowBit(NamedTuple):
+    """A few-bit storage: its code, bits per value, channels per group, whether it stores a minimum, the kind
+    ("block": llama.cpp's arithmetic, "asym": attnlab's groups, "kivi": the KIVI baseline), and for an MLA
+    row the bits of its rope key where they differ from the latent's ("+r8": 8)."""
+    code: str
+    bits: int
+    group: int
+    zero: bool
+    kind: str
+    rope_bits: int | None = None
+
+    @property
+    def meta_per_group(self) -> int:
+        return 2 if self.zero else 1
+
+
+BLOCK_FORMATS = {"q8_0": LowBit("q8_0", 8, BLOCK, False, "block"), "q5_0": LowBit("q5_0", 5, BLOCK, False, "block"),
+                 "q4_0": LowBit("q4_0", 4, BLOCK, False, "block"), "q4_1": LowBit("q4_1", 4, BLOCK, True, "block")}
+KIVI_FORMATS = {"kivi4": LowBit("kivi4", 4, BLOCK, True, "kivi"), "kivi2": LowBit("kivi2", 2, BLOCK, True, "kivi")}
+SPELLING = re.compile(r"(q8_0|q5_0|q4_0|q4_1|kivi4|kivi2)|int([42])(?:/g([1-9][0-9]*))?(?:\+r(8))?")
+
+
+def parse(spelling: str) -> LowBit | None:
+    """The LowBit of a spelling ("q4_0", "int4", "int2/g64", "int4/g32+r8", "kivi2", ...), None for any other."""
+    found = SPELLING.fullmatch(spelling)
+    if found is None:
+        return None
+    if found.group(1):
+        return BLOCK_FORMATS.get(found.group(1)) or KIVI_FORMATS[found.group(1)]
+    bits = int(found.group(2))
+    rope_bits = int(found.group(4)) if found.group(4) else None
+    return LowBit(f"int{bits}", bits, int(found.group(3)) if found.group(3) else BLOCK, True, "asym", rope_bits)
+
+
+def part_formats(parts: tuple[int, ...], fmt: LowBit) -> list[LowBit]:
+    """The storage of each part of a row: fmt for every part, or with rope_bits fmt for an MLA's latent and
+    one asymmetric group of rope_bits for its rope key (the second and last part)."""
+    if fmt.rope_bits is None:
+        return [fmt] * len(parts)
+    if len(parts) != 2:
+        raise ValueError(f"'+r{fmt.rope_bits}' stores an MLA's rope key in {fmt.rope_bits} bits; rows of parts "
+                         f"{parts} have no rope key (use {fmt.code}/g{fmt.group})")
+    return [fmt, LowBit(f"int{fmt.rope_bits}", fmt.rope_bits, parts[1], True, "asym")]
+
+
+# -- packing ------------------------------------------------------------------------------------------
+def packed_width(width: int, bits: int) -> int:
+    """Bytes of one packed row of `width` b-bit codes."""
+    return -(-width // 8) * bits
+
+
+def _pack_plain(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    per = 8 // bits
+    c = codes.unflatten(-1, (-1, per)).to(torch.int32)  # (..., W/per, per)
+    shifts = torch.arange(per, device=codes.device, dtype=torch.int32) * bits
+    return (c << shifts).sum(-1).to(torch.uint8)  # (..., W/per)
+
+
+def _unpack_plain(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    per = 8 // bits
+    shifts = torch.arange(per, device=packed.device, dtype=torch.uint8) * bits
+    return ((packed[..., None] >> shifts) & ((1 << bits) - 1)).flatten(-2)  # (..., W)
+
+
+def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """codes (..., W) of values below 2^bits -> (..., packed_width(W, bits)) uint8."""
+    W = codes.shape[-1]
+    pad = packed_width(W, bits) * 8 // bits - W
+    if pad:
+        codes = torch.cat([codes, codes.new_zeros(*codes.shape[:-1], pad)], -1)
+    if bits == 5:
+        return torch.cat([_pack_plain(codes & 15, 4), _pack_plain(codes >> 4, 1)], -1)
+    if bits not in (1, 2, 4, 8):
+        raise ValueError(f"codes of {bits} bits have no packing here (1, 2, 4, 5, 8)")
+    return _pack_plain(codes, bits)
+
+
+def unpack(packed: torch.Tensor, bits: int, width: int) -> torch.Tensor:
+    """(..., packed_width(width, bits)) uint8 -> the codes (..., width) as uint8."""
+    if bits == 5:
+        n = packed.shape[-1] * 4 // 5  # bytes of the low nibbles
+        low, high = _unpack_plain(packed[..., :n], 4), _unpack_plain(packed[..., n:], 1)
+        return (low | (high << 4))[..., :width]
+    return _unpack_plain(packed, bits)[..., :width]
+
+
+# -- groups ---------------------------------------------------------------------------------------------
+def _groups(w: int, fmt: LowBit) -> int:
+    return -(-w // fmt.group)
+
+
+def num_groups(parts: tuple[int, ...], fmt: LowBit) -> int:
+    """Groups per row: ceil(width / group) for each part."""
+    return sum(_groups(w, f) for w, f in zip(parts, part_formats(parts, fmt)))
+
+
+def packed_row(parts: tuple[int, ...], fmt: LowBit) -> int:
+    """Bytes of a row's packed codes (each part packed on its own)."""
+    return sum(packed_width(w, f.bits) for w, f in zip(parts, part_formats(parts, fmt)))
+
+
+def meta_row(parts: tuple[int, ...], fmt: LowBit) -> int:
+    """float16 numbers of a row's meta: a scale (and a minimum) per group."""
+    return sum(_groups(w, f) * f.meta_per_group for w, f in zip(parts, part_formats(parts, fmt)))
+
+
+def row_bytes(parts: tuple[int, ...], fmt: LowBit) -> int:
+    """Bytes one stored row costs: packed codes and float16 meta."""
+    return packed_row(parts, fmt) + 2 * meta_row(parts, fmt)
+
+
+def check_parts(parts: tuple[int, ...], fmt: LowBit) -> None:
+    """llama.cpp's block formats take rows that are whole blocks, '+r8' an MLA row; ValueError naming the widths."""
+    if fmt.kind == "block" and any(w % BLOCK for w in parts):
+        raise ValueError(f"{fmt.code} stores rows in blocks of {BLOCK} values; parts of widths {parts} are not all "
+                         f"multiples of {BLOCK} (llama.cpp refuses such rows too): use int4/g<N> or int8")
+    part_formats(parts, fmt)
+
+
+def _grouped(part: torch.Tensor, g: int) -> torch.Tensor:
+    """part (..., w) -> (..., n, g), a short last group padded with the part's last value (which changes
+    neither its min, its max nor its largest magnitude)."""
+    pad = -part.shape[-1] % g
+    if pad:
+        part = torch.cat([part, part[..., -1:].expand(*part.shape[:-1], pad)], -1)
+    return part.unflatten(-1, (-1, g))
+
+
+def _round_half_away(t: torch.Tensor) -> torch.Tensor:
+    return torch.sign(t) * torch.floor(t.abs() + 0.5)
+
+
+def _codes_and_meta(xg: torch.Tensor, fmt: LowBit) -> tuple[torch.Tensor, torch.Tensor]:
+    """Groups xg (..., n, g) float32 -> integer codes (..., n, g) uint8 and meta (..., n, k) float16."""
+    top = (1 << fmt.bits) - 1
+    if fmt.kind == "block" and not fmt.zero:
+        if fmt.code == "q8_0":
+            d = xg.abs().amax(-1, keepdim=True) / 127  # (..., n, 1)
+            inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
+            codes = (_round_half_away(xg * inv) + 128).to(torch.uint8)  # stored offset by 128
+        else:
+            half = 1 << (fmt.bits - 1)  # 8 for q4_0, 16 for q5_0
+            imax = xg.abs().argmax(-1, keepdim=True)  # the first of the largest magnitudes
+            d = torch.take_along_dim(xg, imax, -1) / -half  # (..., n, 1)
+            inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
+            codes = torch.trunc(xg.double() * inv.double() + (half + 0.5)).clamp(0, top).to(torch.uint8)
+        return codes, d.to(META_DTYPE)
+    lo, hi = xg.amin(-1, keepdim=True), xg.amax(-1, keepdim=True)  # (..., n, 1)
+    if fmt.kind == "block":  # q4_1
+        d = (hi - lo) / top
+        inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
+        codes = torch.trunc((xg - lo) * inv + 0.5).clamp(0, top).to(torch.uint8)
+        return codes, torch.cat([d, lo], -1).to(META_DTYPE)
+    m = lo.to(META_DTYPE).float()
+    d = ((hi - m) / top).to(META_DTYPE).float()
+    inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
+    codes = torch.round((xg - m) * inv).clamp(0, top).to(torch.uint8)
+    return codes, torch.cat([d, m], -1).to(META_DTYPE)
+
+
+def _values(codes: torch.Tensor, meta: torch.Tensor, fmt: LowBit, work: torch.dtype) -> torch.Tensor:
+    """codes (..., n, g) and meta (..., n, k) -> values (..., n, g) in `work`."""
+    c, meta = codes.to(work), meta.to(work)
+    if fmt.zero:
+        return c * meta[..., :1] + meta[..., 1:]
+    offset = 128 if fmt.code == "q8_0" else 1 << (fmt.bits - 1)
+    return (c - offset) * meta
+
+
+def encode(x: torch.Tensor, parts: tuple[int, ...], fmt: LowBit) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows x (..., W) -> packed codes (..., packed_row) uint8 and meta (..., meta_row) float16, part by part."""
+    check_parts(parts, fmt)
+    packed, meta, start = [], [], 0
+    for w, f in zip(parts, part_formats(parts, fmt)):
+        codes, m = _codes_and_meta(_grouped(x[..., start:start + w].float(), f.group), f)  # (..., n, g), (..., n, k)
+        packed.append(pack(codes.flatten(-2)[..., :w], f.bits))
+        meta.append(m.flatten(-2))
+        start += w
+    return torch.cat(packed, -1), torch.cat(meta, -1)
+
+
+def decode(packed: torch.Tensor, meta: torch.Tensor, parts: tuple[int, ...], fmt: LowBit,
+           dtype: torch.dtype) -> torch.Tensor:
+    """The inverse of encode, read back in `dtype` (computed in float32, float64 for float64)."""
+    work = torch.promote_types(dtype, torch.float32)
+    out, byte, col = [], 0, 0
+    for w, f in zip(parts, part_formats(parts, fmt)):
+        nb, nm = packed_width(w, f.bits), _groups(w, f) * f.meta_per_group
+        codes = _grouped(unpack(packed[..., byte:byte + nb], f.bits, w), f.group)  # (..., n, g)
+        m = meta[..., col:col + nm].unflatten(-1, (-1, f.meta_per_group))  # (..., n, k)
+        out.append(_values(codes, m, f, work).flatten(-2)[..., :w])
+        byte, col = byte + nb, col + nm
+    out = torch.cat(out, -1)
+    return out if work == dtype else out.to(dtype)
+
+
+def round_trip(x: torch.Tensor, parts: tuple[int, ...], fmt: LowBit) -> torch.Tensor:
+    """decode(encode(x)) without the packing (the same values; what a forward without a cache reads)."""
+    check_parts(parts, fmt)
+    work = torch.promote_types(x.dtype, torch.float32)
+    out, start = [], 0
+    for w, f in zip(parts, part_formats(parts, fmt)):
+        codes, m = _codes_and_meta(_grouped(x[..., start:start + w].float(), f.group), f)
+        out.append(_values(codes, m, f, work).flatten(-2)[..., :w])
+        start += w
+    out = torch.cat(out, -1)
+    return out if work == x.dtype else out.to(x.dtype)
+
+
+def kivi_round_trip(x: torch.Tensor, fmt: LowBit, role: str) -> torch.Tensor:
+    """x (..., S, W) as KIVI stores it: role "key" per channel over whole groups of 32 tokens (a trailing
+    partial group as it is, KIVI's 16-bit residual), role "value" per token over groups of 32 channels."""
+    asym = LowBit(fmt.code, fmt.bits, BLOCK, True, "asym")
+    if role == "value":
+        return round_trip(x, (x.shape[-1],), asym)
+    if role != "key":
+        raise ValueError(f"KIVI quantises a GQA's keys per channel and its values per token; role {role!r} has "
+                         "neither (an MLA cache takes int4/g<N>, int2/g<N> or a q-block format)")
+    S = x.shape[-2]
+    whole = S // BLOCK * BLOCK
+    if whole == 0:
+        return x
+    t = x[..., :whole, :].transpose(-1, -2)  # (..., W, whole): each channel's tokens as a row
+    stored = round_trip(t, (t.shape[-1],), asym).transpose(-1, -2)  # (..., whole, W)
+    return torch.cat([stored, x[..., whole:, :]], -2) if whole < S else stored
+
+
+def kivi_bytes(values_per_token: int, fmt: LowBit) -> int:
+    """Steady-state bytes per token of `values_per_token` keys and values in KIVI: (b + 1) bits a value
+    (a float16 scale and zero per 32 values, along tokens for keys, along channels for values)."""
+    return values_per_token * (fmt.bits + 1) // 8

@@ -1,0 +1,278 @@
+"""Few-bit KV storages (modules/lowbit.py), the latent rotation (convert/rotate.py), the shrink's baselines.
+
+Oracles and invariants:
+(a) llama.cpp's block formats against gguf's own quantizers (gguf.quants, the reference Python port of
+    ggml's quantize_row_*_ref): the same read-back values bit for bit, and the same bytes per row;
+(b) attnlab's asymmetric groups against a quantiser written here from the documented formula, on a
+    group computed by hand; KIVI's key groups along tokens and value groups along channels likewise;
+    every read-back value within half a step of its input (the format's own bound);
+(c) packing: pack/unpack is the identity on codes of every width, for every bit count;
+(d) a cache in each storage allocates exactly the documented bytes, reads back what a forward
+    without a cache computes (decode == full forward through the same storage, float64), and
+    trains through the codes (straight-through);
+(e) the rotation of an MLA's latent leaves the module's output unchanged in float64 (<= 1e-10), with
+    and without a latent norm and bias, and lowers the few-bit error of an outlier-heavy latent.
+"""
+import math
+
+import pytest
+import torch
+
+from attnlab import GroupedQueryAttention, MultiHeadLatentAttention
+from attnlab.convert.rotate import hadamard, random_orthogonal, rotate_latent
+from attnlab.modules import lowbit
+from attnlab.modules.cache import check_kv_dtype, round_trip
+from conftest import F64, randomize
+from reference import rel_err
+
+F64_TOL = 1e-10
+
+
+def _x(rows=6, width=128, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, width, generator=g) * torch.rand(rows, 1, generator=g).mul(3).add(0.01)
+    x[0, :32] = 0.0  # an all-zero block: scale 0
+    x[1, 5] = 40.0  # an outlier
+    return x
+
+
+# -- (a) llama.cpp's blocks against gguf --------------------------------------------------------------
+@pytest.mark.parametrize("name", ["q8_0", "q5_0", "q4_0", "q4_1"])
+def test_block_formats_read_back_what_gguf_quantizers_write(name):
+    gguf = pytest.importorskip("gguf")
+    from gguf import quants
+
+    qtype = getattr(gguf.GGMLQuantizationType, name.upper())
+    x = _x()
+    blocks = quants.quantize(x.numpy(), qtype)
+    want = torch.from_numpy(quants.dequantize(blocks, qtype))
+    fmt = lowbit.BLOCK_FORMATS[name]
+    packed, meta = lowbit.encode(x, (64, 64), fmt)
+    got = lowbit.decode(packed, meta, (64, 64), fmt, torch.float32)
+    assert torch.equal(got, want)
+    assert lowbit.row_bytes((64, 64), fmt) == blocks.shape[-1]  # gguf's bytes per row of 128 values
+    assert torch.equal(round_trip(x, name, (64, 64)), want)  # the forward's path: no packing, the same values
+
+
+# -- (b) attnlab's groups and KIVI by hand -----------------------------------------------------------
+def _asym_oracle(group: torch.Tensor, bits: int) -> torch.Tensor:
+    """One group (float64) as the documented formula stores it: m = f16(min), d = f16((max - m) / (2^b - 1))."""
+    m = float(torch.tensor(float(group.min())).half())
+    d = float(torch.tensor((float(group.max()) - m) / (2 ** bits - 1)).half())
+    codes = torch.clamp(torch.round((group - m) / d), 0, 2 ** bits - 1) if d else torch.zeros_like(group)
+    return codes * d + m
+
+
+@pytest.mark.parametrize("bits", [4, 2])
+def test_asymmetric_group_matches_the_formula_by_hand(bits):
+    group = torch.tensor([-1.5, -0.2, 0.0, 0.3, 0.9, 2.25, 2.0, -0.7], dtype=F64)
+    fmt = check_kv_dtype(f"int{bits}/g8").low
+    got = lowbit.decode(*lowbit.encode(group[None], (8,), fmt), (8,), fmt, F64)[0]
+    assert torch.allclose(got, _asym_oracle(group, bits), rtol=0, atol=1e-12)
+    step = float(got.max() - got.min()) / (2 ** bits - 1)
+    assert float((got - group).abs().max()) <= step / 2 + 1e-3  # half a step (f16 scale rounding on top)
+
+
+@pytest.mark.parametrize("spelling", ["int4/g8", "int2/g5", "int4/g32+r8", "int2+r8"])
+def test_groups_cover_each_part_with_a_short_last_group(spelling):
+    fmt = check_kv_dtype(spelling).low
+    x = _x(5, 46, seed=1).double()
+    parts = (30, 16)
+    got = lowbit.decode(*lowbit.encode(x, parts, fmt), parts, fmt, F64)
+    want = torch.empty_like(x)
+    start = 0
+    for w, f in zip(parts, lowbit.part_formats(parts, fmt)):
+        for a in range(start, start + w, f.group):
+            b = min(a + f.group, start + w)
+            for i in range(x.shape[0]):
+                want[i, a:b] = _asym_oracle(x[i, a:b], f.bits)
+        start += w
+    assert torch.allclose(got, want, rtol=0, atol=1e-12)
+    assert torch.equal(round_trip(x, spelling, parts), got)
+
+
+def test_kivi_keys_per_channel_over_tokens_values_per_token():
+    g = torch.Generator().manual_seed(3)
+    k = torch.randn(1, 2, 70, 32, generator=g, dtype=F64)  # two whole groups of 32 tokens and 6 left over
+    v = torch.randn(1, 2, 70, 32, generator=g, dtype=F64)
+    kq = round_trip(k, "kivi4", (32,), "key")
+    vq = round_trip(v, "kivi4", (32,), "value")
+    for c in (0, 17):  # a channel's first group of 32 tokens, by hand
+        assert torch.allclose(kq[0, 1, :32, c], _asym_oracle(k[0, 1, :32, c], 4), rtol=0, atol=1e-12)
+    assert torch.equal(kq[..., 64:, :], k[..., 64:, :])  # the partial group stays as it is (KIVI's residual)
+    assert torch.allclose(vq[0, 0, 5], _asym_oracle(v[0, 0, 5], 4), rtol=0, atol=1e-12)
+
+
+# -- (c) packing ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("bits", [1, 2, 4, 5, 8])
+@pytest.mark.parametrize("width", [1, 7, 8, 30, 64])
+def test_pack_unpack_is_the_identity(bits, width):
+    codes = torch.randint(0, 2 ** bits, (3, 4, width), generator=torch.Generator().manual_seed(bits), dtype=torch.uint8)
+    packed = lowbit.pack(codes, bits)
+    assert packed.dtype == torch.uint8 and packed.shape[-1] == lowbit.packed_width(width, bits)
+    assert torch.equal(lowbit.unpack(packed, bits, width), codes)
+
+
+# -- (d) caches ---------------------------------------------------------------------------------------
+def _mla(**kw):
+    torch.manual_seed(0)
+    m = MultiHeadLatentAttention(64, 4, 64, head_dim=16, rope_dim=32, latent_norm=True, **kw)
+    return randomize(m, std=0.3).double()
+
+
+def _gqa(**kw):
+    torch.manual_seed(0)
+    return randomize(GroupedQueryAttention(64, 4, 2, head_dim=32, rope_base=10000.0, **kw), std=0.3).double()
+
+
+@pytest.mark.parametrize("make, parts", [(_mla, {"kv": (64, 32)}), (_gqa, {"k": (32,) * 2, "v": (32,) * 2})])
+@pytest.mark.parametrize("kv_dtype", ["q8_0", "q5_0", "q4_0", "q4_1", "int4", "int2/g16", "int4/g32+r8"])
+def test_cache_allocates_the_documented_bytes(make, parts, kv_dtype):
+    m = make()
+    fmt = check_kv_dtype(kv_dtype).low
+    if fmt.rope_bits and make is _gqa:
+        with pytest.raises(ValueError, match=r"\+r8.*rope key.*\(32,\)"):
+            m.init_cache(2, 5, kv_dtype=kv_dtype)
+        return
+    cache = m.init_cache(2, 5, kv_dtype=kv_dtype)
+    # per head (GQA) a row of 32 values is stored per KV head, so parts per head
+    per_row = {"kv": lowbit.row_bytes((64, 32), fmt)} if make is _mla else {"k": 2 * lowbit.row_bytes((32,), fmt),
+                                                                         "v": 2 * lowbit.row_bytes((32,), fmt)}
+    assert cache.bytes_per_token == sum(per_row.values())
+    allocated = sum(t.numel() * t.element_size() for t in cache.tensors())
+    assert allocated == cache.bytes_per_token * 2 * 5
+
+
+DECODERS = {"gqa": _gqa, "mla": _mla}
+
+
+@pytest.mark.parametrize("name, kv_dtype", [(n, k) for n in DECODERS for k in ("q4_0", "q8_0", "int4", "int2/g16")]
+                         + [("mla", "int4/g32+r8")])
+def test_few_bit_decode_equals_full_forward_through_the_same_storage(name, kv_dtype):
+    m = DECODERS[name]()
+    x = torch.randn(2, 8, m.dim, dtype=F64, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        plain = m(x, is_causal=True)
+        m.kv_dtype = kv_dtype
+        full = m(x, is_causal=True)
+        for absorbed in ((None, True, False) if name == "mla" else (None,)):
+            cache = m.init_cache(2, 8)
+            kw = {} if absorbed is None else {"absorbed": absorbed}
+            steps = [m(x[:, :3], cache=cache, is_causal=True, **kw)]
+            steps += [m(x[:, t:t + 1], cache=cache, **kw) for t in range(3, 8)]
+            assert rel_err(torch.cat(steps, 1), full) <= F64_TOL
+            step = m.init_cache(2, 8)  # the fixed-shape step writes the packed codes at a slot
+            m(x[:, :7], cache=step, is_causal=True, **kw)
+            view = step.fixed_slot(torch.tensor([7]))
+            pad = torch.ones(2, 8, dtype=torch.bool)
+            last = m(x[:, 7:], cache=view, key_padding_mask=pad, positions=torch.tensor([7]), **kw)
+            assert rel_err(last, full[:, 7:]) <= F64_TOL
+    assert rel_err(full, plain) > 1e-4  # the forward did go through the storage
+
+
+@pytest.mark.parametrize("kv_dtype", ["int4", "int2+r8"])
+def test_training_through_few_bit_codes_reaches_the_latent_projection(kv_dtype):
+    m = _mla()
+    m.kv_dtype = kv_dtype
+    x = torch.randn(2, 8, m.dim, dtype=F64, generator=torch.Generator().manual_seed(2))
+    out = m(x, is_causal=True)
+    with torch.no_grad():
+        assert rel_err(out.detach(), m(x, is_causal=True)) <= F64_TOL  # forward values are the storage's
+    out.square().sum().backward()
+    for name in ("W_DKV", "W_KR"):
+        assert float(getattr(m, name).weight.grad.abs().sum()) > 0, name
+
+
+def test_kivi_is_an_evaluation_baseline_and_a_gqa_one():
+    gqa, mla = _gqa(), _mla()
+    gqa.kv_dtype = "kivi2"  # a forward without a cache takes it
+    with pytest.raises(ValueError, match=r"'kivi2' is KIVI, an evaluation baseline"):
+        gqa.init_cache(1, 4)
+    with pytest.raises(ValueError, match=r"'kivi4' \(KIVI\).*MultiHeadLatentAttention.*int4/g<N>"):
+        mla.kv_dtype = "kivi4"
+
+
+def test_block_format_refuses_rows_that_are_not_whole_blocks():
+    m = MultiHeadLatentAttention(64, 4, 40, head_dim=16, rope_dim=8)
+    with pytest.raises(ValueError, match=r"q4_0 stores rows in blocks of 32 values; parts of widths \(40, 8\)"):
+        m.init_cache(1, 4, kv_dtype="q4_0")
+
+
+def test_model_bytes_count_kivi_in_its_steady_state():
+    transformers = pytest.importorskip("transformers")
+    from attnlab.models import kv_bytes_per_token, to_attnlab
+
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    model = to_attnlab(transformers.LlamaForCausalLM(cfg).eval())
+    values = 2 * 2 * 16 * 2  # K and V, 2 KV heads of 16, 2 layers
+    assert kv_bytes_per_token(model, kv_dtype="kivi4") == values * 5 // 8
+    assert kv_bytes_per_token(model, kv_dtype="kivi2") == values * 3 // 8
+
+
+# -- (e) the rotation ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("kw", [{}, {"latent_norm": True}, {"latent_norm": True, "latent_bias": True, "bias": True}])
+@pytest.mark.parametrize("rotation", ["random", "hadamard"])
+def test_rotating_the_latent_is_exact_in_float64(kw, rotation):
+    torch.manual_seed(0)
+    m = randomize(MultiHeadLatentAttention(48, 4, 32, head_dim=12, rope_dim=8, **kw), std=0.3).double()
+    if m.kv_norm is not None:
+        with torch.no_grad():
+            m.kv_norm.weight.uniform_(0.5, 2.0)
+    x = torch.randn(2, 9, 48, dtype=F64, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        before = [m(x, is_causal=True, absorbed=a) for a in (True, False)]
+        c_before = m.compress(x)[..., :32]
+        R = rotate_latent(m, rotation)
+        after = [m(x, is_causal=True, absorbed=a) for a in (True, False)]
+        c_after = m.compress(x)[..., :32]
+    for b, a in zip(before, after):
+        assert rel_err(a, b) <= F64_TOL
+    assert torch.allclose(R @ R.T, torch.eye(32, dtype=F64), atol=1e-12)
+    assert rel_err(c_after, c_before) > 0.1  # the cached latent did change
+
+
+def test_rotation_spreads_an_outlier_channel_and_lowers_the_four_bit_error():
+    torch.manual_seed(0)
+    m = randomize(MultiHeadLatentAttention(64, 4, 64, head_dim=16, rope_dim=0), std=0.3).double()
+    with torch.no_grad():
+        m.W_DKV.weight[3] *= 30  # one latent channel 30 times the others
+    x = torch.randn(4, 32, 64, dtype=F64, generator=torch.Generator().manual_seed(6))
+    fmt = "int4/g32"
+
+    def read_error(module):
+        with torch.no_grad():
+            c = module.compress(x)
+            k = module.W_UK(c)
+            return rel_err(module.W_UK(round_trip(c, fmt, (64,))), k)
+
+    plain = read_error(m)
+    rotate_latent(m, "hadamard")
+    assert read_error(m) < plain / 2
+
+
+def test_rotation_sizes_and_refusals():
+    assert torch.allclose(hadamard(8) @ hadamard(8).T, torch.eye(8, dtype=F64), atol=1e-14)
+    q = random_orthogonal(10, seed=3)
+    assert torch.allclose(q @ q.T, torch.eye(10, dtype=F64), atol=1e-12)
+    assert torch.equal(q, random_orthogonal(10, seed=3))
+    with pytest.raises(ValueError, match=r"power-of-two size, got 12"):
+        hadamard(12)
+    m = MultiHeadLatentAttention(16, 2, 6)
+    with pytest.raises(ValueError, match=r"must be 6 x 6 \(the latent\), got \(5, 5\)"):
+        rotate_latent(m, torch.eye(5))
+    with pytest.raises(ValueError, match="not orthogonal"):
+        rotate_latent(m, 2 * torch.eye(6))
+
+
+# -- the shrink's baselines --------------------------------------------------------------------------
+def test_baseline_verdict_takes_the_best_at_or_above_the_bytes_reached():
+    from attnlab.shrink.baselines import at_or_above, compare
+
+    sizes = {"q8_0": 100, "q5_0": 66, "q4_0": 56, "kivi2": 38}
+    assert at_or_above(sizes, 50) == ["q4_0", "q5_0"]
+    out = compare(50, 10.5, 10.0, sizes, {"q4_0": 11.0, "q5_0": 10.2})
+    assert out["against"]["baseline"] == "q5_0" and out["against"]["beats"] is False
+    assert math.isclose(out["against"]["perplexity_ratio_to_baseline"], 10.5 / 10.2)
+    assert [r["kv_dtype"] for r in out["rows"]] == ["kivi2", "q4_0", "q5_0", "q8_0"]
+    assert compare(120, 10.5, 10.0, sizes, {})["against"] is None
