@@ -1,17 +1,18 @@
-"""Decode speed of attnlab's generation loop with an 8-bit KV cache against a 16-bit one, SmolLM2-135M, CPU.
+"""Decode speed of attnlab's generation loop with 8- and 4-bit KV caches against a 16-bit one, SmolLM2-135M, CPU.
 
     python benchmarks/kv_decode.py                        # B=16, 2048-token prompts, then 8 x 8 steps
-    python benchmarks/kv_decode.py --batch 1 --prompt-len 512
+    python benchmarks/kv_decode.py --batch 1 --prompt-len 512 --storages bf16,int8
 
-Four generators in one process, their decode steps interleaved one by one so that load from other
+Generators in one process, their decode steps interleaved one by one so that load from other
 processes hits all alike: the original model (GQA cache, KVCache) and its 50% MLA (latent 132 +
-rope 60, decoupled RoPE, absorbed decode on a LatentCache), each with "bf16" storage (the 16-bit
-cache) and "int8" storage (per-token scales). Activations and weights float32. The MLA is converted
+rope 60, decoupled RoPE, absorbed decode on a LatentCache), each with every --storages entry
+(default "bf16": the 16-bit cache, "int8": per-token scales, "int4": packed 4-bit codes in groups
+of 32, read by unpacking). Activations and weights float32. The MLA is converted
 without calibration: its speed does not depend on the quality of the cut, so the slow calibration
 step is skipped. One prefill each (the steps continue from it; the context grows by 64 tokens over 2048).
 The steps go in rounds, one step of each generator, each round starting with the next generator.
-Reported: medians and their ratio (the 16-bit cache's ms/step over the 8-bit's: above 1, the 8-bit
-cache is faster), and the paired ratio of each round's two steps of one model (median and
+Reported: medians and their ratio (the first storage's ms/step over each one's: above 1, that
+storage is faster), and the paired ratio of each round's two steps of one model (median and
 quartiles), which a slow spell of the shared VM cannot tilt as long as it lasts a round. Records the load average before and after and warns above 1: run it alone.
 Writes benchmarks/kv_decode.json.
 """
@@ -36,6 +37,7 @@ parser.add_argument("--batch", type=int, default=16)
 parser.add_argument("--prompt-len", type=int, default=2048)
 parser.add_argument("--new", type=int, default=8)
 parser.add_argument("--reps", type=int, default=8)
+parser.add_argument("--storages", default="bf16,int8,int4", help="comma-separated; the first is the reference")
 parser.add_argument("--json", type=Path, default=Path(__file__).parent / "kv_decode.json")
 args = parser.parse_args()
 
@@ -58,8 +60,9 @@ rows = torch.stack([ids[i * 97: i * 97 + args.prompt_len] for i in range(args.ba
 if rows.shape[1] < args.prompt_len:
     sys.exit(f"GPL-3 holds {ids.numel()} tokens: too few for {args.batch} prompts of {args.prompt_len}")
 size = args.prompt_len + args.new * args.reps + 1
+storages = args.storages.split(",")
 gens = {f"{name}, {storage}": Generator(model, args.batch, size, kv_dtype=storage)
-        for name, model in (("GQA", teacher), ("MLA 50%", mla)) for storage in ("bf16", "int8")}
+        for name, model in (("GQA", teacher), ("MLA 50%", mla)) for storage in storages}
 decode = {k: [] for k in gens}
 nxt = {k: g.prefill(rows).argmax(-1) for k, g in gens.items()}  # once: a B=16, 2k prefill costs about a minute here
 order = list(gens)
@@ -72,25 +75,23 @@ for i in range(args.reps * args.new):
 load_after = load()
 ms = {k: 1000 * statistics.median(v) for k, v in decode.items()}
 table = []
+ref = storages[0]
 for name in ("GQA", "MLA 50%"):
-    b16, b8 = ms[f"{name}, bf16"], ms[f"{name}, int8"]
-    # paired: the two storages' steps of one round ran back to back, under the same conditions
-    paired = [a / b for a, b in zip(decode[f"{name}, bf16"], decode[f"{name}, int8"])]
-    q1, _, q3 = statistics.quantiles(paired, n=4)
-    table.append({"model": name, "bf16_ms_per_step": b16, "int8_ms_per_step": b8, "speed_ratio_int8": b16 / b8,
-                  "paired_ratio_median": statistics.median(paired), "paired_ratio_quartiles": [q1, q3],
-                  "bf16_kv_bytes_per_token": gens[f"{name}, bf16"].kv_bytes_per_token,
-                  "int8_kv_bytes_per_token": gens[f"{name}, int8"].kv_bytes_per_token,
-                  "bf16_ms_steps": [1000 * t for t in decode[f"{name}, bf16"]],
-                  "int8_ms_steps": [1000 * t for t in decode[f"{name}, int8"]]})
+    for storage in storages:
+        k, r = f"{name}, {storage}", f"{name}, {ref}"
+        # paired: the two storages' steps of one round ran back to back, under the same conditions
+        paired = [a / b for a, b in zip(decode[r], decode[k])]
+        q1, _, q3 = statistics.quantiles(paired, n=4)
+        table.append({"model": name, "storage": storage, "ms_per_step": ms[k], "speed_vs_" + ref: ms[r] / ms[k],
+                      "paired_ratio_median": statistics.median(paired), "paired_ratio_quartiles": [q1, q3],
+                      "kv_bytes_per_token": gens[k].kv_bytes_per_token, "ms_steps": [1000 * t for t in decode[k]]})
 print(f"SmolLM2-135M, CPU float32 activations, B={args.batch}, {args.prompt_len}-token prompts, {args.new} steps x "
       f"{args.reps} (medians), load {load_before:.2f} -> {load_after:.2f}")
-print("| model | 16-bit cache: ms/step | KV bytes/token | 8-bit cache: ms/step | KV bytes/token | 8-bit speed / 16-bit "
-      "(ratio of medians) | paired ratio: median [quartiles] |")
-print("|---|---|---|---|---|---|---|")
+print(f"| model | storage | KV bytes/token | ms/step | speed / {ref} (ratio of medians) | paired ratio: median [quartiles] |")
+print("|---|---|---|---|---|---|")
 for r in table:
-    print(f"| {r['model']} | {r['bf16_ms_per_step']:.1f} | {r['bf16_kv_bytes_per_token']} | {r['int8_ms_per_step']:.1f} "
-          f"| {r['int8_kv_bytes_per_token']} | {r['speed_ratio_int8']:.2f}x | {r['paired_ratio_median']:.2f}x "
+    print(f"| {r['model']} | {r['storage']} | {r['kv_bytes_per_token']} | {r['ms_per_step']:.1f} | "
+          f"{r['speed_vs_' + ref]:.2f}x | {r['paired_ratio_median']:.2f}x "
           f"[{r['paired_ratio_quartiles'][0]:.2f}, {r['paired_ratio_quartiles'][1]:.2f}] |")
 result = {"machine": machine_info("cpu"), "command": "python benchmarks/kv_decode.py " + " ".join(sys.argv[1:]),
           "batch": args.batch, "prompt_len": args.prompt_len, "new": args.new, "reps": args.reps,

@@ -3,6 +3,7 @@
     python benchmarks/shrink.py --part proxy [--budget 50%,25%]     # every candidate: proxy KL vs held-out perplexity
     python benchmarks/shrink.py --part run --case NAME [--redo]     # one shrink command, timed, evaluated
     python benchmarks/shrink.py --part curve                        # bytes/token vs perplexity: baselines, MLA bits
+    python benchmarks/shrink.py --part bits                         # few-bit latent storages: groups, rope bits, rotation
     python benchmarks/shrink.py --part plot                         # benchmarks/kv_bytes_vs_ppl.png from the rows
     python benchmarks/shrink.py --part report                       # the tables of docs/real-models.md
 
@@ -233,6 +234,44 @@ def plot() -> None:
     print(f"wrote {PLOT}")
 
 
+BITS_ROWS = (("bf16", False), ("int8", False), ("int4/g32", False), ("int4/g32", True), ("int4/g64", True),
+             ("int4/g32+r8", False), ("int4/g32+r8", True), ("int2/g32", True), ("int2/g32+r8", True))
+
+
+def part_bits() -> None:
+    """How to store a latent in few bits, no training: one MLA at half the original's values (r=134, p=58;
+    RoRoPE by score + BKV, calibrated on MPL-2.0), each storage with and without the latent rotated (a
+    random orthogonal matrix folded into the weights), evaluated on GPL-3. Chooses group size, the rope
+    key's bits and the rotation by measurement."""
+    import copy
+
+    from attnlab import models as hf
+    from attnlab.convert.rotate import rotate_latent
+
+    teacher, tok, _ = hf.load_model("smollm2")
+    cal = hf.read_text_ids(tok, CALIBRATION, 2048)
+    ev = hf.read_text_ids(tok, EVALUATION, 2048)
+    row = {"original": hf.perplexity(teacher, ev), "rows": []}
+    note_load(row, "load_before")
+    plain = copy.deepcopy(teacher)
+    hf.convert_model(plain, "mla", latent_dim=134, rope_dim=58, calibration_ids=cal, pair_selection="rorope-score",
+                     balance=True)
+    rotated = copy.deepcopy(plain)
+    for mod in hf.attnlab_modules(rotated):
+        rotate_latent(mod, "random")
+    for storage, rot in BITS_ROWS:
+        m = rotated if rot else plain
+        hf.set_kv_dtype(m, storage)
+        r = {"storage": storage, "rotated": rot, "perplexity": hf.perplexity(m, ev),
+             "kv_bytes_per_token": hf.kv_bytes_per_token(m)}
+        hf.set_kv_dtype(m, None)
+        row["rows"].append(r)
+        print(f"{storage:12s} rotated={rot!s:5s} {r['kv_bytes_per_token']:6d} B/token  perplexity {r['perplexity']:.3f}",
+              flush=True)
+    note_load(row, "load_after")
+    save("bits", row)
+
+
 def part_report() -> None:
     """The rows of shrink.json as Markdown tables (what docs/real-models.md shows)."""
     data = json.loads(JSON.read_text()) if JSON.exists() else {}
@@ -243,7 +282,40 @@ def part_report() -> None:
         for c in sorted(r["candidates"], key=lambda c: c["proxy"]):
             print(f"| {c['label']} | {c['bytes_per_token']} | {c['proxy']:.4f} | {c['perplexity']:.2f} | "
                   f"{c['ratio']:.3f}x |")
+    if "bits" in data:
+        b = data["bits"]
+        plain = next(r["perplexity"] for r in b["rows"] if r["storage"] == "bf16")
+        print(f"\nfew-bit storages of MLA r=134 p=58 (original {b['original']:.2f})\n")
+        print("| storage | latent rotated | KV bytes/token | share of 16-bit | perplexity | over its 16-bit cache |\n"
+              "|---|---|---|---|---|---|")
+        for r in b["rows"]:
+            print(f"| {r['storage']} | {'yes' if r['rotated'] else 'no'} | {r['kv_bytes_per_token']} | "
+                  f"{r['kv_bytes_per_token'] / 23040:.1%} | {r['perplexity']:.2f} | {r['perplexity'] / plain:.3f}x |")
+    base = [p for p in data.get("curve", {}).get("points", []) if p["kind"] == "original"]
+    if base:
+        original = next(p["perplexity"] for p in base if p["storage"] == "bf16")
+        print("\nthe original's cache, no training (GPL-3)\n\n| storage | KV bytes/token | share | perplexity | ratio |\n"
+              "|---|---|---|---|---|")
+        for p in sorted(base, key=lambda p: -p["kv_bytes_per_token"]):
+            print(f"| {p['storage']} | {p['kv_bytes_per_token']} | {p['kv_bytes_per_token'] / 23040:.1%} | "
+                  f"{p['perplexity']:.2f} | {p['perplexity'] / original:.3f}x |")
+        mla = [p for p in data["curve"]["points"] if p["kind"] == "mla"]
+        if mla:
+            print("\nuntrained MLA\n\n| MLA | storage | KV bytes/token | share | perplexity | ratio |\n|---|---|---|---|---|---|")
+            for p in mla:
+                print(f"| {p['label']} | {p['storage']} | {p['kv_bytes_per_token']} | "
+                      f"{p['kv_bytes_per_token'] / 23040:.1%} | {p['perplexity']:.2f} | {p['perplexity'] / original:.3f}x |")
     runs = [data[k] for k in sorted(data) if k.startswith("run-")]
+    for r in runs:
+        ev = r.get("evaluation")
+        fair = sorted((p for p in base if ev and p["kv_bytes_per_token"] >= ev["kv_bytes_per_token"]
+                       and p["storage"] not in ("bf16",)), key=lambda p: p["kv_bytes_per_token"])[:2]
+        if fair:
+            best = min(fair, key=lambda p: p["perplexity"])
+            print(f"{r['case']}: {ev['perplexity']:.2f} at {ev['kv_bytes_per_token']} B; best of the two cheapest "
+                  f"baselines at >= bytes: {best['storage']} {best['perplexity']:.2f} at {best['kv_bytes_per_token']} B "
+                  f"-> {'beats' if ev['perplexity'] < best['perplexity'] else 'does not beat'} "
+                  f"({ev['perplexity'] / best['perplexity']:.3f}x)")
     if runs:
         print("\n| case | command | plan | KV bytes/token | perplexity GPL-3 | ratio | wall min | load |\n"
               "|---|---|---|---|---|---|---|---|")
@@ -296,7 +368,7 @@ def part_run(case: str, redo: bool) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--part", choices=("proxy", "run", "curve", "plot", "report"), required=True)
+    ap.add_argument("--part", choices=("proxy", "run", "curve", "bits", "plot", "report"), required=True)
     ap.add_argument("--budget", default="50%,25%")
     ap.add_argument("--case", choices=sorted(CASES))
     ap.add_argument("--redo", action="store_true")
@@ -305,6 +377,8 @@ def main() -> None:
         part_proxy(a.budget.split(","))
     elif a.part == "curve":
         part_curve()
+    elif a.part == "bits":
+        part_bits()
     elif a.part == "plot":
         plot()
     elif a.part == "report":

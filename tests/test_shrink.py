@@ -141,6 +141,33 @@ def test_no_plan_meets_a_budget_below_one_rope_pair_and_a_latent(tiny):
         plan(model, _ids(tok, text, 64), parse_budget("20"), window=T)
 
 
+def test_the_plan_in_bits_fits_each_few_bit_candidate_and_rotates_its_latent(tiny):
+    """A few-bit row's bytes step with its groups: every candidate takes the largest latent that fits (one value
+    more would not), its latent rotated; the chosen one converts to a model whose caches allocate those bytes."""
+    from attnlab.shrink.plan import layer_bytes
+
+    _, model, tok, text, _ = tiny
+    cal = _ids(tok, text, 256)
+    budget = 0.25 * bytes_per_token(64, "bf16", 2)
+    result = plan(model, cal, parse_budget("25%"), window=T, storages=("bf16", "int4/g32+r8", "int2/g32+r8"))
+    few = [c for c in result.measured if c.kv_dtype != "bf16"]
+    assert {c.kv_dtype for c in few} >= {"int4/g32+r8", "int2/g32+r8"}
+    for c in few:
+        assert c.rotation == "random" and c.bytes_per_token <= budget
+        assert 2 * layer_bytes(c.latent_dim + 1, c.rope_dim, c.kv_dtype) > budget  # the largest that fits
+        assert c.values > max(b.values for b in result.measured if b.kv_dtype == "bf16")  # more values, same bytes
+    probe = copy.deepcopy(model)
+    apply(probe, few[0], cal)
+    assert hf.kv_bytes_per_token(probe) == few[0].bytes_per_token
+
+
+def test_a_budget_below_every_storage_names_the_smallest_that_can_be_met(tiny):
+    _, model, tok, text, _ = tiny
+    with pytest.raises(ValueError, match=r"the smallest these storages \(bf16, int2/g32\+r8\) can meet is \d+ "
+                                         r"bytes/token"):
+        plan(model, _ids(tok, text, 64), parse_budget("20"), window=T, storages=("bf16", "int2/g32+r8"))
+
+
 def test_the_gguf_plan_keeps_within_what_llama_cpp_can_turn(tiny):
     from attnlab.models.export_gguf import gguf_rope_limit
 
@@ -161,6 +188,11 @@ def test_shrink_end_to_end_for_each_format(tiny, tmp_path, fmt):
     assert kv["shrunk"] <= 0.5 * kv["original_16bit"] + (2 * 2 * 4 if kv["storage"] == "int8" else 0)
     assert report["held_out"]["after"]["perplexity"] > 0 and report["heal"]["steps_done"] > 0
     assert set(report["minutes"]) >= {"load", "data", "plan", "convert", "heal", "export", "total"}
+    against = report["baselines"]["against"]  # the tiny model's head size (16) takes the KIVI baselines only
+    scored = {r["kv_dtype"]: r for r in report["baselines"]["rows"] if r["perplexity"] is not None}
+    assert set(scored) <= {"kivi4", "kivi2"} and all(r["kv_bytes_per_token"] >= kv["shrunk"] for r in scored.values())
+    if against is not None:
+        assert against["beats"] == (report["held_out"]["after"]["perplexity"] < against["baseline_perplexity"])
     if fmt == "attnlab":
         model, _, meta = hf.load_model(str(out))
         assert meta["shrink"]["plan"]["chosen"]["label"] == report["plan"]["chosen"]["label"]

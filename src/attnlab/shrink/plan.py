@@ -179,10 +179,17 @@ def values_for(budget_bytes: float, storage: str, layers: int) -> int:
     return v - v % 2
 
 
-def fit(latent: int, rope: int, storage: str, layers: int, budget_bytes: float, extra: int = 0) -> int:
-    """The largest latent size <= `latent` whose layers fit the budget with this rope key (0 if none does):
-    a few-bit row's bytes step with its groups and packing, not with each value."""
-    while latent > 0 and layers * layer_bytes(latent + extra, rope, storage) > budget_bytes:
+def fit(latent: int, rope: int, storage: str, layers: int, budget_bytes: float, extra: int = 0,
+        ceiling: int | None = None) -> int:
+    """The largest latent size (from `latent`, up to `ceiling` when given) whose layers fit the budget with
+    this rope key (0 if none does): a few-bit row's bytes step with its groups and packing, not with each value,
+    so the estimate from values_for() is moved up or down until one value more would not fit."""
+    def fits(n: int) -> bool:
+        return layers * layer_bytes(n + extra, rope, storage) <= budget_bytes
+
+    while ceiling is not None and latent < ceiling and fits(latent + 1):
+        latent += 1
+    while latent > 0 and not fits(latent):
         latent -= 1
     return latent
 
@@ -318,7 +325,8 @@ def plan(teacher, calibration_ids: torch.Tensor, budget: KVBudget, *, fmt: str =
 
     def measure(cand: Candidate) -> Candidate:
         if few_bit(cand.kv_dtype):  # the latent a few-bit row can afford with this rope key; rotated for the codes
-            cand.latent_dim = fit(cand.latent_dim, cand.rope_dim, cand.kv_dtype, L, budget_bytes, cand.extra)
+            cand.latent_dim = fit(cand.latent_dim, cand.rope_dim, cand.kv_dtype, L, budget_bytes, cand.extra,
+                                  ceiling=2 * G * d)
             cand.rotation = None if cand.latent_norm else "random"
         if progress:
             progress(len(measured), cand.label())
@@ -362,8 +370,10 @@ def plan(teacher, calibration_ids: torch.Tensor, budget: KVBudget, *, fmt: str =
                        **aligned):
         if spent():
             break
-        if all((c.latent_dim, c.rope_dim, c.rope_select, c.kv_dtype) != (r, p, best.rope_select, best.kv_dtype)
-               for c in measured):
+        if few_bit(best.kv_dtype):
+            r = fit(r, p, best.kv_dtype, L, budget_bytes, extra, ceiling=2 * G * d)
+        if r >= 8 and all((c.latent_dim, c.rope_dim, c.rope_select, c.kv_dtype) != (r, p, best.rope_select,
+                                                                                     best.kv_dtype) for c in measured):
             measure(Candidate(r, p, best.rope_select, best.balance, best.kv_dtype, norm, extra=extra, round=3))
     best = min(measured, key=lambda c: c.proxy)
     note = "" if len(measured) > 1 else "only one candidate fitted the time given to planning"
