@@ -10,7 +10,8 @@ keeps rotating, BKV, a fitted latent norm) and a cache storage (16-bit; where th
 attnlab's own also 8-bit with per-token scales, and 4- or 2-bit latents in groups of 32 with the
 rope key in 8 bits, their latent rotated first by an orthogonal matrix folded into the weights,
 convert/rotate.py); it meets the budget when its measured bytes per token do. A few-bit row's
-bytes step with its groups, so each few-bit candidate takes the largest latent that fits (fit()).
+bytes step with its groups, so each few-bit candidate takes the largest latent that fits (fit()), up to V - p (the keys and
+values it holds; beyond that a latent adds bytes, not information).
 
 Candidates are ranked by a cheap proxy of held-out perplexity: the mean KL(teacher || student)
 of the next-token distributions on the calibration windows (text the conversion was calibrated
@@ -21,7 +22,7 @@ fits a few minutes on a CPU:
 1. what keeps rotating and BKV, at a rope share of about 30% of the values;
 2. storage: the winner in 8, 4 and 2 bits against 16 (more values in the same bytes), before the
    split so that a short planning time never leaves it out;
-3. the split between latent and rope key, for the winner's selection and storage.
+3. the split between latent and rope key, for the winner's selection and its two best storages.
 Within the constraints of the output format: a DeepSeek export needs the same frequencies in
 every layer (RoRoPE by score is chosen for all layers at once); a GGUF needs distinct kept
 frequencies that llama.cpp can turn (RoRoPE by frequency, rope_dim within gguf_rope_limit) and
@@ -326,7 +327,7 @@ def plan(teacher, calibration_ids: torch.Tensor, budget: KVBudget, *, fmt: str =
     def measure(cand: Candidate) -> Candidate:
         if few_bit(cand.kv_dtype):  # the latent a few-bit row can afford with this rope key; rotated for the codes
             cand.latent_dim = fit(cand.latent_dim, cand.rope_dim, cand.kv_dtype, L, budget_bytes, cand.extra,
-                                  ceiling=2 * G * d)
+                                  ceiling=V - cand.rope_dim)  # more latent than the keys and values it holds buys nothing
             cand.rotation = None if cand.latent_norm else "random"
         if progress:
             progress(len(measured), cand.label())
@@ -365,16 +366,25 @@ def plan(teacher, calibration_ids: torch.Tensor, budget: KVBudget, *, fmt: str =
         for r, p in splits(v - extra, (share,), max_rope=max_rope, **aligned)[:1]:
             measure(Candidate(r, p, best.rope_select, best.balance, storage, norm, extra=extra, round=2))
     best = min(measured, key=lambda c: c.proxy)
-    # 3. the split, for the winner's selection and storage
-    for r, p in splits(per_storage[best.kv_dtype] - extra, (0.2, 0.25, 0.35, 0.4, 0.5), max_rope=max_rope,
-                       **aligned):
-        if spent():
-            break
-        if few_bit(best.kv_dtype):
-            r = fit(r, p, best.kv_dtype, L, budget_bytes, extra, ceiling=2 * G * d)
-        if r >= 8 and all((c.latent_dim, c.rope_dim, c.rope_select, c.kv_dtype) != (r, p, best.rope_select,
-                                                                                     best.kv_dtype) for c in measured):
-            measure(Candidate(r, p, best.rope_select, best.balance, best.kv_dtype, norm, extra=extra, round=3))
+    # 3. the split, for the winner's selection and its two best storages (a few-bit row spends its bytes
+    # differently from an 8-bit one: the best split of one says little of the other's), interleaved so
+    # that a short planning time cuts both alike
+    by_storage: dict[str, Candidate] = {}
+    for c in sorted(measured, key=lambda c: c.proxy):
+        by_storage.setdefault(c.kv_dtype, c)
+    tops = list(by_storage)[:2]
+    pairs = {s: splits(per_storage[s] - extra, (0.2, 0.25, 0.35, 0.4, 0.5), max_rope=max_rope, **aligned)
+             for s in tops}
+    for i in range(max(len(v) for v in pairs.values())):
+        for storage in tops:
+            if spent() or i >= len(pairs[storage]):
+                continue
+            r, p = pairs[storage][i]
+            if few_bit(storage):
+                r = fit(r, p, storage, L, budget_bytes, extra, ceiling=V - p)
+            if r >= 8 and all((c.latent_dim, c.rope_dim, c.rope_select, c.kv_dtype) != (r, p, best.rope_select,
+                                                                                         storage) for c in measured):
+                measure(Candidate(r, p, best.rope_select, best.balance, storage, norm, extra=extra, round=3))
     best = min(measured, key=lambda c: c.proxy)
     note = "" if len(measured) > 1 else "only one candidate fitted the time given to planning"
     return PlanResult(best, measured, str(budget), original, budget_bytes, note)
