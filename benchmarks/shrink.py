@@ -353,6 +353,8 @@ def part_run(case: str, redo: bool) -> None:
         (out / "attention.safetensors").exists() else json.loads(out.with_name(out.name + ".shrink.json").read_text())
     row["report"] = {k: report.get(k) for k in ("kv_bytes_per_token", "held_out", "minutes", "heal_plan", "baselines")}
     row["plan"] = report["plan"].get("chosen")
+    row["candidates"] = [{k: c.get(k) for k in ("round", "label", "bytes_per_token", "proxy")}
+                         for c in report["plan"].get("candidates", [])]
     if out.is_dir() and (out / "attention.safetensors").exists():
         from attnlab import models as hf
 

@@ -35,6 +35,9 @@ from .plan import STORAGES, Candidate, feasible, few_bit, parse_budget, storage_
 
 CALIBRATION_TOKENS = 2048
 PROXY_TOKENS = 1024  # the planner's scoring windows, after the calibration's
+# planning's share of the time left after the data: a quarter, so that at 10 minutes the split round
+# is reached (each candidate takes about 10 s here; at 15% the first two rounds used it all)
+PLAN_SHARE = 0.25
 PHASES = ("data", "plan", "convert", "heal", "export")
 RUN_FORMAT = "attnlab-shrink-run"
 STORAGE_CHOICES = {"auto": STORAGES}
@@ -317,7 +320,7 @@ def shrink(req: ShrinkRequest, *, resume: bool = False, force: bool = False, bud
             show.phase("planning: measuring candidate conversions on the calibration text")
             result = choose(teacher, data["calibration"], parse_budget(req.kv_budget), fmt=req.fmt,
                             storages=storage_choices(req.storage), calibrate=req.calibration,
-                            proxy_ids=data.get("proxy"), time_budget=budget.share(0.15),
+                            proxy_ids=data.get("proxy"), time_budget=budget.share(PLAN_SHARE),
                             progress=lambda i, label: show.phase(f"planning: candidate {i + 1}: {label}"))
             chosen = result.to_dict()
         state.data["plan"] = chosen

@@ -22,7 +22,9 @@ fits a few minutes on a CPU:
 1. what keeps rotating and BKV, at a rope share of about 30% of the values;
 2. storage: the winner in 8, 4 and 2 bits against 16 (more values in the same bytes), before the
    split so that a short planning time never leaves it out;
-3. the split between latent and rope key, for the winner's selection and its two best storages.
+3. the split between latent and rope key, for the winner's selection and its two best storages,
+   the larger rope shares first (they won in every storage at 50% and 25% of the bytes on
+   SmolLM2: keys lose more to few bits and to low rank than values do).
 Within the constraints of the output format: a DeepSeek export needs the same frequencies in
 every layer (RoRoPE by score is chosen for all layers at once); a GGUF needs distinct kept
 frequencies that llama.cpp can turn (RoRoPE by frequency, rope_dim within gguf_rope_limit) and
@@ -41,6 +43,9 @@ import torch
 FORMATS = ("attnlab", "deepseek", "gguf")
 FEW_BIT = ("int4/g32+r8", "int2/g32+r8")  # latent in 4 or 2 bits (groups of 32), rope key in 8 (docs/real-models.md)
 STORAGES = ("bf16", "int8", *FEW_BIT)
+# rope shares of the values tried by the split round, in this order so that a planning time that
+# runs out keeps the likelier winners (measured on SmolLM2: benchmarks/shrink.py --part proxy)
+SPLIT_SHARES = (0.4, 0.5, 0.35, 0.25, 0.2)
 
 
 def storage_ok(storage: str) -> bool:
@@ -368,12 +373,12 @@ def plan(teacher, calibration_ids: torch.Tensor, budget: KVBudget, *, fmt: str =
     best = min(measured, key=lambda c: c.proxy)
     # 3. the split, for the winner's selection and its two best storages (a few-bit row spends its bytes
     # differently from an 8-bit one: the best split of one says little of the other's), interleaved so
-    # that a short planning time cuts both alike
+    # that a short planning time cuts both alike, and the likelier winners first
     by_storage: dict[str, Candidate] = {}
     for c in sorted(measured, key=lambda c: c.proxy):
         by_storage.setdefault(c.kv_dtype, c)
     tops = list(by_storage)[:2]
-    pairs = {s: splits(per_storage[s] - extra, (0.2, 0.25, 0.35, 0.4, 0.5), max_rope=max_rope, **aligned)
+    pairs = {s: splits(per_storage[s] - extra, SPLIT_SHARES, max_rope=max_rope, **aligned)
              for s in tops}
     for i in range(max(len(v) for v in pairs.values())):
         for storage in tops:
