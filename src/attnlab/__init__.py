@@ -4,18 +4,38 @@ Run them (`attnlab.modules`, its names re-exported here), convert between them
 (`attnlab.convert`), and explain them (`attnlab tour`). The subpackages are the
 layers of docs/architecture.md, each importing only those below it:
 kernels < modules < convert, io, runtime < study, models < generation < heal, bench < shrink < cli.
+
+The names below and the subpackages are imported when first used (PEP 562), so that
+`import attnlab` and the command line's `--help` do not pay for torch until something needs it.
 """
+import importlib as _importlib
+
 from . import moved as _moved
-from .modules.attention import attend, causal_mask
-from .modules.cache import KVCache, LatentCache
-from .modules.gqa import GroupedQueryAttention, MultiHeadAttention
-from .modules.mla import MultiHeadLatentAttention
-from .modules.rope import RotaryEmbedding
 
 _moved.install()
 
-__all__ = [
-    "attend", "causal_mask", "KVCache", "LatentCache", "GroupedQueryAttention", "MultiHeadAttention",
-    "MultiHeadLatentAttention", "RotaryEmbedding",
-]
+_NAMES = {  # name: the module that defines it
+    "attend": "attnlab.modules.attention", "causal_mask": "attnlab.modules.attention",
+    "KVCache": "attnlab.modules.cache", "LatentCache": "attnlab.modules.cache",
+    "GroupedQueryAttention": "attnlab.modules.gqa", "MultiHeadAttention": "attnlab.modules.gqa",
+    "MultiHeadLatentAttention": "attnlab.modules.mla", "RotaryEmbedding": "attnlab.modules.rope",
+}
+_SUBPACKAGES = ("kernels", "modules", "convert", "io", "runtime", "study", "models", "generation", "heal",
+                "bench", "shrink", "cli")
+
+__all__ = list(_NAMES)
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    if name in _NAMES:
+        value = getattr(_importlib.import_module(_NAMES[name]), name)
+        globals()[name] = value
+        return value
+    if name in _SUBPACKAGES:
+        return _importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_NAMES) | set(_SUBPACKAGES))

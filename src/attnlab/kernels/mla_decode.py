@@ -42,7 +42,20 @@ ENV = "ATTNLAB_MLA_DECODE"
 MODES = ("auto", "torch", "triton")
 
 
-@torch.compiler.assume_constant_result  # traced once by torch.compile, not re-checked per step
+def constant_under_compile(fn):
+    """torch.compiler.assume_constant_result without importing torch._dynamo at import time (about 1.4 s
+    here): the public decorator imports dynamo and only marks the function, so the mark is set here
+    directly while dynamo is not loaded, and by the public decorator once it is (tests/test_startup.py
+    checks that the two marks agree)."""
+    import sys
+
+    if "torch._dynamo" in sys.modules:
+        return torch.compiler.assume_constant_result(fn)
+    fn._dynamo_marked_constant = True
+    return fn
+
+
+@constant_under_compile  # traced once by torch.compile, not re-checked per step
 def _triton_importable() -> bool:
     return importlib.util.find_spec("triton") is not None
 
@@ -55,7 +68,7 @@ def available(tensor: torch.Tensor, *, interpret: bool = False) -> bool:
     return tensor.is_cuda or (interpret and os.environ.get("TRITON_INTERPRET") == "1")
 
 
-@torch.compiler.assume_constant_result
+@constant_under_compile
 def mode() -> str:
     """The selection policy from ATTNLAB_MLA_DECODE: "auto", "torch" or "triton"."""
     m = os.environ.get(ENV, "auto").strip().lower() or "auto"

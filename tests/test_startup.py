@@ -1,0 +1,80 @@
+"""What importing attnlab and asking the command line for help load (times live in benchmarks/cli_startup.py).
+
+Each check runs in a fresh interpreter, since this one has long loaded everything.
+"""
+import json
+import subprocess
+import sys
+
+import pytest
+
+HEAVY = ("torch._dynamo", "triton", "transformers", "matplotlib", "gguf", "safetensors")
+
+
+def loaded_after(code: str, names=("torch", *HEAVY)) -> list[str]:
+    """Which of `names` are in sys.modules after running `code` in a fresh interpreter."""
+    probe = f"{code}\nimport json, sys\nprint(json.dumps([n for n in {list(names)!r} if n in sys.modules]))"
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_import_attnlab_loads_nothing_heavy():
+    assert loaded_after("import attnlab") == []
+
+
+def test_the_core_loads_torch_but_not_dynamo_or_extras():
+    assert loaded_after("import attnlab.modules, attnlab.kernels, attnlab.convert") == ["torch"]
+
+
+@pytest.mark.parametrize("argv", [["--help"], *([c, "--help"] for c in (
+    "shrink", "tour", "kv", "bench", "convert", "heal", "export", "generate", "eval"))])
+def test_help_loads_no_torch(argv):
+    code = ("import contextlib, io\nfrom attnlab.cli import main\n"
+            f"with contextlib.redirect_stdout(io.StringIO()) as out:\n    rc = main({argv!r})\n"
+            "assert rc == 0 and 'Usage' in out.getvalue(), (rc, out.getvalue()[:200])")
+    assert loaded_after(code) == []
+
+
+def test_lazy_names_are_the_modules_own():
+    import attnlab
+    from attnlab.modules import attention, cache, gqa, mla, rope
+
+    homes = {"attend": attention, "causal_mask": attention, "KVCache": cache, "LatentCache": cache,
+             "GroupedQueryAttention": gqa, "MultiHeadAttention": gqa, "MultiHeadLatentAttention": mla,
+             "RotaryEmbedding": rope}
+    assert sorted(attnlab.__all__) == sorted(homes)
+    for name, home in homes.items():
+        assert getattr(attnlab, name) is getattr(home, name)
+    star: dict = {}
+    exec("from attnlab import *", star)
+    assert {k: star[k] for k in homes} == {k: getattr(attnlab, k) for k in homes}
+    with pytest.raises(AttributeError, match="no_such_name"):
+        attnlab.no_such_name  # noqa: B018
+
+
+def test_constant_mark_matches_torchs_own():
+    """kernels.mla_decode marks its constant functions without importing dynamo; the mark must be the one
+    torch.compiler.assume_constant_result sets (a torch that marks differently fails here)."""
+    import torch
+
+    from attnlab.kernels import mla_decode
+
+    def ours():
+        return 1
+
+    def theirs():
+        return 1
+
+    before = set(vars(ours))
+    mla_decode.constant_under_compile(ours)
+    torch.compiler.assume_constant_result(theirs)
+    assert vars(ours) == vars(theirs) and set(vars(theirs)) - before
+    for fn in (mla_decode.mode, mla_decode._triton_importable):
+        assert {k: getattr(fn, k, None) for k in vars(theirs)} == vars(theirs)
+
+
+def test_kv_answers_without_transformers():
+    code = ("import contextlib, io\nfrom attnlab.cli import main\n"
+            "with contextlib.redirect_stdout(io.StringIO()):\n    assert main(['kv', 'llama-3-8b']) == 0")
+    assert loaded_after(code, names=HEAVY) == []
