@@ -43,9 +43,11 @@ def gqa_ref(m, x, y=None, **kw):
     y = x if y is None else y
     biases = tuple(None if lin.bias is None else lin.bias.detach() for lin in (m.W_Q, m.W_K, m.W_V, m.W_O))
     rope = None if m.rope is None else (m.rope.base, m.rope.interleaved)
+    qk_norm = None if getattr(m, "k_head_norm", None) is None else (
+        m.q_head_norm.weight.detach(), m.k_head_norm.weight.detach(), m.k_head_norm.eps)
     return gqa_reference(x, y, m.W_Q.weight.detach(), m.W_K.weight.detach(), m.W_V.weight.detach(),
                          m.W_O.weight.detach(), m.num_heads, m.num_kv_heads, grouping=m.grouping,
-                         biases=biases, rope=rope, **kw)
+                         biases=biases, rope=rope, qk_norm=qk_norm, **kw)
 
 
 def mla_params(m):

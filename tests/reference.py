@@ -86,12 +86,20 @@ def _lin(w, b, vec):
     return y if b is None else y + b
 
 
+def _rms_normed(vec, gain, eps):
+    """gain * vec / sqrt(mean(vec^2) + eps), written out element by element in float64."""
+    n = len(vec)
+    rms = math.sqrt(sum(float(t) ** 2 for t in vec) / n + eps)
+    return torch.tensor([float(gain[i]) * float(vec[i]) / rms for i in range(n)], dtype=F64)
+
+
 def gqa_reference(x, y, W_Q, W_K, W_V, W_O, H, G, *, grouping="strided", biases=(None, None, None, None),
-                  mask=None, causal=False, rope=None, q_positions=None, k_positions=None):
+                  mask=None, causal=False, rope=None, q_positions=None, k_positions=None, qk_norm=None):
     """Grouped-query attention (MHA when G = H) on x (B, L1, D1), y (B, L2, D2), float64.
 
     rope: None or (base, interleaved); positions default to 0..L-1 (offset by L2 - L1 for queries
-    when causal self-attention continues a cache).
+    when causal self-attention continues a cache). qk_norm: None or (query gain, key gain, eps): each
+    query and key head vector v becomes gain * v / sqrt(mean(v^2) + eps) before RoPE (Qwen3, Gemma 3).
     """
     x, y = x.detach().to(F64), y.detach().to(F64)
     W_Q, W_K, W_V, W_O = (w.detach().to(F64) for w in (W_Q, W_K, W_V, W_O))
@@ -110,6 +118,8 @@ def gqa_reference(x, y, W_Q, W_K, W_V, W_O, H, G, *, grouping="strided", biases=
             col = []
             for l1 in range(L1):
                 vec = _lin(_rows(W_Q, h * d, d), None if bq is None else _rows(bq, h * d, d), x[b, l1])
+                if qk_norm is not None:
+                    vec = _rms_normed(vec, qk_norm[0], qk_norm[2])
                 if rope is not None:
                     vec = rotate(vec, q_positions[l1], *rope)
                 col.append(vec)
@@ -118,6 +128,8 @@ def gqa_reference(x, y, W_Q, W_K, W_V, W_O, H, G, *, grouping="strided", biases=
             kcol, vcol = [], []
             for l2 in range(L2):
                 vec = _lin(_rows(W_K, g * d, d), None if bk is None else _rows(bk, g * d, d), y[b, l2])
+                if qk_norm is not None:
+                    vec = _rms_normed(vec, qk_norm[1], qk_norm[2])
                 if rope is not None:
                     vec = rotate(vec, k_positions[l2], *rope)
                 kcol.append(vec)

@@ -77,3 +77,53 @@ def test_parity_with_torch_multihead_attention(bias):
     pad[0, 4:] = True
     expected, _ = ref(x, y, y, key_padding_mask=pad, need_weights=False)
     assert rel_err(m(x, y, key_padding_mask=~pad), expected) <= 1e-10
+
+
+# -- per-head q/k norms (Qwen3, Gemma 3) -----------------------------------------------------------
+def _qk_norm_gqa(eps=1e-6):
+    torch.manual_seed(3)
+    m = randomize(GroupedQueryAttention(32, 4, 2, head_dim=8, grouping="blocked", rope_base=10000.0,
+                                        qk_norm_eps=eps, dtype=F64))
+    with torch.no_grad():  # gains away from 1, and a key head with a large scale, which the norm removes
+        m.q_head_norm.weight.uniform_(0.5, 1.5)
+        m.k_head_norm.weight.uniform_(0.5, 1.5)
+        m.W_K.weight[:8] *= 50
+    return m
+
+
+def test_qk_norm_matches_the_oracle_full_and_cached():
+    """Float64: the written-out oracle (each head vector RMS-normalised before RoPE), whole and step by step."""
+    m = _qk_norm_gqa()
+    x = torch.randn(2, 6, 32, dtype=F64)
+    want = gqa_ref(m, x, causal=True)
+    assert rel_err(m(x, is_causal=True), want) <= 1e-10
+    cache = m.init_cache(2, 6)
+    steps = [m(x[:, :3], cache=cache, is_causal=True)] + [m(x[:, i:i + 1], cache=cache) for i in range(3, 6)]
+    assert rel_err(torch.cat(steps, dim=1), want) <= 1e-10
+
+
+def test_qk_norm_survives_save_and_load(tmp_path):
+    from attnlab.io import load_module, save_module
+
+    m = _qk_norm_gqa(eps=1e-5)
+    save_module(m, tmp_path / "ck")
+    back = load_module(tmp_path / "ck")
+    assert back.config()["qk_norm_eps"] == 1e-5
+    x = torch.randn(1, 5, 32, dtype=F64)
+    assert torch.equal(back(x, is_causal=True), m(x, is_causal=True))
+
+
+@pytest.mark.parametrize("eps", [0, -1e-6, "1e-6", True])
+def test_qk_norm_eps_must_be_positive(eps):
+    with pytest.raises(ValueError, match=f"qk_norm_eps must be a positive number or None, got {eps!r}"):
+        GroupedQueryAttention(32, 4, 2, qk_norm_eps=eps)
+
+
+def test_conversions_refuse_qk_norms():
+    from attnlab.convert import gqa_to_mha, gqa_to_mla, gqa_to_mla_decoupled, mha_to_mla
+
+    m = _qk_norm_gqa()
+    for convert in (gqa_to_mha, gqa_to_mla, lambda g: gqa_to_mla_decoupled(g, 8, 2),
+                    lambda g: mha_to_mla(g, latent_dim=8)):
+        with pytest.raises(ValueError, match=r"per-head q/k norms yet \(qk_norm_eps=1e-06"):
+            convert(m)

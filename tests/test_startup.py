@@ -1,8 +1,9 @@
-"""What importing attnlab and asking the command line for help load (times live in benchmarks/cli_startup.py).
+"""What importing attnlab and asking the command line for help load, and what `kv` prints (times live in benchmarks/cli_startup.py).
 
 Each check runs in a fresh interpreter, since this one has long loaded everything.
 """
 import json
+import os
 import subprocess
 import sys
 
@@ -78,3 +79,18 @@ def test_kv_answers_without_transformers():
     code = ("import contextlib, io\nfrom attnlab.cli import main\n"
             "with contextlib.redirect_stdout(io.StringIO()):\n    assert main(['kv', 'llama-3-8b']) == 0")
     assert loaded_after(code, names=HEAVY) == []
+
+
+def test_kv_prints_the_same_numbers_as_before():
+    """`python -m attnlab kv llama-3-8b` against Llama-3-8B's own sizes, worked out here: 32 layers, 8 KV heads of
+    128, keys and values, 2 bytes (bfloat16), context 4096."""
+    layers, kv_heads, head_dim, context = 32, 8, 128, 4096
+    per_token = 2 * layers * kv_heads * head_dim * 2  # 131072 bytes
+    proc = subprocess.run([sys.executable, "-m", "attnlab", "kv", "llama-3-8b"], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "COLUMNS": "200"})
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    assert "KV cache, bfloat16, context 4096, batch 1" in proc.stdout
+    rows = [[c.strip() for c in line.split("│")[1:-1]] for line in proc.stdout.splitlines() if "llama-3-8b" in line]
+    assert rows == [["llama-3-8b", "gqa", str(2 * kv_heads * head_dim), str(per_token),
+                     f"{per_token / 1024:.2f} KiB", f"{per_token * context / 2 ** 20:.2f} MiB"]]
+    assert rows[0][-2:] == ["128.00 KiB", "512.00 MiB"]

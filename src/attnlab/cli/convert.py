@@ -86,6 +86,7 @@ def _convert_model(source, to, out, latent_dim, rope_dim, kv_heads, method, cali
                                  report_json, force, rope_select, balance,
                                  "fit" if latent_norm == "fit" else "constant")
     model, tok, meta = hf.load_model(source)
+    hf.check_convertible(model)
     if fmt == "deepseek":
         hf.check_deepseek_request(model, to, latent_dim if kv_budget is None else 1)
     calibrated_on = None

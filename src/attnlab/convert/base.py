@@ -17,6 +17,9 @@ F64 = torch.float64
 def _expect(module, cls, fn: str):
     if not isinstance(module, cls):
         raise TypeError(f"{fn} takes a {cls.__name__}, got {type(module).__name__}")
+    if getattr(module, "k_head_norm", None) is not None:
+        raise ValueError(f"{fn} does not support modules with per-head q/k norms yet (qk_norm_eps="
+                         f"{module.k_head_norm.eps}, as Qwen3's q_norm/k_norm): no conversion carries the norm")
 
 
 

@@ -1,7 +1,8 @@
 """Swap the attention of a transformers model for attnlab modules and back.
 
 Supported families: Llama (LlamaForCausalLM / LlamaModel: GQA, blocked grouping,
-rotate-half RoPE) and BERT (BertModel: MHA with biases).
+rotate-half RoPE; also Mistral, Qwen2, and Qwen3 with its per-head q/k RMSNorm) and BERT
+(BertModel: MHA with biases).
 
 After `to_attnlab(model)` every attention layer is an adapter around an attnlab
 module (GroupedQueryAttention, or after a conversion MultiHeadLatentAttention).
@@ -21,11 +22,12 @@ from ..modules.mla import MultiHeadLatentAttention
 from ..modules.rope import RotaryEmbedding
 
 FAMILIES = ("llama", "bert")
-LLAMA_LIKE = ("LlamaConfig", "MistralConfig", "Qwen2Config")  # same attention: GQA, rotate-half RoPE
+LLAMA_LIKE = ("LlamaConfig", "MistralConfig", "Qwen2Config", "Qwen3Config")  # GQA, rotate-half RoPE
+QK_NORM = ("Qwen3Config",)  # the same, each query and key head RMS-normalised before RoPE (q_norm, k_norm)
 
 
 def family(model) -> str:
-    """"llama" for Llama, Mistral and Qwen2 models (one attention layout), "bert" for BERT."""
+    """"llama" for Llama, Mistral, Qwen2 and Qwen3 models (one attention layout), "bert" for BERT."""
     name = type(getattr(model, "config", None)).__name__
     if name in LLAMA_LIKE:
         from .load import check_supported
@@ -33,10 +35,8 @@ def family(model) -> str:
         return "llama"
     if name == "BertConfig":
         return "bert"
-    if name == "Qwen3Config":
-        raise ValueError("not supported: Qwen3 normalises each query and key head (q_norm, k_norm) before RoPE")
     raise ValueError(f"not supported: model family {name.removesuffix('Config') or type(model).__name__!r}; "
-                     f"supported: Llama, Mistral, Qwen2, BERT")
+                     f"supported: Llama, Mistral, Qwen2, Qwen3, BERT")
 
 
 def _layers(model):
@@ -166,12 +166,18 @@ def to_attnlab(model):
                 continue
             w = a.q_proj.weight
             rope = _llama_rope(model)
+            qk_norm = type(cfg).__name__ in QK_NORM
             m = GroupedQueryAttention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
                                       head_dim=a.head_dim, bias=a.q_proj.bias is not None, grouping="blocked",
-                                      rope_base=rope.base, device=w.device, dtype=w.dtype)
+                                      rope_base=rope.base, qk_norm_eps=cfg.rms_norm_eps if qk_norm else None,
+                                      device=w.device, dtype=w.dtype)
             m.rope = rope
             for dst, src in ((m.W_Q, a.q_proj), (m.W_K, a.k_proj), (m.W_V, a.v_proj), (m.W_O, a.o_proj)):
                 _copy_linear(dst, src)
+            if qk_norm:
+                with torch.no_grad():
+                    m.q_head_norm.weight.copy_(a.q_norm.weight)
+                    m.k_head_norm.weight.copy_(a.k_norm.weight)
             layer.self_attn = LlamaAttentionAdapter(m, i)
         else:
             a = layer.attention
@@ -239,6 +245,10 @@ def from_attnlab(model):
                         if b is None:
                             raise ValueError(f"layer {i}'s {name} biases are not {G} shared heads")
                         lin.bias.copy_(b.reshape(-1))
+            if m.k_head_norm is not None:
+                with torch.no_grad():
+                    a.q_norm.weight.copy_(m.q_head_norm.weight)
+                    a.k_norm.weight.copy_(m.k_head_norm.weight)
             layer.self_attn = a.train(model.training)
         else:
             from transformers.models.bert.modeling_bert import BertAttention

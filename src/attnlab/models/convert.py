@@ -94,6 +94,19 @@ def plane_choice(scores: list[torch.Tensor], planes: int) -> torch.Tensor:
     return shared_planes(torch.stack(scores), planes)
 
 
+def check_convertible(model) -> None:
+    """ValueError naming what no conversion carries yet (per-head q/k norms: Qwen3), before any work."""
+    from .load import NOT_CONVERTED
+
+    normed = [i for i, m in enumerate(attnlab_modules(model)) if getattr(m, "k_head_norm", None) is not None]
+    if normed:
+        kind = getattr(getattr(model, "config", None), "model_type", "")
+        why = NOT_CONVERTED.get(kind, "its attention normalises each query and key head before RoPE, and no "
+                                      "conversion carries that norm yet")
+        raise ValueError(f"cannot convert {kind or 'this model'} yet ({len(normed)} layers with per-head q/k "
+                         f"norms, qk_norm_eps): {why}")
+
+
 def convert_model(model, to: str, *, latent_dim: int | None = None, rope_dim: int | None = None,
                   num_kv_heads: int | None = None, method: str | None = None,
                   calibration_ids: torch.Tensor | None = None, pair_selection: str = "frequency",
@@ -126,6 +139,7 @@ def convert_model(model, to: str, *, latent_dim: int | None = None, rope_dim: in
         what = "an MLA" if type(first).__name__ == "MultiHeadLatentAttention" else "converted"
         raise ValueError(f"the model is already {what} (layer 0 is a {type(first).__name__}, not a GQA/MHA): "
                          "convert its source model instead")
+    check_convertible(model)
     for i, m in enumerate(modules):
         check_finite(i, _attention_weights(m))
     if calibration_ids is not None and calibration_ids.numel() == 0:

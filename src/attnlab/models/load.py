@@ -1,9 +1,10 @@
 """Load the user's own Llama-family checkpoint: a transformers folder or a GGUF file.
 
 Supported: model_type llama (Llama 2/3 with any rope scaling transformers knows, SmolLM2,
-TinyLlama), mistral (without a sliding window shorter than max_position_embeddings) and
-qwen2 (biases on Q/K/V; without sliding-window layers). Anything else is refused with
-"not supported: <why>" rather than loaded as a wrong model.
+TinyLlama), mistral (without a sliding window shorter than max_position_embeddings),
+qwen2 (biases on Q/K/V; without sliding-window layers) and qwen3 (per-head q/k norms: a
+folder loads and swaps, no conversion takes it yet: NOT_CONVERTED; its GGUF is refused).
+Anything else is refused with "not supported: <why>" rather than loaded as a wrong model.
 
 `inspect_checkpoint(path)` checks a source without loading weights, so nothing is built from
 transformers' defaults or silently dropped: for a folder, config.json (a JSON object whose
@@ -24,10 +25,13 @@ import math
 import os
 from pathlib import Path
 
-SUPPORTED = ("llama", "mistral", "qwen2")
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
+# loaded and swapped, not yet converted: what a conversion (or a GGUF of it) would lose
+NOT_CONVERTED = {
+    "qwen3": "Qwen3 normalises each query and key head (q_norm, k_norm) before RoPE, and no conversion "
+             "carries that norm yet",
+}
 REFUSED = {
-    "qwen3": "Qwen3 normalises each query and key head (q_norm, k_norm) before RoPE; a latent shared by "
-             "all heads cannot carry a per-head norm of the keys",
     "gemma": "Gemma's attention differs from Llama's (scaled embeddings, query pre-scaling)",
     "gemma2": "Gemma 2 uses logit soft-capping and alternating sliding-window layers",
     "phi3": "Phi-3 fuses Q/K/V into qkv_proj with partial rotary",
@@ -213,6 +217,8 @@ def expected_shapes(cfg: dict) -> dict[str, tuple]:
         shapes.update({p + "q_proj.weight": (H * d, D), p + "k_proj.weight": (G * d, D),
                        p + "v_proj.weight": (G * d, D), p + "o_proj.weight": (D, H * d)})
         shapes.update({f"{p}{b}_proj.bias": (bias_size[b],) for b in biases})
+        if cfg.get("model_type") in NOT_CONVERTED:  # qwen3: per-head q/k norms
+            shapes.update({p + "q_norm.weight": (d,), p + "k_norm.weight": (d,)})
         m = f"model.layers.{i}."
         shapes.update({m + "input_layernorm.weight": (D,), m + "post_attention_layernorm.weight": (D,),
                        m + "mlp.gate_proj.weight": (F, D), m + "mlp.up_proj.weight": (F, D),
@@ -336,6 +342,8 @@ def inspect_gguf(source) -> dict:
         raise ValueError(f"{path}: no general.architecture in the GGUF metadata")
     arch = _field_value(fields["general.architecture"])
     cfg = {"model_type": arch}
+    if arch in NOT_CONVERTED:
+        raise ValueError(f"{path}: not supported yet: GGUF architecture {arch!r} (its transformers folder loads)")
     check_supported(cfg, str(path))
     llama_like = arch in ("llama", "mistral")
     keys = {**GGUF_KEYS, **({"rope.dimension_count": "head_dim"} if llama_like else {})}

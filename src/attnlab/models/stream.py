@@ -35,7 +35,7 @@ from .export import (
     deepseek_attention_tensors,
     deepseek_config,
 )
-from .load import inspect_checkpoint, open_shards
+from .load import NOT_CONVERTED, inspect_checkpoint, open_shards
 
 F32 = torch.float32
 STREAM_SHARD_BYTES = 128 * 1024 ** 2  # what waits in memory for its shard; a bigger tensor gets a shard alone
@@ -209,6 +209,9 @@ def convert_checkpoint(source, out, *, latent_dim: int | None, rope_dim: int | N
         raise ValueError("calibration_ids holds 0 tokens; calibration needs text")
     options = selection_options(pair_selection, balance)
     cfg = inspect_checkpoint(folder)
+    if cfg.get("model_type") in NOT_CONVERTED:
+        raise ValueError(f"{folder}: cannot convert model_type {cfg['model_type']!r} yet: "
+                         f"{NOT_CONVERTED[cfg['model_type']]}")
     check_source_config(cfg)
     from ..io.folders import check_output
     check_output(out, force=force, sources=[folder])

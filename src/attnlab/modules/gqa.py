@@ -36,12 +36,15 @@ class GroupedQueryAttention(AttentionModule):
         rope_interleaved: rotate pairs (2i, 2i+1) instead of (i, i + d/2).
         kv_dtype: storage of K and V in a cache ("fp32", "bf16", "int8", "fp8", "int8/g<N>", "fp8/g<N>";
             None: plain, in the activation dtype); see AttentionModule.kv_dtype and modules/cache.py.
+        qk_norm_eps: give every query and key head an RMSNorm over its head_dim (one gain vector each for
+            queries and keys, shared by the heads), applied before RoPE, as Qwen3 and Gemma 3 do; None: no
+            norm. The conversions refuse such a module (none carries the norm yet).
     """
 
     def __init__(self, dim: int, num_heads: int, num_kv_heads: int, *, head_dim: int | None = None,
                  v_head_dim: int | None = None, context_dim: int | None = None, bias: bool = False,
                  grouping: str = "strided", rope_base: float | None = None, rope_interleaved: bool = False,
-                 kv_dtype: str | None = None, device=None, dtype=None):
+                 kv_dtype: str | None = None, qk_norm_eps: float | None = None, device=None, dtype=None):
         super().__init__()
         self.kv_dtype = kv_dtype
         checks.positive_int("dim", dim)
@@ -59,6 +62,13 @@ class GroupedQueryAttention(AttentionModule):
         self.W_V = nn.Linear(context_dim, num_kv_heads * v_head_dim, bias=bias, **kw)
         self.W_O = nn.Linear(num_heads * v_head_dim, dim, bias=bias, **kw)
         self.rope = None if rope_base is None else RotaryEmbedding(head_dim, rope_base, interleaved=rope_interleaved)
+        if qk_norm_eps is not None and (isinstance(qk_norm_eps, bool) or not isinstance(qk_norm_eps, (int, float))
+                                        or not qk_norm_eps > 0):
+            raise ValueError(f"qk_norm_eps must be a positive number or None, got {qk_norm_eps!r}")
+        self.q_head_norm = self.k_head_norm = None
+        if qk_norm_eps is not None:
+            self.q_head_norm = nn.RMSNorm(head_dim, eps=float(qk_norm_eps), **kw)
+            self.k_head_norm = nn.RMSNorm(head_dim, eps=float(qk_norm_eps), **kw)
 
     @property
     def _anchor(self) -> torch.Tensor:
@@ -69,7 +79,8 @@ class GroupedQueryAttention(AttentionModule):
         return dict(dim=self.dim, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
                     v_head_dim=self.v_head_dim, context_dim=self.context_dim, bias=self.W_Q.bias is not None,
                     grouping=self.grouping, rope_base=None if self.rope is None else self.rope.base,
-                    rope_interleaved=False if self.rope is None else self.rope.interleaved, kv_dtype=self.kv_dtype)
+                    rope_interleaved=False if self.rope is None else self.rope.interleaved, kv_dtype=self.kv_dtype,
+                    qk_norm_eps=None if self.k_head_norm is None else self.k_head_norm.eps)
 
     @property
     def scale(self) -> float:
@@ -92,7 +103,10 @@ class GroupedQueryAttention(AttentionModule):
     def project_kv(self, source: torch.Tensor, positions: torch.Tensor | None = None):
         """K (B, G, S, d) and V (B, G, S, dv) of a sequence, RoPE applied to K at `positions`."""
         B, S, _ = source.shape
-        k = self.W_K(source).view(B, S, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, G, S, d)
+        k = self.W_K(source).view(B, S, self.num_kv_heads, self.head_dim)
+        if self.k_head_norm is not None:
+            k = self.k_head_norm(k)
+        k = k.transpose(1, 2)  # (B, G, S, d)
         v = self.W_V(source).view(B, S, self.num_kv_heads, self.v_head_dim).transpose(1, 2)  # (B, G, S, dv)
         if self.rope is not None:
             k = self.rope(k, positions if positions is not None else torch.arange(S, device=source.device))
@@ -112,7 +126,10 @@ class GroupedQueryAttention(AttentionModule):
         source, positions, mask = self._prepare(x, context, cache, positions, mask,
                                                 key_padding_mask, self.num_heads)
         B, L, _ = x.shape
-        q = self.W_Q(x).view(B, L, self.num_heads, self.head_dim).transpose(1, 2)  # (B, H, L, d)
+        q = self.W_Q(x).view(B, L, self.num_heads, self.head_dim)
+        if self.q_head_norm is not None:
+            q = self.q_head_norm(q)
+        q = q.transpose(1, 2)  # (B, H, L, d)
         if self.rope is not None:
             q = self.rope(q, positions)
         ours = isinstance(cache, KVCache)  # else no cache, or transformers' (adapters.TransformersCache)
@@ -144,7 +161,9 @@ class MultiHeadAttention(GroupedQueryAttention):
 
     def __init__(self, dim: int, num_heads: int, *, head_dim: int | None = None, v_head_dim: int | None = None,
                  context_dim: int | None = None, bias: bool = False, rope_base: float | None = None,
-                 rope_interleaved: bool = False, kv_dtype: str | None = None, device=None, dtype=None):
+                 rope_interleaved: bool = False, kv_dtype: str | None = None, qk_norm_eps: float | None = None,
+                 device=None, dtype=None):
         super().__init__(dim, num_heads, num_heads, head_dim=head_dim, v_head_dim=v_head_dim,
                          context_dim=context_dim, bias=bias, rope_base=rope_base,
-                         rope_interleaved=rope_interleaved, kv_dtype=kv_dtype, device=device, dtype=dtype)
+                         rope_interleaved=rope_interleaved, kv_dtype=kv_dtype, qk_norm_eps=qk_norm_eps,
+                         device=device, dtype=dtype)

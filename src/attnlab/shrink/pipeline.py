@@ -290,6 +290,7 @@ def shrink(req: ShrinkRequest, *, resume: bool = False, force: bool = False, bud
     if hf.family(teacher) != "llama":
         raise ValueError("shrink cuts causal language models (Llama, Mistral, Qwen2); for an encoder, use "
                          "attnlab convert and attnlab.heal.encoder")
+    hf.check_convertible(teacher)  # before any text is written
     if tok is None:
         raise ValueError(f"{req.source} has no tokenizer files (tokenizer.json ...): shrink needs one to read or "
                          "write text")
