@@ -21,6 +21,7 @@ import torch
 from attnlab.bench import machine_info
 from attnlab.generation.generator import Generator
 from attnlab.models import load_smollm2, to_attnlab
+from attnlab.models.adapters import cache_keyword
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--prompt-len", type=int, default=512)
@@ -48,9 +49,10 @@ def timed(f):
     return r, time.perf_counter() - t
 
 
+keyword = cache_keyword(ref.forward)  # `cache` from transformers 5.24, `past_key_values` before
 for _ in range(args.reps):
     cache = DynamicCache(config=ref.config)
-    out, t = timed(lambda: ref(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1))
+    out, t = timed(lambda: ref(input_ids=ids, **{keyword: cache}, use_cache=True, logits_to_keep=1))
     prefill["transformers sdpa"].append(t)
     nxt = {"transformers sdpa": out.logits[:, -1].argmax(-1)}
     for k, g in gens.items():
@@ -58,8 +60,7 @@ for _ in range(args.reps):
         prefill[k].append(t)
         nxt[k] = logits.argmax(-1)
     for _ in range(args.new):
-        out, t = timed(lambda: ref(input_ids=nxt["transformers sdpa"][:, None], past_key_values=cache,
-                                   use_cache=True))
+        out, t = timed(lambda: ref(input_ids=nxt["transformers sdpa"][:, None], **{keyword: cache}, use_cache=True))
         decode["transformers sdpa"].append(t)
         nxt["transformers sdpa"] = out.logits[:, -1].argmax(-1)
         for k, g in gens.items():

@@ -27,7 +27,7 @@ SCORE_ROPE = 6  # 3 mixed planes: RoRoPE takes any even rope_dim
 CASES = ["llama", "mistral", "score"]
 
 CHILD = textwrap.dedent('''
-    import json, os, sys
+    import inspect, json, os, sys
     os.environ["HF_HUB_OFFLINE"] = "1"
     import torch
     from safetensors.torch import load_file, save_file
@@ -38,7 +38,8 @@ CHILD = textwrap.dedent('''
         t = load_file(job["inputs"])
         cache = DynamicCache(config=model.config)
         with torch.no_grad():
-            logits = model(t["ids"], past_key_values=cache, use_cache=True).logits
+            keyword = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+            logits = model(t["ids"], **{keyword: cache}, use_cache=True).logits
             greedy = model.generate(t["prompt"], max_new_tokens=32, min_new_tokens=32, do_sample=False)
         layer = cache.layers[0]
         save_file({"logits": logits.contiguous(), "greedy": greedy}, job["result"])

@@ -104,6 +104,28 @@ def test_qwen3_greedy_generation_matches_transformers(folders):
         assert torch.equal(ours.generate(prompt, **kw), theirs.generate(prompt, **kw))
 
 
+@pytest.mark.parametrize("keyword", ["cache", "past_key_values"])
+def test_adapter_keeps_a_transformers_cache_under_either_keyword(folders, keyword):
+    """transformers 5.24 hands a layer its Cache as `cache` (before: `past_key_values`, still accepted by 5.24's
+    own layers): under either, a prefill then one decode step through the swapped layer gives the no-cache
+    forward's last row (float64: exact), and the cache holds every token."""
+    from transformers import DynamicCache
+
+    from attnlab.models.adapters import _layers
+
+    model, _ = load_checkpoint(folders["llama"]["folder"])
+    hf.to_attnlab(model)
+    layer = _layers(model.double())[0].self_attn
+    x = torch.randn(1, 7, model.config.hidden_size, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        full, _ = layer(x)
+        cache = DynamicCache()
+        layer(x[:, :6], **{keyword: cache})
+        step, _ = layer(x[:, 6:], **{keyword: cache})
+    assert cache.get_seq_length(layer.layer_idx) == 7
+    assert rel_err(step, full[:, 6:]) <= 1e-10
+
+
 def test_qwen3_conversions_refused(folders, tmp_path):
     """No conversion carries a per-head key norm yet: each refuses, naming it, before any work."""
     from attnlab.models.stream import convert_checkpoint

@@ -8,6 +8,7 @@ from reference import rel_err
 
 transformers = pytest.importorskip("transformers")
 from transformers.cache_utils import DynamicCache  # noqa: E402
+from attnlab.models.adapters import cache_keyword  # noqa: E402
 
 
 def _deepseek(version, q_lora_rank, interleave=True):
@@ -39,7 +40,7 @@ def _run_hf(attn, rotary, x, positions, cache=None):
     allowed = torch.arange(S)[None, :] <= positions[:, None]
     mask = torch.zeros(L, S, dtype=x.dtype).masked_fill(~allowed, float("-inf"))[None, None]
     pe = rotary(x, positions[None])
-    out, _ = attn(x, position_embeddings=pe, attention_mask=mask, past_key_values=cache)
+    out, _ = attn(x, position_embeddings=pe, attention_mask=mask, **{cache_keyword(attn.forward): cache})
     return out
 
 

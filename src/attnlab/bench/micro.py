@@ -122,12 +122,14 @@ def deepseek_suite(context=4096, reps=5, hidden=2048, heads=16, kv_lora_rank=512
     pos = torch.tensor([[context - 1]], device=device)
     pe = rotary(x, pos)
 
+    keyword = cache_keyword(theirs.forward)
+
     def theirs_step():
         extra = hf_cache.get_seq_length() - (context - 1)
         if extra > 0:
             hf_cache.crop(-extra)  # this transformers' crop takes a negative count of tokens to drop
         with torch.no_grad():
-            return theirs(x, position_embeddings=pe, attention_mask=None, past_key_values=hf_cache)[0]
+            return theirs(x, position_embeddings=pe, attention_mask=None, **{keyword: hf_cache})[0]
 
     cache = ours.init_cache(1, context)
     cache.kv[0, :context - 1, :kv_lora_rank] = latent[0, 0]

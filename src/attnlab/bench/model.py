@@ -168,11 +168,13 @@ class _TransformersLoop:
     def prefill(self, ids):
         from transformers import DynamicCache
 
-        self.cache = DynamicCache()
-        return self.model(ids, past_key_values=self.cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+        from ..models.adapters import cache_keyword
+
+        self.cache, self.keyword = DynamicCache(), cache_keyword(self.model.forward)
+        return self.model(ids, **{self.keyword: self.cache}, use_cache=True, logits_to_keep=1).logits[:, -1]
 
     def step(self, ids):  # ids (B,)
-        return self.model(ids[:, None], past_key_values=self.cache, use_cache=True).logits[:, -1]
+        return self.model(ids[:, None], **{self.keyword: self.cache}, use_cache=True).logits[:, -1]
 
 
 class _GeneratorLoop:

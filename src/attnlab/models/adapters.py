@@ -46,6 +46,14 @@ def _layers(model):
     return list(base.encoder.layer)
 
 
+def cache_keyword(forward) -> str:
+    """The keyword a transformers forward takes its Cache under: `cache` from transformers 5.24 on (the old
+    `past_key_values` still works there, with a FutureWarning, until 5.40), `past_key_values` before."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
+
+
 # -- the cache adapter -----------------------------------------------------------------------------
 class TransformersCache(_Cache):
     """Lets an attnlab module keep its cache inside a transformers Cache (one layer of it).
@@ -82,8 +90,9 @@ class LlamaAttentionAdapter(nn.Module):
         self.attn, self.layer_idx = attn, layer_idx
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None,
-                position_ids=None, **kwargs):
-        cache = None if past_key_values is None else TransformersCache(past_key_values, self.layer_idx)
+                position_ids=None, cache=None, **kwargs):
+        hf_cache = cache if cache is not None else past_key_values  # transformers >= 5.24 names it `cache`
+        cache = None if hf_cache is None else TransformersCache(hf_cache, self.layer_idx)
         L = hidden_states.shape[1]
         positions = position_ids[0] if position_ids is not None and position_ids.shape[0] == 1 else position_ids
         if positions is None:
