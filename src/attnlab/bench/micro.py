@@ -103,6 +103,8 @@ def deepseek_suite(context=4096, reps=5, hidden=2048, heads=16, kv_lora_rank=512
         DeepseekV3RotaryEmbedding,
     )
 
+    from ..models.adapters import cache_keyword
+
     torch.manual_seed(0)
     cfg = DeepseekV3Config(hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=heads,
                            kv_lora_rank=kv_lora_rank, q_lora_rank=None, qk_nope_head_dim=qk_nope,
