@@ -10,9 +10,13 @@ Oracles and invariants:
 (d) a cache in each storage allocates exactly the documented bytes, reads back what a forward
     without a cache computes (decode == full forward through the same storage, float64), and
     trains through the codes (straight-through);
+(f) an MLA's rope key per channel ("+c4"): whole groups of 64 tokens per channel against the formula by
+    hand, the newest partial group as it is; a cache of it decodes exactly what a forward without a
+    cache computes on each prefix (float64), across group boundaries, and counts the documented bytes;
 (e) the rotation of an MLA's latent leaves the module's output unchanged in float64 (<= 1e-10), with
     and without a latent norm and bias, and lowers the few-bit error of an outlier-heavy latent.
 """
+import copy
 import math
 
 import pytest
@@ -63,7 +67,7 @@ def _asym_oracle(group: torch.Tensor, bits: int) -> torch.Tensor:
     return codes * d + m
 
 
-@pytest.mark.parametrize("bits", [4, 2])
+@pytest.mark.parametrize("bits", [4, 3, 2])
 def test_asymmetric_group_matches_the_formula_by_hand(bits):
     group = torch.tensor([-1.5, -0.2, 0.0, 0.3, 0.9, 2.25, 2.0, -0.7], dtype=F64)
     fmt = check_kv_dtype(f"int{bits}/g8").low
@@ -104,7 +108,7 @@ def test_kivi_keys_per_channel_over_tokens_values_per_token():
 
 
 # -- (c) packing ------------------------------------------------------------------------------------
-@pytest.mark.parametrize("bits", [1, 2, 4, 5, 8])
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 5, 8])
 @pytest.mark.parametrize("width", [1, 7, 8, 30, 64])
 def test_pack_unpack_is_the_identity(bits, width):
     codes = torch.randint(0, 2 ** bits, (3, 4, width), generator=torch.Generator().manual_seed(bits), dtype=torch.uint8)
@@ -170,7 +174,7 @@ def test_few_bit_decode_equals_full_forward_through_the_same_storage(name, kv_dt
     assert rel_err(full, plain) > 1e-4  # the forward did go through the storage
 
 
-@pytest.mark.parametrize("kv_dtype", ["int4", "int2+r8"])
+@pytest.mark.parametrize("kv_dtype", ["int4", "int2+r8", "int3/g16+c4"])
 def test_training_through_few_bit_codes_reaches_the_latent_projection(kv_dtype):
     m = _mla()
     m.kv_dtype = kv_dtype
@@ -276,3 +280,71 @@ def test_baseline_verdict_takes_the_best_at_or_above_the_bytes_reached():
     assert math.isclose(out["against"]["perplexity_ratio_to_baseline"], 10.5 / 10.2)
     assert [r["kv_dtype"] for r in out["rows"]] == ["kivi2", "q4_0", "q5_0", "q8_0"]
     assert compare(120, 10.5, 10.0, sizes, {})["against"] is None
+
+
+# -- (f) the rope key per channel ("+c4") -----------------------------------------------------------------
+def test_rope_key_per_channel_matches_the_formula_by_hand():
+    """int3/g8+c4 on rows (1, 150, 30 + 16): the latent per token in groups of 8 channels (3 bits), the rope key
+    per channel over groups of 64 tokens (4 bits); tokens 128-149, an incomplete group, as they are."""
+    x = torch.randn(1, 150, 46, generator=torch.Generator().manual_seed(4), dtype=F64)
+    x[0, :, 33] *= 30.0  # an outlier channel of the key
+    got = round_trip(x, "int3/g8+c4", (30, 16))
+    for t in (0, 77, 149):
+        for a in range(0, 30, 8):
+            b = min(a + 8, 30)
+            assert torch.allclose(got[0, t, a:b], _asym_oracle(x[0, t, a:b], 3), rtol=0, atol=1e-12)
+    for c in (30, 33, 45):
+        for start in (0, 64):
+            group = x[0, start:start + 64, c]
+            assert torch.allclose(got[0, start:start + 64, c], _asym_oracle(group, 4), rtol=0, atol=1e-12)
+    assert torch.equal(got[0, 128:, 30:], x[0, 128:, 30:])
+
+
+@pytest.mark.parametrize("absorbed", [None, True, False])
+def test_rope_key_per_channel_cache_decodes_what_a_forward_of_each_prefix_computes(absorbed):
+    m = _mla()
+    m.kv_dtype = "int3/g16+c4"
+    x = torch.randn(2, 150, m.dim, dtype=F64, generator=torch.Generator().manual_seed(5))
+    kw = {} if absorbed is None else {"absorbed": absorbed}
+    with torch.no_grad():
+        cache = m.init_cache(2, 160)
+        out = [m(x[:, :70], cache=cache, is_causal=True, **kw)]  # one whole group of 64 in the prefill
+        out += [m(x[:, t:t + 1], cache=cache, **kw) for t in range(70, 150)]
+        steps = torch.cat(out, 1)
+        for t in (69, 70, 127, 128, 129, 149):  # a group completes at 127
+            assert rel_err(steps[:, t], m(x[:, :t + 1], is_causal=True)[:, -1]) <= F64_TOL
+        plain = copy.deepcopy(m)
+        plain.kv_dtype = None
+        assert rel_err(steps[:, 149], plain(x, is_causal=True)[:, -1]) > 1e-4  # it did go through the codes
+
+
+def test_rope_key_per_channel_cache_bytes_and_refusals():
+    m = _mla()  # latent 64, rope key 32
+    cache = m.init_cache(2, 200, kv_dtype="int3/g16+c4")
+    # per token: 64 latent codes of 3 bits, a float16 scale and minimum per 16 of them, 32 key codes of 4 bits,
+    # and 1/64 of the key's scale and minimum per channel (32 * 2 * 2 bytes a group of 64 tokens)
+    by_hand = 64 * 3 // 8 + (64 // 16) * 2 * 2 + 32 * 4 // 8 + 32 * 2 * 2 // 64
+    assert cache.bytes_per_token == by_hand == lowbit.row_bytes((64, 32), check_kv_dtype("int3/g16+c4").low)
+    with pytest.raises(ValueError, match="fixed-shape step"):
+        cache.fixed_slot(torch.tensor([3]))
+    with pytest.raises(ValueError, match=r"\+c4.*rope key.*\(32,\)"):
+        _gqa().init_cache(2, 5, kv_dtype="int4/g32+c4")
+    with pytest.raises(ValueError, match="stored by a LatentCache"):
+        lowbit.encode(torch.zeros(1, 96), (64, 32), check_kv_dtype("int4+c4").low)
+
+
+def test_rope_key_per_channel_truncate_keeps_the_stored_tokens_and_goes_on():
+    m = _mla()
+    m.kv_dtype = "int4/g32+c4"
+    x = torch.randn(1, 160, m.dim, dtype=F64, generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        cache = m.init_cache(1, 200)
+        m(x[:, :150], cache=cache, is_causal=True)
+        (before,) = cache.view()
+        cache.truncate(100)  # into the group 64-127, quantised: its first 36 tokens go back to the newest group
+        (after,) = cache.view()
+        assert after.shape[1] == 100 and torch.equal(after, before[:, :100])
+        m(x[:, 100:160], cache=cache)  # the group completes again at 127 and is quantised anew
+        (grown,) = cache.view()
+    assert torch.equal(grown[:, :64], before[:, :64]) and grown.shape[1] == 160
+    assert torch.equal(grown[:, 128:, 64:], m.compress(x[:, :160])[:, 128:, 64:])  # the newest group as it is

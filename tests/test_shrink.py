@@ -167,6 +167,21 @@ def test_the_plan_in_bits_fits_each_few_bit_candidate_and_rotates_its_latent(tin
     assert hf.kv_bytes_per_token(probe) == few[0].bytes_per_token
 
 
+@pytest.mark.parametrize("budget, fits", [("30%", True), ("25%", False)])
+def test_the_plan_tries_every_value_in_few_bits_where_the_budget_holds_it(tiny, budget, fits):
+    """The whole key as the rope key (G d = 32) and the values as the latent (32), in 3 bits with the key per
+    channel: 16 + 34 bytes a layer here (12 of latent codes, a scale and minimum for its one short group of 64
+    channels; 16 of key codes and 2 of the key's meta per token), over 25% of the tiny model's 128 and under 30%."""
+    _, model, tok, text, _ = tiny
+    result = plan(model, _ids(tok, text, 256), parse_budget(budget), window=T, storages=("bf16", "int3/g64+c4"))
+    whole = [c for c in result.measured if (c.latent_dim, c.rope_dim, c.kv_dtype) == (32, 32, "int3/g64+c4")]
+    per_layer = 32 * 3 // 8 + 2 * 2 + 32 * 4 // 8 + 32 * 2 * 2 // 64
+    assert (2 * per_layer <= parse_budget(budget).bytes_for(bytes_per_token(64, "bf16", 2))) is fits
+    assert len(whole) == int(fits)
+    if fits:
+        assert whole[0].round == 2 and whole[0].rotation == "random" and whole[0].bytes_per_token == 2 * per_layer
+
+
 def test_a_budget_below_every_storage_names_the_smallest_that_can_be_met(tiny):
     _, model, tok, text, _ = tiny
     with pytest.raises(ValueError, match=r"the smallest these storages \(bf16, int2/g32\+r8\) can meet is \d+ "

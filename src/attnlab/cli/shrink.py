@@ -71,8 +71,9 @@ def shrink(source: str = typer.Argument(..., help="The model: smollm2, a transfo
            fmt: str = typer.Option("attnlab", "--format", help="attnlab (attention layers beside the base), deepseek "
                                    "(a DeepseekV3 folder) or gguf (one file llama.cpp runs)."),
            kv_dtype: str = typer.Option("auto", "--kv-dtype", help="Cache storage: auto (attnlab's format may "
-                                        "choose 8-bit or 4/2-bit latents when they measure better), bf16, int8, int4, int2 (int4/g<N>: a scale "
-                                        "per N channels; +r8: the rope key in 8 bits)."),
+                                        "choose 8-bit or 4/3/2-bit latents when they measure better), bf16, int8, int4, int3, int2 (int4/g<N>: a "
+                                        "scale per N channels; +r8: the rope key in 8 bits; +c4: the rope key in 4 bits "
+                                        "per channel over groups of 64 tokens)."),
            latent_dim: Optional[int] = typer.Option(None, "--latent-dim", help="Skip the planner: this latent size "
                                                     "(with --rope-dim)."),
            rope_dim: Optional[int] = typer.Option(None, "--rope-dim", help="Skip the planner: this rope size."),

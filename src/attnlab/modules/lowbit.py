@@ -18,6 +18,15 @@ of N channels of each part of a row (the last group of a part may be short); m =
 d = float16((max - m) / (2^b - 1)), code = clamp(round((x - m) / d), 0, 2^b - 1); x = code * d + m. The
 codes are computed with the stored m and d, so a read returns the nearest level the storage holds.
 
+An MLA's rope key per channel ("+c4", e.g. "int3/g64+c4"): the latent as above, per token, and the rope
+key k_R in 4 asymmetric bits per channel over groups of KEY_TOKENS (64) tokens, KIVI's layout for keys. A
+RoPE'd key has outlier channels that keep their size from token to token, so one scale per channel and group
+of tokens fits it where one per token and group of channels does not (docs/real-models.md: at 25% of
+SmolLM2's bytes, 1.07x perplexity per channel against 1.12-1.30x per token, rotated or not). A group's
+scales need all its tokens: a cache keeps the newest, incomplete group in its activation dtype and quantises
+a group when its last token arrives (modules/cache.py); bytes per token count the steady state, the codes
+and 1/KEY_TOKENS of each channel's scale and minimum.
+
 KIVI-style ("kivi4", "kivi2"; Liu et al. 2024): asymmetric b-bit codes with a float16 scale and zero per
 group of 32; keys per channel over groups of 32 tokens, values per token over groups of 32 channels.
 A key's scale needs its whole group of tokens, so KIVI keeps the newest (incomplete) group in 16 bits;
@@ -27,7 +36,7 @@ tokens quantised, a trailing partial group kept as it is) and counts its bytes i
 
 Packing: codes of b in (2, 4, 8) bits sit 8/b to a byte, the first in the low bits; 5-bit codes are
 their low 4 bits packed as 4-bit codes, followed by their fifth bits packed 8 to a byte (5/8 of a byte
-a value, as llama.cpp's q5_0). A row whose width is not a multiple of 8 is padded with zero codes.
+a value, as llama.cpp's q5_0); 3-bit codes likewise, their low 2 bits then their third bits. A row whose width is not a multiple of 8 is padded with zero codes.
 """
 from __future__ import annotations
 
@@ -38,18 +47,21 @@ import torch
 
 META_DTYPE = torch.float16
 BLOCK = 32  # llama.cpp's block, KIVI's group
+KEY_TOKENS = 64  # tokens per group of a rope key stored per channel ("+c4"); 32 and 128 measured worse at equal bytes
 
 
 class LowBit(NamedTuple):
     """A few-bit storage: its code, bits per value, channels per group, whether it stores a minimum, the kind
-    ("block": llama.cpp's arithmetic, "asym": attnlab's groups, "kivi": the KIVI baseline), and for an MLA
-    row the bits of its rope key where they differ from the latent's ("+r8": 8)."""
+    ("block": llama.cpp's arithmetic, "asym": attnlab's groups, "kivi": the KIVI baseline, "channel": per
+    channel over groups of `group` tokens), and for an MLA row the bits of its rope key where they differ from
+    the latent's ("+r8": 8, per token) or its layout ("+c4": 4 bits per channel, rope_channel True)."""
     code: str
     bits: int
     group: int
     zero: bool
     kind: str
     rope_bits: int | None = None
+    rope_channel: bool = False
 
     @property
     def meta_per_group(self) -> int:
@@ -59,19 +71,21 @@ class LowBit(NamedTuple):
 BLOCK_FORMATS = {"q8_0": LowBit("q8_0", 8, BLOCK, False, "block"), "q5_0": LowBit("q5_0", 5, BLOCK, False, "block"),
                  "q4_0": LowBit("q4_0", 4, BLOCK, False, "block"), "q4_1": LowBit("q4_1", 4, BLOCK, True, "block")}
 KIVI_FORMATS = {"kivi4": LowBit("kivi4", 4, BLOCK, True, "kivi"), "kivi2": LowBit("kivi2", 2, BLOCK, True, "kivi")}
-SPELLING = re.compile(r"(q8_0|q5_0|q4_0|q4_1|kivi4|kivi2)|int([42])(?:/g([1-9][0-9]*))?(?:\+r(8))?")
+SPELLING = re.compile(r"(q8_0|q5_0|q4_0|q4_1|kivi4|kivi2)|int([432])(?:/g([1-9][0-9]*))?(?:\+(r8|c4))?")
 
 
 def parse(spelling: str) -> LowBit | None:
-    """The LowBit of a spelling ("q4_0", "int4", "int2/g64", "int4/g32+r8", "kivi2", ...), None for any other."""
+    """The LowBit of a spelling ("q4_0", "int4", "int2/g64", "int4/g32+r8", "int3/g64+c4", "kivi2", ...), None
+    for any other."""
     found = SPELLING.fullmatch(spelling)
     if found is None:
         return None
     if found.group(1):
         return BLOCK_FORMATS.get(found.group(1)) or KIVI_FORMATS[found.group(1)]
     bits = int(found.group(2))
-    rope_bits = int(found.group(4)) if found.group(4) else None
-    return LowBit(f"int{bits}", bits, int(found.group(3)) if found.group(3) else BLOCK, True, "asym", rope_bits)
+    rope = found.group(4)
+    return LowBit(f"int{bits}", bits, int(found.group(3)) if found.group(3) else BLOCK, True, "asym",
+                  int(rope[1:]) if rope else None, rope == "c4")
 
 
 def part_formats(parts: tuple[int, ...], fmt: LowBit) -> list[LowBit]:
@@ -79,9 +93,12 @@ def part_formats(parts: tuple[int, ...], fmt: LowBit) -> list[LowBit]:
     one asymmetric group of rope_bits for its rope key (the second and last part)."""
     if fmt.rope_bits is None:
         return [fmt] * len(parts)
+    suffix = f"+{'c' if fmt.rope_channel else 'r'}{fmt.rope_bits}"
     if len(parts) != 2:
-        raise ValueError(f"'+r{fmt.rope_bits}' stores an MLA's rope key in {fmt.rope_bits} bits; rows of parts "
+        raise ValueError(f"'{suffix}' stores an MLA's rope key in {fmt.rope_bits} bits; rows of parts "
                          f"{parts} have no rope key (use {fmt.code}/g{fmt.group})")
+    if fmt.rope_channel:
+        return [fmt, LowBit(f"int{fmt.rope_bits}", fmt.rope_bits, KEY_TOKENS, True, "channel")]
     return [fmt, LowBit(f"int{fmt.rope_bits}", fmt.rope_bits, parts[1], True, "asym")]
 
 
@@ -110,19 +127,20 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     pad = packed_width(W, bits) * 8 // bits - W
     if pad:
         codes = torch.cat([codes, codes.new_zeros(*codes.shape[:-1], pad)], -1)
-    if bits == 5:
-        return torch.cat([_pack_plain(codes & 15, 4), _pack_plain(codes >> 4, 1)], -1)
+    if bits in (3, 5):  # the low bits as 2- or 4-bit codes, then the top bits 8 to a byte
+        low = bits - 1
+        return torch.cat([_pack_plain(codes & ((1 << low) - 1), low), _pack_plain(codes >> low, 1)], -1)
     if bits not in (1, 2, 4, 8):
-        raise ValueError(f"codes of {bits} bits have no packing here (1, 2, 4, 5, 8)")
+        raise ValueError(f"codes of {bits} bits have no packing here (1, 2, 3, 4, 5, 8)")
     return _pack_plain(codes, bits)
 
 
 def unpack(packed: torch.Tensor, bits: int, width: int) -> torch.Tensor:
     """(..., packed_width(width, bits)) uint8 -> the codes (..., width) as uint8."""
-    if bits == 5:
-        n = packed.shape[-1] * 4 // 5  # bytes of the low nibbles
-        low, high = _unpack_plain(packed[..., :n], 4), _unpack_plain(packed[..., n:], 1)
-        return (low | (high << 4))[..., :width]
+    if bits in (3, 5):
+        n = packed.shape[-1] * (bits - 1) // bits  # bytes of the low bits
+        low, high = _unpack_plain(packed[..., :n], bits - 1), _unpack_plain(packed[..., n:], 1)
+        return (low | (high << (bits - 1)))[..., :width]
     return _unpack_plain(packed, bits)[..., :width]
 
 
@@ -132,8 +150,8 @@ def _groups(w: int, fmt: LowBit) -> int:
 
 
 def num_groups(parts: tuple[int, ...], fmt: LowBit) -> int:
-    """Groups per row: ceil(width / group) for each part."""
-    return sum(_groups(w, f) for w, f in zip(parts, part_formats(parts, fmt)))
+    """Groups of channels per row: ceil(width / group) for each part stored per token."""
+    return sum(_groups(w, f) for w, f in zip(parts, part_formats(parts, fmt)) if f.kind != "channel")
 
 
 def packed_row(parts: tuple[int, ...], fmt: LowBit) -> int:
@@ -142,13 +160,21 @@ def packed_row(parts: tuple[int, ...], fmt: LowBit) -> int:
 
 
 def meta_row(parts: tuple[int, ...], fmt: LowBit) -> int:
-    """float16 numbers of a row's meta: a scale (and a minimum) per group."""
-    return sum(_groups(w, f) * f.meta_per_group for w, f in zip(parts, part_formats(parts, fmt)))
+    """float16 numbers of a row's own meta: a scale (and a minimum) per group of channels (a part stored per
+    channel keeps its meta per group of tokens instead: channel_meta)."""
+    return sum(_groups(w, f) * f.meta_per_group for w, f in zip(parts, part_formats(parts, fmt)) if f.kind != "channel")
+
+
+def channel_meta(parts: tuple[int, ...], fmt: LowBit) -> int:
+    """float16 numbers of meta per group of KEY_TOKENS tokens: a scale and a minimum per channel of a part
+    stored per channel (0 for every other storage)."""
+    return sum(w * f.meta_per_group for w, f in zip(parts, part_formats(parts, fmt)) if f.kind == "channel")
 
 
 def row_bytes(parts: tuple[int, ...], fmt: LowBit) -> int:
-    """Bytes one stored row costs: packed codes and float16 meta."""
-    return packed_row(parts, fmt) + 2 * meta_row(parts, fmt)
+    """Bytes one stored row costs in the steady state: packed codes, float16 meta, and a row's share of the
+    meta per group of tokens (rounded up to a byte)."""
+    return packed_row(parts, fmt) + 2 * meta_row(parts, fmt) + -(-2 * channel_meta(parts, fmt) // KEY_TOKENS)
 
 
 def check_parts(parts: tuple[int, ...], fmt: LowBit) -> None:
@@ -209,9 +235,21 @@ def _values(codes: torch.Tensor, meta: torch.Tensor, fmt: LowBit, work: torch.dt
     return (c - offset) * meta
 
 
+def per_token(fmt: LowBit) -> LowBit:
+    """The storage of an MLA row's latent under fmt (fmt less its rope key's own bits or layout)."""
+    return fmt._replace(rope_bits=None, rope_channel=False)
+
+
+def _row_wise(fmt: LowBit) -> None:
+    if fmt.rope_channel:
+        raise ValueError(f"{fmt.code}/g{fmt.group}+c{fmt.rope_bits} keeps the rope key per channel over groups "
+                         f"of {KEY_TOKENS} tokens: rows are stored by a LatentCache (channel_encode), not one by one")
+
+
 def encode(x: torch.Tensor, parts: tuple[int, ...], fmt: LowBit) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows x (..., W) -> packed codes (..., packed_row) uint8 and meta (..., meta_row) float16, part by part."""
     check_parts(parts, fmt)
+    _row_wise(fmt)
     packed, meta, start = [], [], 0
     for w, f in zip(parts, part_formats(parts, fmt)):
         codes, m = _codes_and_meta(_grouped(x[..., start:start + w].float(), f.group), f)  # (..., n, g), (..., n, k)
@@ -224,6 +262,7 @@ def encode(x: torch.Tensor, parts: tuple[int, ...], fmt: LowBit) -> tuple[torch.
 def decode(packed: torch.Tensor, meta: torch.Tensor, parts: tuple[int, ...], fmt: LowBit,
            dtype: torch.dtype) -> torch.Tensor:
     """The inverse of encode, read back in `dtype` (computed in float32, float64 for float64)."""
+    _row_wise(fmt)
     work = torch.promote_types(dtype, torch.float32)
     out, byte, col = [], 0, 0
     for w, f in zip(parts, part_formats(parts, fmt)):
@@ -242,11 +281,44 @@ def round_trip(x: torch.Tensor, parts: tuple[int, ...], fmt: LowBit) -> torch.Te
     work = torch.promote_types(x.dtype, torch.float32)
     out, start = [], 0
     for w, f in zip(parts, part_formats(parts, fmt)):
-        codes, m = _codes_and_meta(_grouped(x[..., start:start + w].float(), f.group), f)
-        out.append(_values(codes, m, f, work).flatten(-2)[..., :w])
+        if f.kind == "channel":  # x (..., S, W): the part's whole groups of tokens per channel
+            out.append(channel_round_trip(x[..., start:start + w], f).to(work))
+        else:
+            codes, m = _codes_and_meta(_grouped(x[..., start:start + w].float(), f.group), f)
+            out.append(_values(codes, m, f, work).flatten(-2)[..., :w])
         start += w
     out = torch.cat(out, -1)
     return out if work == x.dtype else out.to(x.dtype)
+
+
+# -- a part per channel over groups of tokens ("+c4") ------------------------------------------------------
+def channel_encode(x: torch.Tensor, f: LowBit) -> tuple[torch.Tensor, torch.Tensor]:
+    """One whole group of tokens x (..., T, w) -> packed codes (..., T, packed_width(w)) uint8 and meta
+    (..., 2 w) float16: each channel's scale and minimum over the T tokens, interleaved (d_0, m_0, d_1, ...)."""
+    codes, meta = _codes_and_meta(x.float().transpose(-1, -2)[..., None, :], f)  # (..., w, 1, T), (..., w, 1, 2)
+    return pack(codes[..., 0, :].transpose(-1, -2), f.bits), meta.flatten(-3)
+
+
+def channel_decode(packed: torch.Tensor, meta: torch.Tensor, width: int, f: LowBit, dtype: torch.dtype) -> torch.Tensor:
+    """The inverse of channel_encode: (..., T, packed) codes and (..., 2 w) meta -> (..., T, w) in dtype."""
+    work = torch.promote_types(dtype, torch.float32)
+    m = meta.to(work).unflatten(-1, (width, 2))  # (..., w, 2)
+    out = unpack(packed, f.bits, width).to(work) * m[..., None, :, 0] + m[..., None, :, 1]  # (..., T, w)
+    return out if work == dtype else out.to(dtype)
+
+
+def channel_round_trip(x: torch.Tensor, f: LowBit) -> torch.Tensor:
+    """x (..., S, w) stored per channel over whole groups of f.group tokens; a trailing partial group as it is
+    (a cache holds it unquantised until its last token arrives). Returned in x's dtype."""
+    S = x.shape[-2]
+    whole = S // f.group * f.group
+    if whole == 0:
+        return x
+    groups = x[..., :whole, :].float().unflatten(-2, (-1, f.group)).transpose(-1, -2)  # (..., n, w, T)
+    codes, meta = _codes_and_meta(groups, f)  # (..., n, w, T), (..., n, w, 2)
+    stored = _values(codes, meta, f, torch.promote_types(x.dtype, torch.float32))  # (..., n, w, T)
+    stored = stored.transpose(-1, -2).flatten(-3, -2).to(x.dtype)  # (..., whole, w)
+    return torch.cat([stored, x[..., whole:, :]], -2) if whole < S else stored
 
 
 def kivi_round_trip(x: torch.Tensor, fmt: LowBit, role: str) -> torch.Tensor:

@@ -8,8 +8,9 @@ model (`6000`). Both are measured against the original's cache stored in 16 bits
 per token), the storage engines and attnlab serve in. A candidate is a conversion (r, p, what
 keeps rotating, BKV, a fitted latent norm) and a cache storage (16-bit; where the output format is
 attnlab's own also 8-bit with per-token scales, and 4- or 2-bit latents in groups of 32 with the
-rope key in 8 bits, their latent rotated first by an orthogonal matrix folded into the weights,
-convert/rotate.py); it meets the budget when its measured bytes per token do. A few-bit row's
+rope key in 8 bits, or 3- and 4-bit latents with the rope key in 4 bits per channel (modules/lowbit.py),
+their latent rotated first by an orthogonal matrix folded into the weights, convert/rotate.py); it
+meets the budget when its measured bytes per token do. A few-bit row's
 bytes step with its groups, so each few-bit candidate takes the largest latent that fits (fit()), up to V - p (the keys and
 values it holds; beyond that a latent adds bytes, not information).
 
@@ -20,8 +21,9 @@ modules (the conversions never change their input) with calibration inputs compu
 measured, and is swapped out again: nothing is copied. The search, in three rounds so that it
 fits a few minutes on a CPU:
 1. what keeps rotating and BKV, at a rope share of about 30% of the values;
-2. storage: the winner in 8, 4 and 2 bits against 16 (more values in the same bytes), before the
-   split so that a short planning time never leaves it out;
+2. storage: the winner in 8, 4, 3 and 2 bits against 16 (more values in the same bytes), before the
+   split so that a short planning time never leaves it out; and each few-bit storage that can hold
+   every value (the whole key as the rope key, the values as the latent) at that;
 3. the split between latent and rope key, for the winner's selection and its two best storages,
    the larger rope shares first (they won in every storage at 50% and 25% of the bytes on
    SmolLM2: keys lose more to few bits and to low rank than values do).
@@ -41,7 +43,9 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 FORMATS = ("attnlab", "deepseek", "gguf")
-FEW_BIT = ("int4/g32+r8", "int2/g32+r8")  # latent in 4 or 2 bits (groups of 32), rope key in 8 (docs/real-models.md)
+# latent in 4 or 2 bits (groups of 32) with the rope key in 8 bits per token; or latent in 3 or 4 bits with the rope
+# key in 4 bits per channel over groups of 64 tokens (KIVI's key layout; docs/real-models.md)
+FEW_BIT = ("int4/g32+r8", "int2/g32+r8", "int3/g64+c4", "int4/g32+c4")
 STORAGES = ("bf16", "int8", *FEW_BIT)
 # rope shares of the values tried by the split round, in this order so that a planning time that
 # runs out keeps the likelier winners (measured on SmolLM2: benchmarks/shrink.py --part proxy)
@@ -49,8 +53,8 @@ SPLIT_SHARES = (0.4, 0.5, 0.35, 0.25, 0.2)
 
 
 def storage_ok(storage: str) -> bool:
-    """Whether the planner can store a latent cache so: bf16, int8, or attnlab's int4/int2 groups (any /g<N>,
-    with or without +r8)."""
+    """Whether the planner can store a latent cache so: bf16, int8, or attnlab's int4/int3/int2 groups (any /g<N>,
+    with or without +r8 or +c4)."""
     from ..modules.cache import check_kv_dtype
 
     if storage in ("bf16", "int8"):
@@ -63,7 +67,7 @@ def storage_ok(storage: str) -> bool:
 
 
 def few_bit(storage: str) -> bool:
-    return storage.startswith(("int4", "int2"))
+    return storage.startswith(("int4", "int3", "int2"))
 
 
 @dataclass(frozen=True)
@@ -370,6 +374,15 @@ def plan(teacher, calibration_ids: torch.Tensor, budget: KVBudget, *, fmt: str =
             continue
         for r, p in splits(v - extra, (share,), max_rope=max_rope, **aligned)[:1]:
             measure(Candidate(r, p, best.rope_select, best.balance, storage, norm, extra=extra, round=2))
+    # ... and, where a few-bit storage can hold every value (the whole key as the rope key, the values as the
+    # latent: nothing cut to low rank, only codes), that row: at 50% and 25% of SmolLM2's bytes it won
+    whole_key = G * d
+    for storage in per_storage:
+        if few_bit(storage) and not spent() and whole_key <= max_rope and \
+                L * layer_bytes(V - whole_key + extra, whole_key, storage) <= budget_bytes and \
+                all((c.latent_dim, c.rope_dim, c.kv_dtype) != (V - whole_key, whole_key, storage) for c in measured):
+            measure(Candidate(V - whole_key, whole_key, best.rope_select, best.balance, storage, norm, extra=extra,
+                              round=2))
     best = min(measured, key=lambda c: c.proxy)
     # 3. the split, for the winner's selection and its two best storages (a few-bit row spends its bytes
     # differently from an 8-bit one: the best split of one says little of the other's), interleaved so
