@@ -280,6 +280,10 @@ def test_baseline_verdict_takes_the_best_at_or_above_the_bytes_reached():
     assert math.isclose(out["against"]["perplexity_ratio_to_baseline"], 10.5 / 10.2)
     assert [r["kv_dtype"] for r in out["rows"]] == ["kivi2", "q4_0", "q5_0", "q8_0"]
     assert compare(120, 10.5, 10.0, sizes, {})["against"] is None
+    # baselines of one size are all scored: on SmolLM2 q4_1 and KIVI 4-bit both take 7,200 bytes, KIVI far better
+    tied = {"q8_0": 12240, "q5_0": 7920, "q4_1": 7200, "q4_0": 6480, "kivi4": 7200, "kivi2": 4320}
+    assert at_or_above(tied, 5760) == ["q4_0", "q4_1", "kivi4"]
+    assert at_or_above(tied, 6481) == ["q4_1", "kivi4", "q5_0"]
 
 
 # -- (f) the rope key per channel ("+c4") -----------------------------------------------------------------

@@ -47,7 +47,8 @@ import torch
 
 META_DTYPE = torch.float16
 BLOCK = 32  # llama.cpp's block, KIVI's group
-KEY_TOKENS = 64  # tokens per group of a rope key stored per channel ("+c4"); 32 and 128 measured worse at equal bytes
+KEY_TOKENS = 64  # tokens per group of a rope key stored per channel ("+c4"): with 3-bit values it keeps every value
+# of SmolLM2 in 25% of the bytes (groups of 32 would not fit); groups of 128 measured worse (1.090x against 1.073x)
 
 
 class LowBit(NamedTuple):

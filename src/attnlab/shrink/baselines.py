@@ -3,7 +3,7 @@
 A shrunk model is worth its training only where it beats what one flag gives the untouched model:
 llama.cpp's cache types (q8_0, q5_0, q4_1, q4_0: `--cache-type-k/-v`) and KIVI-style 4- and 2-bit
 (modules/lowbit.py). Every shrink report names them at their bytes per token (scales and minima
-counted), scores the cheapest ones at or above the bytes the shrink reached on the same held-out
+counted), scores those at the two smallest sizes at or above the bytes the shrink reached on the same held-out
 windows as the shrunk model, and says by how much the result beats the best of those, or loses.
 """
 from __future__ import annotations
@@ -48,8 +48,10 @@ def score(teacher, held_out, names, *, window: int = 512, tokens: int | None = N
 
 
 def at_or_above(sizes: dict[str, int], reached: int, count: int = 2) -> list[str]:
-    """The `count` cheapest baselines whose bytes per token are >= `reached` (cheapest first)."""
-    return sorted((n for n, b in sizes.items() if b >= reached), key=lambda n: sizes[n])[:count]
+    """The baselines at the `count` smallest sizes in bytes per token that are >= `reached`, cheapest first, every
+    one of a size (q4_1 and KIVI 4-bit cost the same 5 bits a value on SmolLM2: both are scored)."""
+    levels = sorted({b for b in sizes.values() if b >= reached})[:count]
+    return sorted((n for n, b in sizes.items() if b in levels), key=lambda n: sizes[n])
 
 
 def compare(reached_bytes: int, perplexity: float, teacher_perplexity: float, sizes: dict[str, int],
