@@ -247,33 +247,55 @@ BITS_ROWS = (("bf16", False), ("int8", False), ("int4/g32", False), ("int4/g32",
              ("int4/g32+r8", False), ("int4/g32+r8", True), ("int2/g32", True), ("int2/g32+r8", True))
 
 
-def part_bits() -> None:
-    """How to store a latent in few bits, no training: one MLA at half the original's values (r=134, p=58;
-    RoRoPE by score + BKV, calibrated on MPL-2.0), each storage with and without the latent rotated (a
-    random orthogonal matrix folded into the weights), evaluated on GPL-3. Chooses group size, the rope
-    key's bits and the rotation by measurement."""
+def _fixed_mla(latent: int, rope: int, balance: bool):
+    """(SmolLM2 converted to one MLA: RoRoPE by score, calibrated on MPL-2.0; GPL-3 ids; a row with the original's
+    perplexity and the load before)."""
     import copy
 
     from attnlab import models as hf
-    from attnlab.convert.rotate import rotate_latent
 
     teacher, tok, _ = hf.load_model("smollm2")
     cal = hf.read_text_ids(tok, CALIBRATION, 2048)
     ev = hf.read_text_ids(tok, EVALUATION, 2048)
     row = {"original": hf.perplexity(teacher, ev), "rows": []}
     note_load(row, "load_before")
-    plain = copy.deepcopy(teacher)
-    hf.convert_model(plain, "mla", latent_dim=134, rope_dim=58, calibration_ids=cal, pair_selection="rorope-score",
-                     balance=True)
-    rotated = copy.deepcopy(plain)
-    for mod in hf.attnlab_modules(rotated):
+    model = copy.deepcopy(teacher)
+    hf.convert_model(model, "mla", latent_dim=latent, rope_dim=rope, calibration_ids=cal,
+                     pair_selection="rorope-score", balance=balance)
+    return model, ev, row
+
+
+def _scored(model, storage: str, ev) -> dict:
+    """The model's GPL-3 perplexity and bytes per token with its caches in `storage` (set back to none after)."""
+    from attnlab import models as hf
+
+    hf.set_kv_dtype(model, storage)
+    out = {"storage": storage, "perplexity": hf.perplexity(model, ev), "kv_bytes_per_token": hf.kv_bytes_per_token(model)}
+    hf.set_kv_dtype(model, None)
+    return out
+
+
+def _rotated(model):
+    import copy
+
+    from attnlab import models as hf
+    from attnlab.convert.rotate import rotate_latent
+
+    out = copy.deepcopy(model)
+    for mod in hf.attnlab_modules(out):
         rotate_latent(mod, "random")
+    return out
+
+
+def part_bits() -> None:
+    """How to store a latent in few bits, no training: one MLA at half the original's values (r=134, p=58;
+    RoRoPE by score + BKV, calibrated on MPL-2.0), each storage with and without the latent rotated (a
+    random orthogonal matrix folded into the weights), evaluated on GPL-3. Chooses group size, the rope
+    key's bits and the rotation by measurement."""
+    plain, ev, row = _fixed_mla(134, 58, True)
+    rotated = _rotated(plain)
     for storage, rot in BITS_ROWS:
-        m = rotated if rot else plain
-        hf.set_kv_dtype(m, storage)
-        r = {"storage": storage, "rotated": rot, "perplexity": hf.perplexity(m, ev),
-             "kv_bytes_per_token": hf.kv_bytes_per_token(m)}
-        hf.set_kv_dtype(m, None)
+        r = {**_scored(rotated if rot else plain, storage, ev), "rotated": rot}
         row["rows"].append(r)
         print(f"{storage:12s} rotated={rot!s:5s} {r['kv_bytes_per_token']:6d} B/token  perplexity {r['perplexity']:.3f}",
               flush=True)
@@ -289,28 +311,13 @@ def part_keys() -> None:
     (the whole key as the rope key, p = 192; the values as the latent, r = 192, rotated), the key per token
     (in 8 or 4 bits) or per channel over groups of 64 tokens (+c4), the values in 4, 3 or 2 bits; no training,
     calibrated on MPL-2.0, evaluated on GPL-3."""
-    import copy
-
-    from attnlab import models as hf
-    from attnlab.convert.rotate import rotate_latent
-
-    teacher, tok, _ = hf.load_model("smollm2")
-    cal = hf.read_text_ids(tok, CALIBRATION, 2048)
-    ev = hf.read_text_ids(tok, EVALUATION, 2048)
-    row = {"original": hf.perplexity(teacher, ev), "rows": []}
-    note_load(row, "load_before")
-    m = copy.deepcopy(teacher)
-    hf.convert_model(m, "mla", latent_dim=192, rope_dim=192, calibration_ids=cal, pair_selection="rorope-score",
-                     balance=False)
-    for mod in hf.attnlab_modules(m):
-        rotate_latent(mod, "random")
+    model, ev, row = _fixed_mla(192, 192, False)
+    model = _rotated(model)
     for storage in KEY_ROWS:
-        hf.set_kv_dtype(m, storage)
-        r = {"storage": storage, "perplexity": hf.perplexity(m, ev), "kv_bytes_per_token": hf.kv_bytes_per_token(m)}
+        r = _scored(model, storage, ev)
         row["rows"].append(r)
         print(f"{storage:12s} {r['kv_bytes_per_token']:6d} B/token  perplexity {r['perplexity']:.3f} "
               f"({r['perplexity'] / row['original']:.3f}x)", flush=True)
-    hf.set_kv_dtype(m, None)
     note_load(row, "load_after")
     save("keys", row)
 
