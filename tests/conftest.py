@@ -47,7 +47,8 @@ def gqa_ref(m, x, y=None, **kw):
         m.q_head_norm.weight.detach(), m.k_head_norm.weight.detach(), m.k_head_norm.eps)
     return gqa_reference(x, y, m.W_Q.weight.detach(), m.W_K.weight.detach(), m.W_V.weight.detach(),
                          m.W_O.weight.detach(), m.num_heads, m.num_kv_heads, grouping=m.grouping,
-                         biases=biases, rope=rope, qk_norm=qk_norm, **kw)
+                         biases=biases, rope=rope, qk_norm=qk_norm, scale=getattr(m, "softmax_scale", None),
+                         window=getattr(m, "sliding_window", None), **kw)
 
 
 def mla_params(m):

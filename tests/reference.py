@@ -94,12 +94,15 @@ def _rms_normed(vec, gain, eps):
 
 
 def gqa_reference(x, y, W_Q, W_K, W_V, W_O, H, G, *, grouping="strided", biases=(None, None, None, None),
-                  mask=None, causal=False, rope=None, q_positions=None, k_positions=None, qk_norm=None):
+                  mask=None, causal=False, rope=None, q_positions=None, k_positions=None, qk_norm=None,
+                  scale=None, window=None):
     """Grouped-query attention (MHA when G = H) on x (B, L1, D1), y (B, L2, D2), float64.
 
     rope: None or (base, interleaved); positions default to 0..L-1 (offset by L2 - L1 for queries
     when causal self-attention continues a cache). qk_norm: None or (query gain, key gain, eps): each
     query and key head vector v becomes gain * v / sqrt(mean(v^2) + eps) before RoPE (Qwen3, Gemma 3).
+    scale: the scores' scale (default 1 / sqrt(d)). window: None, or a query at position i sees only keys at
+    positions j with i - window < j <= i (a sliding-window layer; positions as above).
     """
     x, y = x.detach().to(F64), y.detach().to(F64)
     W_Q, W_K, W_V, W_O = (w.detach().to(F64) for w in (W_Q, W_K, W_V, W_O))
@@ -139,7 +142,14 @@ def gqa_reference(x, y, W_Q, W_K, W_V, W_O, H, G, *, grouping="strided", biases=
         q.append(qb)
         k.append(kb)
         v.append(vb)
-    o = attend_naive(q, k, v, head_to_kv, _allowed_fn(mask, causal, L1, L2), 1.0 / math.sqrt(d))
+    allowed = _allowed_fn(mask, causal, L1, L2)
+    if window is not None:
+        inner = allowed
+
+        def allowed(b, h, l1, l2):
+            i, j = q_positions[l1], k_positions[l2]
+            return inner(b, h, l1, l2) and i - window < j <= i
+    o = attend_naive(q, k, v, head_to_kv, allowed, 1.0 / math.sqrt(d) if scale is None else scale)
     return torch.stack([torch.stack([_lin(W_O, bo, o[b][l1]) for l1 in range(L1)]) for b in range(B)])
 
 

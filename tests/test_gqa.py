@@ -127,3 +127,47 @@ def test_conversions_refuse_qk_norms():
                     lambda g: mha_to_mla(g, latent_dim=8)):
         with pytest.raises(ValueError, match=r"per-head q/k norms yet \(qk_norm_eps=1e-06"):
             convert(m)
+
+
+# -- Gemma 3's layers: a sliding window and a query scale of their own ----------------------------------------
+def _gemma_like(window=3):
+    torch.manual_seed(4)
+    return randomize(GroupedQueryAttention(32, 4, 2, head_dim=8, grouping="blocked", rope_base=10000.0,
+                                           qk_norm_eps=1e-6, softmax_scale=0.21, sliding_window=window, dtype=F64))
+
+
+def test_sliding_window_and_scale_match_the_oracle_full_cached_and_padded():
+    """Float64 against the written-out oracle (a query at i sees keys i - 3 < j <= i, scores times 0.21): a whole
+    causal forward, a prefill then steps past the window through attnlab's cache, and a padding mask merged in."""
+    m = _gemma_like()
+    x = torch.randn(2, 9, 32, dtype=F64)
+    want = gqa_ref(m, x, causal=True)
+    assert rel_err(m(x, is_causal=True), want) <= 1e-10
+    assert rel_err(m(x), want) <= 1e-10  # a sliding layer is causal whether or not is_causal says so
+    cache = m.init_cache(2, 9)
+    steps = [m(x[:, :4], cache=cache, is_causal=True)] + [m(x[:, i:i + 1], cache=cache) for i in range(4, 9)]
+    assert rel_err(torch.cat(steps, dim=1), want) <= 1e-10
+    keep = torch.ones(2, 9, dtype=torch.bool)
+    keep[1, 7] = False  # one key hidden from row 1
+    mask = keep[:, None, None, :]
+    assert rel_err(m(x, mask=mask), gqa_ref(m, x, causal=True, mask=mask)) <= 1e-10
+    wide = GroupedQueryAttention(32, 4, 2, head_dim=8, grouping="blocked", rope_base=10000.0, qk_norm_eps=1e-6,
+                                 softmax_scale=0.21, dtype=F64)
+    wide.load_state_dict(m.state_dict())
+    assert rel_err(wide(x, is_causal=True), want) > 1e-3  # the window did cut something
+
+
+@pytest.mark.parametrize("kw, fragment", [({"sliding_window": 0}, "sliding_window"),
+                                          ({"softmax_scale": -1.0}, "softmax_scale must be a positive number")])
+def test_window_and_scale_refuse_bad_values(kw, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        GroupedQueryAttention(32, 4, 2, **kw)
+
+
+def test_conversions_refuse_a_window_or_scale_they_would_drop():
+    from attnlab.convert import gqa_to_mla
+
+    for kw in ({"sliding_window": 4}, {"softmax_scale": 0.3}):
+        m = GroupedQueryAttention(32, 4, 2, rope_base=10000.0, **kw)
+        with pytest.raises(ValueError, match=f"{next(iter(kw))}=.* no conversion carries it"):
+            gqa_to_mla(m)

@@ -77,11 +77,13 @@ def test_compressed_mla_saved_and_reloaded(folders, kind, tmp_path):
     assert torch.equal(_logits(again, f["ids"]), before)
 
 
-def test_qwen3_float64_swap_within_transformers_own_rounding(folders):
-    """In float64 the swapped Qwen3 is as close to transformers' model as transformers' float64 run is to its
-    float32 one: its RMSNorm (q_norm, k_norm included) and RoPE compute in float32 whatever the input, ours in
-    float64, so that rounding is the whole difference."""
-    f = folders["qwen3"]
+@pytest.mark.parametrize("kind", SWAP_ONLY)
+def test_swap_only_float64_within_transformers_own_rounding(folders, kind):
+    """In float64 the swapped Qwen3 / Gemma 3 is as close to transformers' model as transformers' float64 run is to
+    its float32 one: its RMSNorm (q_norm, k_norm included) and RoPE compute in float32 whatever the input, ours in
+    float64, so that rounding is the whole difference. Gemma 3's tiny model has a sliding layer with a window of
+    8 tokens (48-token text), its own query scale and a RoPE base per layer type."""
+    f = folders[kind]
     theirs32, _ = load_checkpoint(f["folder"])
     theirs, _ = load_checkpoint(f["folder"])
     ours, _ = load_checkpoint(f["folder"])
@@ -92,16 +94,23 @@ def test_qwen3_float64_swap_within_transformers_own_rounding(folders):
     assert rel_err(_logits(ours, f["ids"]), reference) <= 2 * noise
 
 
-def test_qwen3_greedy_generation_matches_transformers(folders):
-    """transformers' generate() through the swapped layers (their cache holding our K/V) gives its own tokens."""
-    f = folders["qwen3"]
+@pytest.mark.parametrize("kind", SWAP_ONLY)
+def test_swap_only_greedy_generation_matches_transformers(folders, kind):
+    """transformers' generate() through the swapped layers (their cache holding our K/V; Gemma 3's sliding layer
+    keeps its window there) gives its own tokens, past the window; so does attnlab's own loop, whose cache keeps
+    every token and whose module applies the window."""
+    from attnlab.generation import generate
+
+    f = folders[kind]
     theirs, _ = load_checkpoint(f["folder"])
     ours, _ = load_checkpoint(f["folder"])
     hf.to_attnlab(ours)
     prompt = f["ids"][:, :12]
     kw = dict(max_new_tokens=16, do_sample=False, pad_token_id=0)
     with torch.no_grad():
-        assert torch.equal(ours.generate(prompt, **kw), theirs.generate(prompt, **kw))
+        want = theirs.generate(prompt, **kw)
+        assert torch.equal(ours.generate(prompt, **kw), want)
+        assert torch.equal(generate(ours, prompt, max_new_tokens=16), want)
 
 
 @pytest.mark.parametrize("keyword", ["cache", "past_key_values"])
@@ -126,18 +135,23 @@ def test_adapter_keeps_a_transformers_cache_under_either_keyword(folders, keywor
     assert rel_err(step, full[:, 6:]) <= 1e-10
 
 
-def test_qwen3_conversions_refused(folders, tmp_path):
+@pytest.mark.parametrize("kind, model_type", [("qwen3", "qwen3"), ("gemma3", "gemma3_text")])
+def test_swap_only_conversions_refused(folders, tmp_path, kind, model_type):
     """No conversion carries a per-head key norm yet: each refuses, naming it, before any work."""
     from attnlab.models.stream import convert_checkpoint
 
-    f = folders["qwen3"]
+    f = folders[kind]
     model, _ = load_checkpoint(f["folder"])
     hf.to_attnlab(model)
     before = _logits(model, f["ids"])
-    with pytest.raises(ValueError, match=r"cannot convert qwen3 yet \(2 layers with per-head q/k norms"):
+    with pytest.raises(ValueError, match=rf"cannot convert {model_type} yet \(2 layers with per-head q/k norms"):
         hf.convert_model(model, "mla")
     assert torch.equal(_logits(model, f["ids"]), before)
-    with pytest.raises(ValueError, match="cannot convert model_type 'qwen3' yet: .*q_norm, k_norm"):
+    from attnlab.convert import gqa_to_mla
+
+    with pytest.raises(ValueError, match="per-head q/k norms"):
+        gqa_to_mla(hf.attnlab_modules(model)[0])
+    with pytest.raises(ValueError, match=f"cannot convert model_type '{model_type}' yet: .*q_norm, k_norm"):
         convert_checkpoint(f["folder"], tmp_path / "out", latent_dim=24)
     assert not (tmp_path / "out").exists()
 
@@ -213,6 +227,17 @@ def test_mistral_sliding_window_refused(folders, tmp_path):
     _edit_config(d, sliding_window=128)
     with pytest.raises(ValueError, match="not supported: sliding_window 128 < max_position_embeddings 256"):
         inspect_checkpoint(d)
+
+
+def test_gemma3_attention_softcapping_refused_naming_the_field(folders, tmp_path, capsys):
+    d = _copy(folders, tmp_path, "gemma3")
+    _edit_config(d, attn_logit_softcapping=50.0)
+    with pytest.raises(ValueError, match="not supported: attn_logit_softcapping 50.0: attnlab's attention has no "
+                                         "score soft-capping"):
+        inspect_checkpoint(d)
+    assert main(["eval", str(d), "--text", str(d / "config.json")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "attn_logit_softcapping 50.0" in err[0]
 
 
 def test_missing_shard(folders, tmp_path):

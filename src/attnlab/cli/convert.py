@@ -211,7 +211,7 @@ def _convert_streamed(source, to, out, latent_dim, rope_dim, calibration, calibr
 
 
 
-def convert(source: str = typer.Argument(..., help="An attnlab checkpoint folder, a model (smollm2, minilm), or "
+def convert(source: str = typer.Argument(..., help="An attnlab checkpoint folder, a model (smollm2, minilm, gemma3-270m), or "
                                                      "a transformers folder / GGUF file (Llama, Mistral, Qwen2)."),
             to: str = typer.Option(..., "--to", help="Target family: mha, gqa, mla, absorbed."),
             out: Path = typer.Option(..., "--out", help="Folder to write the converted checkpoint to."),

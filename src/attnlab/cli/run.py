@@ -10,7 +10,7 @@ import typer
 from .base import Busy, UsageProblem, positive
 
 
-def eval_(source: str = typer.Argument(..., help="A model (smollm2) or a folder written by attnlab convert."),
+def eval_(source: str = typer.Argument(..., help="A model (smollm2, gemma3-270m) or a folder written by attnlab convert."),
           text: Path = typer.Option(..., "--text", help="An English text file to score."),
           max_tokens: int = typer.Option(2048, "--max-tokens", help="Score at most this many tokens."),
           window: int = typer.Option(512, "--window", help="Tokens per forward pass."),
@@ -51,7 +51,7 @@ def eval_(source: str = typer.Argument(..., help="A model (smollm2) or a folder 
         print(f"kv storage: {kv_dtype}")
 
 
-def generate(source: str = typer.Argument(..., help="A model (smollm2) or a folder written by attnlab convert."),
+def generate(source: str = typer.Argument(..., help="A model (smollm2, gemma3-270m) or a folder written by attnlab convert."),
              prompts: list[str] = typer.Argument(..., help="One prompt, or several to run as one left-padded batch."),
              max_new_tokens: int = typer.Option(32, "--max-new-tokens", help="Tokens to generate per prompt."),
              temperature: float = typer.Option(0.0, "--temperature", help="0 is greedy; above 0 samples."),

@@ -20,6 +20,10 @@ def _expect(module, cls, fn: str):
     if getattr(module, "k_head_norm", None) is not None:
         raise ValueError(f"{fn} does not support modules with per-head q/k norms yet (qk_norm_eps="
                          f"{module.k_head_norm.eps}, as Qwen3's q_norm/k_norm): no conversion carries the norm")
+    for name in ("sliding_window", "softmax_scale"):
+        if getattr(module, name, None) is not None:
+            raise ValueError(f"{fn} does not support modules with {name}={getattr(module, name)!r} yet (as Gemma 3's "
+                             "layers): no conversion carries it")
 
 
 

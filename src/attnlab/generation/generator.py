@@ -5,8 +5,9 @@ Notation: B batch, P prompt length, S tokens cached so far, S_max = max_len, V v
 `Generator` shares the model's parameters (no copies) and calls them directly,
 as gpt-fast does, instead of going through transformers' forward:
 embed_tokens -> per layer: input_layernorm, the layer's attnlab module with its own
-static cache, residual, post_attention_layernorm, mlp, residual -> norm -> lm_head,
-the last two only for the last position. Each layer's cache is the attnlab
+static cache, residual, post_attention_layernorm, mlp, residual (Gemma 3: its own norms
+around each branch, models.adapters.decoder_block) -> norm -> lm_head, the last two only
+for the last position. Each layer's cache is the attnlab
 module's preallocated KVCache or LatentCache (`init_cache`), allocated once per
 Generator and written in place; nothing grows by concatenation. `kv_dtype` stores them
 quantised or in another float type (modules/cache.py); the default is each module's own kv_dtype.
@@ -38,8 +39,9 @@ from ..modules.cache import check_kv_dtype
 
 
 def _llama_parts(model):
-    """(embed_tokens, layers, norm, lm_head, attnlab modules) of an attnlab'd Llama causal LM, or a ValueError."""
-    from ..models.adapters import attnlab_modules, family
+    """(embed_tokens, layers, norm, lm_head, attnlab modules, the decoder block) of an attnlab'd Llama-family causal
+    LM, or a ValueError."""
+    from ..models.adapters import attnlab_modules, decoder_block, family
 
     if getattr(model, "config", None) is None or family(model) != "llama":  # family() names other families
         raise ValueError(f"generation needs a Llama-family causal LM; got a {type(model).__name__}")
@@ -48,7 +50,7 @@ def _llama_parts(model):
         raise ValueError(f"generation needs a causal LM with an lm_head (e.g. LlamaForCausalLM); "
                          f"got a {type(model).__name__}")
     modules = attnlab_modules(model)  # ValueError unless to_attnlab(model) was called
-    return base.embed_tokens, list(base.layers), base.norm, lm_head, modules
+    return base.embed_tokens, list(base.layers), base.norm, lm_head, modules, decoder_block(model)
 
 
 class Generator:
@@ -78,7 +80,7 @@ class Generator:
         checks.positive_int("max_batch_size", max_batch_size)
         checks.positive_int("max_len", max_len)
         check_kv_dtype(kv_dtype)
-        self.embed, self.layers, self.norm, self.lm_head, self.modules = _llama_parts(model)
+        self.embed, self.layers, self.norm, self.lm_head, self.modules, self._block = _llama_parts(model)
         weight = self.embed.weight
         dtype = weight.dtype if dtype is None else dtype
         device = weight.device if device is None else torch.device(device)
@@ -127,9 +129,8 @@ class Generator:
     def _layers(self, x: torch.Tensor, caches, mask, key_padding_mask, is_causal: bool,
                 positions: torch.Tensor | None = None) -> torch.Tensor:
         for layer, attn, cache in zip(self.layers, self.modules, caches):
-            h = x + attn(layer.input_layernorm(x), cache=cache, mask=mask, key_padding_mask=key_padding_mask,
-                         is_causal=is_causal, positions=positions)  # (B, L, dim)
-            x = h + layer.mlp(layer.post_attention_layernorm(h))  # (B, L, dim)
+            x = self._block(layer, x, lambda h: attn(h, cache=cache, mask=mask, key_padding_mask=key_padding_mask,
+                                                     is_causal=is_causal, positions=positions))  # (B, L, dim)
         return x
 
     def _logits(self, last: torch.Tensor) -> torch.Tensor:

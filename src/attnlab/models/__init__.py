@@ -12,7 +12,7 @@
 """
 from .adapters import (FAMILIES, BertAttentionAdapter, LlamaAttentionAdapter, TransformersCache, attnlab_modules,
                        family, from_attnlab, replace_attention, to_attnlab)
-from .bundled import MODELS, load_minilm, load_smollm2
+from .bundled import MODELS, load_gemma3_270m, load_minilm, load_smollm2
 from .convert import DEFAULT_ROPE_PAIRS, check_convertible, convert_layers, convert_model
 from .evaluate import (attention_inputs, kv_bytes_per_token, mean_pooled, perplexity, read_text_ids, sentence_embeddings,
                        set_kv_dtype, top1_agreement, windows)
@@ -23,7 +23,7 @@ from .store import LOADERS, MODEL_FORMAT, load_model, save_model, source_paths, 
 from .stream import convert_checkpoint
 
 __all__ = ["check_convertible", "FAMILIES", "BertAttentionAdapter", "LlamaAttentionAdapter", "TransformersCache", "attnlab_modules",
-           "family", "from_attnlab", "replace_attention", "to_attnlab", "MODELS", "load_minilm", "load_smollm2",
+           "family", "from_attnlab", "replace_attention", "to_attnlab", "MODELS", "load_gemma3_270m", "load_minilm", "load_smollm2",
            "DEFAULT_ROPE_PAIRS", "convert_layers", "convert_model", "attention_inputs", "kv_bytes_per_token",
            "perplexity", "read_text_ids", "sentence_embeddings", "set_kv_dtype", "mean_pooled", "top1_agreement", "windows",
            "LOADERS", "MODEL_FORMAT", "load_model", "source_paths", "sources_of",

@@ -22,12 +22,14 @@ from ..modules.mla import MultiHeadLatentAttention
 from ..modules.rope import RotaryEmbedding
 
 FAMILIES = ("llama", "bert")
-LLAMA_LIKE = ("LlamaConfig", "MistralConfig", "Qwen2Config", "Qwen3Config")  # GQA, rotate-half RoPE
-QK_NORM = ("Qwen3Config",)  # the same, each query and key head RMS-normalised before RoPE (q_norm, k_norm)
+LLAMA_LIKE = ("LlamaConfig", "MistralConfig", "Qwen2Config", "Qwen3Config", "Gemma3TextConfig")  # GQA, rotate-half
+QK_NORM = ("Qwen3Config", "Gemma3TextConfig")  # each query and key head RMS-normalised before RoPE (q_norm, k_norm)
+# Gemma's RMSNorm scales by (1 + weight): attnlab's nn.RMSNorm holds 1 + weight
+NORM_OFFSET = {"Gemma3TextConfig": 1.0}
 
 
 def family(model) -> str:
-    """"llama" for Llama, Mistral, Qwen2 and Qwen3 models (one attention layout), "bert" for BERT."""
+    """"llama" for Llama, Mistral, Qwen2, Qwen3 and Gemma 3 (text) models (one attention layout), "bert" for BERT."""
     name = type(getattr(model, "config", None)).__name__
     if name in LLAMA_LIKE:
         from .load import check_supported
@@ -36,7 +38,7 @@ def family(model) -> str:
     if name == "BertConfig":
         return "bert"
     raise ValueError(f"not supported: model family {name.removesuffix('Config') or type(model).__name__!r}; "
-                     f"supported: Llama, Mistral, Qwen2, Qwen3, BERT")
+                     f"supported: Llama, Mistral, Qwen2, Qwen3, Gemma 3 (text), BERT")
 
 
 def _layers(model):
@@ -122,6 +124,31 @@ class BertAttentionAdapter(nn.Module):
         return self.LayerNorm(self.dropout(out) + hidden_states), None
 
 
+# -- the decoder layer around the attention ------------------------------------------------------------
+def decoder_block(model):
+    """How a decoder layer of this causal LM wraps its attention, for loops that drive the layers themselves
+    (generation.Generator): a function (layer, x, attend) -> the layer's output, attend(h) being the attention of
+    the normed input. Llama, Mistral, Qwen2/3: x + attn(norm(x)), then + mlp(norm(.)). Gemma 3 norms each
+    branch's output too (post_attention_layernorm, pre/post_feedforward_layernorm), its final logits uncapped."""
+    cfg = model.config
+    if type(cfg).__name__ != "Gemma3TextConfig":
+        return _llama_block
+    if getattr(cfg, "final_logit_softcapping", None) is not None:
+        raise ValueError(f"final_logit_softcapping {cfg.final_logit_softcapping} is not applied by attnlab's own "
+                         "generation loop yet (Gemma 3 sets it to null); use transformers' generate()")
+    return _gemma_block
+
+
+def _llama_block(layer, x, attend):
+    h = x + attend(layer.input_layernorm(x))  # (B, L, dim)
+    return h + layer.mlp(layer.post_attention_layernorm(h))
+
+
+def _gemma_block(layer, x, attend):
+    h = x + layer.post_attention_layernorm(attend(layer.input_layernorm(x)))  # (B, L, dim)
+    return h + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(h)))
+
+
 # -- swapping --------------------------------------------------------------------------------------
 def _copy_linear(dst: nn.Linear, src: nn.Linear) -> None:
     with torch.no_grad():
@@ -130,9 +157,17 @@ def _copy_linear(dst: nn.Linear, src: nn.Linear) -> None:
             dst.bias.copy_(src.bias if src.bias is not None else torch.zeros_like(dst.bias))
 
 
-def _llama_rope(model) -> RotaryEmbedding:
+def _llama_rope(model, layer_type: str | None = None) -> RotaryEmbedding:
+    """The RoPE of a layer; Gemma 3's rotary module holds one set of frequencies per layer type."""
     base = getattr(model, "model", model)
-    return rope_from_rotary(model.config, base.rotary_emb)
+    rot = base.rotary_emb
+    if layer_type is not None and hasattr(rot, f"{layer_type}_inv_freq"):
+        cfg = model.config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        theta = float(cfg.rope_parameters[layer_type].get("rope_theta", 10000.0))
+        return RotaryEmbedding(head_dim, theta, inv_freq=getattr(rot, f"{layer_type}_inv_freq"),
+                               scaling=float(getattr(rot, f"{layer_type}_attention_scaling", 1.0)))
+    return rope_from_rotary(model.config, rot)
 
 
 def rope_from_rotary(cfg, rot) -> RotaryEmbedding:
@@ -144,10 +179,10 @@ def rope_from_rotary(cfg, rot) -> RotaryEmbedding:
 
 
 def _attention_class(model):
-    """The transformers attention class of a Llama-like model (LlamaAttention, MistralAttention, Qwen2Attention)."""
+    """The transformers attention class of a Llama-like model (LlamaAttention, ..., Gemma3Attention)."""
     import importlib
 
-    name = type(model.config).__name__.removesuffix("Config")
+    name = type(model.config).__name__.removesuffix("Config").removesuffix("Text")  # Gemma3TextConfig: Gemma3Attention
     mod = importlib.import_module(f"transformers.models.{name.lower()}.modeling_{name.lower()}")
     return getattr(mod, f"{name}Attention")
 
@@ -174,19 +209,24 @@ def to_attnlab(model):
             if isinstance(a, LlamaAttentionAdapter):
                 continue
             w = a.q_proj.weight
-            rope = _llama_rope(model)
+            layer_types = getattr(cfg, "layer_types", None)
+            rope = _llama_rope(model, layer_types[i] if layer_types else None)
             qk_norm = type(cfg).__name__ in QK_NORM
+            pre = getattr(cfg, "query_pre_attn_scalar", None)  # Gemma 3 scales scores by its inverse square root
             m = GroupedQueryAttention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
                                       head_dim=a.head_dim, bias=a.q_proj.bias is not None, grouping="blocked",
                                       rope_base=rope.base, qk_norm_eps=cfg.rms_norm_eps if qk_norm else None,
-                                      device=w.device, dtype=w.dtype)
+                                      softmax_scale=None if pre is None else float(pre) ** -0.5,
+                                      sliding_window=getattr(a, "sliding_window", None), device=w.device,
+                                      dtype=w.dtype)
             m.rope = rope
             for dst, src in ((m.W_Q, a.q_proj), (m.W_K, a.k_proj), (m.W_V, a.v_proj), (m.W_O, a.o_proj)):
                 _copy_linear(dst, src)
             if qk_norm:
+                offset = NORM_OFFSET.get(type(cfg).__name__, 0.0)
                 with torch.no_grad():
-                    m.q_head_norm.weight.copy_(a.q_norm.weight)
-                    m.k_head_norm.weight.copy_(a.k_norm.weight)
+                    m.q_head_norm.weight.copy_(a.q_norm.weight + offset)
+                    m.k_head_norm.weight.copy_(a.k_norm.weight + offset)
             layer.self_attn = LlamaAttentionAdapter(m, i)
         else:
             a = layer.attention
@@ -255,9 +295,10 @@ def from_attnlab(model):
                             raise ValueError(f"layer {i}'s {name} biases are not {G} shared heads")
                         lin.bias.copy_(b.reshape(-1))
             if m.k_head_norm is not None:
+                offset = NORM_OFFSET.get(type(cfg).__name__, 0.0)
                 with torch.no_grad():
-                    a.q_norm.weight.copy_(m.q_head_norm.weight)
-                    a.k_norm.weight.copy_(m.k_head_norm.weight)
+                    a.q_norm.weight.copy_(m.q_head_norm.weight - offset)
+                    a.k_norm.weight.copy_(m.k_head_norm.weight - offset)
             layer.self_attn = a.train(model.training)
         else:
             from transformers.models.bert.modeling_bert import BertAttention

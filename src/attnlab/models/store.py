@@ -8,11 +8,11 @@ from __future__ import annotations
 import json
 
 from .adapters import attnlab_modules, replace_attention, to_attnlab
-from .bundled import load_minilm, load_smollm2
+from .bundled import load_gemma3_270m, load_minilm, load_smollm2
 
 # -- whole converted models on disk ---------------------------------------------------------------
 MODEL_FORMAT = "attnlab-model"
-LOADERS = {"smollm2": load_smollm2, "minilm": load_minilm}
+LOADERS = {"smollm2": load_smollm2, "minilm": load_minilm, "gemma3-270m": load_gemma3_270m}
 
 
 def sources_of(model) -> list[str]:
@@ -72,7 +72,7 @@ def save_model(model, base: str, folder, *, extra: dict | None = None, force: bo
 
 
 def load_model(source: str):
-    """(model, tokenizer, meta) for a base model name ("smollm2", "minilm"), a checkpoint (a folder with
+    """(model, tokenizer, meta) for a base model name ("smollm2", "minilm", "gemma3-270m"), a checkpoint (a folder with
     config.json naming a model_type, or a .gguf file: models/load.py) or a folder from save_model.
 
     The model comes back attnlab'd (to_attnlab); a folder's attention layers replace the base's.

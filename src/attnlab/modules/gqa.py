@@ -39,14 +39,28 @@ class GroupedQueryAttention(AttentionModule):
         qk_norm_eps: give every query and key head an RMSNorm over its head_dim (one gain vector each for
             queries and keys, shared by the heads), applied before RoPE, as Qwen3 and Gemma 3 do; None: no
             norm. The conversions refuse such a module (none carries the norm yet).
+        softmax_scale: the scores' scale (default head_dim ** -0.5; Gemma 3: query_pre_attn_scalar ** -0.5).
+        sliding_window: self-attention to the last `sliding_window` positions only (key position j is seen
+            from query position i when i - sliding_window < j <= i; causal by construction), as Gemma 3's
+            sliding layers do. Applied by this module for a forward without a cache and with its own
+            cache (which keeps every token: the result honours the window, the bytes do not shrink yet);
+            transformers' own cache passes its window mask in and is trusted. None: no window.
     """
 
     def __init__(self, dim: int, num_heads: int, num_kv_heads: int, *, head_dim: int | None = None,
                  v_head_dim: int | None = None, context_dim: int | None = None, bias: bool = False,
                  grouping: str = "strided", rope_base: float | None = None, rope_interleaved: bool = False,
-                 kv_dtype: str | None = None, qk_norm_eps: float | None = None, device=None, dtype=None):
+                 kv_dtype: str | None = None, qk_norm_eps: float | None = None, softmax_scale: float | None = None,
+                 sliding_window: int | None = None, device=None, dtype=None):
         super().__init__()
         self.kv_dtype = kv_dtype
+        if softmax_scale is not None and (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float))
+                                          or not softmax_scale > 0):
+            raise ValueError(f"softmax_scale must be a positive number or None, got {softmax_scale!r}")
+        if sliding_window is not None:
+            checks.positive_int("sliding_window", sliding_window)
+        self.softmax_scale = None if softmax_scale is None else float(softmax_scale)
+        self.sliding_window = sliding_window
         checks.positive_int("dim", dim)
         checks.positive_int("num_heads", num_heads)
         checks.positive_int("num_kv_heads", num_kv_heads)
@@ -80,11 +94,12 @@ class GroupedQueryAttention(AttentionModule):
                     v_head_dim=self.v_head_dim, context_dim=self.context_dim, bias=self.W_Q.bias is not None,
                     grouping=self.grouping, rope_base=None if self.rope is None else self.rope.base,
                     rope_interleaved=False if self.rope is None else self.rope.interleaved, kv_dtype=self.kv_dtype,
-                    qk_norm_eps=None if self.k_head_norm is None else self.k_head_norm.eps)
+                    qk_norm_eps=None if self.k_head_norm is None else self.k_head_norm.eps,
+                    softmax_scale=self.softmax_scale, sliding_window=self.sliding_window)
 
     @property
     def scale(self) -> float:
-        return self.head_dim ** -0.5
+        return self.head_dim ** -0.5 if self.softmax_scale is None else self.softmax_scale
 
     @property
     def kv_values_per_token(self) -> int:
@@ -143,12 +158,27 @@ class GroupedQueryAttention(AttentionModule):
             if cache is not None:
                 k, v = cache.extend_stored(k=k, v=v) if ours else cache.extend(k=k, v=v)  # (B, G, S, *)
                 cache.static = context is not None
+        if self.sliding_window is not None and context is None and (cache is None or ours):
+            mask, is_causal = self._window(positions, k.shape[-2], mask), False
         # int8 codes with one scale per token and head: the scales multiply scores and weights, not the rows
         (k, key_scale), (v, value_scale) = with_row_scale(k), with_row_scale(v)
         o = attend(q, k, v, grouping=self.grouping, mask=mask, is_causal=is_causal, scale=self.scale,
                    key_scale=key_scale, value_scale=value_scale)  # (B, H, L, dv)
         o = o.transpose(1, 2).reshape(B, L, self.num_heads * self.v_head_dim)  # (B, L, H*dv)
         return self.W_O(o)  # (B, L, dim)
+
+    def _window(self, positions: torch.Tensor, S: int, mask: torch.Tensor | None) -> torch.Tensor:
+        """The sliding window as a mask over keys at positions 0..S-1 (L, S) or (B, 1, L, S), merged with `mask`."""
+        q = positions[..., :, None]  # (L, 1) or (B, L, 1)
+        j = torch.arange(S, device=positions.device)
+        band = (j <= q) & (j > q - self.sliding_window)  # (L, S) or (B, L, S)
+        if band.dim() == 3:
+            band = band[:, None]  # (B, 1, L, S)
+        if mask is None:
+            return band
+        if mask.dtype == torch.bool:
+            return mask & band
+        return mask.masked_fill(~band, float("-inf"))
 
     def extra_repr(self) -> str:
         return (f"dim={self.dim}, context_dim={self.context_dim}, num_heads={self.num_heads}, "
@@ -162,8 +192,8 @@ class MultiHeadAttention(GroupedQueryAttention):
     def __init__(self, dim: int, num_heads: int, *, head_dim: int | None = None, v_head_dim: int | None = None,
                  context_dim: int | None = None, bias: bool = False, rope_base: float | None = None,
                  rope_interleaved: bool = False, kv_dtype: str | None = None, qk_norm_eps: float | None = None,
-                 device=None, dtype=None):
+                 softmax_scale: float | None = None, sliding_window: int | None = None, device=None, dtype=None):
         super().__init__(dim, num_heads, num_heads, head_dim=head_dim, v_head_dim=v_head_dim,
                          context_dim=context_dim, bias=bias, rope_base=rope_base,
                          rope_interleaved=rope_interleaved, kv_dtype=kv_dtype, qk_norm_eps=qk_norm_eps,
-                         device=device, dtype=dtype)
+                         softmax_scale=softmax_scale, sliding_window=sliding_window, device=device, dtype=dtype)
