@@ -9,6 +9,8 @@ de-quantizes to float32). Measured:
   in windows of 512 and of 1,024 (where the sliding layers cut), greedy text of a prompt through
   transformers' generate() and through attnlab's own loop (whose cache keeps every token and whose
   modules apply the window);
+- the exact MLA (convert.gqa_to_mla, which carries the q/k norms, the scale and the windows): perplexity,
+  bytes per token and greedy text against the original;
 - the training-free baselines of issue stack on the original's cache: llama.cpp's q8_0, q5_0, q4_1,
   q4_0 and KIVI-style 4- and 2-bit, and attnlab's int8, each at its bytes per token (every scale and
   minimum counted; a cache of every token, as a global layer keeps them); perplexity on GPL-3 (its
@@ -66,6 +68,15 @@ def main() -> None:
         print(f"{storage:6s} {r['kv_bytes_per_token']:6d} B/token ({r['share']:.1%})  perplexity {r['perplexity']:.3f} "
               f"({r['ratio']:.3f}x)", flush=True)
     hf.set_kv_dtype(ours, None)
+    reports = hf.convert_model(ours, "mla")  # exact
+    with torch.no_grad():
+        mla_greedy = generate(ours, prompt, max_new_tokens=32)
+    row["exact_mla"] = {"perplexity": hf.perplexity(ours, ids, window=512), "kv_bytes_per_token":
+                        hf.kv_bytes_per_token(ours, kv_dtype="bf16"), "max_output_error": max(r.output_error for r in reports),
+                        "greedy_same": bool(torch.equal(mla_greedy, want)),
+                        "latent_dim": hf.attnlab_modules(ours)[0].latent_dim,
+                        "tiled": all(m.kv_tiling is not None for m in hf.attnlab_modules(ours))}
+    print("exact MLA:", json.dumps(row["exact_mla"]), flush=True)
     row["load_after"] = os.getloadavg()[0]
     JSON.write_text(json.dumps(row, indent=2))
     print(f"original {original:.3f} (swapped {row['original']['perplexity_swapped']:.3f}); wrote {JSON}")

@@ -421,7 +421,7 @@ def _copy_converted(converted, tmp_path):
 
 
 def test_load_model_paths_that_are_nothing(tmp_path):
-    wanted = re.escape("expected a bundled model name (smollm2, minilm), a checkpoint")
+    wanted = re.escape("expected a bundled model name (smollm2, minilm, gemma3-270m), a checkpoint")
     with pytest.raises(ValueError, match=f"no such file or folder; {wanted}"):
         hf.load_model(str(tmp_path / "nope"))
     note = tmp_path / "notes.txt"

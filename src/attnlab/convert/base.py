@@ -14,13 +14,18 @@ F64 = torch.float64
 
 
 # -- helpers ---------------------------------------------------------------------------------------
-def _expect(module, cls, fn: str):
+def _expect(module, cls, fn: str, carries: bool = False):
+    """TypeError unless module is a cls; unless the conversion `carries` them (the exact gqa_to_mla), ValueError
+    for the per-head options no conversion carries yet: q/k norms, a sliding window, a softmax scale of its own."""
     if not isinstance(module, cls):
         raise TypeError(f"{fn} takes a {cls.__name__}, got {type(module).__name__}")
+    if carries:
+        return
     if getattr(module, "k_head_norm", None) is not None:
         raise ValueError(f"{fn} does not support modules with per-head q/k norms yet (qk_norm_eps="
                          f"{module.k_head_norm.eps}, as Qwen3's q_norm/k_norm): no conversion carries the norm")
-    for name in ("sliding_window", "softmax_scale"):
+    # an MLA's own softmax scale (DeepSeek's) is part of its math, which absorb carries; a GQA's is not carried
+    for name in ("sliding_window",) + (() if isinstance(module, MultiHeadLatentAttention) else ("softmax_scale",)):
         if getattr(module, name, None) is not None:
             raise ValueError(f"{fn} does not support modules with {name}={getattr(module, name)!r} yet (as Gemma 3's "
                              "layers): no conversion carries it")
@@ -80,6 +85,9 @@ def _mla(src, latent_dim: int, bias: bool) -> MultiHeadLatentAttention:
         warnings.simplefilter("ignore", UserWarning)
         mla = MultiHeadLatentAttention(src.dim, src.num_heads, latent_dim, head_dim=src.head_dim,
                                        v_head_dim=src.v_head_dim, context_dim=src.context_dim, bias=bias,
-                                       rope_after_up=src.rope is not None, **_like(src))
+                                       rope_after_up=src.rope is not None, **src._head_config(), **_like(src))
     mla.rope = copy.deepcopy(src.rope)
+    for name in ("q_head_norm", "k_head_norm"):  # the same RMSNorm on every head: on the up-projected keys here
+        if getattr(src, name) is not None:
+            getattr(mla, name).load_state_dict(getattr(src, name).state_dict())
     return mla

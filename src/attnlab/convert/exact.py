@@ -50,13 +50,16 @@ def gqa_to_mla(gqa: GroupedQueryAttention, *, shared: bool = True, method: str |
     when G*(d+dv) <= D_2, else block-svd.
     shared=False: Part 9 per matrix, K and V each factored through their own
     r = rank <= G*d latent by the block SVD; the MLA latent is the two side by side.
-    K/V biases move to the up-projections (W_UK, W_UV), exactly. A GQA with RoPE becomes
+    K/V biases move to the up-projections (W_UK, W_UV), exactly. Per-head q/k norms (Qwen3, Gemma 3), a
+    softmax scale and a sliding window carry over as they are: the latent holds each KV head's key before
+    its norm, and W_UK hands every query head exactly that vector, which the MLA then normalises (the same
+    gain for every head) and rotates as the GQA did, so the scores are the GQA's. A GQA with RoPE becomes
     an MLA with rope_after_up=True: the latent holds the keys before rotation and RoPE
     is applied after the up-projection, as the GQA applied it (expanded path only).
     With method "select" the MLA records its kv_tiling and attends on slices of its
     cache as the GQA did (MultiHeadLatentAttention's docstring), at the GQA's cost.
     """
-    _expect(gqa, GroupedQueryAttention, "gqa_to_mla")
+    _expect(gqa, GroupedQueryAttention, "gqa_to_mla", carries=True)
     H, G, d, dv = gqa.num_heads, gqa.num_kv_heads, gqa.head_dim, gqa.v_head_dim
     wk, wv = gqa.W_K.weight.detach(), gqa.W_V.weight.detach()
     if shared:
@@ -98,17 +101,24 @@ def gqa_to_mla(gqa: GroupedQueryAttention, *, shared: bool = True, method: str |
 def mla_to_mha(mla: MultiHeadLatentAttention):
     """MLA -> MHA, exact: W_K = W_UK W_DKV, W_V = W_UV W_DKV (biases: W_UK b_DKV + b_UK).
 
-    The MLA's softmax scale is folded into W_Q (and its bias) when it is not 1/sqrt(d).
-    Needs a linear MLA: no latent norm, no decoupled RoPE, no low-rank query
+    The MLA's softmax scale is folded into W_Q (and its bias) when it is not 1/sqrt(d), except with per-head
+    q/k norms (which would undo the fold): then the scale, the norms and any sliding window carry over as
+    they are. Needs a linear MLA: no latent norm, no decoupled RoPE, no low-rank query
     (rope_after_up is fine: the MHA applies the same RoPE to its keys).
     """
-    _expect(mla, MultiHeadLatentAttention, "mla_to_mha")
+    _expect(mla, MultiHeadLatentAttention, "mla_to_mha", carries=True)
     _linear_mla(mla, "mla_to_mha", allow_rope_after_up=True)
     has_bias = any(lin.bias is not None for lin in (mla.W_Q, mla.W_DKV, mla.W_UK, mla.W_UV, mla.W_O))
+    normed = mla.k_head_norm is not None
+    head = mla._head_config()
+    if not normed:
+        head["softmax_scale"] = None  # folded into W_Q below
     mha = MultiHeadAttention(mla.dim, mla.num_heads, head_dim=mla.head_dim, v_head_dim=mla.v_head_dim,
-                             context_dim=mla.context_dim, bias=has_bias, **_like(mla))
+                             context_dim=mla.context_dim, bias=has_bias, **head, **_like(mla))
     mha.rope = copy.deepcopy(mla.rope) if mla.rope_after_up else None
-    factor = mla.scale * math.sqrt(mla.head_dim)
+    for name in ("q_head_norm", "k_head_norm") if normed else ():
+        getattr(mha, name).load_state_dict(getattr(mla, name).state_dict())
+    factor = 1.0 if normed else mla.scale * math.sqrt(mla.head_dim)
     b_c = _bias(mla.W_DKV)
 
     def up(lin):

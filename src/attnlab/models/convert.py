@@ -94,17 +94,21 @@ def plane_choice(scores: list[torch.Tensor], planes: int) -> torch.Tensor:
     return shared_planes(torch.stack(scores), planes)
 
 
-def check_convertible(model) -> None:
-    """ValueError naming what no conversion carries yet (per-head q/k norms: Qwen3), before any work."""
+def check_convertible(model, exact: bool = False) -> None:
+    """ValueError naming what no conversion carries yet (per-head q/k norms, sliding windows: Qwen3, Gemma 3),
+    before any work; exact=True asks only for the exact GQA -> MLA, which carries them (convert.gqa_to_mla)."""
     from .load import NOT_CONVERTED
 
-    normed = [i for i, m in enumerate(attnlab_modules(model)) if getattr(m, "k_head_norm", None) is not None]
+    if exact:
+        return
+    normed = [i for i, m in enumerate(attnlab_modules(model))
+              if getattr(m, "k_head_norm", None) is not None or getattr(m, "sliding_window", None) is not None]
     if normed:
         kind = getattr(getattr(model, "config", None), "model_type", "")
         why = NOT_CONVERTED.get(kind, "its attention normalises each query and key head before RoPE, and no "
                                       "conversion carries that norm yet")
         raise ValueError(f"cannot convert {kind or 'this model'} yet ({len(normed)} layers with per-head q/k "
-                         f"norms, qk_norm_eps): {why}")
+                         f"norms, qk_norm_eps): {why} (the exact MLA, without --latent-dim, carries them)")
 
 
 def convert_model(model, to: str, *, latent_dim: int | None = None, rope_dim: int | None = None,
@@ -139,7 +143,7 @@ def convert_model(model, to: str, *, latent_dim: int | None = None, rope_dim: in
         what = "an MLA" if type(first).__name__ == "MultiHeadLatentAttention" else "converted"
         raise ValueError(f"the model is already {what} (layer 0 is a {type(first).__name__}, not a GQA/MHA): "
                          "convert its source model instead")
-    check_convertible(model)
+    check_convertible(model, exact=fam == "llama" and to == "mla" and latent_dim is None)
     for i, m in enumerate(modules):
         check_finite(i, _attention_weights(m))
     if calibration_ids is not None and calibration_ids.numel() == 0:

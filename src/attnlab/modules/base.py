@@ -1,6 +1,7 @@
 """What every attention module does before its own math: check inputs, find positions; its KV storage."""
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from . import checks
@@ -37,6 +38,42 @@ class AttentionModule(nn.Module):
         self._kv_format = fmt
 
     separate_keys = True  # whether the cache holds keys and values apart (KIVI treats them differently)
+    sliding_window: int | None = None  # self-attention to the last sliding_window positions (set by subclasses)
+    softmax_scale: float | None = None
+    # q_head_norm, k_head_norm: set by _head_options (no class defaults: they would hide registered submodules)
+
+    def _head_options(self, head_dim: int, qk_norm_eps, softmax_scale, sliding_window, **kw) -> None:
+        """Validate and set the per-head options GQA and MLA share: q/k RMSNorms over each head (qk_norm_eps),
+        the scores' scale, the sliding window. One-line ValueErrors naming the value."""
+        for name, value in (("qk_norm_eps", qk_norm_eps), ("softmax_scale", softmax_scale)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
+                raise ValueError(f"{name} must be a positive number or None, got {value!r}")
+        if sliding_window is not None:
+            checks.positive_int("sliding_window", sliding_window)
+        self.softmax_scale = None if softmax_scale is None else float(softmax_scale)
+        self.sliding_window = sliding_window
+        self.q_head_norm = self.k_head_norm = None
+        if qk_norm_eps is not None:
+            self.q_head_norm = nn.RMSNorm(head_dim, eps=float(qk_norm_eps), **kw)
+            self.k_head_norm = nn.RMSNorm(head_dim, eps=float(qk_norm_eps), **kw)
+
+    def _head_config(self) -> dict:
+        return dict(qk_norm_eps=None if self.k_head_norm is None else self.k_head_norm.eps,
+                    softmax_scale=self.softmax_scale, sliding_window=self.sliding_window)
+
+    def _window(self, positions: torch.Tensor, S: int, mask: torch.Tensor | None) -> torch.Tensor:
+        """The sliding window as a mask over keys at positions 0..S-1, (L, S) or (B, 1, L, S), merged with `mask`:
+        key j is seen from query position i when i - sliding_window < j <= i (causal by construction)."""
+        q = positions[..., :, None]  # (L, 1) or (B, L, 1)
+        j = torch.arange(S, device=positions.device)
+        band = (j <= q) & (j > q - self.sliding_window)  # (L, S) or (B, L, S)
+        if band.dim() == 3:
+            band = band[:, None]  # (B, 1, L, S)
+        if mask is None:
+            return band
+        if mask.dtype == torch.bool:
+            return mask & band
+        return mask.masked_fill(~band, float("-inf"))
 
     def _as_stored(self, t, parts: tuple[int, ...], role: str | None = None):
         """t (..., W) as a cache of this module's kv_dtype would return it (t itself when kv_dtype is None);

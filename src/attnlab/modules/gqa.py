@@ -38,7 +38,8 @@ class GroupedQueryAttention(AttentionModule):
             None: plain, in the activation dtype); see AttentionModule.kv_dtype and modules/cache.py.
         qk_norm_eps: give every query and key head an RMSNorm over its head_dim (one gain vector each for
             queries and keys, shared by the heads), applied before RoPE, as Qwen3 and Gemma 3 do; None: no
-            norm. The conversions refuse such a module (none carries the norm yet).
+            norm. The exact gqa_to_mla carries it (and softmax_scale, sliding_window); the other conversions
+            refuse such a module.
         softmax_scale: the scores' scale (default head_dim ** -0.5; Gemma 3: query_pre_attn_scalar ** -0.5).
         sliding_window: self-attention to the last `sliding_window` positions only (key position j is seen
             from query position i when i - sliding_window < j <= i; causal by construction), as Gemma 3's
@@ -54,13 +55,6 @@ class GroupedQueryAttention(AttentionModule):
                  sliding_window: int | None = None, device=None, dtype=None):
         super().__init__()
         self.kv_dtype = kv_dtype
-        if softmax_scale is not None and (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float))
-                                          or not softmax_scale > 0):
-            raise ValueError(f"softmax_scale must be a positive number or None, got {softmax_scale!r}")
-        if sliding_window is not None:
-            checks.positive_int("sliding_window", sliding_window)
-        self.softmax_scale = None if softmax_scale is None else float(softmax_scale)
-        self.sliding_window = sliding_window
         checks.positive_int("dim", dim)
         checks.positive_int("num_heads", num_heads)
         checks.positive_int("num_kv_heads", num_kv_heads)
@@ -76,13 +70,7 @@ class GroupedQueryAttention(AttentionModule):
         self.W_V = nn.Linear(context_dim, num_kv_heads * v_head_dim, bias=bias, **kw)
         self.W_O = nn.Linear(num_heads * v_head_dim, dim, bias=bias, **kw)
         self.rope = None if rope_base is None else RotaryEmbedding(head_dim, rope_base, interleaved=rope_interleaved)
-        if qk_norm_eps is not None and (isinstance(qk_norm_eps, bool) or not isinstance(qk_norm_eps, (int, float))
-                                        or not qk_norm_eps > 0):
-            raise ValueError(f"qk_norm_eps must be a positive number or None, got {qk_norm_eps!r}")
-        self.q_head_norm = self.k_head_norm = None
-        if qk_norm_eps is not None:
-            self.q_head_norm = nn.RMSNorm(head_dim, eps=float(qk_norm_eps), **kw)
-            self.k_head_norm = nn.RMSNorm(head_dim, eps=float(qk_norm_eps), **kw)
+        self._head_options(head_dim, qk_norm_eps, softmax_scale, sliding_window, **kw)
 
     @property
     def _anchor(self) -> torch.Tensor:
@@ -94,8 +82,7 @@ class GroupedQueryAttention(AttentionModule):
                     v_head_dim=self.v_head_dim, context_dim=self.context_dim, bias=self.W_Q.bias is not None,
                     grouping=self.grouping, rope_base=None if self.rope is None else self.rope.base,
                     rope_interleaved=False if self.rope is None else self.rope.interleaved, kv_dtype=self.kv_dtype,
-                    qk_norm_eps=None if self.k_head_norm is None else self.k_head_norm.eps,
-                    softmax_scale=self.softmax_scale, sliding_window=self.sliding_window)
+                    **self._head_config())
 
     @property
     def scale(self) -> float:
@@ -166,19 +153,6 @@ class GroupedQueryAttention(AttentionModule):
                    key_scale=key_scale, value_scale=value_scale)  # (B, H, L, dv)
         o = o.transpose(1, 2).reshape(B, L, self.num_heads * self.v_head_dim)  # (B, L, H*dv)
         return self.W_O(o)  # (B, L, dim)
-
-    def _window(self, positions: torch.Tensor, S: int, mask: torch.Tensor | None) -> torch.Tensor:
-        """The sliding window as a mask over keys at positions 0..S-1 (L, S) or (B, 1, L, S), merged with `mask`."""
-        q = positions[..., :, None]  # (L, 1) or (B, L, 1)
-        j = torch.arange(S, device=positions.device)
-        band = (j <= q) & (j > q - self.sliding_window)  # (L, S) or (B, L, S)
-        if band.dim() == 3:
-            band = band[:, None]  # (B, 1, L, S)
-        if mask is None:
-            return band
-        if mask.dtype == torch.bool:
-            return mask & band
-        return mask.masked_fill(~band, float("-inf"))
 
     def extra_repr(self) -> str:
         return (f"dim={self.dim}, context_dim={self.context_dim}, num_heads={self.num_heads}, "

@@ -86,6 +86,12 @@ class MultiHeadLatentAttention(AttentionModule):
             module docstring); the fresh module's W_UK/W_UV are set to that tiling.
         kv_dtype: storage of the cache ("fp32", "bf16", "int8", "fp8", "int8/g<N>", "fp8/g<N>"; None:
             plain, in the activation dtype); see AttentionModule.kv_dtype and modules/cache.py.
+        qk_norm_eps: an RMSNorm over every query head and every up-projected key head before RoPE (Qwen3,
+            Gemma 3), for the layouts where a key head is formed before it is rotated: rope_after_up, or no
+            RoPE. It is not linear in the latent, so such a module has no absorbed path (the expanded and
+            GQA-tiled paths carry it); the decoupled layout refuses it (its key norm is a per-token scalar
+            its cache does not hold yet).
+        sliding_window: self-attention to the last sliding_window positions, as in GroupedQueryAttention.
     A latent_dim above min(H*(d + dv), context_dim) cannot compress anything; it
     is allowed (exact conversions may produce it) with a warning.
     """
@@ -97,7 +103,8 @@ class MultiHeadLatentAttention(AttentionModule):
                  q_latent_dim: int | None = None, latent_norm: bool = False, bias: bool = False,
                  latent_bias: bool = False, softmax_scale: float | None = None, rope_base: float = 10000.0,
                  rope_interleaved: bool = False, rope_after_up: bool = False, norm_eps: float = 1e-6,
-                 kv_tiling: str | None = None, kv_dtype: str | None = None, device=None, dtype=None):
+                 kv_tiling: str | None = None, kv_dtype: str | None = None, qk_norm_eps: float | None = None,
+                 sliding_window: int | None = None, device=None, dtype=None):
         super().__init__()
         self.kv_dtype = kv_dtype
         checks.positive_int("dim", dim)
@@ -118,8 +125,11 @@ class MultiHeadLatentAttention(AttentionModule):
         self.dim, self.context_dim, self.num_heads = dim, context_dim, num_heads
         self.head_dim, self.v_head_dim, self.rope_dim = head_dim, v_head_dim, rope_dim
         self.latent_dim, self.q_latent_dim = latent_dim, q_latent_dim
-        self.softmax_scale = softmax_scale
         kw = dict(device=device, dtype=dtype)
+        if qk_norm_eps is not None and rope_dim:
+            raise ValueError(f"qk_norm_eps needs rope_after_up or no RoPE: with a decoupled rope_dim ({rope_dim}) the "
+                             "key norm is a per-token scalar the latent cache does not hold yet")
+        self._head_options(head_dim, qk_norm_eps, softmax_scale, sliding_window, **kw)
         q_out = num_heads * (head_dim + rope_dim)
         if q_latent_dim is None:
             self.W_Q = nn.Linear(dim, q_out, bias=bias, **kw)
@@ -166,10 +176,10 @@ class MultiHeadLatentAttention(AttentionModule):
                     v_head_dim=self.v_head_dim, context_dim=self.context_dim, rope_dim=self.rope_dim,
                     q_latent_dim=self.q_latent_dim, latent_norm=self.kv_norm is not None,
                     bias=q_proj.bias is not None, latent_bias=self.W_DKV.bias is not None,
-                    softmax_scale=self.softmax_scale, rope_base=self.rope.base if self.rope else 10000.0,
+                    rope_base=self.rope.base if self.rope else 10000.0,
                     rope_interleaved=bool(self.rope and self.rope.interleaved), rope_after_up=self.rope_after_up,
                     norm_eps=norm.eps if norm is not None else 1e-6, kv_tiling=self.kv_tiling,
-                    kv_dtype=self.kv_dtype)
+                    kv_dtype=self.kv_dtype, **self._head_config())
 
     @property
     def scale(self) -> float:
@@ -205,6 +215,8 @@ class MultiHeadLatentAttention(AttentionModule):
         q = self.W_Q(x) if self.W_Q is not None else self.W_UQ(self.q_norm(self.W_DQ(x)))  # (B, L, H*(d+p))
         q = q.view(B, L, self.num_heads, self.head_dim + self.rope_dim).transpose(1, 2)  # (B, H, L, d+p)
         q_nope, q_rope = q.split([self.head_dim, self.rope_dim], dim=-1)  # (B, H, L, d), (B, H, L, p)
+        if self.q_head_norm is not None:
+            q_nope = self.q_head_norm(q_nope)
         if self.rope_after_up:
             q_nope = self.rope(q_nope, positions)
         elif self.rope is not None:
@@ -296,6 +308,8 @@ class MultiHeadLatentAttention(AttentionModule):
         block = lambda b: gqa_block(b, self.num_heads, G, grouping=self.kv_tiling, rtol=0.0)  # noqa: E731
         if self.W_UK.bias is not None:
             k = k + block(self.W_UK.bias)  # (B, S, G*d)
+        if self.k_head_norm is not None:
+            k = self.k_head_norm(k.unflatten(-1, (G, d))).flatten(-2)  # (B, S, G*d)
         if self.W_UV.bias is not None:
             v = v + block(self.W_UV.bias)  # (B, S, G*dv)
         if self.rope_after_up:
@@ -368,10 +382,16 @@ class MultiHeadLatentAttention(AttentionModule):
             if cache is not None:
                 (kv,) = cache.extend_stored(kv=kv) if ours else cache.extend(kv=kv)  # (B, S, r+p)
                 cache.static = context is not None
+        if self.sliding_window is not None and context is None and (cache is None or ours):
+            mask, is_causal = self._window(positions, kv.shape[1], mask), False
         key_positions = None
         if tiled:
             o = self._tiled(q_nope, dense(kv), mask, is_causal)  # (B, H, L, dv)
             return self.W_O(o.transpose(1, 2).reshape(B, L, self.num_heads * self.v_head_dim))  # (B, L, dim)
+        if self.k_head_norm is not None and not self.rope_after_up:  # no RoPE: only the key norm
+            if absorbed:
+                raise ValueError("qk_norm_eps has no absorbed path: the key norm sits between W_UK and the scores")
+            absorbed = False
         if self.rope_after_up:
             if absorbed:
                 raise ValueError("rope_after_up has no absorbed path: RoPE sits between W_UK and the scores")
@@ -390,7 +410,10 @@ class MultiHeadLatentAttention(AttentionModule):
         B, S, _ = kv.shape
         H, r = self.num_heads, self.latent_dim
         c = kv[..., :r]  # (B, S, r)
-        k = self.W_UK(c).view(B, S, H, self.head_dim).transpose(1, 2)  # (B, H, S, d)
+        k = self.W_UK(c).view(B, S, H, self.head_dim)  # (B, S, H, d)
+        if self.k_head_norm is not None:
+            k = self.k_head_norm(k)
+        k = k.transpose(1, 2)  # (B, H, S, d)
         if self.rope_after_up:
             k = self.rope(k, key_positions if key_positions is not None else torch.arange(S, device=kv.device))
         v = self.W_UV(c).view(B, S, H, self.v_head_dim).transpose(1, 2)  # (B, H, S, dv)
