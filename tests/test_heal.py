@@ -242,3 +242,26 @@ def test_teacher_windows_as_long_as_the_context_fit_it_whatever_the_prompts(tiny
     assert out.shape == (4, ctx) and bool((out >= 0).all()) and bool((out < teacher.config.vocab_size).all())
     with pytest.raises(ValueError, match=rf"{ctx + 1} tokens exceed .*max_position_embeddings {ctx}"):
         teacher_windows(teacher, tok, 1, ctx + 1)
+
+
+def test_the_evaluation_window_follows_a_short_context(tmp_path):
+    """A model of 32 tokens of context is scored in windows of 32, not refused for the default 512 (issue scale's
+    bad input); a student equal to its teacher scores the teacher's perplexity on every held-out token."""
+    from attnlab.heal.evaluate import evaluate_pair
+    from attnlab.models.evaluate import default_window
+
+    folder = tmp_path / "short"
+    make_checkpoint("llama", folder, max_position_embeddings=32)
+    teacher, tok, _ = hf.load_model(str(folder))
+    student = copy.deepcopy(teacher)
+    held = hf.read_text_ids(tok, _text(tmp_path), 100)
+    assert held.shape[1] == 100 and default_window(teacher) == 32
+    out = evaluate_pair(teacher, student, held, prompts=1, prompt_len=8, new_tokens=4)
+    assert out["windows"] == 4 and out["tokens"] == 100  # windows at 0, 32, 64 and 96
+    assert out["perplexity"] == pytest.approx(out["teacher_perplexity"], rel=1e-6)
+
+
+def _text(tmp_path):
+    path = tmp_path / "held.txt"
+    path.write_text(TEXT * 4)
+    return path

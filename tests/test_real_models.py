@@ -118,7 +118,7 @@ def test_minilm_fewer_kv_heads_lose_something(minilm):
 
 def test_unsupported_family_names_the_supported_ones():
     from transformers import GPT2Config, GPT2Model
-    with pytest.raises(ValueError, match=r"not supported: model family 'GPT2'; supported: Llama, Mistral, Qwen2, Qwen3, BERT"):
+    with pytest.raises(ValueError, match=r"not supported: model family 'GPT2'; supported: Llama, Mistral, Qwen2, Qwen3, Gemma 3 \(text\), BERT"):
         hf.to_attnlab(GPT2Model(GPT2Config(n_layer=1, n_embd=32, n_head=2)))
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from ..generation.loop import generate
-from ..models.evaluate import check_window, kv_bytes_per_token, next_token_nll, windows
+from ..models.evaluate import check_window, default_window, kv_bytes_per_token, next_token_nll, windows
 from ..runtime.budget import Stopped
 
 
@@ -46,15 +46,17 @@ def _prompts(held_out: torch.Tensor, prompts: int, prompt_len: int) -> torch.Ten
 
 
 def evaluate_pair(teacher, student, held_out: torch.Tensor, *, prompts: int = 8, prompt_len: int = 32,
-                  new_tokens: int = 64, window: int = 512, budget=None, reference: dict | None = None) -> dict:
+                  new_tokens: int = 64, window: int | None = None, budget=None, reference: dict | None = None) -> dict:
     """The student against the teacher on held-out token ids (1, M): perplexity, top-1 and greedy agreement.
 
     budget (runtime.Budget): a window is scored if the last one's time still fits (the first always); greedy agreement
     is left out if the budget runs out before it ends; a stop request raises runtime.Stopped. reference: the result of an earlier call (the
     "before" evaluation): the same windows are scored, the teacher's cached answers are reused,
     and greedy agreement runs if it ran then. The result holds the teacher's perplexity on the
-    scored windows and `tokens`, the held-out tokens scored.
+    scored windows and `tokens`, the held-out tokens scored. window: tokens per window, default 512 or the
+    model's context where that is shorter (models.evaluate.default_window).
     """
+    window = default_window(student) if window is None else window
     check_window(window, held_out, student)
     chunks = windows(held_out, window)
     if reference is not None:

@@ -35,6 +35,16 @@ def attention_inputs(model, input_ids: torch.Tensor) -> list[torch.Tensor]:
             h.remove()
     return seen
 
+EVAL_WINDOW = 512  # tokens per evaluation window, where the model's context allows
+
+
+def default_window(model, preferred: int = EVAL_WINDOW) -> int:
+    """`preferred`, or the model's context (max_position_embeddings) where that is shorter: the evaluation window
+    the heal and shrink reports use, so that a model of a short context is scored, not refused."""
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    return min(preferred, limit) if isinstance(limit, int) and limit >= 2 else preferred
+
+
 def check_window(window: int, input_ids: torch.Tensor, model=None) -> None:
     """ValueError naming the values unless window >= 2, ids (1, N >= 2), and window within the model's context."""
     if isinstance(window, bool) or not isinstance(window, int) or window < 2:

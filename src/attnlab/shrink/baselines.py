@@ -27,12 +27,13 @@ def baseline_bytes(teacher, names=BASELINES) -> dict[str, int]:
     return out
 
 
-def score(teacher, held_out, names, *, window: int = 512, tokens: int | None = None) -> dict[str, float]:
+def score(teacher, held_out, names, *, window: int | None = None, tokens: int | None = None) -> dict[str, float]:
     """The teacher's perplexity on held-out ids (1, M) (the first `tokens`) with each storage; the teacher
-    comes back with the storage it had."""
+    comes back with the storage it had. window: default 512, or the model's context where shorter."""
     from ..models.adapters import attnlab_modules
-    from ..models.evaluate import perplexity
+    from ..models.evaluate import default_window, perplexity
 
+    window = default_window(teacher) if window is None else window
     ids = held_out if tokens is None else held_out[:, :tokens]
     saved = [m.kv_dtype for m in attnlab_modules(teacher)]
     out = {}
