@@ -331,13 +331,7 @@ def kivi_round_trip(x: torch.Tensor, fmt: LowBit, role: str) -> torch.Tensor:
     if role != "key":
         raise ValueError(f"KIVI quantises a GQA's keys per channel and its values per token; role {role!r} has "
                          "neither (an MLA cache takes int4/g<N>, int2/g<N> or a q-block format)")
-    S = x.shape[-2]
-    whole = S // BLOCK * BLOCK
-    if whole == 0:
-        return x
-    t = x[..., :whole, :].transpose(-1, -2)  # (..., W, whole): each channel's tokens as a row
-    stored = round_trip(t, (t.shape[-1],), asym).transpose(-1, -2)  # (..., whole, W)
-    return torch.cat([stored, x[..., whole:, :]], -2) if whole < S else stored
+    return channel_round_trip(x, asym._replace(kind="channel"))  # per channel over whole groups of BLOCK tokens
 
 
 def kivi_bytes(values_per_token: int, fmt: LowBit) -> int:
