@@ -87,7 +87,12 @@ def _mla(src, latent_dim: int, bias: bool) -> MultiHeadLatentAttention:
                                        v_head_dim=src.v_head_dim, context_dim=src.context_dim, bias=bias,
                                        rope_after_up=src.rope is not None, **src._head_config(), **_like(src))
     mla.rope = copy.deepcopy(src.rope)
-    for name in ("q_head_norm", "k_head_norm"):  # the same RMSNorm on every head: on the up-projected keys here
-        if getattr(src, name) is not None:
-            getattr(mla, name).load_state_dict(getattr(src, name).state_dict())
+    copy_head_norms(mla, src)  # the same RMSNorm on every head: on the up-projected keys here
     return mla
+
+
+def copy_head_norms(dst, src) -> None:
+    """src's per-head q/k norm gains into dst's (both made with src's qk_norm_eps); nothing without norms."""
+    for name in ("q_head_norm", "k_head_norm"):
+        if getattr(src, name) is not None:
+            getattr(dst, name).load_state_dict(getattr(src, name).state_dict())

@@ -16,7 +16,7 @@ import torch
 from ..modules.gqa import GroupedQueryAttention, MultiHeadAttention
 from ..modules.heads import tile_heads
 from ..modules.mla import MultiHeadLatentAttention
-from .base import F64, _bias, _expect, _like, _linear_mla, _mla, _set
+from .base import F64, _bias, _expect, _like, _linear_mla, _mla, _set, copy_head_norms
 from .linalg import factor_tiled, fold_output, fold_query, svd_factors
 from .report import _report
 
@@ -116,8 +116,7 @@ def mla_to_mha(mla: MultiHeadLatentAttention):
     mha = MultiHeadAttention(mla.dim, mla.num_heads, head_dim=mla.head_dim, v_head_dim=mla.v_head_dim,
                              context_dim=mla.context_dim, bias=has_bias, **head, **_like(mla))
     mha.rope = copy.deepcopy(mla.rope) if mla.rope_after_up else None
-    for name in ("q_head_norm", "k_head_norm") if normed else ():
-        getattr(mha, name).load_state_dict(getattr(mla, name).state_dict())
+    copy_head_norms(mha, mla)
     factor = 1.0 if normed else mla.scale * math.sqrt(mla.head_dim)
     b_c = _bias(mla.W_DKV)
 

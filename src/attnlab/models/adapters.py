@@ -160,22 +160,19 @@ def _copy_linear(dst: nn.Linear, src: nn.Linear) -> None:
 def _llama_rope(model, layer_type: str | None = None) -> RotaryEmbedding:
     """The RoPE of a layer; Gemma 3's rotary module holds one set of frequencies per layer type."""
     base = getattr(model, "model", model)
-    rot = base.rotary_emb
-    if layer_type is not None and hasattr(rot, f"{layer_type}_inv_freq"):
-        cfg = model.config
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        theta = float(cfg.rope_parameters[layer_type].get("rope_theta", 10000.0))
-        return RotaryEmbedding(head_dim, theta, inv_freq=getattr(rot, f"{layer_type}_inv_freq"),
-                               scaling=float(getattr(rot, f"{layer_type}_attention_scaling", 1.0)))
-    return rope_from_rotary(model.config, rot)
+    return rope_from_rotary(model.config, base.rotary_emb, layer_type)
 
 
-def rope_from_rotary(cfg, rot) -> RotaryEmbedding:
-    """attnlab's RoPE with a transformers rotary module's frequencies (any rope scaling) and attention scaling."""
+def rope_from_rotary(cfg, rot, layer_type: str | None = None) -> RotaryEmbedding:
+    """attnlab's RoPE with a transformers rotary module's frequencies (any rope scaling) and attention scaling;
+    layer_type: for a module holding one set per layer type (Gemma 3: `<type>_inv_freq`, rope_parameters[type])."""
     params = getattr(cfg, "rope_parameters", None) or {"rope_theta": getattr(cfg, "rope_theta", 10000.0)}
+    prefix = ""
+    if layer_type is not None and hasattr(rot, f"{layer_type}_inv_freq"):
+        params, prefix = params[layer_type], f"{layer_type}_"
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    return RotaryEmbedding(head_dim, float(params.get("rope_theta", 10000.0)), inv_freq=rot.inv_freq,
-                           scaling=float(getattr(rot, "attention_scaling", 1.0)))
+    return RotaryEmbedding(head_dim, float(params.get("rope_theta", 10000.0)), inv_freq=getattr(rot, prefix + "inv_freq"),
+                           scaling=float(getattr(rot, prefix + "attention_scaling", 1.0)))
 
 
 def _attention_class(model):
