@@ -25,10 +25,8 @@ Storage (`kv_dtype`; `cache.dtype` stays the activation dtype the cache returns)
   the same scales; where the torch build has no float8_e4m3fn it is refused.
 - "int8/g<N>", "fp8/g<N>": one scale per N channels of a part instead of one per part.
 - few-bit ("q4_0", "int4/g32", "int3/g64+c4", ...): packed codes and float16 meta (modules/lowbit.py); with
-  "+c4" an MLA's rope key is kept per channel over groups of 64 tokens: the newest, incomplete group stays
-  in the activation dtype (`<name>_recent`) and is quantised when its last token is written, its scales
-  and minima in `<name>_keymeta`; such a cache reads back dequantised rows, refuses fixed_slot, and a
-  truncate into a quantised group keeps those tokens at their stored values.
+  "+c4" an MLA's rope key is kept per channel over groups of 64 tokens, its newest, incomplete group
+  unquantised (modules/key_groups.py); such a cache reads back dequantised rows and refuses fixed_slot.
 Per part is the default because per-group scales did not measure clearly better on a real
 model (docs/generation.md, "Quantised KV caches"): on SmolLM2-135M, int8 per part costs at
 most 1.003x perplexity on the GQA and nothing measurable on its MLA at half the KV values
@@ -61,6 +59,7 @@ import torch
 from torch import nn
 
 from . import checks, lowbit
+from .key_groups import RopeKeyGroups
 
 KV_DTYPES = ("fp32", "bf16", "int8", "fp8", "q8_0", "q5_0", "q4_0", "q4_1", "int4", "int3", "int2", "kivi4",
              "kivi2")
@@ -277,7 +276,7 @@ class _Cache:
         self._parts = {name: (parts or {}).get(name, (shape[-1],)) for name, shape in buffers.items()}
         self._names = list(buffers)
         self._scale_names = {}
-        self._channel: dict[str, tuple[int, int]] = {}  # name -> (latent width, rope key width) for "+c4"
+        self._channel: dict[str, RopeKeyGroups] = {}  # "+c4": a rope key per channel over groups of tokens
         for name, shape in buffers.items():
             parts_n = self._parts[name]
             if fmt is not None and fmt.quantised and sum(parts_n) != shape[-1]:
@@ -285,12 +284,7 @@ class _Cache:
             if fmt is not None and fmt.low is not None:  # packed codes, float16 meta per group
                 lowbit.check_parts(parts_n, fmt.low)
                 if fmt.low.rope_channel:  # the rope key's meta per group of tokens, its newest group unquantised
-                    T, (r, p) = lowbit.KEY_TOKENS, parts_n
-                    self._channel[name] = (r, p)
-                    setattr(self, name + "_keymeta", torch.zeros(*shape[:-2], -(-max_len // T),
-                                                                 lowbit.channel_meta(parts_n, fmt.low),
-                                                                 dtype=lowbit.META_DTYPE, device=device))
-                    setattr(self, name + "_recent", torch.zeros(*shape[:-2], T, p, dtype=dtype, device=device))
+                    self._channel[name] = RopeKeyGroups(shape, parts_n, fmt.low, max_len, dtype, device)
                 setattr(self, name, torch.zeros(*shape[:-1], lowbit.packed_row(parts_n, fmt.low), dtype=stored,
                                                 device=device))
                 self._scale_names[name] = name + "_scales"
@@ -307,17 +301,14 @@ class _Cache:
         """The tensors with one row per token: the buffers and, for quantised storage, their scales."""
         return self._names + list(self._scale_names.values())
 
-    def _all_names(self) -> list[str]:
-        return self._row_names() + [n + extra for n in self._channel for extra in ("_keymeta", "_recent")]
-
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor the cache allocated: the buffers and, for quantised storage, their scales (and for a
         rope key per channel its meta per group of tokens and its newest group, unquantised)."""
-        return [getattr(self, n) for n in self._all_names()]
+        return [getattr(self, n) for n in self._row_names()] + [t for g in self._channel.values() for t in g.tensors()]
 
     def _per_token_share(self, numbers: bool) -> int:
         """A rope key per channel: each token's share of its group's meta (rounded up), in numbers or bytes."""
-        per_group = sum(lowbit.channel_meta(self._parts[n], self._format.low) for n in self._channel)
+        per_group = sum(g.meta_per_group() for g in self._channel.values())
         return -(-per_group * (1 if numbers else 2) // lowbit.KEY_TOKENS)
 
     @property
@@ -392,10 +383,8 @@ class _Cache:
         """Forget every token after the first `length` (for example rejected draft tokens)."""
         if not 0 <= length <= self.length:
             raise ValueError(f"length must be between 0 and the cached {self.length}, got {length}")
-        for name, (r, _) in self._channel.items():  # the kept tokens of a group now incomplete go back unquantised
-            start = length // lowbit.KEY_TOKENS * lowbit.KEY_TOKENS
-            kept = self._channel_rows(name, self.length)[..., start:length, r:]  # (B, n, p)
-            getattr(self, name + "_recent")[..., :length - start, :] = kept
+        for name, groups in self._channel.items():  # the kept tokens of a group now incomplete go back unquantised
+            groups.truncate(getattr(self, name), getattr(self, self._scale_names[name]), self.length, length)
         self._length = length
 
     def check_owner(self, module: nn.Module, batch_size: int, dtype: torch.dtype) -> None:
@@ -433,46 +422,11 @@ class _Cache:
         end = self.length + n
         for name, t in new.items():
             if name in self._channel:
-                self._write_channel(name, t)
+                self._channel[name].write(getattr(self, name), getattr(self, self._scale_names[name]), self.length, t)
                 continue
             for buf, rows in self._encode(name, t):
                 buf[..., self.length:end, :] = rows
         self._length = end
-
-    def _write_channel(self, name: str, t: torch.Tensor) -> None:
-        """New rows t (..., n, r+p) of a "+c4" buffer after the cached ones: the latent per token now, the rope key
-        into the newest group, which is quantised per channel (lowbit.channel_encode) once its last token is in."""
-        (r, p), T, low = self._channel[name], lowbit.KEY_TOKENS, self._format.low
-        buf, L, n = getattr(self, name), self.length, t.shape[-2]
-        lat = lowbit.per_token(low)
-        codes, meta = lowbit.encode(t[..., :r], (r,), lat)
-        nb = codes.shape[-1]
-        buf[..., L:L + n, :nb] = codes
-        getattr(self, self._scale_names[name])[..., L:L + n, :] = meta
-        recent, start = getattr(self, name + "_recent"), L // T * T
-        pending = torch.cat([recent[..., :L - start, :], t[..., r:].to(recent.dtype)], -2)  # (..., L + n - start, p)
-        whole = pending.shape[-2] // T * T
-        if whole:
-            key = lowbit.part_formats((r, p), low)[1]
-            kc, km = lowbit.channel_encode(pending[..., :whole, :].unflatten(-2, (-1, T)), key)  # (.., g, T, pb), (.., g, 2p)
-            buf[..., start:start + whole, nb:] = kc.flatten(-3, -2)
-            getattr(self, name + "_keymeta")[..., start // T:(start + whole) // T, :] = km
-        recent[..., :pending.shape[-2] - whole, :] = pending[..., whole:, :]
-
-    def _channel_rows(self, name: str, rows: int) -> torch.Tensor:
-        """The first `rows` (<= the tokens held) rows of a "+c4" buffer, in the activation dtype."""
-        (r, p), T, low = self._channel[name], lowbit.KEY_TOKENS, self._format.low
-        buf, held = getattr(self, name), self._length
-        lat = lowbit.per_token(low)
-        nb = lowbit.packed_width(r, lat.bits)
-        c = lowbit.decode(buf[..., :rows, :nb], getattr(self, self._scale_names[name])[..., :rows, :], (r,), lat,
-                          self.dtype)  # (..., rows, r)
-        whole = held // T * T
-        grouped = buf[..., :whole, nb:].unflatten(-2, (-1, T))  # (..., g, T, pb)
-        key = lowbit.channel_decode(grouped, getattr(self, name + "_keymeta")[..., :whole // T, :], p,
-                                    lowbit.part_formats((r, p), low)[1], self.dtype).flatten(-3, -2)  # (..., whole, p)
-        key = torch.cat([key, getattr(self, name + "_recent")[..., :held - whole, :]], -2)  # (..., held, p)
-        return torch.cat([c, key[..., :rows, :]], -1)
 
     def stored(self, rows: int | None = None) -> tuple:
         """Each buffer's first `rows` rows (default: the tokens held; a fixed_slot view: all max_len) as stored:
@@ -482,7 +436,8 @@ class _Cache:
         out = []
         for name in self._names:
             if name in self._channel:  # dequantised here: the rope key's groups have their meta apart
-                out.append(self._channel_rows(name, rows))
+                out.append(self._channel[name].read(getattr(self, name), getattr(self, self._scale_names[name]),
+                                                    self._length, rows))
                 continue
             buf = getattr(self, name)[..., :rows, :]
             if name in self._scale_names:
@@ -513,8 +468,9 @@ class _Cache:
         if batch_size == self.batch_size:
             return self
         part = copy.copy(self)
-        for name in self._all_names():
+        for name in self._row_names():
             setattr(part, name, getattr(self, name)[:batch_size])
+        part._channel = {name: groups.rows_of(batch_size) for name, groups in self._channel.items()}
         part.batch_size = batch_size
         return part
 

@@ -1,0 +1,91 @@
+"""A cached MLA row's rope key stored per channel over groups of tokens ("+c4"), beside its per-token latent.
+
+A latent cache row is [c, k_R]: r latent numbers and p rope-key numbers. With a "+c4" storage
+(modules/lowbit.py) the latent is quantised per token as it is written, like every other row,
+but the rope key is quantised per channel over a group of `lowbit.KEY_TOKENS` tokens (KIVI's key
+layout: one scale and minimum per channel and group), which needs the whole group first. So the
+newest, incomplete group is kept in the activation dtype (`recent`, KEY_TOKENS rows per sequence)
+and quantised into the packed row buffer when its last token arrives; the groups' float16 meta
+live in `meta` (one row per group of tokens). Reading returns dequantised rows: the groups' keys
+decoded, then the newest group as it is.
+
+`RopeKeyGroups` holds that state for one cache buffer and does the writing, the reading and a
+truncate; `_Cache` (cache.py) owns the packed buffer and the latent's scales and passes them in.
+A truncate into a quantised group puts the kept tokens of that group back into `recent` at their
+stored (quantised) values: they are re-quantised with the rest of the group when it completes.
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from . import lowbit
+
+
+class RopeKeyGroups:
+    """The "+c4" state of one buffer of rows (..., S_max, r + p): the meta per group of tokens and the newest group.
+
+    shape: the buffer's unpacked shape (..., S_max, r + p); parts: (r, p); low: the lowbit format (rope_channel).
+    """
+
+    def __init__(self, shape: tuple[int, ...], parts: tuple[int, int], low, max_len: int, dtype: torch.dtype, device):
+        T = lowbit.KEY_TOKENS
+        self.parts, self.low, self.dtype = tuple(parts), low, dtype
+        self.meta = torch.zeros(*shape[:-2], -(-max_len // T), lowbit.channel_meta(self.parts, low),
+                                dtype=lowbit.META_DTYPE, device=device)  # (..., groups, meta per group)
+        self.recent = torch.zeros(*shape[:-2], T, self.parts[1], dtype=dtype, device=device)  # (..., T, p)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.meta, self.recent]
+
+    def meta_per_group(self) -> int:
+        """Meta numbers (float16) per group of KEY_TOKENS tokens."""
+        return lowbit.channel_meta(self.parts, self.low)
+
+    def rows_of(self, batch_size: int) -> "RopeKeyGroups":
+        """The state of the first `batch_size` sequences, sharing memory (for _Cache.batch_view)."""
+        part = copy.copy(self)
+        part.meta, part.recent = self.meta[:batch_size], self.recent[:batch_size]
+        return part
+
+    def _latent_width(self) -> int:
+        return lowbit.packed_width(self.parts[0], lowbit.per_token(self.low).bits)
+
+    def write(self, buf: torch.Tensor, scales: torch.Tensor, held: int, t: torch.Tensor) -> None:
+        """New rows t (..., n, r + p) after the `held` tokens: the latent's codes and meta per token into buf and
+        scales now, the rope key into the newest group, quantised per channel once the group's last token is in."""
+        (r, p), T = self.parts, lowbit.KEY_TOKENS
+        n = t.shape[-2]
+        codes, meta = lowbit.encode(t[..., :r], (r,), lowbit.per_token(self.low))
+        nb = codes.shape[-1]
+        buf[..., held:held + n, :nb] = codes
+        scales[..., held:held + n, :] = meta
+        start = held // T * T
+        pending = torch.cat([self.recent[..., :held - start, :], t[..., r:].to(self.recent.dtype)], -2)
+        whole = pending.shape[-2] // T * T  # (..., held + n - start, p) pending; the whole groups are quantised
+        if whole:
+            key = lowbit.part_formats(self.parts, self.low)[1]
+            kc, km = lowbit.channel_encode(pending[..., :whole, :].unflatten(-2, (-1, T)), key)  # (.., g, T, pb), (.., g, 2p)
+            buf[..., start:start + whole, nb:] = kc.flatten(-3, -2)
+            self.meta[..., start // T:(start + whole) // T, :] = km
+        self.recent[..., :pending.shape[-2] - whole, :] = pending[..., whole:, :]
+
+    def read(self, buf: torch.Tensor, scales: torch.Tensor, held: int, rows: int) -> torch.Tensor:
+        """The first `rows` (<= held) rows, [c, k_R] in the activation dtype."""
+        (r, p), T = self.parts, lowbit.KEY_TOKENS
+        nb = self._latent_width()
+        c = lowbit.decode(buf[..., :rows, :nb], scales[..., :rows, :], (r,), lowbit.per_token(self.low),
+                          self.dtype)  # (..., rows, r)
+        whole = held // T * T
+        grouped = buf[..., :whole, nb:].unflatten(-2, (-1, T))  # (..., g, T, pb)
+        key = lowbit.channel_decode(grouped, self.meta[..., :whole // T, :], p,
+                                    lowbit.part_formats(self.parts, self.low)[1], self.dtype).flatten(-3, -2)
+        key = torch.cat([key, self.recent[..., :held - whole, :]], -2)  # (..., held, p)
+        return torch.cat([c, key[..., :rows, :]], -1)
+
+    def truncate(self, buf: torch.Tensor, scales: torch.Tensor, held: int, length: int) -> None:
+        """Keep the first `length` tokens: those of a group now incomplete go back into `recent` (as stored)."""
+        start = length // lowbit.KEY_TOKENS * lowbit.KEY_TOKENS
+        kept = self.read(buf, scales, held, held)[..., start:length, self.parts[0]:]  # (..., n, p)
+        self.recent[..., :length - start, :] = kept
