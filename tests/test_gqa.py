@@ -120,14 +120,16 @@ def test_qk_norm_eps_must_be_positive(eps):
 
 
 def test_conversions_that_would_drop_qk_norms_refuse_them():
-    """Every conversion but the exact gqa_to_mla (which carries them) refuses per-head q/k norms."""
+    """Every conversion but the exact gqa_to_mla and the decoupled one with the keys whole (which carry them)
+    refuses per-head q/k norms; the decoupled one names the rope_dim it takes (tests/test_norm_families.py)."""
     from attnlab.convert import gqa_to_mha, gqa_to_mla_decoupled, mha_to_mla
 
     m = _qk_norm_gqa()
-    for convert in (gqa_to_mha, lambda g: gqa_to_mla_decoupled(g, 8, 2),
-                    lambda g: mha_to_mla(g, latent_dim=8)):
+    for convert in (gqa_to_mha, lambda g: mha_to_mla(g, latent_dim=8)):
         with pytest.raises(ValueError, match=r"per-head q/k norms yet \(qk_norm_eps=1e-06"):
             convert(m)
+    with pytest.raises(ValueError, match=r"converts only with its keys whole: rope_dim = G x d = 2 x 8 = 16"):
+        gqa_to_mla_decoupled(m, 8, 2)
 
 
 # -- Gemma 3's layers: a sliding window and a query scale of their own ----------------------------------------

@@ -137,7 +137,8 @@ def test_adapter_keeps_a_transformers_cache_under_either_keyword(folders, keywor
 
 @pytest.mark.parametrize("kind, model_type", [("qwen3", "qwen3"), ("gemma3", "gemma3_text")])
 def test_swap_only_compressed_conversions_refused(folders, tmp_path, kind, model_type):
-    """No compressed conversion carries a per-head key norm yet: each refuses, naming it, before any work."""
+    """A compressed conversion of a per-head key norm other than the keys whole (rope_dim G x d) refuses, naming it,
+    before any work; so does the streamed route (tests/test_norm_families.py converts them)."""
     from attnlab.convert import gqa_to_mla_decoupled
     from attnlab.models.stream import convert_checkpoint
 
@@ -189,17 +190,19 @@ def test_swap_only_exact_mla_float64_and_generation(folders, tmp_path, kind):
     assert rel_err(_logits(model, f["ids"]), _logits(theirs.double(), f["ids"])) <= 1e-10  # RoPE round in float32)
 
 
-def test_qwen3_cli_eval_answers_and_shrink_refuses_in_one_line(folders, tmp_path, capsys):
+def test_qwen3_cli_eval_answers_and_shrink_to_a_deepseek_or_gguf_refuses_in_one_line(folders, tmp_path, capsys):
+    """shrink keeps a Qwen3's keys whole in attnlab's format; DeepSeek's and llama.cpp's MLA have no per-head key
+    norm, so those formats are refused in one line before any text is written."""
     f = folders["qwen3"]
     text = tmp_path / "t.txt"
     text.write_text(TEXT)
     assert main(["eval", str(f["folder"]), "--text", str(text), "--window", "32"]) == 0
     assert "perplexity:" in capsys.readouterr().out
-    out = tmp_path / "small"
-    assert main(["shrink", str(f["folder"]), "--kv-budget", "50%", "--out", str(out)]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "cannot convert qwen3 yet" in err[0] and "q_norm, k_norm" in err[0]
-    assert not out.exists() and not out.with_name(out.name + ".shrink-run").exists()
+    for fmt, out in (("gguf", tmp_path / "small.gguf"), ("deepseek", tmp_path / "small")):
+        assert main(["shrink", str(f["folder"]), "--kv-budget", "50%", "--format", fmt, "--out", str(out)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"--format {fmt} cannot hold qwen3" in err[0] and "per-head key norm" in err[0], err
+        assert not out.exists() and not out.with_name(out.name + ".shrink-run").exists()
 
 
 def test_qwen2_compressed_refuses_biases(folders):

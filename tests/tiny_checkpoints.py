@@ -12,7 +12,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 TEXT = ("the quick brown fox jumps over the lazy dog; attention reads keys and values, "
         "and a latent holds them in fewer numbers. ") * 3
 FAMILIES = ("llama", "mistral", "qwen2")  # loaded, swapped and converted
-SWAP_ONLY = ("qwen3", "gemma3")  # loaded and swapped; the conversions refuse their per-head q/k norms
+SWAP_ONLY = ("qwen3", "gemma3")  # loaded and swapped; only the exact and the keys-whole MLA carry their q/k norms
 
 
 def make_tokenizer(folder):

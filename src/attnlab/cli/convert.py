@@ -86,7 +86,9 @@ def _convert_model(source, to, out, latent_dim, rope_dim, kv_heads, method, cali
                                  report_json, force, rope_select, balance,
                                  "fit" if latent_norm == "fit" else "constant")
     model, tok, meta = hf.load_model(source)
-    hf.check_convertible(model, exact=to == "mla" and latent_dim is None and kv_budget is None)
+    hf.check_convertible(model, exact=to == "mla" and latent_dim is None and kv_budget is None,
+                         **({} if kv_budget is not None else dict(rope_dim=rope_dim, pair_selection=rope_select,
+                                                                   balance=balance)))
     if fmt == "deepseek":
         hf.check_deepseek_request(model, to, latent_dim if kv_budget is None else 1)
     calibrated_on = None

@@ -6,6 +6,12 @@ per KV head, the d/2 rotary pairs by frequency or by 2-norm (`pair_selection`); 
 RoRoPE (`rorope=True`, transforms.py), mixed key planes per frequency across the KV
 heads. The rest of the keys, with the values, go through the joint SVD of lossy.py
 (`_svd_latent`: whitened by calibration, optionally K/V balanced).
+
+Keys whole (a module with per-head q/k norms: Qwen3, Gemma 3): every pair of every KV head keeps its
+rotation (rope_pairs = d/2, by frequency or norm: no RoRoPE mixing across heads), so the rope key is each
+KV head's whole key and the MLA normalises it per KV head before RoPE exactly as the GQA did
+(MultiHeadLatentAttention's rope_kv_heads); the latent holds only the values, by the same SVD (exact at
+latent_dim = G x dv, or at the rank of W_V). The norms, the softmax scale and the sliding window are copied.
 """
 from __future__ import annotations
 
@@ -16,7 +22,7 @@ from ..modules.gqa import GroupedQueryAttention
 from ..modules.heads import kv_head_of
 from ..modules.mla import MultiHeadLatentAttention
 from ..modules.rope import RotaryEmbedding
-from .base import F64, _bias, _expect, _gqa, _like, _set
+from .base import F64, _bias, _expect, _gqa, _like, _set, copy_head_norms
 from .lossy import _svd_latent
 from .report import _report
 
@@ -61,13 +67,20 @@ def gqa_to_mla_decoupled(gqa: GroupedQueryAttention, latent_dim: int, rope_pairs
     transforms.shared_planes, which gives every layer of a model the same frequencies). Keeping
     every plane is exact. The MLA's head_dim is then d.
     balance: BKV, K and V balanced before the joint SVD (transforms.kv_balance).
+    A module with per-head q/k norms converts only with its keys whole (module docstring): rope_pairs =
+    head_dim / 2, a per-head pair_selection, no RoRoPE, no balance; anything else is refused naming rope_dim
+    and G x d. Its norms, softmax scale and sliding window are carried; the report is exact when the values'
+    SVD is.
     """
-    _expect(gqa, GroupedQueryAttention, "gqa_to_mla_decoupled")
+    normed = isinstance(gqa, GroupedQueryAttention) and gqa.k_head_norm is not None
+    _expect(gqa, GroupedQueryAttention, "gqa_to_mla_decoupled", carries=normed)
     if gqa.rope is None:
         raise ValueError("gqa_to_mla_decoupled needs a GQA with RoPE; use mha_to_mla for one without")
     if gqa.W_Q.bias is not None:
         raise ValueError("gqa_to_mla_decoupled does not carry biases yet")
     H, G, d = gqa.num_heads, gqa.num_kv_heads, gqa.head_dim
+    if normed:
+        check_keys_whole(gqa, rope_pairs, rorope or rope_planes is not None or planes is not None, balance)
     if not rorope and (rope_planes is not None or planes is not None):
         raise ValueError("rope_planes and planes choose RoRoPE's mixed planes: they need rorope=True")
     if rorope and (rope_planes is not None or planes is not None):
@@ -84,7 +97,7 @@ def gqa_to_mla_decoupled(gqa: GroupedQueryAttention, latent_dim: int, rope_pairs
         if rope_pairs is None:
             raise ValueError("give rope_pairs (per KV head), or with rorope=True rope_planes or planes")
         checks.non_negative_int("rope_pairs", rope_pairs)
-        if rope_pairs >= d // 2 + bool(rorope):
+        if rope_pairs >= d // 2 + bool(rorope or normed):
             raise ValueError(f"rope_pairs ({rope_pairs}) must be below head_dim / 2 ({d // 2}); "
                              "keeping every pair is the exact gqa_to_mla")
         count = G * rope_pairs
@@ -121,18 +134,25 @@ def gqa_to_mla_decoupled(gqa: GroupedQueryAttention, latent_dim: int, rope_pairs
         rotary[first[g]], rotary[second[g]] = True, True
         nope.append(torch.nonzero(~rotary).flatten())  # (d - 2n,)
     dn = d - 2 * n
+    whole = normed  # every pair kept (check_keys_whole): no no-RoPE key, the latent holds the values alone
 
-    nope_gqa = _gqa(gqa, G, bias=False, grouping=gqa.grouping, head_dim=dn)
+    # the keys that lose their rotation (none when whole: one zero key dim, so that the SVD factors W_V alone)
+    nope_gqa = _gqa(gqa, G, bias=False, grouping=gqa.grouping, head_dim=dn or 1)
     nope_gqa.rope = None
-    _set(nope_gqa.W_Q, torch.stack([wq[h, nope[int(owner[h])]] for h in range(H)]).reshape(H * dn, -1))
-    _set(nope_gqa.W_K, torch.stack([wk[g, nope[g]] for g in range(G)]).reshape(G * dn, -1))
+    if not whole:
+        _set(nope_gqa.W_Q, torch.stack([wq[h, nope[int(owner[h])]] for h in range(H)]).reshape(H * dn, -1))
+        _set(nope_gqa.W_K, torch.stack([wk[g, nope[g]] for g in range(G)]).reshape(G * dn, -1))
+    else:
+        _set(nope_gqa.W_K, torch.zeros_like(nope_gqa.W_K.weight))
     _set(nope_gqa.W_V, gqa.W_V.weight)
     _set(nope_gqa.W_O, gqa.W_O.weight)
-    base = _svd_latent(nope_gqa, latent_dim, None, True, calibration, balance)[0]  # its report is not needed
+    base, values_exact = _svd_latent(nope_gqa, latent_dim, None, True, calibration, balance)[:2]  # no report
 
     p = 2 * G * n
+    keys_whole = dict(rope_kv_heads=G, rope_grouping=gqa.grouping, **gqa._head_config()) if whole else {}
+    options = {**keys_whole, "softmax_scale": gqa.scale}  # the GQA's scale, 1/sqrt(d) or its own
     mla = MultiHeadLatentAttention(gqa.dim, H, latent_dim, head_dim=dn, v_head_dim=gqa.v_head_dim,
-                                   context_dim=gqa.context_dim, rope_dim=p, softmax_scale=gqa.scale, **_like(gqa))
+                                   context_dim=gqa.context_dim, rope_dim=p, **options, **_like(gqa))
     if p:  # slot g*n + k rotates like pair kept[g, k] of KV head g
         mla.rope = RotaryEmbedding(p, gqa.rope.base, inv_freq=gqa.rope.inv_freq[kept.reshape(-1)],
                                    scaling=gqa.rope.scaling)
@@ -147,13 +167,37 @@ def gqa_to_mla_decoupled(gqa: GroupedQueryAttention, latent_dim: int, rope_pairs
     _set(mla.W_Q, q.reshape(H * (dn + p), -1))
     if p:
         _set(mla.W_KR, kr)
-    for name in ("W_DKV", "W_UK", "W_UV", "W_O"):
+    for name in ("W_DKV", "W_UV", "W_O") + (() if whole else ("W_UK",)):
         _set(getattr(mla, name), getattr(base, name).weight, _bias(getattr(base, name)))
     notes = [f"rope pairs kept per KV head: {n} of {half} (by {pair_selection}); rope_dim {p}",
              f"latent r = {latent_dim}" + (", whitened by calibration" if calibration is not None else "")
              + (", K/V balanced" if balance else "")]
-    return mla, _report(gqa, mla, False, bases=False, calibration=calibration,
+    if whole:  # KV head g's dims in the rope key, in its own rotary order: the kept pairs' first dims, then second
+        copy_head_norms(mla, gqa)
+        order = torch.cat([first[0], second[0]])  # the same pairs in every KV head
+        with torch.no_grad():
+            for norm in (mla.q_head_norm, mla.k_head_norm):
+                norm.weight.copy_(norm.weight[order].clone())
+        notes[0] = f"keys whole: every KV head's key is the rope key (rope_dim {p} = {G} x {d}), q/k norms carried"
+    return mla, _report(gqa, mla, whole and values_exact, bases=False, calibration=calibration,
                         notes=notes)
+
+
+def check_keys_whole(gqa: GroupedQueryAttention, rope_pairs: int | None, mixed: bool, balance: bool) -> None:
+    """ValueError naming rope_dim and G x d unless a conversion of this module with per-head q/k norms keeps
+    each KV head's whole key as the rope key (the only decoupled layout a per-head key norm survives)."""
+    G, d = gqa.num_kv_heads, gqa.head_dim
+    what = f"a module with per-head q/k norms (qk_norm_eps={gqa.k_head_norm.eps}) converts only with its keys whole"
+    need = f"rope_dim = G x d = {G} x {d} = {G * d} (rope_pairs {d // 2} per KV head)"
+    if mixed:
+        raise ValueError(f"{what}: {need}, each KV head's own pairs; RoRoPE mixes key planes across KV heads, "
+                         "which a per-head key norm does not survive: use pair_selection 'frequency'")
+    if rope_pairs != d // 2:
+        got = "none" if rope_pairs is None else f"{2 * G * rope_pairs} (rope_pairs {rope_pairs})"
+        raise ValueError(f"{what}: {need}, got rope_dim {got}")
+    if balance:
+        raise ValueError(f"{what} ({need}): the latent holds only the values, so there is nothing for BKV to "
+                         "balance: balance=False")
 
 
 def _rorope_mixes(gqa, calibration):

@@ -69,7 +69,7 @@ def _heads(m: nn.Module):
     if isinstance(m, MultiHeadLatentAttention):  # a decoupled rotary key joins every head's key rows
         d, dv = m.head_dim + m.rope_dim, m.v_head_dim
         wq = m.W_Q.weight if m.W_Q is not None else m.W_UQ.weight @ m.W_DQ.weight
-        wk = (m.W_UK.weight @ m.W_DKV.weight).reshape(H, m.head_dim, -1)
+        wk = (m.W_UK.weight @ m.W_DKV.weight).reshape(H, m.head_dim, m.context_dim)  # head_dim 0: keys whole
         if m.W_KR is not None:
             wk = torch.cat([wk, m.W_KR.weight.expand(H, -1, -1)], dim=1)
         wv = m.W_UV.weight @ m.W_DKV.weight

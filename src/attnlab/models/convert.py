@@ -4,6 +4,10 @@ RoRoPE by score (`pair_selection="rorope-score"`) chooses for the whole model at
 layer's plane scores first, then one allocation of the kept planes to frequencies
 (convert.transforms.shared_planes), so that every layer keeps the same frequencies, which is
 what a DeepSeek config (one rotary embedding) can hold.
+
+A model with per-head q/k norms (Qwen3, Gemma 3) compresses only with its keys whole (convert.decoupled):
+rope_dim = G x d (the default for it), a per-head pair selection (frequency), no BKV; check_convertible
+refuses anything else before any work.
 """
 from __future__ import annotations
 
@@ -94,21 +98,50 @@ def plane_choice(scores: list[torch.Tensor], planes: int) -> torch.Tensor:
     return shared_planes(torch.stack(scores), planes)
 
 
-def check_convertible(model, exact: bool = False) -> None:
-    """ValueError naming what no conversion carries yet (per-head q/k norms, sliding windows: Qwen3, Gemma 3),
-    before any work; exact=True asks only for the exact GQA -> MLA, which carries them (convert.gqa_to_mla)."""
+def keys_whole_rope_dim(model) -> int | None:
+    """G x d, the only rope_dim a compressed conversion of a model with per-head q/k norms takes (its keys whole,
+    convert.decoupled), or None for a model without them."""
+    normed = [m for m in attnlab_modules(model) if getattr(m, "k_head_norm", None) is not None]
+    return normed[0].num_kv_heads * normed[0].head_dim if normed else None
+
+
+def check_convertible(model, exact: bool = False, *, rope_dim: int | None = None, pair_selection: str = "frequency",
+                      balance: bool = False) -> None:
+    """ValueError naming what no conversion carries, before any work. exact=True asks for the exact GQA -> MLA,
+    which carries everything (convert.gqa_to_mla). Otherwise layers with per-head q/k norms (Qwen3, Gemma 3;
+    with them Gemma's softmax scale and sliding windows) compress only with their keys whole: rope_dim G x d
+    (None: that default), a per-head pair_selection, no balance; a sliding window without the norms is refused."""
     from .load import NOT_CONVERTED
 
     if exact:
         return
-    normed = [i for i, m in enumerate(attnlab_modules(model))
-              if getattr(m, "k_head_norm", None) is not None or getattr(m, "sliding_window", None) is not None]
-    if normed:
-        kind = getattr(getattr(model, "config", None), "model_type", "")
-        why = NOT_CONVERTED.get(kind, "its attention normalises each query and key head before RoPE, and no "
-                                      "conversion carries that norm yet")
-        raise ValueError(f"cannot convert {kind or 'this model'} yet ({len(normed)} layers with per-head q/k "
-                         f"norms, qk_norm_eps): {why} (the exact MLA, without --latent-dim, carries them)")
+    modules = attnlab_modules(model)
+    kind = getattr(getattr(model, "config", None), "model_type", "") or "this model"
+    normed = [m for m in modules if getattr(m, "k_head_norm", None) is not None]
+    windowed = [i for i, m in enumerate(modules)
+                if getattr(m, "sliding_window", None) is not None and getattr(m, "k_head_norm", None) is None]
+    if windowed:
+        why = NOT_CONVERTED.get(kind, "no compressed conversion carries a sliding window without per-head q/k norms")
+        raise ValueError(f"cannot convert {kind} yet ({len(windowed)} layers with a sliding window): {why} (the exact "
+                         "MLA, without --latent-dim, carries it)")
+    if not normed:
+        return
+    G, d = normed[0].num_kv_heads, normed[0].head_dim
+    problem = None
+    if any((m.num_kv_heads, m.head_dim) != (G, d) for m in normed):
+        problem = "its layers differ in KV heads or head size"
+    elif rope_dim is not None and rope_dim != G * d:
+        problem = f"got rope_dim {rope_dim}"
+    elif pair_selection not in ("frequency", "norm"):
+        problem = (f"got --rope-select {pair_selection} (RoRoPE mixes key planes across KV heads, which a per-head "
+                   "key norm does not survive)")
+    elif balance:
+        problem = "got BKV (--balance: the latent holds only the values, nothing to balance)"
+    if problem:
+        raise ValueError(f"cannot convert {kind} yet ({len(normed)} layers with per-head q/k "
+                         f"norms, qk_norm_eps): only its keys-whole MLA carries the norm, rope_dim = G x d = {G} x "
+                         f"{d} = {G * d} with --rope-select frequency and --no-balance, {problem} (the exact MLA, "
+                         "without --latent-dim, carries it too)")
 
 
 def convert_model(model, to: str, *, latent_dim: int | None = None, rope_dim: int | None = None,
@@ -122,7 +155,8 @@ def convert_model(model, to: str, *, latent_dim: int | None = None, rope_dim: in
     (default 2 G * 16, half the pairs). BERT (MHA) -> "gqa" (num_kv_heads, method)
     or "mla" (latent_dim). calibration_ids: token ids whose attention inputs whiten the SVDs;
     pair_selection: what keeps rotating in a compressed Llama MLA, one of convert.ROPE_SELECTIONS
-    (frequency, norm: rope_dim a multiple of 2 G; rorope, rorope-score: any even rope_dim);
+    (frequency, norm: rope_dim a multiple of 2 G; rorope, rorope-score: any even rope_dim); a model with
+    per-head q/k norms (Qwen3, Gemma 3) takes only its keys whole: rope_dim G x d (its default), frequency;
     balance: BKV before the joint SVD (convert.selection_options). rorope-score chooses the
     kept planes for all layers at once (shared_planes=True: the same frequencies in every layer,
     exportable); shared_planes=False lets each layer choose alone (a little better before
@@ -143,7 +177,8 @@ def convert_model(model, to: str, *, latent_dim: int | None = None, rope_dim: in
         what = "an MLA" if type(first).__name__ == "MultiHeadLatentAttention" else "converted"
         raise ValueError(f"the model is already {what} (layer 0 is a {type(first).__name__}, not a GQA/MHA): "
                          "convert its source model instead")
-    check_convertible(model, exact=fam == "llama" and to == "mla" and latent_dim is None)
+    check_convertible(model, exact=fam == "llama" and to == "mla" and latent_dim is None, rope_dim=rope_dim,
+                      pair_selection=pair_selection, balance=balance)
     for i, m in enumerate(modules):
         check_finite(i, _attention_weights(m))
     if calibration_ids is not None and calibration_ids.numel() == 0:
@@ -156,7 +191,8 @@ def convert_model(model, to: str, *, latent_dim: int | None = None, rope_dim: in
                 raise ValueError("--rope-dim and calibration apply to a compressed MLA: give --latent-dim too")
             return convert_layers(model, lambda m, x: gqa_to_mla(m), progress=progress)
         G, d = first.num_kv_heads, first.head_dim
-        rope_dim = default_rope_dim(G, d) if rope_dim is None else rope_dim
+        if rope_dim is None:  # the keys whole for a model with per-head q/k norms
+            rope_dim = keys_whole_rope_dim(model) or default_rope_dim(G, d)
         count = check_rope_dim(rope_dim, G, d, pair_selection)
         options = selection_options(pair_selection, balance)
         if pair_selection not in ROROPE_SELECTIONS:

@@ -209,10 +209,17 @@ def _causal_error(old, new, x: torch.Tensor) -> float:
 
 
 # -- checks ---------------------------------------------------------------------------------------------
+NO_KEY_NORM = ("layer {i} normalises every query and key head (per-head q/k norms, qk_norm_eps={eps}: Qwen3, "
+               "Gemma 3), and DeepSeek-V3's MLA (llama.cpp's deepseek2 too) has no per-head key norm: keep attnlab's "
+               "format")
+
+
 def check_exportable(modules) -> None:
     """Refuse, naming the layer and the reason, what DeepSeek's layout cannot hold."""
     first = modules[0]
     for i, m in enumerate(modules):
+        if getattr(m, "k_head_norm", None) is not None:
+            raise ValueError(NO_KEY_NORM.format(i=i, eps=m.k_head_norm.eps))
         if not isinstance(m, MultiHeadLatentAttention):
             raise ValueError(f"layer {i} is {type(m).__name__}, not an MLA: convert with --to mla first")
         if m.rope_after_up:
@@ -532,6 +539,8 @@ def check_deepseek_request(model, to: str, latent_dim: int | None) -> None:
     if latent_dim is None:
         raise ValueError(NEEDS_LATENT)
     for i, m in enumerate(attnlab_modules(model)):
+        if getattr(m, "k_head_norm", None) is not None:
+            raise ValueError(NO_KEY_NORM.format(i=i, eps=m.k_head_norm.eps))
         q = getattr(m, "W_Q", None)
         if q is not None and q.bias is not None and bool(q.bias.detach().any()):
             raise ValueError(f"layer {i} has a query bias (Qwen2's q_proj bias): DeepSeek's q_proj has none, and "

@@ -4,8 +4,9 @@ Supported: model_type llama (Llama 2/3 with any rope scaling transformers knows,
 TinyLlama), mistral (without a sliding window shorter than max_position_embeddings),
 qwen2 (biases on Q/K/V; without sliding-window layers), qwen3 (per-head q/k norms) and
 gemma3_text (Gemma 3's text model: per-head q/k norms, sliding-window layers with their own
-RoPE base, its own query scale; attention soft-capping refused): these two load and swap, no
-conversion takes them yet (NOT_CONVERTED), and their GGUF files are refused.
+RoPE base, its own query scale; attention soft-capping refused): these two load and swap, convert in
+memory (the exact MLA, or the compressed one with their keys whole: models/convert.py), but not by the
+streamed route (NOT_CONVERTED), and their GGUF files are refused.
 Anything else is refused with "not supported: <why>" rather than loaded as a wrong model.
 
 `inspect_checkpoint(path)` checks a source without loading weights, so nothing is built from
@@ -28,12 +29,14 @@ import os
 from pathlib import Path
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
-# loaded and swapped, not yet converted: what a conversion (or a GGUF of it) would lose
+# loaded, swapped and converted in memory (their keys whole), not by the streamed route: what it would lose
 NOT_CONVERTED = {
-    "qwen3": "Qwen3 normalises each query and key head (q_norm, k_norm) before RoPE, and no conversion "
-             "carries that norm yet",
+    "qwen3": "Qwen3 normalises each query and key head (q_norm, k_norm) before RoPE, and the streamed conversion "
+             "does not carry that norm (convert it in memory: the exact MLA, or the compressed one with its keys "
+             "whole, --rope-select frequency)",
     "gemma3_text": "Gemma 3 normalises each query and key head (q_norm, k_norm) before RoPE and has sliding-window "
-                   "layers, and no conversion carries either yet",
+                   "layers, and the streamed conversion carries neither (convert it in memory: the exact MLA, or the "
+                   "compressed one with its keys whole, --rope-select frequency)",
 }
 GEMMA_NORMS = ("pre_feedforward_layernorm", "post_feedforward_layernorm")  # Gemma 3's extra norms per layer
 REFUSED = {

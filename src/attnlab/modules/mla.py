@@ -37,6 +37,16 @@ every call (cheaply, by version counter): once W_UK/W_UV stop being that tiling
 (training), the general paths take over, and a cache filled in the tiled layout
 is refused. An explicit `absorbed=` also takes the general paths.
 
+The *keys-whole* layout (`rope_kv_heads=G`, head_dim 0): the rope key is the whole key of G KV heads
+(rope_dim = G x d), each KV head's d dims laid out as a rotary embedding of d dims would hold them (its
+rotary pairs are pairs g d/2 ... (g+1) d/2 - 1 of the rope key's); a query head has no no-RoPE part and
+reads only its own KV head's d dims of its rope_dim (the others are masked to zero; `rope_grouping` says
+which KV head is its own), and the latent holds only the values. It is what a model with per-head q/k
+norms (Qwen3, Gemma 3) converts to: `qk_norm_eps` then normalises every query head and every KV head of
+the rope key over its d dims before RoPE, exactly as the GQA did, and the cache holds the rope key after
+its norm and RoPE (as it holds post-RoPE keys anyway), so every path reads it as it reads any rope key:
+expanded, absorbed (the Triton kernel included), and every kv_dtype.
+
 Quantised storage (`kv_dtype`, modules/cache.py): the cache holds codes and scales, one
 scale per token for c and one for k_R (for a tiled cache one per token and KV head of K
 and of V, as a GQA's KVCache). Every path reads the rows dequantised, except the absorbed
@@ -56,7 +66,7 @@ from . import checks
 from .attention import attend
 from .base import AttentionModule
 from .cache import LatentCache, QuantisedKV, dense
-from .heads import check_grouping, gqa_block, tile_heads
+from .heads import check_grouping, gqa_block, kv_head_of, tile_heads
 from .rope import RotaryEmbedding
 
 
@@ -86,11 +96,17 @@ class MultiHeadLatentAttention(AttentionModule):
             module docstring); the fresh module's W_UK/W_UV are set to that tiling.
         kv_dtype: storage of the cache ("fp32", "bf16", "int8", "fp8", "int8/g<N>", "fp8/g<N>"; None:
             plain, in the activation dtype); see AttentionModule.kv_dtype and modules/cache.py.
-        qk_norm_eps: an RMSNorm over every query head and every up-projected key head before RoPE (Qwen3,
-            Gemma 3), for the layouts where a key head is formed before it is rotated: rope_after_up, or no
-            RoPE. It is not linear in the latent, so such a module has no absorbed path (the expanded and
-            GQA-tiled paths carry it); the decoupled layout refuses it (its key norm is a per-token scalar
-            its cache does not hold yet).
+        qk_norm_eps: an RMSNorm over every query head and every key head before RoPE (Qwen3, Gemma 3). With
+            rope_after_up or no RoPE it normalises the up-projected key heads; that is not linear in the
+            latent, so such a module has no absorbed path (the expanded and GQA-tiled paths carry it). With a
+            decoupled rope_dim only in the keys-whole layout (rope_kv_heads), where it normalises each KV
+            head's d dims of the rope key before RoPE and before the cache, and each query head's own d rope
+            dims: every path carries it. Any other decoupled layout refuses it (there the key norm would be a
+            per-token scalar of keys split between latent and rope key, which the cache does not hold).
+        rope_kv_heads: G for the keys-whole layout (module docstring): the rope key is G KV heads' whole
+            keys of d = rope_dim / G dims each (d even); head_dim must be 0 (None reads as 0) and v_head_dim
+            defaults to d. rope_grouping ("strided" or "blocked", as GroupedQueryAttention's grouping) says
+            which KV head each query head reads.
         sliding_window: self-attention to the last sliding_window positions, as in GroupedQueryAttention.
     A latent_dim above min(H*(d + dv), context_dim) cannot compress anything; it
     is allowed (exact conversions may produce it) with a warning.
@@ -104,7 +120,8 @@ class MultiHeadLatentAttention(AttentionModule):
                  latent_bias: bool = False, softmax_scale: float | None = None, rope_base: float = 10000.0,
                  rope_interleaved: bool = False, rope_after_up: bool = False, norm_eps: float = 1e-6,
                  kv_tiling: str | None = None, kv_dtype: str | None = None, qk_norm_eps: float | None = None,
-                 sliding_window: int | None = None, device=None, dtype=None):
+                 sliding_window: int | None = None, rope_kv_heads: int | None = None,
+                 rope_grouping: str = "strided", device=None, dtype=None):
         super().__init__()
         self.kv_dtype = kv_dtype
         checks.positive_int("dim", dim)
@@ -115,7 +132,14 @@ class MultiHeadLatentAttention(AttentionModule):
             raise ValueError(f"rope_dim must be even (RoPE rotates pairs), got {rope_dim}")
         if rope_after_up and rope_dim:
             raise ValueError(f"rope_after_up rotates the whole head; it excludes a decoupled rope_dim ({rope_dim})")
-        head_dim, v_head_dim, context_dim = checks.head_sizes(dim, num_heads, head_dim, v_head_dim, context_dim)
+        if rope_kv_heads is not None:  # keys whole: no no-RoPE query/key dims
+            norm_dim = self._keys_whole_size(num_heads, rope_dim, rope_kv_heads, head_dim, rope_after_up, kv_tiling)
+            _, v_head_dim, context_dim = checks.head_sizes(dim, num_heads, norm_dim, v_head_dim, context_dim)
+            head_dim = 0
+            check_grouping(rope_grouping)
+        else:
+            head_dim, v_head_dim, context_dim = checks.head_sizes(dim, num_heads, head_dim, v_head_dim, context_dim)
+            norm_dim = head_dim
         if q_latent_dim is not None:
             checks.positive_int("q_latent_dim", q_latent_dim)
         useful = min(num_heads * (head_dim + v_head_dim), context_dim)
@@ -126,10 +150,14 @@ class MultiHeadLatentAttention(AttentionModule):
         self.head_dim, self.v_head_dim, self.rope_dim = head_dim, v_head_dim, rope_dim
         self.latent_dim, self.q_latent_dim = latent_dim, q_latent_dim
         kw = dict(device=device, dtype=dtype)
-        if qk_norm_eps is not None and rope_dim:
-            raise ValueError(f"qk_norm_eps needs rope_after_up or no RoPE: with a decoupled rope_dim ({rope_dim}) the "
-                             "key norm is a per-token scalar the latent cache does not hold yet")
-        self._head_options(head_dim, qk_norm_eps, softmax_scale, sliding_window, **kw)
+        if qk_norm_eps is not None and rope_dim and rope_kv_heads is None:
+            raise ValueError(f"qk_norm_eps with a decoupled rope_dim ({rope_dim}) needs the keys-whole layout: "
+                             f"rope_kv_heads=G with rope_dim = G x d (each KV head's whole key of d dims) and "
+                             f"head_dim 0, got rope_kv_heads=None and head_dim={head_dim}; elsewhere the key norm "
+                             "is a per-token scalar the latent cache does not hold")
+        self.rope_kv_heads = rope_kv_heads
+        self.rope_grouping = rope_grouping if rope_kv_heads is not None else None
+        self._head_options(norm_dim, qk_norm_eps, softmax_scale, sliding_window, **kw)
         q_out = num_heads * (head_dim + rope_dim)
         if q_latent_dim is None:
             self.W_Q = nn.Linear(dim, q_out, bias=bias, **kw)
@@ -142,7 +170,9 @@ class MultiHeadLatentAttention(AttentionModule):
         self.W_DKV = nn.Linear(context_dim, latent_dim, bias=latent_bias, **kw)
         self.W_KR = nn.Linear(context_dim, rope_dim, bias=latent_bias, **kw) if rope_dim else None
         self.kv_norm = nn.RMSNorm(latent_dim, eps=norm_eps, **kw) if latent_norm else None
-        self.W_UK = nn.Linear(latent_dim, num_heads * head_dim, bias=bias, **kw)
+        with warnings.catch_warnings():  # keys whole: W_UK has no rows (head_dim 0), torch warns on empty init
+            warnings.filterwarnings("ignore", message="Initializing zero-element tensors")
+            self.W_UK = nn.Linear(latent_dim, num_heads * head_dim, bias=bias, **kw)
         self.W_UV = nn.Linear(latent_dim, num_heads * v_head_dim, bias=bias, **kw)
         self.W_O = nn.Linear(num_heads * v_head_dim, dim, bias=bias, **kw)
         self.rope_after_up = bool(rope_after_up)
@@ -164,6 +194,51 @@ class MultiHeadLatentAttention(AttentionModule):
                 self.W_UV.weight.copy_(up_v)
             self.kv_tiling = kv_tiling
 
+    @staticmethod
+    def _keys_whole_size(num_heads, rope_dim, rope_kv_heads, head_dim, rope_after_up, kv_tiling) -> int:
+        """d, each KV head's width in the rope key, for rope_kv_heads=G; ValueError naming the values otherwise."""
+        checks.positive_int("rope_kv_heads", rope_kv_heads)
+        G = rope_kv_heads
+        if not rope_dim or rope_dim % G or (rope_dim // G) % 2:
+            raise ValueError(f"rope_kv_heads ({G}) needs rope_dim = G x d with d even (each KV head's whole key, "
+                             f"in rotary pairs), got rope_dim {rope_dim}")
+        if head_dim not in (None, 0):
+            raise ValueError(f"rope_kv_heads ({G}) puts the whole key in the rope key: head_dim (the no-RoPE "
+                             f"part) must be 0, got {head_dim}")
+        if num_heads % G:
+            raise ValueError(f"num_heads ({num_heads}) must be divisible by rope_kv_heads ({G})")
+        if rope_after_up or kv_tiling is not None:
+            raise ValueError("rope_kv_heads (keys whole, a decoupled rope key) excludes rope_after_up and kv_tiling")
+        return rope_dim // G
+
+    @property
+    def keys_whole(self) -> bool:
+        """The keys-whole layout (module docstring): the rope key is rope_kv_heads KV heads' whole keys."""
+        return self.rope_kv_heads is not None
+
+    def _by_head(self, t: torch.Tensor) -> torch.Tensor:
+        """Keys whole: (..., rope_dim) -> (..., G, d), each KV head's dims in its own rotary order."""
+        G = self.rope_kv_heads
+        if self.rope.interleaved:  # pairs (2i, 2i + 1): KV head g holds dims g d ... (g + 1) d - 1
+            return t.unflatten(-1, (G, -1))
+        return t.unflatten(-1, (2, G, -1)).transpose(-3, -2).flatten(-2)  # pairs (i, i + p/2): halves per head
+
+    def _from_heads(self, t: torch.Tensor) -> torch.Tensor:
+        """The inverse of _by_head: (..., G, d) -> (..., rope_dim)."""
+        if self.rope.interleaved:
+            return t.flatten(-2)
+        return t.unflatten(-1, (2, -1)).transpose(-3, -2).flatten(-3)
+
+    def _own_heads(self, q_rope: torch.Tensor) -> torch.Tensor:
+        """Keys whole: each query head's rope part (B, H, L, p) normalised over its own KV head's d dims, the
+        other KV heads' dims set to zero (never read, so that training cannot make them matter)."""
+        q = self._by_head(q_rope)  # (B, H, L, G, d)
+        if self.q_head_norm is not None:
+            q = self.q_head_norm(q)
+        own = kv_head_of(self.num_heads, self.rope_kv_heads, self.rope_grouping).to(q.device)  # (H,)
+        keep = torch.nn.functional.one_hot(own, self.rope_kv_heads).to(q.dtype)  # (H, G)
+        return self._from_heads(q * keep[:, None, :, None])  # (B, H, L, p)
+
     @property
     def _anchor(self) -> torch.Tensor:
         return self.W_DKV.weight
@@ -179,7 +254,9 @@ class MultiHeadLatentAttention(AttentionModule):
                     rope_base=self.rope.base if self.rope else 10000.0,
                     rope_interleaved=bool(self.rope and self.rope.interleaved), rope_after_up=self.rope_after_up,
                     norm_eps=norm.eps if norm is not None else 1e-6, kv_tiling=self.kv_tiling,
-                    kv_dtype=self.kv_dtype, **self._head_config())
+                    kv_dtype=self.kv_dtype, **self._head_config(),
+                    **(dict(rope_kv_heads=self.rope_kv_heads, rope_grouping=self.rope_grouping)
+                       if self.keys_whole else {}))
 
     @property
     def scale(self) -> float:
@@ -215,7 +292,9 @@ class MultiHeadLatentAttention(AttentionModule):
         q = self.W_Q(x) if self.W_Q is not None else self.W_UQ(self.q_norm(self.W_DQ(x)))  # (B, L, H*(d+p))
         q = q.view(B, L, self.num_heads, self.head_dim + self.rope_dim).transpose(1, 2)  # (B, H, L, d+p)
         q_nope, q_rope = q.split([self.head_dim, self.rope_dim], dim=-1)  # (B, H, L, d), (B, H, L, p)
-        if self.q_head_norm is not None:
+        if self.keys_whole:
+            q_rope = self._own_heads(q_rope)  # its own KV head's dims, normalised; the rest zero
+        elif self.q_head_norm is not None:
             q_nope = self.q_head_norm(q_nope)
         if self.rope_after_up:
             q_nope = self.rope(q_nope, positions)
@@ -232,7 +311,10 @@ class MultiHeadLatentAttention(AttentionModule):
             return c  # (B, S, r); with rope_after_up the keys are rotated after the up-projection
         if positions is None:
             positions = torch.arange(source.shape[1], device=source.device)
-        k_rope = self.rope(self.W_KR(source)[:, None], positions)[:, 0]  # (B, S, p)
+        k_rope = self.W_KR(source)  # (B, S, p)
+        if self.k_head_norm is not None:  # keys whole: each KV head's key normalised before RoPE, as the GQA did
+            k_rope = self._from_heads(self.k_head_norm(self._by_head(k_rope)))  # (B, S, p)
+        k_rope = self.rope(k_rope[:, None], positions)[:, 0]  # (B, S, p)
         return torch.cat([c, k_rope], dim=-1)  # (B, S, r+p)
 
     # -- absorbed weights (Part 12), derived from the parameters and cached --------------------
@@ -388,7 +470,7 @@ class MultiHeadLatentAttention(AttentionModule):
         if tiled:
             o = self._tiled(q_nope, dense(kv), mask, is_causal)  # (B, H, L, dv)
             return self.W_O(o.transpose(1, 2).reshape(B, L, self.num_heads * self.v_head_dim))  # (B, L, dim)
-        if self.k_head_norm is not None and not self.rope_after_up:  # no RoPE: only the key norm
+        if self.k_head_norm is not None and not self.rope_after_up and not self.rope_dim:  # no RoPE: only the key norm
             if absorbed:
                 raise ValueError("qk_norm_eps has no absorbed path: the key norm sits between W_UK and the scores")
             absorbed = False
@@ -411,7 +493,7 @@ class MultiHeadLatentAttention(AttentionModule):
         H, r = self.num_heads, self.latent_dim
         c = kv[..., :r]  # (B, S, r)
         k = self.W_UK(c).view(B, S, H, self.head_dim)  # (B, S, H, d)
-        if self.k_head_norm is not None:
+        if self.k_head_norm is not None and not self.rope_dim:  # keys whole: the rope key was normed in compress()
             k = self.k_head_norm(k)
         k = k.transpose(1, 2)  # (B, H, S, d)
         if self.rope_after_up:

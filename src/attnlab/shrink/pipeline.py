@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from ..runtime.budget import Budget, Stopped
-from .plan import STORAGES, Candidate, feasible, few_bit, parse_budget, storage_ok
+from .plan import STORAGES, Candidate, check_format, feasible, few_bit, keys_whole, parse_budget, storage_ok
 
 CALIBRATION_TOKENS = 2048
 PROXY_TOKENS = 1024  # the planner's scoring windows, after the calibration's
@@ -208,10 +208,12 @@ def _data(req: ShrinkRequest, teacher, tok, budget: Budget, show) -> dict[str, t
     return data
 
 
-def _explicit(req: ShrinkRequest) -> Candidate:
-    """The candidate of explicit sizes: the best measured choices otherwise (docs/real-models.md), the format's norm."""
+def _explicit(req: ShrinkRequest, whole: bool = False) -> Candidate:
+    """The candidate of explicit sizes: the best measured choices otherwise (docs/real-models.md), the format's norm;
+    whole: a model with per-head q/k norms, whose keys stay whole (pairs by frequency, no RoRoPE, no BKV)."""
     storage = "bf16" if req.storage == "auto" else req.storage
-    return Candidate(req.latent_dim, req.rope_dim, "rorope" if req.fmt == "gguf" else "rorope-score", True,
+    select = "frequency" if whole else "rorope" if req.fmt == "gguf" else "rorope-score"
+    return Candidate(req.latent_dim, req.rope_dim, select, not whole,
                      storage, req.fmt == "gguf", extra=int(req.fmt != "attnlab"),
                      rotation="random" if few_bit(storage) else None)
 
@@ -290,7 +292,8 @@ def shrink(req: ShrinkRequest, *, resume: bool = False, force: bool = False, bud
     if hf.family(teacher) != "llama":
         raise ValueError("shrink cuts causal language models (Llama, Mistral, Qwen2); for an encoder, use "
                          "attnlab convert and attnlab.heal.encoder")
-    hf.check_convertible(teacher)  # before any text is written
+    check_format(teacher, req.fmt)  # before any text is written: a DeepSeek or GGUF export has no per-head key norm
+    hf.check_convertible(teacher, rope_dim=req.rope_dim)  # q/k norms: only their keys whole (rope_dim G x d)
     if tok is None:
         raise ValueError(f"{req.source} has no tokenizer files (tokenizer.json ...): shrink needs one to read or "
                          "write text")
@@ -316,7 +319,7 @@ def shrink(req: ShrinkRequest, *, resume: bool = False, force: bool = False, bud
     if not state.done("plan"):
         t = clock()
         if req.latent_dim is not None:
-            chosen = {"chosen": _explicit(req).to_dict(), "explicit": True}
+            chosen = {"chosen": _explicit(req, keys_whole(teacher) is not None).to_dict(), "explicit": True}
         else:
             show.phase("planning: measuring candidate conversions on the calibration text")
             result = choose(teacher, data["calibration"], parse_budget(req.kv_budget), fmt=req.fmt,

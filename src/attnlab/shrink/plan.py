@@ -33,6 +33,11 @@ frequencies that llama.cpp can turn (RoRoPE by frequency, rope_dim within gguf_r
 a latent norm (fitted here, trained by the heal), and its sizes are made multiples of 32 where
 they allow it (llama.cpp's q8_0 KV cache stores rows in blocks of 32); attnlab's own format
 takes any of them.
+
+A model with per-head q/k norms (Qwen3, Gemma 3) has one layout only, its keys whole (convert/decoupled.py):
+the rope key is every KV head's whole key (rope_dim G d, pairs by frequency, no RoRoPE, no BKV) and the
+latent holds the values. Its candidates are that layout in each storage with the largest latent the bytes
+allow (fit(), at most G d: every value), measured in one round; only attnlab's format holds its norms.
 """
 from __future__ import annotations
 
@@ -270,9 +275,42 @@ def apply(model, cand: Candidate, calibration_ids: torch.Tensor | None, inputs=N
     set_kv_dtype(model, cand.kv_dtype)
 
 
+MIN_WHOLE_LATENT = 8  # the smallest latent (values) a keys-whole candidate is given
+
+
+def keys_whole(teacher) -> int | None:
+    """G d, the rope key of the only layout a model with per-head q/k norms plans (module docstring), or None."""
+    from ..models.convert import keys_whole_rope_dim
+
+    return keys_whole_rope_dim(teacher)
+
+
+def check_format(teacher, fmt: str) -> None:
+    """ValueError, one line, when the output format cannot hold the model's attention: DeepSeek's and llama.cpp's
+    (deepseek2) MLA have no per-head key norm, which the keys of a model with q/k norms need."""
+    if fmt != "attnlab" and keys_whole(teacher) is not None:
+        kind = getattr(getattr(teacher, "config", None), "model_type", "") or "this model"
+        raise ValueError(f"--format {fmt} cannot hold {kind}: its attention normalises every key head (a per-head "
+                         f"key norm, k_norm), which {'DeepSeek-V3' if fmt == 'deepseek' else 'llama.cpp deepseek2'}'s "
+                         "MLA does not have; use --format attnlab")
+
+
+def _keys_whole_storages(L: int, V: int, whole: int, budget_bytes: float, storages) -> dict:
+    """{storage: values per token and layer} of the keys-whole layout: the rope key and the largest latent that fits
+    (at least MIN_WHOLE_LATENT, at most V - whole), for each storage where one does."""
+    out = {}
+    for s in storages:
+        start = max(0, min(V - whole, values_for(budget_bytes, s, L) - whole))
+        r = fit(start, whole, s, L, budget_bytes, ceiling=V - whole)
+        if r >= MIN_WHOLE_LATENT:
+            out[s] = r + whole
+    return out
+
+
 def feasible(teacher, budget: KVBudget, fmt: str = "attnlab", storages=STORAGES) -> tuple[int, float, dict]:
     """(original 16-bit bytes/token, the budget in bytes, {storage: values per token and layer that fit}) for a
-    budget some plan can meet; ValueError naming the budget otherwise (checked before any work)."""
+    budget some plan can meet; ValueError naming the budget otherwise (checked before any work). A model with
+    per-head q/k norms: its keys whole in each storage (values: rope key + latent), only in attnlab's format."""
     L, G, d, V = original_sizes(teacher)
     original = bytes_per_token(V, "bf16", L)
     budget_bytes = budget.bytes_for(original)
@@ -280,6 +318,18 @@ def feasible(teacher, budget: KVBudget, fmt: str = "attnlab", storages=STORAGES)
         raise ValueError(f"a KV budget of {budget} ({budget_bytes:.0f} bytes/token) is not below the original's "
                          f"{original} bytes/token (16-bit): nothing to cut")
     storages = [s for s in storages if storage_ok(s) and (s == "bf16" or fmt == "attnlab")] or ["bf16"]
+    whole = keys_whole(teacher)
+    if whole is not None:
+        check_format(teacher, fmt)
+        per_storage = _keys_whole_storages(L, V, whole, budget_bytes, storages)
+        if not per_storage:
+            smallest = min(L * layer_bytes(MIN_WHOLE_LATENT, whole, s) for s in storages)
+            raise ValueError(f"no plan can meet a KV budget of {budget} ({budget_bytes:.0f} bytes/token): this model's "
+                             f"per-head q/k norms keep its keys whole ({whole} values per token in each of the {L} "
+                             f"layers) beside a latent of at least {MIN_WHOLE_LATENT} values; the smallest these "
+                             f"storages ({', '.join(storages)}) can meet is {smallest} bytes/token "
+                             f"({smallest / original:.1%})")
+        return original, budget_bytes, per_storage
     per_storage = {s: values_for(budget_bytes, s, L) for s in storages}
     per_storage = {s: min(v, V - 2) for s, v in per_storage.items() if v >= 10}
     if not per_storage:
@@ -356,6 +406,17 @@ def plan(teacher, calibration_ids: torch.Tensor, budget: KVBudget, *, fmt: str =
 
     def spent() -> bool:
         return bool(measured) and time_budget is not None and (time_budget.expired() or time_budget.stop_requested)
+
+    whole = keys_whole(teacher)
+    if whole is not None:  # per-head q/k norms: the keys whole in each storage, nothing else to choose
+        for storage, v in per_storage.items():
+            if not spent():
+                measure(Candidate(v - whole, whole, "frequency", False, storage, False,
+                                  rotation="random" if few_bit(storage) else None, round=1))
+        best = min(measured, key=lambda c: c.proxy)
+        note = "" if len(measured) == len(per_storage) else "the time given to planning ended before every storage"
+        return PlanResult(best, measured, str(budget), original, budget_bytes,
+                          note or "per-head q/k norms: the keys whole (rope key G x d), the latent holds the values")
 
     first = "bf16" if "bf16" in per_storage else next(iter(per_storage))
     v0 = per_storage[first]
