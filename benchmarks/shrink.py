@@ -2,6 +2,7 @@
 
     python benchmarks/shrink.py --part proxy [--budget 50%,25%]     # every candidate: proxy KL vs held-out perplexity
     python benchmarks/shrink.py --part run --case NAME [--redo]     # one shrink command, timed, evaluated
+    python benchmarks/shrink.py --part run --case NAME --model gemma3-270m   # the same command on Gemma 3 270M
     python benchmarks/shrink.py --part curve                        # bytes/token vs perplexity: baselines, MLA bits
     python benchmarks/shrink.py --part bits                         # few-bit latent storages: groups, rope bits, rotation
     python benchmarks/shrink.py --part keys                         # every value kept: the key per token or per channel
@@ -367,6 +368,13 @@ def part_report() -> None:
     runs = [data[k] for k in sorted(data) if k.startswith("run-")]
     for r in runs:
         ev = r.get("evaluation")
+        if r.get("model", "smollm2") != "smollm2":  # its baselines are in its own report (and benchmarks/gemma3.py)
+            against = (r.get("report") or {}).get("baselines", {}).get("against") or {}
+            if ev and against.get("baseline"):
+                print(f"{r['model']} {r['case']}: {ev['perplexity']:.2f} at {ev['kv_bytes_per_token']} B; best "
+                      f"baseline at >= its bytes (its report, Apache-2.0): {against['baseline']} at "
+                      f"{against['baseline_bytes']} B")
+            continue
         sizes = {p["storage"]: p["kv_bytes_per_token"] for p in base if p["storage"] != "bf16"}
         names = at_or_above(sizes, ev["kv_bytes_per_token"]) if ev else []
         fair = [p for p in base if p["storage"] in names]
@@ -387,27 +395,37 @@ def part_report() -> None:
               f"{r['load_before']:.2f}/{r['load_after']:.2f} |")
 
 
-def part_run(case: str, redo: bool) -> None:
-    """One `attnlab shrink smollm2 ...` command in a child process, its wall time, and its output on GPL-3."""
+MODELS = ("smollm2", "gemma3-270m")  # bundled models a run may shrink
+
+
+def run_key(case: str, model: str) -> str:
+    """The row of one run in shrink.json: run-<case> for SmolLM2 (the rows before --model), run-<model>-<case> else."""
+    return f"run-{case}" if model == "smollm2" else f"run-{model}-{case}"
+
+
+def part_run(case: str, redo: bool, model: str = "smollm2") -> None:
+    """One `attnlab shrink MODEL ...` command in a child process, its wall time, and its output on GPL-3."""
     data = json.loads(JSON.read_text()) if JSON.exists() else {}
-    if f"run-{case}" in data and not redo:
-        print(f"run-{case} is in {JSON}; --redo to run it again")
+    key = run_key(case, model)
+    if key in data and not redo:
+        print(f"{key} is in {JSON}; --redo to run it again")
         return
     args, what = CASES[case]
     args = [a.replace("{pydoc}", str(pydoc_text())) for a in args]
     work = Path(tempfile.mkdtemp(prefix="attnlab-shrink-bench-"))
     out = work / ("out.gguf" if "gguf" in args else "out")
-    row = {"case": case, "what": what, "command": "attnlab shrink smollm2 " + " ".join(args[:]) + " --out OUT"}
+    row = {"case": case, "model": model, "what": what,
+           "command": f"attnlab shrink {model} " + " ".join(args[:]) + " --out OUT"}
     note_load(row, "load_before")
     t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "attnlab", "shrink", "smollm2", *args, "--eval-text", REPORT_TEXT,
+    proc = subprocess.run([sys.executable, "-m", "attnlab", "shrink", model, *args, "--eval-text", REPORT_TEXT,
                            "--out", str(out)], capture_output=True, text=True)
     row["wall_minutes"] = (time.monotonic() - t0) / 60
     note_load(row, "load_after")
     row["returncode"] = proc.returncode
     if proc.returncode:
         row["stderr"] = proc.stderr[-2000:]
-        save(f"run-{case}", row)
+        save(key, row)
         raise SystemExit(f"shrink failed: {proc.stderr[-500:]}")
     report = json.loads((out / "config.json").read_text())["shrink"] if out.is_dir() and \
         (out / "attention.safetensors").exists() else json.loads(out.with_name(out.name + ".shrink.json").read_text())
@@ -418,13 +436,13 @@ def part_run(case: str, redo: bool) -> None:
     if out.is_dir() and (out / "attention.safetensors").exists():
         from attnlab import models as hf
 
-        teacher, tok, _ = hf.load_model("smollm2")
+        teacher, tok, _ = hf.load_model(model)
         ids = hf.read_text_ids(tok, EVALUATION, 2048)
         row["original"] = hf.perplexity(teacher, ids)
         row["evaluation"] = evaluate(str(out))
         row["ratio"] = row["evaluation"]["perplexity"] / row["original"]
     row["out"] = str(out)
-    save(f"run-{case}", row)
+    save(key, row)
     print(json.dumps({k: v for k, v in row.items() if k != "report"}, indent=2))
 
 
@@ -434,6 +452,7 @@ def main() -> None:
     ap.add_argument("--budget", default="50%,25%")
     ap.add_argument("--case", choices=sorted(CASES))
     ap.add_argument("--redo", action="store_true")
+    ap.add_argument("--model", choices=MODELS, default="smollm2", help="the bundled model --part run shrinks")
     a = ap.parse_args()
     if a.part == "proxy":
         part_proxy(a.budget.split(","))
@@ -450,7 +469,7 @@ def main() -> None:
     else:
         if not a.case:
             ap.error("--part run needs --case")
-        part_run(a.case, a.redo)
+        part_run(a.case, a.redo, a.model)
 
 
 if __name__ == "__main__":

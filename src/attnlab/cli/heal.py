@@ -6,9 +6,18 @@ share), training, and the evaluation after it (kept in reserve). Ctrl-C or SIGTE
 the next step or evaluation window with a checkpoint (`--resume` continues); a second one
 interrupts at once. A run that trained nothing writes nothing and exits 2. One lock per
 output: a second run into the same --out is refused while the first runs.
+
+Under torchrun (`torchrun --nproc-per-node N -m attnlab heal ...`) the heal is data-parallel
+(attnlab.heal.distributed): every process joins the process group, rank 0 alone prints, holds
+the output lock, prepares the training text (the teacher's writing included) and sends it to the
+others, and writes the checkpoint, the healed folder and its report; --shard shards the trained
+weights with FSDP2 instead of replicating them under DDP. The command-line checks are the same on
+every rank, so only rank 0 reports them; a rank whose peer stopped answering at a collective (it
+died, or exceeded --collective-timeout) says so in one line and exits 2.
 """
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Optional
 
@@ -33,6 +42,47 @@ def report_table(title: str, report: dict) -> Table:
         table.add_row(f"student {name}", f"{r['perplexity']:.3f}", f"{r['top1_agreement']:.4f}",
                       "-" if g is None else f"{g:.4f}", str(r["kv_bytes_per_token"]))
     return table
+
+
+class _Silent:
+    """The display of a rank other than 0: nothing."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def phase(self, text: str) -> None:
+        pass
+
+    def count(self, done: int, total: int | None, what: str = "") -> None:
+        pass
+
+    def step(self, info: dict) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def _said_by_rank0(rank: int):
+    """A UsageProblem that every rank raises alike (a command-line check): rank 0 says it, the others exit 2 quietly."""
+    try:
+        yield
+    except UsageProblem:
+        if rank:
+            raise typer.Exit(2) from None
+        raise
+
+
+def _peer_lost(e: BaseException, world, timeout: float, checkpoint: Path) -> UsageProblem:
+    """One line for a collective that failed because another rank stopped answering."""
+    text = str(e)
+    why = (f"no answer within --collective-timeout {timeout:g} s" if "Timed out" in text or "timeout" in text.lower()
+           else "its connection closed: it stopped or died" if "closed" in text or "reset" in text
+           else text.split("] ", 1)[-1].splitlines()[0][:160] if text else type(e).__name__)
+    saved = f"; the last checkpoint is {checkpoint} (--resume continues)" if checkpoint.is_file() else ""
+    return UsageProblem(f"rank {world.rank} of {world.size}: another process of the job stopped answering at a "
+                        f"collective ({why}; the other ranks' output says more){saved}")
 
 
 def check_seq_len(seq_len: int, model) -> None:
@@ -61,6 +111,7 @@ def heal(source: Path = typer.Argument(..., help="A converted-model folder writt
          batch_size: Optional[int] = typer.Option(None, "--batch-size", help="Windows per end-to-end step [4]."),
          layer_steps: Optional[int] = typer.Option(None, "--layer-steps", help="Layer-wise steps per layer "
                                                    "(0: skip) [100]."),
+         layer_batch: Optional[int] = typer.Option(None, "--layer-batch", help="Windows per layer-wise step [8]."),
          layer_lr: Optional[float] = typer.Option(None, "--layer-lr", help="Layer-wise learning rate [3e-3]."),
          lr: Optional[float] = typer.Option(None, "--lr", help="End-to-end learning rate (AdamW, cosine) [3e-4]."),
          lora_rank: Optional[int] = typer.Option(None, "--lora-rank", help="Train LoRA adapters of this rank "
@@ -69,96 +120,154 @@ def heal(source: Path = typer.Argument(..., help="A converted-model folder writt
                                                    "(default: OUT.heal.pt beside --out)."),
          checkpoint_minutes: float = typer.Option(5.0, "--checkpoint-minutes", help="Minutes between checkpoints."),
          force: bool = typer.Option(False, "--force/--no-force", help="Replace an existing --out folder "
-                                    "(only one attnlab wrote).")):
+                                    "(only one attnlab wrote)."),
+         shard: bool = typer.Option(False, "--shard/--no-shard", help="Under torchrun: shard the trained weights, "
+                                    "their gradients and the optimizer state over the processes (FSDP2) instead of "
+                                    "replicating them (DDP)."),
+         collective_timeout: float = typer.Option(120.0, "--collective-timeout", help="Under torchrun: seconds a "
+                                                  "process waits for the others at a collective before it gives "
+                                                  "up.")):
     """Heal a converted model by distillation from the original (layer-wise, then KL on next tokens).
 
     Example: attnlab heal smollm2-mla192 --out smollm2-mla192-healed --minutes 25
     Example: attnlab heal smollm2-mla192 --out healed --text notes.txt --eval-text other.txt --tokens 200000
+    Example: torchrun --standalone --nproc-per-node 4 -m attnlab heal smollm2-mla192 --out healed --device cuda
+    --tokens 2000000 --batch-size 16
     """
     from .. import models as hf
+    from ..heal import distributed as dd
     from ..heal.data import check_pair, training_data
     from ..heal.distill import HealPlan, heal_model
     from ..io.folders import check_output, output_lock
     from ..runtime.budget import Budget, Stopped, stop_on_signals
 
-    budget = Budget(positive("--minutes", minutes))  # from the command's start: loading counts
-    positive("--tokens", tokens, integer=True)
-    positive("--checkpoint-minutes", checkpoint_minutes)
-    positive("--windows", windows, integer=True)
-    for name, value, integer in (("--seq-len", seq_len, True), ("--batch-size", batch_size, True),
-                                 ("--layer-lr", layer_lr, False), ("--lr", lr, False),
-                                 ("--lora-rank", lora_rank, True)):
-        positive(name, value, integer=integer)
-    if layer_steps is not None and layer_steps < 0:
-        raise UsageProblem(f"--layer-steps must be 0 (skip the phase) or more, got {layer_steps}")
-    if tokens is None and minutes is None:
-        raise UsageProblem("give --tokens, --minutes or both")
-    if device not in ("cpu", "cuda"):
-        raise UsageProblem(f"--device must be cpu or cuda, not {device!r}")
-    if device == "cuda":
-        import torch
-        if not torch.cuda.is_available():
-            raise UsageProblem("--device cuda: no CUDA device is available")
-    if not (Path(source) / "attention.safetensors").is_file() or not (Path(source) / "config.json").is_file():
-        raise UsageProblem(f"{source} is not a converted attnlab model (no attention.safetensors/config.json; "
-                           "attnlab convert writes one)")
-    readers = [*hf.source_paths(source), *(text or []), *(eval_text or []),
-               *(hf.source_paths(teacher_source) if teacher_source else [])]
-    check_output(out, force=force or resume, sources=readers)
-    checkpoint = checkpoint or out.with_name(out.name + ".heal.pt")
-    if resume and not checkpoint.is_file():
-        raise UsageProblem(f"no heal checkpoint at {checkpoint} (nothing to resume)")
-    if not resume and not force and checkpoint.exists():
-        raise UsageProblem(f"a heal checkpoint {checkpoint} exists from an earlier run: continue it with --resume, "
-                           "or start afresh with --force")
-    check_output(checkpoint, force=True, sources=readers, ours=lambda p: True, what="--checkpoint")
+    try:
+        place = dd.world_from_env(device if device in ("cpu", "cuda") else "cpu")  # torchrun's; no group joined yet
+    except ValueError as e:
+        raise UsageProblem(str(e)) from None
+    with _said_by_rank0(place.rank):  # the command line's checks: the same on every rank
+        budget = Budget(positive("--minutes", minutes))  # from the command's start: loading counts
+        positive("--tokens", tokens, integer=True)
+        positive("--checkpoint-minutes", checkpoint_minutes)
+        positive("--windows", windows, integer=True)
+        positive("--collective-timeout", collective_timeout)
+        for name, value, integer in (("--seq-len", seq_len, True), ("--batch-size", batch_size, True),
+                                     ("--layer-batch", layer_batch, True), ("--layer-lr", layer_lr, False),
+                                     ("--lr", lr, False),
+                                     ("--lora-rank", lora_rank, True)):
+            positive(name, value, integer=integer)
+        if layer_steps is not None and layer_steps < 0:
+            raise UsageProblem(f"--layer-steps must be 0 (skip the phase) or more, got {layer_steps}")
+        if tokens is None and minutes is None:
+            raise UsageProblem("give --tokens, --minutes or both")
+        if device not in ("cpu", "cuda"):
+            raise UsageProblem(f"--device must be cpu or cuda, not {device!r}")
+        if device == "cuda":
+            import torch
+            if not torch.cuda.is_available():
+                raise UsageProblem("--device cuda: no CUDA device is available")
+        if shard and not place.distributed:
+            raise UsageProblem("--shard needs a process group: it shards the trained weights over the processes of "
+                               "a torchrun job (torchrun --nproc-per-node N -m attnlab heal ..., N >= 2); this is "
+                               "one process")
+        if place.distributed:  # the global batches split evenly over the processes
+            for name, value, default in (("--batch-size", batch_size, HealPlan.batch_size),
+                                         ("--layer-batch", layer_batch, HealPlan.layer_batch)):
+                value = default if value is None else value
+                if (name == "--batch-size" or layer_steps != 0) and value % place.size:
+                    raise UsageProblem(f"{name} {value} does not split over the {place.size} processes: give a "
+                                       f"multiple of {place.size}")
+        if not (Path(source) / "attention.safetensors").is_file() or not (Path(source) / "config.json").is_file():
+            raise UsageProblem(f"{source} is not a converted attnlab model (no attention.safetensors/config.json; "
+                               "attnlab convert writes one)")
+        readers = [*hf.source_paths(source), *(text or []), *(eval_text or []),
+                   *(hf.source_paths(teacher_source) if teacher_source else [])]
+        checkpoint = checkpoint or out.with_name(out.name + ".heal.pt")
+        if place.main:  # rank 0 alone writes: the output rules are its own
+            check_output(out, force=force or resume, sources=readers)
+            if resume and not checkpoint.is_file():
+                raise UsageProblem(f"no heal checkpoint at {checkpoint} (nothing to resume)")
+            if not resume and not force and checkpoint.exists():
+                raise UsageProblem(f"a heal checkpoint {checkpoint} exists from an earlier run: continue it with "
+                                   "--resume, or start afresh with --force")
+            check_output(checkpoint, force=True, sources=readers, ours=lambda p: True, what="--checkpoint")
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()  # one progress display: ours
-    with output_lock(out), stop_on_signals(budget), RunDisplay(budget) as show:
-        try:
-            show.phase("loading the student and the teacher")
-            student, tok, meta = hf.load_model(str(source))
-            if hf.family(student) != "llama":
-                raise UsageProblem("heal trains causal language models (Llama family); for encoders see "
-                                   "attnlab.heal.encoder")
-            teacher, _, _ = hf.load_model(teacher_source or meta["base"])
-            readers.append(meta["base"])
-            check_output(out, force=force or resume, sources=readers)
-            given = dict(seq_len=seq_len, batch_size=batch_size, layer_steps=layer_steps, layer_lr=layer_lr,
-                         lr=lr)  # None: HealPlan's default
-            plan = HealPlan(tokens=tokens, seed=seed, lora_rank=lora_rank,
-                            **{k: v for k, v in given.items() if v is not None})
-            plan.check()
-            check_pair(teacher, student)
-            check_seq_len(plan.seq_len, teacher)
-            budget.check()
-            show.phase("preparing data" if text else "the teacher writes text")
-            train, held, data = training_data(teacher, tok, plan.seq_len, text=text, eval_text=eval_text,
-                                              windows=windows, seed=seed, budget=budget,
-                                              progress=lambda i, n: show.count(i, n, "the teacher writes text"))
-            show.phase("evaluating before training")
-            report = heal_model(teacher, student, train, held, plan, budget=budget, device=device,
-                                checkpoint=checkpoint, resume=resume, checkpoint_seconds=60 * checkpoint_minutes,
-                                progress=show.step)
-        except Stopped as e:
-            spent = f"{budget.elapsed() / 60:.1f} of {minutes} minutes" if minutes else "time"
-            raise UsageProblem("stopped before training began: nothing trained, nothing written" if e.reason == "stop"
-                               else f"the budget ({spent}) was spent before training began: nothing trained, "
-                                    "nothing written (give more --minutes)") from None
-        report["data"] = data
-        title = (f"heal {source} ({report['status']}: {report['minutes']:.1f} min training, "
-                 f"{budget.elapsed() / 60:.1f} min in all, {report['distill_tokens']} end-to-end tokens)")
-        if "teacher" in report:
-            console.print(report_table(title, report))
-        if not report["steps_done"]:
-            raise UsageProblem(f"nothing was trained: the budget was spent first ({budget.elapsed() / 60:.1f} min "
-                               "went to loading, data and evaluation); nothing written (give more --minutes)")
-        if report["status"] == "stopped":
-            console.print(f"stopped; the checkpoint is {checkpoint} (continue with --resume)")
-            raise typer.Exit(1)
-        extra = {k: v for k, v in meta.items() if k not in ("format", "version", "base", "layers")}
-        hf.save_model(student, meta["base"], out, extra={**extra, "heal": report}, force=force or resume,
-                      sources=readers)
+    world = dd.init_world(device, collective_timeout)
+    device = world.device if world.distributed else device
+    try:
+        with (output_lock(out) if world.main else contextlib.nullcontext()), stop_on_signals(budget), \
+                (RunDisplay(budget) if world.main else _Silent()) as show:
+            try:
+                show.phase("loading the student and the teacher")
+                student, tok, meta = hf.load_model(str(source))
+                if hf.family(student) != "llama":
+                    raise UsageProblem("heal trains causal language models (Llama family); for encoders see "
+                                       "attnlab.heal.encoder")
+                teacher, _, _ = hf.load_model(teacher_source or meta["base"])
+                readers.append(meta["base"])
+                if world.main:
+                    check_output(out, force=force or resume, sources=readers)
+                given = dict(seq_len=seq_len, batch_size=batch_size, layer_steps=layer_steps,
+                             layer_batch=layer_batch, layer_lr=layer_lr, lr=lr)  # None: HealPlan's default
+                plan = HealPlan(tokens=tokens, seed=seed, lora_rank=lora_rank,
+                                **{k: v for k, v in given.items() if v is not None})
+                plan.check()
+                check_pair(teacher, student)
+                check_seq_len(plan.seq_len, teacher)
+                show.phase("preparing data" if text else "the teacher writes text")
+                made = {}
+
+                def prepare():  # rank 0 alone (the others wait for it, up to a day: the teacher may write for long)
+                    budget.check()
+                    made["train"], made["held"], data = training_data(
+                        teacher, tok, plan.seq_len, text=text, eval_text=eval_text, windows=windows, seed=seed,
+                        budget=budget, progress=lambda i, n: show.count(i, n, "the teacher writes text"))
+                    return data
+
+                data = dd.from_rank0(prepare, carry=(ValueError, UsageProblem))
+                train, held = dd.broadcast_tensors([made["train"], made["held"]] if world.main else None)
+                show.phase("evaluating before training")
+                report = heal_model(teacher, student, train, held, plan, budget=budget, device=device,
+                                    checkpoint=checkpoint, resume=resume,
+                                    checkpoint_seconds=60 * checkpoint_minutes,
+                                    progress=show.step if world.main else None, world=world, shard=shard)
+            except Stopped as e:
+                spent = f"{budget.elapsed() / 60:.1f} of {minutes} minutes" if minutes else "time"
+                raise UsageProblem("stopped before training began: nothing trained, nothing written"
+                                   if e.reason == "stop" else
+                                   f"the budget ({spent}) was spent before training began: nothing trained, "
+                                   "nothing written (give more --minutes)") from None
+            report["data"] = data
+            title = (f"heal {source} ({report['status']}: {report['minutes']:.1f} min training, "
+                     f"{budget.elapsed() / 60:.1f} min in all, {report['distill_tokens']} end-to-end tokens)")
+            if "teacher" in report and world.main:
+                console.print(report_table(title, report))
+            if not report["steps_done"]:
+                raise UsageProblem(f"nothing was trained: the budget was spent first ({budget.elapsed() / 60:.1f} "
+                                   "min went to loading, data and evaluation); nothing written (give more --minutes)")
+            if report["status"] == "stopped":
+                if world.main:
+                    console.print(f"stopped; the checkpoint is {checkpoint} (continue with --resume)")
+                raise typer.Exit(1)
+            if world.main:
+                extra = {k: v for k, v in meta.items() if k not in ("format", "version", "base", "layers")}
+                hf.save_model(student, meta["base"], out, extra={**extra, "heal": report}, force=force or resume,
+                              sources=readers)
+    except (typer.Exit, UsageProblem, KeyboardInterrupt) as e:
+        if isinstance(e, UsageProblem) and not world.main:
+            raise typer.Exit(2) from None  # the same check failed on rank 0, or rank 0 sent its error: it says it
+        raise
+    except Exception as e:
+        if dd.collective_failure(e):
+            raise _peer_lost(e, world, collective_timeout, checkpoint) from e
+        if not world.main:  # this rank's own trouble: name the rank
+            raise UsageProblem(f"rank {world.rank} of {world.size}: {str(e) or type(e).__name__}") from e
+        raise
+    finally:
+        dd.close_world(world)
+    if not world.main:
+        return
     if report["status"] == "budget":
         console.print(f"time budget spent before the plan ended; --resume continues from {checkpoint}")
     console.print(f"wrote {out}")

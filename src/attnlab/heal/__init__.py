@@ -4,6 +4,7 @@
 - data.py      what healing trains on: the user's text, or text the teacher writes itself
 - evaluate.py  the student against the teacher: perplexity, top-1 and greedy agreement
 - encoder.py   healing an encoder (BERT) with a cosine loss on sentence embeddings
+- distributed.py  the heal data-parallel under torchrun: the process group, DDP or FSDP2, what ranks share
 """
 from .data import PROMPTS, check_pair, read_ids, teacher_windows, text_windows
 from .distill import (

@@ -21,6 +21,15 @@ request every long loop checks, the teacher's hidden states included), checkpoin
 minutes, and stops cleanly at a step boundary when asked (request_stop, e.g. from a signal).
 `heal_model` is the whole job inside one budget: evaluate before (a bounded share), train
 (leaving time for the evaluation after), evaluate after.
+
+Data-parallel (distributed.py, under torchrun): given a `world` of N > 1 processes, plan.batch_size
+and the layer-wise batch stay the global batches; rank k computes rows [k B/N, (k+1) B/N) of the
+very batch one process would pick, the trained part is wrapped (DDP, or FSDP2 with shard=True),
+the losses are built so that the averaged gradient is the one-process gradient (the layer-wise
+loss divides by the whole batch's target power), the recorded losses are the whole batch's,
+every stop is agreed, and rank 0 alone writes the checkpoint, in the one-process format. The
+teacher's layer inputs of the layer-wise phase are computed by every rank (not split yet).
+Without a world (or with one process) nothing of this runs: the one-process path is unchanged.
 """
 from __future__ import annotations
 
@@ -35,6 +44,7 @@ from ..io.fingerprint import fingerprint
 from ..io.folders import replace_with
 from ..models.evaluate import kv_bytes_per_token
 from ..runtime.budget import Budget, Stopped
+from . import distributed as dd
 
 LORA_TARGETS = ("W_Q", "W_DQ", "W_UQ", "W_K", "W_V", "W_DKV", "W_KR", "W_UK", "W_UV", "W_O")
 
@@ -79,16 +89,34 @@ def freeze_all_but_attention(student) -> list[torch.nn.Parameter]:
     return params
 
 
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    """At least float32 for a loss (bf16/half go up; float32 is t itself; float64 keeps its precision)."""
+    return t if t.dtype == torch.float64 else t.float()
+
+
 def kl_loss(teacher_logits: torch.Tensor, student_logits: torch.Tensor) -> torch.Tensor:
-    """Mean over positions of KL(teacher || student), logits (..., V)."""
-    t = teacher_logits.float().log_softmax(-1).flatten(0, -2)  # (n, V)
-    s = student_logits.float().log_softmax(-1).flatten(0, -2)
+    """Mean over positions of KL(teacher || student), logits (..., V).
+
+    Over N ranks with equal rows each, the mean of the ranks' losses is the whole batch's loss,
+    so DDP's averaged gradient is the one-process gradient.
+    """
+    t = _wide(teacher_logits).log_softmax(-1).flatten(0, -2)  # (n, V)
+    s = _wide(student_logits).log_softmax(-1).flatten(0, -2)
     return F.kl_div(s, t, log_target=True, reduction="batchmean")
 
 
-def normalised_mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """mean((out - target)^2) / mean(target^2): the layer-wise phase's loss, comparable across layers."""
-    return (out.float() - target.float()).pow(2).mean() / target.float().pow(2).mean().clamp_min(1e-30)
+def normalised_mse(out: torch.Tensor, target: torch.Tensor, *, world: dd.World | None = None) -> torch.Tensor:
+    """mean((out - target)^2) / mean(target^2): the layer-wise phase's loss, comparable across layers.
+
+    world (N > 1 ranks, each with its equal share of the batch): the denominator is the whole
+    batch's mean(target^2) (an all_reduce of the detached sum and count), so the mean over ranks
+    of this rank's loss, and DDP's averaged gradient, are the one-process ones.
+    """
+    if world is None or not world.distributed:
+        return (_wide(out) - _wide(target)).pow(2).mean() / _wide(target).pow(2).mean().clamp_min(1e-30)
+    o, t = _wide(out), _wide(target)
+    power = dd.all_sum(torch.stack([t.pow(2).sum(), t.new_tensor(float(t.numel()))]))  # (2,): sum, count
+    return (o - t).pow(2).mean() / (power[0] / power[1]).clamp_min(1e-30)
 
 
 def distill_loss(teacher, student, ids: torch.Tensor) -> float:
@@ -140,22 +168,48 @@ def merge_lora(student) -> None:
                 setattr(m, name, layer.get_base_layer())
 
 
+def _check_split(world: dd.World, plan: HealPlan, windows: torch.Tensor) -> None:
+    """ValueError naming the numbers unless the world's size divides the global batches (checked before any work)."""
+    n = world.size
+    if n == 1:
+        return
+    if plan.batch_size % n:
+        raise ValueError(f"batch_size {plan.batch_size} does not split over {n} processes: the global batch "
+                         f"must be a multiple of {n}")
+    if plan.layer_steps:
+        b = min(plan.layer_batch, plan.layer_windows, windows.shape[0])
+        if b % n:
+            raise ValueError(f"the layer-wise batch of {b} windows (layer_batch {plan.layer_batch}, at most the "
+                             f"{min(plan.layer_windows, windows.shape[0])} layer-wise windows) does not split "
+                             f"over {n} processes: it must be a multiple of {n}")
+
+
 class Healer:
     """Layer-wise then end-to-end distillation of `student` from `teacher`, resumable (module docstring).
 
     windows: (N, T) training token ids. checkpoint: a file path (None: no checkpoints).
     budget: a runtime.Budget (its deadline and stop request); default none of either.
     progress(info) is called after every step with a dict (phase, step, total, loss, tokens, ...).
+    world: a distributed.World of N > 1 ranks (init_world under torchrun) to train data-parallel,
+    each rank on its device (world.device); shard=True wraps the trained part with FSDP2 instead
+    of DDP. Default: one process, no collective.
     """
 
     def __init__(self, teacher, student, windows: torch.Tensor, plan: HealPlan, *, device="cpu",
-                 checkpoint=None, checkpoint_seconds: float = 300.0, progress=None, budget: Budget | None = None):
+                 checkpoint=None, checkpoint_seconds: float = 300.0, progress=None, budget: Budget | None = None,
+                 world: dd.World | None = None, shard: bool = False):
         plan.check()
         if windows.dim() != 2 or windows.shape[1] != plan.seq_len or windows.shape[0] < 1:
             raise ValueError(f"training windows must be (N >= 1, seq_len = {plan.seq_len}), "
                              f"got {tuple(windows.shape)}")
+        self.world = world if world is not None else dd.World()
+        if shard and not self.world.distributed:
+            raise ValueError(f"shard=True (FSDP2) needs a process group of 2 or more ranks; the world has "
+                             f"{self.world.size}")
+        self.shard = bool(shard)
+        _check_split(self.world, plan, windows)
         self.teacher, self.student, self.plan = teacher.eval(), student.eval(), plan
-        self.device = torch.device(device)
+        self.device = self.world.device if self.world.distributed else torch.device(device)
         self.windows = windows
         self.checkpoint = None if checkpoint is None else Path(checkpoint)
         self.checkpoint_seconds, self.progress = checkpoint_seconds, progress
@@ -173,9 +227,13 @@ class Healer:
             add_lora(student, plan.lora_rank)
         else:
             freeze_all_but_attention(student)
+        self._attn = _modules(student)  # the student's own attention modules (what checkpoints hold)
         self.optimizer = None
         self.steps_this_run = 0
         self._inputs = None
+        # what the phase trains, as called (the layer, the student, or their DDP wrapper); under FSDP2 the
+        # sharded twins of the attention modules it trains (index -> twin), in the student while attached
+        self._part, self._owner, self._twins, self._attached = None, None, {}, False
 
     # -- checkpoints ---------------------------------------------------------------------------
     def request_stop(self) -> None:
@@ -183,14 +241,23 @@ class Healer:
         self.budget.request_stop()
 
     def save(self) -> None:
-        """Write the checkpoint atomically (a disk that refuses it gives a one-line ValueError, no leftover)."""
+        """Write the checkpoint atomically (a disk that refuses it gives a one-line ValueError, no leftover).
+
+        Over N ranks every rank calls it (FSDP2 gathers the shards); rank 0 alone writes, in the
+        one-process format (full weights, the optimizer state by parameter index).
+        """
         if self.checkpoint is None:
+            return
+        self._sync()
+        optimizer = None if self.optimizer is None else (
+            dd.full_optimizer_state(self._owner, self.optimizer) if self.shard else self.optimizer.state_dict())
+        if not self.world.main:
             return
         blob = {"format": "attnlab-heal", "plan": asdict(self.plan), "state": dict(self.state),
                 "fingerprint": dict(self.fingerprints),
-                "student": {f"{i}.{k}": v.detach().cpu() for i, m in enumerate(_modules(self.student))
+                "student": {f"{i}.{k}": v.detach().cpu() for i, m in enumerate(self._attn)
                             for k, v in m.state_dict().items()},
-                "optimizer": None if self.optimizer is None else self.optimizer.state_dict(),
+                "optimizer": optimizer,
                 "windows": self.windows.cpu()}
         replace_with(self.checkpoint, lambda tmp: torch.save(blob, tmp))
 
@@ -209,7 +276,10 @@ class Healer:
         return blob
 
     def restore(self, blob: dict, where: str = "the checkpoint") -> None:
-        """Continue from a checkpoint of the same plan, student and teacher (weights, optimizer, phase, step, windows)."""
+        """Continue from a checkpoint of the same plan, student and teacher (weights, optimizer, phase, step, windows).
+
+        A checkpoint written by any number of ranks restores on any number (every rank passes the blob).
+        """
         marks = blob.get("fingerprint")
         if not isinstance(marks, dict):
             raise ValueError(f"{where} records no fingerprint of its models (an older attnlab wrote it); "
@@ -221,32 +291,105 @@ class Healer:
         if blob["plan"] != asdict(self.plan):
             diff = sorted(k for k in blob["plan"] if blob["plan"][k] != asdict(self.plan).get(k))
             raise ValueError(f"{where} was made with a different plan ({', '.join(diff)} differ)")
+        _check_split(self.world, self.plan, blob["windows"])
+        self._release()
         self.windows = blob["windows"]
-        for i, m in enumerate(_modules(self.student)):
+        for i, m in enumerate(self._attn):
             prefix = f"{i}."
             m.load_state_dict({k[len(prefix):]: v for k, v in blob["student"].items() if k.startswith(prefix)})
         self.state = dict(blob["state"])
         self.state.setdefault("steps_done", 0)
         self._make_optimizer()
         if blob["optimizer"] is not None and self.optimizer is not None:
-            self.optimizer.load_state_dict(blob["optimizer"])
+            if self.shard:
+                dd.load_optimizer_state(self._owner, self.optimizer, blob["optimizer"])
+            else:
+                self.optimizer.load_state_dict(blob["optimizer"])
+
+    # -- what is trained, and its wrapper over N ranks ---------------------------------------------
+    def _make_optimizer(self):
+        """The optimizer of what the phase trains (a new one per layer and phase); over N ranks that part is wrapped
+        first: DDP around the module itself, or FSDP2 around a twin of each attention module it holds."""
+        s = self.state
+        self._release()
+        if s["phase"] not in ("layers", "distill"):
+            self.optimizer = None
+            return
+        if self.world.distributed:
+            self.student.to(self.device)  # DDP and FSDP2 take modules on their device
+        if self.shard:
+            wanted = [s["layer"]] if s["phase"] == "layers" else range(len(self._attn))
+            for i in wanted:
+                self._twins[i] = dd.wrap(dd.replica(self._attn[i]), self.world, shard=True)
+            self._owner = torch.nn.ModuleList(self._twins[i] for i in wanted)  # the optimizer's parameters, in order
+            self._part = self._twins[s["layer"]] if s["phase"] == "layers" else self.student  # attached to step
+        else:
+            self._owner = self._attn[s["layer"]] if s["phase"] == "layers" else self.student
+            self._part = dd.wrap(self._owner, self.world)
+        lr = self.plan.layer_lr if s["phase"] == "layers" else self.plan.lr
+        params = [p for p in self._owner.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+
+    def _swap(self, old, new) -> None:
+        for parent in self.student.modules():
+            for name, child in parent.named_children():
+                if child is old:
+                    setattr(parent, name, new)
+                    return
+        raise ValueError("an attention module is no longer in the student")  # pragma: no cover - a bug
+
+    def _attach(self) -> None:
+        """FSDP2, end-to-end: the sharded twins take their modules' places in the student, for the training steps
+        only (an evaluation between runs sees the student's own modules, and runs no collective)."""
+        if self.state["phase"] == "distill" and self._twins and not self._attached:
+            for i, twin in self._twins.items():
+                self._swap(self._attn[i], twin)
+            self._attached = True
+
+    def _sync(self) -> None:
+        """FSDP2: the twins' full weights into the student's own modules (a collective; every rank calls it)."""
+        for i, twin in self._twins.items():
+            self._attn[i].load_state_dict(dd.full_state_dict(twin))
+
+    def _detach(self, sync: bool = True) -> None:
+        """FSDP2: the student's own modules back in place, holding the trained weights (twins and optimizer kept)."""
+        if sync:
+            self._sync()
+        if self._attached:
+            for i, twin in self._twins.items():
+                self._swap(twin, self._attn[i])
+            self._attached = False
+
+    def _release(self) -> None:
+        """Let go of the wrapped part (its weights are the student's again): at a new layer or phase, at the end."""
+        self._detach()
+        self._twins, self._part, self._owner = {}, None, None
+        if self.world.distributed:
+            import gc
+            gc.collect()  # a dropped DDP wrapper's gradient hooks go with it, before the next wrapper's backward
+
+    def _agree(self, flag: bool) -> bool:
+        return dd.agree(flag) if self.world.distributed else flag
+
+    def _loss_value(self, loss: torch.Tensor) -> float:
+        """The whole batch's loss: this rank's, or the mean of the ranks' (equal rows each)."""
+        return dd.global_mean(loss.detach()) if self.world.distributed else loss.item()
+
+    def _check(self) -> None:
+        """budget.check(), agreed over the ranks (any rank's stop or deadline stops all)."""
+        if not self.world.distributed:
+            self.budget.check()
+        elif self._agree(self.budget.stop_requested):
+            raise Stopped("stop")
+        elif self._agree(self.budget.expired()):
+            raise Stopped("budget")
 
     # -- phases --------------------------------------------------------------------------------
-    def _make_optimizer(self):
-        s = self.state
-        if s["phase"] == "layers":
-            params = [p for p in _modules(self.student)[s["layer"]].parameters() if p.requires_grad]
-            self.optimizer = torch.optim.AdamW(params, lr=self.plan.layer_lr, weight_decay=0.0)
-        elif s["phase"] == "distill":
-            params = [p for p in self.student.parameters() if p.requires_grad]
-            self.optimizer = torch.optim.AdamW(params, lr=self.plan.lr, weight_decay=0.0)
-        else:
-            self.optimizer = None
-
     def _layer_inputs(self, chunk: int = 8):
         """Each layer's attention input (n, T, dim) on the first layer_windows windows, from the teacher.
 
         Computed `chunk` windows at a time, checking the budget in between (runtime.Stopped).
+        Over N ranks every rank computes all of them (the batches draw from all; not split yet).
         """
         if self._inputs is None:
             from ..models.evaluate import attention_inputs
@@ -254,7 +397,7 @@ class Healer:
             parts = []
             for start in range(0, ids.shape[0], chunk):
                 if start:
-                    self.budget.check()
+                    self._check()
                 part = ids[start:start + chunk]
                 parts.append([x.reshape(part.shape[0], part.shape[1], -1) for x in attention_inputs(self.teacher, part)])
             self._inputs = [torch.cat(layer) for layer in zip(*parts)]
@@ -266,26 +409,29 @@ class Healer:
         x_all = self._layer_inputs()[layer]  # (n, T, dim)
         idx = torch.randint(x_all.shape[0], (min(plan.layer_batch, x_all.shape[0]),),
                             generator=_generator(plan.seed, 1, layer, s["step"]))
+        if self.world.distributed:  # this rank's rows of the one-process batch
+            idx = idx[self.world.rows(idx.numel(), "layer-wise batch")]
         x = x_all[idx.to(x_all.device)]  # (b, T, dim)
         with torch.no_grad():
             target = _modules(self.teacher)[layer](x, is_causal=True)  # (b, T, dim)
         for g in self.optimizer.param_groups:
             g["lr"] = plan.layer_lr * _cosine(s["step"], plan.layer_steps, warmup_steps(plan.layer_steps))
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
-            out = _modules(self.student)[layer](x, is_causal=True)
-        loss = normalised_mse(out, target)
+            out = self._part(x, is_causal=True)
+        loss = normalised_mse(out, target, world=self.world)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         self.optimizer.step()
+        value = self._loss_value(loss)
         s["step"] += 1
         if s["step"] == plan.layer_steps:
-            s["layer_losses"].append(loss.item())
+            s["layer_losses"].append(value)
             s["layer"], s["step"] = s["layer"] + 1, 0
-            if s["layer"] == len(_modules(self.student)):
+            if s["layer"] == len(self._attn):
                 s["phase"], s["layer"] = "distill", 0
                 self._inputs = None
             self._make_optimizer()
-        return loss.item()
+        return value
 
     def _batch(self, step: int) -> torch.Tensor:
         B, N = self.plan.batch_size, self.windows.shape[0]
@@ -297,24 +443,28 @@ class Healer:
 
     def _distill_step(self) -> float:
         s, plan = self.state, self.plan
-        ids = self._batch(s["step"])
+        self._attach()
+        ids = self._batch(s["step"])  # (B, T): the whole batch
+        mine = ids[self.world.rows(ids.shape[0])] if self.world.distributed else ids  # this rank's rows
         for g in self.optimizer.param_groups:
             g["lr"] = plan.lr * _cosine(s["step"], s["total_steps"] or 10 ** 9, plan.warmup)
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
             with torch.no_grad():
-                t_logits = self.teacher(ids).logits
-            loss = kl_loss(t_logits, self.student(ids).logits)
+                t_logits = self.teacher(mine).logits
+            loss = kl_loss(t_logits, self._part(mine).logits)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
+        # the global norm: DDP's gradients are the averaged ones on every rank; FSDP2's are DTensor shards
         torch.nn.utils.clip_grad_norm_([p for g in self.optimizer.param_groups for p in g["params"]], 1.0)
         self.optimizer.step()
+        value = self._loss_value(loss)
         s["step"] += 1
         s["tokens"] += ids.numel()
-        s["distill_losses"].append(loss.item())
+        s["distill_losses"].append(value)
         if s["total_steps"] is not None and s["step"] >= s["total_steps"]:
             s["phase"] = "done"
-            self.optimizer = None
-        return loss.item()
+            self._make_optimizer()  # none: the trained weights are the student's own again
+        return value
 
     # -- the loop ------------------------------------------------------------------------------
     def run(self, minutes: float | None = None, *, reserve: float = 0.0) -> str:
@@ -324,6 +474,7 @@ class Healer:
         unspent at the end (the evaluation that follows). A step starts only if the last step's
         time plus the reserve still fits. Returns "done", "budget" (resumable) or "stopped". A
         checkpoint is written at the end in every case, and every checkpoint_seconds on the way.
+        Over N ranks every decision is agreed (any rank's stop or deadline stops all at one step).
         """
         plan, s = self.plan, self.state
         budget = self.budget if minutes is None else self.budget.share(seconds=60.0 * minutes)
@@ -340,10 +491,10 @@ class Healer:
         last_save, step_time, status, elapsed0 = start, 0.0, "done", s["elapsed"]
         self.steps_this_run = 0
         while s["phase"] != "done":
-            if budget.stop_requested:
+            if self._agree(budget.stop_requested):
                 status = "stopped"
                 break
-            if budget.expired(reserve + step_time):
+            if self._agree(budget.expired(reserve + step_time)):
                 status = "budget"
                 break
             phase = s["phase"]
@@ -359,14 +510,16 @@ class Healer:
             s["elapsed"] = elapsed0 + clock() - start
             if phase == "distill" and s["total_steps"] is None and s["step"] == max(3, plan.warmup):
                 left = (budget.left() - reserve) / max(step_time, 1e-9)  # steps the budget allows from here
-                s["total_steps"] = s["step"] + max(1, int(left))
+                total = s["step"] + max(1, int(left))
+                s["total_steps"] = dd.broadcast_object(total, patient=False) if self.world.distributed else total
             if self.progress:
                 self.progress(self._info(phase, loss, step_time))
-            if clock() - last_save > self.checkpoint_seconds:
+            if self._agree(clock() - last_save > self.checkpoint_seconds):
                 self.save()
                 last_save = clock()
         s["elapsed"] = elapsed0 + clock() - start
         self.save()
+        self._detach(sync=self.checkpoint is None)  # save() synced the weights already
         return status
 
     def _info(self, phase, loss, step_time) -> dict:
@@ -383,16 +536,22 @@ class Healer:
 
     def finish(self) -> None:
         """Merge LoRA adapters (if any) and stop tracking gradients: the student is an ordinary model again."""
+        if self.world.distributed:  # drop the wrappers (FSDP2: the trained weights into the student first)
+            self._release()
+            self.optimizer = None
         if self.plan.lora_rank:
             merge_lora(self.student)
         for p in self.student.parameters():
             p.requires_grad_(False)
 
 
+_STATUSES = (None, "budget", "stopped")  # a run's end, by rank: the largest over the ranks wins
+
+
 def heal_model(teacher, student, windows: torch.Tensor, held_out: torch.Tensor, plan: HealPlan, *,
                minutes: float | None = None, budget: Budget | None = None, device="cpu", checkpoint=None,
                resume: bool = False, checkpoint_seconds: float = 300.0, progress=None, evaluate: bool = True,
-               stop_hook=None, eval_share: float = 0.1) -> dict:
+               stop_hook=None, eval_share: float = 0.1, world: dd.World | None = None, shard: bool = False) -> dict:
     """Measure, heal (Healer), measure again, all inside one budget; returns the report. The student heals in place.
 
     budget: a runtime.Budget (or minutes: a new one). The evaluation before training gets at most
@@ -403,6 +562,9 @@ def heal_model(teacher, student, windows: torch.Tensor, held_out: torch.Tensor, 
     this call; 0 means nothing was trained (the budget was spent first).
     resume: continue from `checkpoint` (its plan, student and teacher must be this run's).
     stop_hook(healer) is called once the Healer exists (e.g. to wire a signal to request_stop).
+    world, shard: data-parallel over a torchrun job (Healer). Every rank calls heal_model: rank 0
+    reads the checkpoint and sends it to the others; the evaluations run on every rank (not split
+    yet; rank 0's report is the one to show) and a stop during the first one on any rank stops all.
     """
     from .data import check_pair
     from .evaluate import evaluate_pair, public
@@ -412,9 +574,15 @@ def heal_model(teacher, student, windows: torch.Tensor, held_out: torch.Tensor, 
     elif minutes is not None:
         budget = budget.share(seconds=60.0 * minutes)
     check_pair(teacher, student)
-    blob = Healer.read(checkpoint) if resume else None
+    world = world if world is not None else dd.World()
+    if world.distributed:
+        device = world.device
+        blob = dd.from_rank0(lambda: Healer.read(checkpoint)) if resume else None
+    else:
+        blob = Healer.read(checkpoint) if resume else None
     healer = Healer(teacher, student, windows, plan, device=device, checkpoint=checkpoint,
-                    checkpoint_seconds=checkpoint_seconds, progress=progress, budget=budget)
+                    checkpoint_seconds=checkpoint_seconds, progress=progress, budget=budget, world=world,
+                    shard=shard)
     report = {"plan": asdict(plan), "device": str(device)}
     if blob is not None:
         healer.restore(blob, str(checkpoint))
@@ -432,10 +600,14 @@ def heal_model(teacher, student, windows: torch.Tensor, held_out: torch.Tensor, 
             report["evaluation_seconds"] = budget.clock() - t0
             healer.state["reference"] = before
         healer.state["report"] = report
-        status = healer.run(reserve=report.get("evaluation_seconds", 0.0) if evaluate else 0.0)
     except Stopped as e:
-        healer.save()
         status = "stopped" if e.reason == "stop" else "budget"
+    if world.distributed:  # a stop on any rank stops all (a stop request outranks a spent budget)
+        status = _STATUSES[dd.largest(_STATUSES.index(status))]
+    if status is None:
+        status = healer.run(reserve=report.get("evaluation_seconds", 0.0) if evaluate else 0.0)
+    else:
+        healer.save()
     healer.finish()
     s = healer.state
     report.update(status=status, minutes=s["elapsed"] / 60, distill_tokens=s["tokens"],

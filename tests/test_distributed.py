@@ -1,0 +1,257 @@
+"""Data-parallel healing (attnlab.heal.distributed) against the one-process run, the oracle.
+
+Two processes on CPU (gloo) heal a tiny float64 Llama with DDP and with FSDP2 at the global batch
+of the one-process run; the final weights and the loss curves must be the oracle's to float64
+rounding. A 2-process run stopped after k steps resumes in one process to the weights of an
+uninterrupted 2-process run. The same file is the workers' script: `python test_distributed.py
+WORKDIR` with RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set, as torchrun would set them.
+
+The tolerance: in float64 the two runs differ only in the order of floating-point sums (each rank
+sums half the rows, then the gradients are averaged; FSDP2 also sums a norm in pieces), about
+1e-16 relative per step. AdamW's step is a ratio of moments, so a relative error of the gradient
+stays a relative error of the step (it is not amplified by 1/eps unless a gradient element is
+~1e-8, where the error is 1e-16 absolute); over the 10 steps here that is ~1e-14. The asserted
+1e-9 relative leaves five orders of margin and is still 7 orders below a float32 run's (or a
+wrong split's: one row missing moves the weights by ~1e-3).
+"""
+import copy
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+T = 16  # tokens per window
+PLAN = dict(seq_len=T, batch_size=4, tokens=4 * T * 4, layer_steps=3, layer_windows=8, layer_batch=4,
+            layer_lr=1e-3, lr=2e-3, warmup=2)  # 2 layers x 3 layer-wise steps, then 4 end-to-end steps
+STEPS = 2 * 3 + 4
+RUNS = {"ddp": (False, None), "fsdp": (True, None),  # name: (shard, stop after this many steps)
+        "ddp_stop": (False, 4), "fsdp_stop": (True, 8),  # inside layer 1; inside the end-to-end phase
+        "fsdp_layer_stop": (True, 4)}
+TOL = 1e-9
+
+
+def _windows(n, seed):
+    return torch.randint(0, 300, (n, T), generator=torch.Generator().manual_seed(seed))
+
+
+def _weights(model):
+    from attnlab.models import attnlab_modules
+
+    return [v.detach().clone() for m in attnlab_modules(model) for v in m.state_dict().values()]
+
+
+def _rel(a, b):
+    """The largest relative difference over a list of tensors (each measured against its own norm)."""
+    return max(float((x - y).norm() / y.norm().clamp_min(1e-300)) for x, y in zip(a, b, strict=True))
+
+
+def _models(work: Path):
+    """(teacher, student) in float64: the teacher from the tiny folder, the student's weights from the file."""
+    from attnlab import models as hf
+
+    teacher, _, _ = hf.load_model(str(work / "llama"))
+    teacher = teacher.double()
+    student = copy.deepcopy(teacher)
+    hf.convert_model(student, "mla", latent_dim=12, rope_dim=4)
+    student.load_state_dict(torch.load(work / "student.pt", weights_only=True))
+    return teacher, student
+
+
+def _run(teacher, student, *, world=None, shard=False, stop_at=None, checkpoint=None, restore=None):
+    """Heal in place; (status, the loss after every step, the state, rows): rows["model"] and rows["layer0"] list
+    the rows of every call of the teacher and of its first attention layer, the batches this process computed."""
+    from attnlab.heal import HealPlan, Healer
+    from attnlab.models import attnlab_modules
+
+    losses, rows = [], {"model": [], "layer0": []}
+
+    def progress(info):
+        losses.append(info["loss"])
+        if stop_at is not None and len(losses) == stop_at and (world is None or world.main):
+            healer.request_stop()  # rank 0 alone asks: the stop is agreed, every rank stops here
+
+    healer = Healer(teacher, student, _windows(32, seed=0), HealPlan(**PLAN), world=world, shard=shard,
+                    checkpoint=checkpoint, progress=progress)
+    if restore is not None:
+        healer.restore(Healer.read(restore))
+    hooks = [m.register_forward_pre_hook(lambda mod, args, kw, key=key: rows[key].append(
+        (args[0] if args else kw["input_ids"]).shape[0]), with_kwargs=True)
+        for key, m in (("model", teacher), ("layer0", attnlab_modules(teacher)[0]))]
+    try:
+        status = healer.run()
+    finally:
+        for h in hooks:
+            h.remove()
+    return status, losses, healer.state, rows
+
+
+def _worker(work: Path) -> None:
+    """One rank: every run of RUNS, its results in work/NAME.rankR.pt."""
+    from attnlab.heal.distributed import close_world, init_world
+
+    torch.set_num_threads(1)
+    world = init_world("cpu", timeout_s=60)
+    teacher, base = _models(work)
+    try:
+        for name, (shard, stop_at) in RUNS.items():
+            student = copy.deepcopy(base)
+            status, losses, state, rows = _run(teacher, student, world=world, shard=shard, stop_at=stop_at,
+                                               checkpoint=work / f"{name}.ckpt" if stop_at else None)
+            torch.save({"status": status, "losses": torch.tensor(losses, dtype=torch.float64), "rows": rows,
+                        "layer_losses": state["layer_losses"], "distill_losses": state["distill_losses"],
+                        "tokens": state["tokens"], "weights": _weights(student)},
+                       work / f"{name}.rank{world.rank}.pt")
+    finally:
+        close_world(world)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env(**kw):
+    """This environment without a torchrun job's variables, plus a free local rendezvous and `kw`."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    return {**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "OMP_NUM_THREADS": "1",
+            "HF_HUB_OFFLINE": "1", **kw}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """(folder, the one-process oracle's (status, losses, state, rows) and final weights, teacher, student before
+    training): the tiny models on disk, the two workers' results beside them, the oracle run in this process."""
+    from tiny_checkpoints import make_checkpoint
+
+    from attnlab import models as hf
+
+    work = tmp_path_factory.mktemp("dist")
+    make_checkpoint("llama", work / "llama", initializer_range=0.3)
+    teacher, _, _ = hf.load_model(str(work / "llama"))
+    teacher = teacher.double()
+    base = copy.deepcopy(teacher)
+    hf.convert_model(base, "mla", latent_dim=12, rope_dim=4)
+    torch.save(base.state_dict(), work / "student.pt")
+    env = _env(WORLD_SIZE="2")
+    procs = [subprocess.Popen([sys.executable, __file__, str(work)], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    outs = [p.communicate(timeout=240)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outs)
+    student = copy.deepcopy(base)
+    oracle = _run(teacher, student)
+    return work, oracle, _weights(student), teacher, base
+
+
+def _result(work, name, rank):
+    return torch.load(work / f"{name}.rank{rank}.pt", weights_only=True)
+
+
+@pytest.mark.parametrize("name", ["ddp", "fsdp"])
+def test_two_processes_give_the_one_process_weights_and_loss_curve(runs, name):
+    """DDP and FSDP2 over 2 ranks, layer-wise then end-to-end, at the oracle's global batch of 4 windows."""
+    work, (status, losses, state, rows), weights, _, base = runs
+    assert status == "done" and len(losses) == STEPS
+    for rank in range(2):
+        got = _result(work, name, rank)
+        # the first call is the teacher's layer inputs (8 windows), computed whole on every rank (not split); every
+        # batch after it (3 layer-wise targets of 4 windows per layer, 4 end-to-end batches of 4) is split in half
+        assert rows["model"] == [8, 4, 4, 4, 4] and rows["layer0"] == [8] + [4] * 7
+        assert got["rows"] == {k: v[:1] + [n // 2 for n in v[1:]] for k, v in rows.items()}
+        assert got["status"] == "done" and got["tokens"] == state["tokens"] == PLAN["tokens"]
+        assert _rel(got["weights"], weights) <= TOL, (name, rank, _rel(got["weights"], weights))
+        # the recorded losses are the whole batch's (the mean of the ranks'), the curve one process prints
+        assert torch.allclose(got["losses"], torch.tensor(losses, dtype=torch.float64), rtol=TOL, atol=0)
+        assert got["layer_losses"] == pytest.approx(state["layer_losses"], rel=TOL)
+        assert got["distill_losses"] == pytest.approx(state["distill_losses"], rel=TOL)
+    assert _rel(weights, _weights(base)) > 1e-2  # the comparison is not between untrained weights
+
+
+@pytest.mark.parametrize("name", ["ddp_stop", "fsdp_stop", "fsdp_layer_stop"])
+def test_a_two_process_run_stopped_after_k_steps_resumes_in_one_process(runs, name):
+    """The 2-process checkpoint (written by rank 0 alone, in the one-process format; FSDP2's gathered from the shards of
+    one layer, or of every layer) resumes in one process to the weights of the uninterrupted 2-process run."""
+    work, _, _, teacher, base = runs
+    stopped = [_result(work, name, r) for r in range(2)]
+    k = RUNS[name][1]
+    assert [s["status"] for s in stopped] == ["stopped", "stopped"] and [len(s["losses"]) for s in stopped] == [k, k]
+    student = copy.deepcopy(base)
+    status, losses, _, _ = _run(teacher, student, restore=work / f"{name}.ckpt")
+    assert status == "done" and len(losses) == STEPS - k
+    straight = _result(work, name.split("_")[0], 0)
+    assert _rel(_weights(student), straight["weights"]) <= TOL
+    assert torch.allclose(torch.tensor(losses, dtype=torch.float64), straight["losses"][k:], rtol=TOL, atol=0)
+
+
+def test_a_batch_that_does_not_split_over_the_processes_is_refused_before_any_work(runs):
+    from attnlab.heal import HealPlan, Healer
+    from attnlab.heal.distributed import World
+
+    _, _, _, teacher, base = runs
+    student = copy.deepcopy(base)
+    two = World(rank=0, size=2, backend="gloo")  # no process group is needed to refuse it
+    with pytest.raises(ValueError, match=r"batch_size 3 does not split over 2 processes"):
+        Healer(teacher, student, _windows(32, 0), HealPlan(**{**PLAN, "batch_size": 3}), world=two)
+    with pytest.raises(ValueError, match=r"layer-wise batch of 3 windows \(layer_batch 4, at most the 3 layer-wise "
+                                         r"windows\) does not split over 2 processes"):
+        Healer(teacher, student, _windows(32, 0), HealPlan(**{**PLAN, "layer_windows": 3}), world=two)
+    with pytest.raises(ValueError, match=r"shard=True \(FSDP2\) needs a process group of 2 or more ranks; the world "
+                                         r"has 1"):
+        Healer(teacher, student, _windows(32, 0), HealPlan(**PLAN), shard=True)
+
+
+def test_torchrun_heal_writes_what_one_process_writes(runs, tmp_path, capsys):
+    """`torchrun --nproc-per-node 2 -m attnlab heal --shard` (FSDP2; DDP is the Healer's tests') against `attnlab heal`
+    in one process, on the tiny converted folder (float32, as convert writes it): the same report and weights; rank 0
+    alone prints and writes. (The evaluation before training leaves derived caches in the student's attention: the
+    sharded copies are made after it, as in every real run.)
+
+    In float32 the order of sums changes each gradient by ~1e-7 relative, and AdamW's steps keep that relative size:
+    the two runs' changes of the weights differ by ~1e-5 of their size (measured 9.5e-6), asserted <= 1e-3; a wrong
+    split (the layer-wise loss over a rank's own target power) differs by ~1e-1. The losses: measured 3e-7."""
+    from tiny_checkpoints import TEXT
+
+    from attnlab import models as hf
+    from attnlab.cli import main
+
+    work = runs[0]
+    conv, text = tmp_path / "conv", tmp_path / "train.txt"
+    text.write_text(TEXT * 12)
+    assert main(["convert", str(work / "llama"), "--to", "mla", "--latent-dim", "12", "--rope-dim", "4", "--out",
+                 str(conv)]) == 0
+    args = ["heal", str(conv), "--text", str(text), "--tokens", str(4 * T * 4), "--seq-len", str(T),
+            "--layer-steps", "1", "--layer-batch", "4", "--lr", "1e-3"]
+    assert main([*args, "--out", str(tmp_path / "one")]) == 0
+    capsys.readouterr()
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "-m", "attnlab", *args, "--shard", "--out", str(tmp_path / "two")],
+                          env=_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert proc.stdout.count(f"wrote {tmp_path / 'two'}") == 1  # rank 0 alone prints
+    one, two = (json.loads((tmp_path / d / "config.json").read_text())["heal"] for d in ("one", "two"))
+    assert two["status"] == one["status"] == "done" and two["distill_tokens"] == one["distill_tokens"]
+    assert two["layer_losses"] == pytest.approx(one["layer_losses"], rel=1e-4)
+    assert two["distill_loss_last"] == pytest.approx(one["distill_loss_last"], rel=1e-4)
+    assert two["after"]["perplexity"] == pytest.approx(one["after"]["perplexity"], rel=1e-4)
+    before = _weights(hf.load_model(str(conv))[0])
+    a, b = _weights(hf.load_model(str(tmp_path / "one"))[0]), _weights(hf.load_model(str(tmp_path / "two"))[0])
+    moved = [x - y for x, y in zip(a, before)]
+    assert _rel([x - y for x, y in zip(b, before)], moved) <= 1e-3 and _rel(a, before) > 1e-3
+    assert not list(tmp_path.glob(".two.attnlab-lock")) and (tmp_path / "two.heal.pt").is_file()
+
+
+def test_shard_without_torchrun_is_one_line(runs, tmp_path, capsys):
+    from attnlab.cli import main
+
+    code = main(["heal", str(tmp_path / "conv"), "--out", str(tmp_path / "o"), "--tokens", "64", "--shard"])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "--shard needs a process group" in lines[0], lines
+
+
+if __name__ == "__main__":
+    _worker(Path(sys.argv[1]))
