@@ -265,3 +265,37 @@ def _text(tmp_path):
     path = tmp_path / "held.txt"
     path.write_text(TEXT * 4)
     return path
+
+
+def test_a_heal_that_makes_the_student_worse_returns_the_converted_weights(tiny, monkeypatch):
+    """keep_better: when the healed student scores worse on the held-out windows than the converted one (higher
+    perplexity and lower top-1 agreement), heal_model gives back the converted weights exactly and says so; when
+    either measure improved, or without keep_better, the healed weights stay. The evaluation after training is
+    made to read worse or better here (the tiny random model's figures go either way)."""
+    import attnlab.heal.evaluate as ev
+
+    _, teacher, _ = tiny
+    held = _windows(8, seed=99).reshape(1, -1)
+    real = ev.evaluate_pair
+
+    def after_reads(ppl_factor, top1_shift):
+        def fake(*args, reference=None, **kw):
+            out = real(*args, reference=reference, **kw)
+            if reference is not None:  # the evaluation after training
+                out = {**out, "perplexity": out["perplexity"] * ppl_factor,
+                       "top1_agreement": reference["top1_agreement"] + top1_shift}
+            return out
+        return fake
+
+    for factor, shift, keep, restored in ((10.0, -0.01, True, True), (10.0, +0.01, True, False),
+                                          (0.5, -0.01, True, False), (10.0, -0.01, False, False)):
+        monkeypatch.setattr(ev, "evaluate_pair", after_reads(factor, shift))
+        student = _student(teacher)
+        converted = _weights(student)
+        report = heal_model(teacher, student, _windows(32, seed=0), held, _plan(), keep_better=keep)
+        same = all(torch.equal(a, b) for a, b in zip(_weights(student), converted))
+        assert same == restored, (factor, shift, keep)
+        assert ("kept" in report) == restored and ("healed" in report) == restored
+        if restored:
+            assert report["after"] == report["before"] and "rose from" in report["kept"]
+            assert report["healed"]["top1_agreement"] < report["before"]["top1_agreement"]

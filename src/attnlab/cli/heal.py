@@ -243,6 +243,8 @@ def heal(source: Path = typer.Argument(..., help="A converted-model folder writt
                      f"{budget.elapsed() / 60:.1f} min in all, {report['distill_tokens']} end-to-end tokens)")
             if "teacher" in report and world.main:
                 console.print(report_table(title, report))
+                if report.get("kept"):
+                    console.print(f"kept {report['kept']}")
             if not report["steps_done"]:
                 raise UsageProblem(f"nothing was trained: the budget was spent first ({budget.elapsed() / 60:.1f} "
                                    "min went to loading, data and evaluation); nothing written (give more --minutes)")

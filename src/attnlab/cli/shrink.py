@@ -134,6 +134,9 @@ def shrink(source: str = typer.Argument(..., help="The model: smollm2, a transfo
     line = _against_baselines(report)
     if line:
         console.print(line)
+    kept = (report.get("heal") or {}).get("kept")
+    if kept:  # the heal made it worse: the converted weights are what was written
+        console.print(f"kept {kept}")
     minutes_by_phase = ", ".join(f"{k} {v:.1f}" for k, v in report["minutes"].items())
     console.print(f"minutes per phase: {minutes_by_phase}")
     console.print(f"wrote {out}")

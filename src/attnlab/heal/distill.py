@@ -294,9 +294,7 @@ class Healer:
         _check_split(self.world, self.plan, blob["windows"])
         self._release()
         self.windows = blob["windows"]
-        for i, m in enumerate(self._attn):
-            prefix = f"{i}."
-            m.load_state_dict({k[len(prefix):]: v for k, v in blob["student"].items() if k.startswith(prefix)})
+        _load_attention(self._attn, blob["student"])
         self.state = dict(blob["state"])
         self.state.setdefault("steps_done", 0)
         self._make_optimizer()
@@ -551,7 +549,8 @@ _STATUSES = (None, "budget", "stopped")  # a run's end, by rank: the largest ove
 def heal_model(teacher, student, windows: torch.Tensor, held_out: torch.Tensor, plan: HealPlan, *,
                minutes: float | None = None, budget: Budget | None = None, device="cpu", checkpoint=None,
                resume: bool = False, checkpoint_seconds: float = 300.0, progress=None, evaluate: bool = True,
-               stop_hook=None, eval_share: float = 0.1, world: dd.World | None = None, shard: bool = False) -> dict:
+               stop_hook=None, eval_share: float = 0.1, world: dd.World | None = None, shard: bool = False,
+               keep_better: bool = True) -> dict:
     """Measure, heal (Healer), measure again, all inside one budget; returns the report. The student heals in place.
 
     budget: a runtime.Budget (or minutes: a new one). The evaluation before training gets at most
@@ -565,6 +564,12 @@ def heal_model(teacher, student, windows: torch.Tensor, held_out: torch.Tensor, 
     world, shard: data-parallel over a torchrun job (Healer). Every rank calls heal_model: rank 0
     reads the checkpoint and sends it to the others; the evaluations run on every rank (not split
     yet; rank 0's report is the one to show) and a stop during the first one on any rank stops all.
+    keep_better: when the healed student scores worse on the held-out windows than the converted one did
+    before training, by perplexity and by top-1 agreement with the teacher both, put the converted weights
+    back (they are the better model): report["kept"] says so
+    and report["healed"] holds the healed student's figures; report["after"] is then the model returned.
+    A heal's learning rates are set for weights of SmolLM2's size; on a model whose conversion starts
+    close to the original (Gemma 3 270M, every value kept in 4 bits) they can make it worse.
     """
     from .data import check_pair
     from .evaluate import evaluate_pair, public
@@ -580,6 +585,8 @@ def heal_model(teacher, student, windows: torch.Tensor, held_out: torch.Tensor, 
         blob = dd.from_rank0(lambda: Healer.read(checkpoint)) if resume else None
     else:
         blob = Healer.read(checkpoint) if resume else None
+    converted = {f"{i}.{k}": v.detach().clone() for i, m in enumerate(_modules(student))
+                 for k, v in m.state_dict().items()} if keep_better and evaluate else None  # as converted
     healer = Healer(teacher, student, windows, plan, device=device, checkpoint=checkpoint,
                     checkpoint_seconds=checkpoint_seconds, progress=progress, budget=budget, world=world,
                     shard=shard)
@@ -620,5 +627,27 @@ def heal_model(teacher, student, windows: torch.Tensor, held_out: torch.Tensor, 
                                                    reference=s["reference"]))
         except Stopped:
             report["status"] = "stopped"
+        if converted is not None and _worse(report.get("before"), report.get("after")):
+            _load_attention(_modules(student), converted)
+            report["healed"], report["after"] = report["after"], dict(report["before"])
+            b, h = report["before"], report["healed"]
+            report["kept"] = (f"the converted weights: healed, the held-out perplexity rose from {b['perplexity']:.3f} "
+                              f"to {h['perplexity']:.3f} and top-1 agreement with the teacher fell from "
+                              f"{b['top1_agreement']:.4f} to {h['top1_agreement']:.4f}")
     return report
+
+
+def _worse(before: dict | None, after: dict | None) -> bool:
+    """Whether a healed student is worse than the converted one by both measures of the same held-out windows: a
+    higher perplexity and a lower top-1 agreement with the teacher (one alone is not enough: a student can fall
+    below the teacher's perplexity while agreeing less, or agree more at a higher perplexity)."""
+    return before is not None and after is not None and after["perplexity"] > before["perplexity"] and \
+        after["top1_agreement"] < before["top1_agreement"]
+
+
+def _load_attention(modules, weights: dict) -> None:
+    """Put attention weights saved as {"<layer>.<name>": tensor} back into the attention modules, layer by layer."""
+    for i, m in enumerate(modules):
+        prefix = f"{i}."
+        m.load_state_dict({k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix)})
 
