@@ -220,7 +220,8 @@ def plot() -> None:
         if pts:
             ax.scatter([r["kv_bytes_per_token"] for r in pts], [r["perplexity"] for r in pts], marker=marker,
                        color=color, zorder=4, label=name)
-    healed = [r for k, r in data.items() if k.startswith("run-") and "evaluation" in r and "note" not in r]
+    healed = [r for k, r in data.items() if k.startswith("run-") and "evaluation" in r and "note" not in r
+              and r.get("model", "smollm2") == "smollm2"]  # SmolLM2's runs: the curves are its own
     if healed:
         ax.scatter([r["evaluation"]["kv_bytes_per_token"] for r in healed],
                    [r["evaluation"]["perplexity"] for r in healed], marker="D", color="tab:red", zorder=5,
