@@ -205,6 +205,31 @@ def test_qwen3_cli_eval_answers_and_shrink_to_a_deepseek_or_gguf_refuses_in_one_
         assert not out.exists() and not out.with_name(out.name + ".shrink-run").exists()
 
 
+def test_qwen3_cli_convert_compressed_takes_its_keys_whole_without_flags(folders, tmp_path, capsys):
+    """`attnlab convert` on a Qwen3 with only --latent-dim: the defaults (RoRoPE by score, BKV) are a Llama's; a model
+    with per-head q/k norms gets its one layout instead (pairs by frequency, no BKV, rope key = G x d), the same
+    model as convert_model gives, and an explicit RoRoPE is still refused in one line."""
+    f = folders["qwen3"]
+    text = tmp_path / "t.txt"
+    text.write_text(TEXT)
+    out = tmp_path / "mla"
+    assert main(["convert", str(f["folder"]), "--to", "mla", "--latent-dim", "16", "--no-calibration",
+                 "--out", str(out)]) == 0
+    capsys.readouterr()
+    ours, _, _ = hf.load_model(str(out))
+    model, _ = load_checkpoint(f["folder"])
+    hf.to_attnlab(model)
+    hf.convert_model(model, "mla", latent_dim=16, rope_dim=hf.keys_whole_rope_dim(model), pair_selection="frequency")
+    ids = torch.randint(0, 100, (1, 12))
+    with torch.no_grad():
+        a, b = ours(ids).logits, model(ids).logits
+    assert torch.equal(a, b)
+    assert main(["convert", str(f["folder"]), "--to", "mla", "--latent-dim", "16", "--no-calibration",
+                 "--rope-select", "rorope", "--out", str(tmp_path / "other")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--rope-select rorope" in err[0], err
+
+
 def test_qwen2_compressed_refuses_biases(folders):
     model, _ = load_checkpoint(folders["qwen2"]["folder"])
     hf.to_attnlab(model)

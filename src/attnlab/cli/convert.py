@@ -45,8 +45,10 @@ def _self_calibration(model, tok, tokens: int, seed: int):
 
 
 def _convert_model(source, to, out, latent_dim, rope_dim, kv_heads, method, calibration, calibration_tokens,
-                   report_json, fmt="attnlab", force=False, rope_select="rorope-score", balance=True,
+                   report_json, fmt="attnlab", force=False, rope_select=None, balance=None,
                    latent_norm="none", kv_budget=None, use_calibration=True, seed=0):
+    """rope_select, balance: None is the model's default: rorope-score with BKV, or for a model with per-head q/k
+    norms (Qwen3, Gemma 3) the only layout it converts to, its keys whole (pairs by frequency, no BKV)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
     from .. import models as hf
@@ -83,9 +85,12 @@ def _convert_model(source, to, out, latent_dim, rope_dim, kv_heads, method, cali
             raise UsageProblem("the streamed conversion never holds the model, so it cannot write its own "
                                "calibration text: give --calibration FILE (or --no-calibration, much worse)")
         return _convert_streamed(source, to, out, latent_dim, rope_dim, calibration, calibration_tokens,
-                                 report_json, force, rope_select, balance,
+                                 report_json, force, rope_select or "rorope-score", balance is not False,
                                  "fit" if latent_norm == "fit" else "constant")
     model, tok, meta = hf.load_model(source)
+    whole = hf.keys_whole_rope_dim(model) is not None  # per-head q/k norms: their keys stay whole
+    rope_select = rope_select or ("frequency" if whole else "rorope-score")
+    balance = (not whole) if balance is None else balance
     hf.check_convertible(model, exact=to == "mla" and latent_dim is None and kv_budget is None,
                          **({} if kv_budget is not None else dict(rope_dim=rope_dim, pair_selection=rope_select,
                                                                    balance=balance)))
@@ -226,14 +231,16 @@ def convert(source: str = typer.Argument(..., help="An attnlab checkpoint folder
             energy: Optional[float] = typer.Option(None, "--energy", help="mla: keep this fraction of energy."),
             split: bool = typer.Option(False, "--split/--joint", metavar="",
                                        help="mla of a saved module: factor K and V separately (default: jointly)."),
-            rope_select: str = typer.Option("rorope-score", "--rope-select",
+            rope_select: Optional[str] = typer.Option(None, "--rope-select",
                                             help="mla of a RoPE model: what keeps rotating: frequency, norm "
                                                  "(pairs per KV head), rorope (mixed planes by frequency: GGUF within "
                                                  "its rope limit) or rorope-score (mixed planes by score, allocated "
-                                                 "for all layers at once; DeepSeek export) (docs/real-models.md)."),
-            balance: bool = typer.Option(True, "--balance/--no-balance", metavar="",
-                                         help="mla of a RoPE model: balance K and V before the joint SVD (BKV; "
-                                              "on by default, the best measured)."),
+                                                 "for all layers at once; DeepSeek export) (docs/real-models.md). "
+                                                 "Default rorope-score; frequency for Qwen3/Gemma 3 (keys whole)."),
+            balance: Optional[bool] = typer.Option(None, "--balance/--no-balance", metavar="",
+                                                   help="mla of a RoPE model: balance K and V before the joint SVD "
+                                                        "(BKV; on by default, the best measured; off for Qwen3/Gemma "
+                                                        "3, whose latent holds only the values)."),
             kv_budget: Optional[str] = typer.Option(None, "--kv-budget", help="mla of a RoPE model: the KV cache to "
                                                     "keep (50%, 0.25, or bytes per token); attnlab chooses the sizes "
                                                     "and what keeps rotating by measuring candidates."),

@@ -13,7 +13,7 @@
 from .adapters import (FAMILIES, BertAttentionAdapter, LlamaAttentionAdapter, TransformersCache, attnlab_modules,
                        family, from_attnlab, replace_attention, to_attnlab)
 from .bundled import MODELS, load_gemma3_270m, load_minilm, load_smollm2
-from .convert import DEFAULT_ROPE_PAIRS, check_convertible, convert_layers, convert_model
+from .convert import DEFAULT_ROPE_PAIRS, check_convertible, convert_layers, convert_model, keys_whole_rope_dim
 from .evaluate import (attention_inputs, kv_bytes_per_token, mean_pooled, perplexity, read_text_ids, sentence_embeddings,
                        set_kv_dtype, top1_agreement, windows)
 from .export import add_latent_norm, add_latent_norms, check_deepseek_request, export_deepseek
@@ -22,7 +22,7 @@ from .load import inspect_checkpoint, is_checkpoint, load_checkpoint
 from .store import LOADERS, MODEL_FORMAT, load_model, save_model, source_paths, sources_of
 from .stream import convert_checkpoint
 
-__all__ = ["check_convertible", "FAMILIES", "BertAttentionAdapter", "LlamaAttentionAdapter", "TransformersCache", "attnlab_modules",
+__all__ = ["check_convertible", "keys_whole_rope_dim", "FAMILIES", "BertAttentionAdapter", "LlamaAttentionAdapter", "TransformersCache", "attnlab_modules",
            "family", "from_attnlab", "replace_attention", "to_attnlab", "MODELS", "load_gemma3_270m", "load_minilm", "load_smollm2",
            "DEFAULT_ROPE_PAIRS", "convert_layers", "convert_model", "attention_inputs", "kv_bytes_per_token",
            "perplexity", "read_text_ids", "sentence_embeddings", "set_kv_dtype", "mean_pooled", "top1_agreement", "windows",
