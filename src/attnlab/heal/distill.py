@@ -112,11 +112,13 @@ def normalised_mse(out: torch.Tensor, target: torch.Tensor, *, world: dd.World |
     batch's mean(target^2) (an all_reduce of the detached sum and count), so the mean over ranks
     of this rank's loss, and DDP's averaged gradient, are the one-process ones.
     """
-    if world is None or not world.distributed:
-        return (_wide(out) - _wide(target)).pow(2).mean() / _wide(target).pow(2).mean().clamp_min(1e-30)
     o, t = _wide(out), _wide(target)
-    power = dd.all_sum(torch.stack([t.pow(2).sum(), t.new_tensor(float(t.numel()))]))  # (2,): sum, count
-    return (o - t).pow(2).mean() / (power[0] / power[1]).clamp_min(1e-30)
+    if world is None or not world.distributed:
+        power = t.pow(2).mean()
+    else:
+        total = dd.all_sum(torch.stack([t.pow(2).sum(), t.new_tensor(float(t.numel()))]))  # (2,): sum, count
+        power = total[0] / total[1]
+    return (o - t).pow(2).mean() / power.clamp_min(1e-30)
 
 
 def distill_loss(teacher, student, ids: torch.Tensor) -> float:
@@ -218,8 +220,7 @@ class Healer:
         self.state = {"phase": "layers" if plan.layer_steps else "distill", "layer": 0, "step": 0, "tokens": 0,
                       "total_steps": None, "elapsed": 0.0, "layer_losses": [], "distill_losses": [],
                       "steps_done": 0}
-        self.fingerprints = {"student": fingerprint((f"{i}.{k}", v) for i, m in enumerate(_modules(student))
-                                                    for k, v in m.state_dict().items()),
+        self.fingerprints = {"student": fingerprint(_attention_weights(_modules(student)).items()),
                              "teacher": fingerprint(teacher.state_dict().items())}
         for p in teacher.parameters():
             p.requires_grad_(False)
@@ -255,8 +256,7 @@ class Healer:
             return
         blob = {"format": "attnlab-heal", "plan": asdict(self.plan), "state": dict(self.state),
                 "fingerprint": dict(self.fingerprints),
-                "student": {f"{i}.{k}": v.detach().cpu() for i, m in enumerate(self._attn)
-                            for k, v in m.state_dict().items()},
+                "student": {k: v.cpu() for k, v in _attention_weights(self._attn).items()},
                 "optimizer": optimizer,
                 "windows": self.windows.cpu()}
         replace_with(self.checkpoint, lambda tmp: torch.save(blob, tmp))
@@ -585,8 +585,8 @@ def heal_model(teacher, student, windows: torch.Tensor, held_out: torch.Tensor, 
         blob = dd.from_rank0(lambda: Healer.read(checkpoint)) if resume else None
     else:
         blob = Healer.read(checkpoint) if resume else None
-    converted = {f"{i}.{k}": v.detach().clone() for i, m in enumerate(_modules(student))
-                 for k, v in m.state_dict().items()} if keep_better and evaluate else None  # as converted
+    converted = {k: v.clone() for k, v in _attention_weights(_modules(student)).items()} \
+        if keep_better and evaluate else None  # the weights as converted
     healer = Healer(teacher, student, windows, plan, device=device, checkpoint=checkpoint,
                     checkpoint_seconds=checkpoint_seconds, progress=progress, budget=budget, world=world,
                     shard=shard)
@@ -643,6 +643,11 @@ def _worse(before: dict | None, after: dict | None) -> bool:
     below the teacher's perplexity while agreeing less, or agree more at a higher perplexity)."""
     return before is not None and after is not None and after["perplexity"] > before["perplexity"] and \
         after["top1_agreement"] < before["top1_agreement"]
+
+
+def _attention_weights(modules) -> dict:
+    """{"<layer>.<name>": tensor} of the attention modules' state, detached (what checkpoints and fingerprints hold)."""
+    return {f"{i}.{k}": v.detach() for i, m in enumerate(modules) for k, v in m.state_dict().items()}
 
 
 def _load_attention(modules, weights: dict) -> None:
