@@ -159,10 +159,13 @@ def test_two_processes_give_the_one_process_weights_and_loss_curve(runs, name):
     assert status == "done" and len(losses) == STEPS
     for rank in range(2):
         got = _result(work, name, rank)
-        # the first call is the teacher's layer inputs (8 windows), computed whole on every rank (not split); every
-        # batch after it (3 layer-wise targets of 4 windows per layer, 4 end-to-end batches of 4) is split in half
-        assert rows["model"] == [8, 4, 4, 4, 4] and rows["layer0"] == [8] + [4] * 7
-        assert got["rows"] == {k: v[:1] + [n // 2 for n in v[1:]] for k, v in rows.items()}
+        # computed whole on every rank (not split): the teacher's layer inputs (8 windows), those of the guard's 4
+        # check windows, and the guard's checks of layer 0 before and after its steps; every training batch (3
+        # layer-wise targets of 4 windows per layer, 4 end-to-end batches of 4) is split in half
+        whole = {"model": [8, 4], "layer0": [8, 4, 4]}
+        assert rows["model"] == whole["model"] + [4] * 4
+        assert rows["layer0"] == whole["layer0"] + [4] * 3 + [4] + [4] * 4
+        assert got["rows"] == {"model": whole["model"] + [2] * 4, "layer0": whole["layer0"] + [2] * 3 + [4] + [2] * 4}
         assert got["status"] == "done" and got["tokens"] == state["tokens"] == PLAN["tokens"]
         assert _rel(got["weights"], weights) <= TOL, (name, rank, _rel(got["weights"], weights))
         # the recorded losses are the whole batch's (the mean of the ranks'), the curve one process prints

@@ -69,9 +69,10 @@ def test_a_layer_cut_off_after_one_step_moved_at_a_warm_up_rate(tiny):
     assert healer.optimizer.param_groups[0]["lr"] == pytest.approx(plan.layer_lr / warmup_steps(plan.layer_steps))
 
 
-def test_resume_after_interruptions_gives_the_weights_of_an_uninterrupted_run(tiny, tmp_path):
+@pytest.mark.parametrize("layer_lr", [1e-3, 3.0])  # 3.0: the guard gives layers back, inside an interrupted layer too
+def test_resume_after_interruptions_gives_the_weights_of_an_uninterrupted_run(tiny, tmp_path, layer_lr):
     _, teacher, _ = tiny
-    plan, windows = _plan(), _windows(32, seed=0)
+    plan, windows = _plan(layer_lr=layer_lr), _windows(32, seed=0)
     base = _student(teacher)
     straight = copy.deepcopy(base)
     assert Healer(teacher, straight, windows, plan).run() == "done"
@@ -95,8 +96,9 @@ def test_resume_after_interruptions_gives_the_weights_of_an_uninterrupted_run(ti
         runs += 1
     assert runs == 4
     assert all(torch.equal(a, b) for a, b in zip(_weights(student), _weights(straight)))
+    assert healer.state["layers_restored"] == ([0, 1] if layer_lr > 1 else healer.state["layers_restored"])
     with pytest.raises(ValueError, match=r"different plan \(lr differ\)"):
-        Healer(teacher, copy.deepcopy(base), windows, _plan(lr=1e-3)).restore(Healer.read(ckpt))
+        Healer(teacher, copy.deepcopy(base), windows, _plan(layer_lr=layer_lr, lr=1e-3)).restore(Healer.read(ckpt))
 
 
 def test_pair_and_data_checks(tiny, tmp_path):
@@ -299,3 +301,43 @@ def test_a_heal_that_makes_the_student_worse_returns_the_converted_weights(tiny,
         if restored:
             assert report["after"] == report["before"] and "rose from" in report["kept"]
             assert report["healed"]["top1_agreement"] < report["before"]["top1_agreement"]
+
+
+def _after_layer_phase(teacher, student, plan, windows):
+    """A Healer run up to the end of its layer-wise phase (stopped at the first end-to-end step)."""
+    healer = Healer(teacher, student, windows, plan,
+                    progress=lambda info: healer.state["phase"] != "layers" and healer.request_stop())
+    healer.run()
+    return healer
+
+
+@pytest.mark.parametrize("layer_lr", [1e-3, 3e-2, 3.0])
+def test_the_layer_wise_guard_never_leaves_a_layer_worse_than_it_started(tiny, layer_lr):
+    """Invariant of the guard: a layer whose check error rose over its steps has exactly its start weights back, one
+    that improved keeps its trained weights, and every give-back divides the later learning rates by GUARD_CUT. At a
+    rate far too large for this model (3.0) every layer ends worse and all come back."""
+    from attnlab.heal.distill import GUARD_CUT, normalised_mse
+    from attnlab.models.evaluate import attention_inputs
+
+    _, teacher, _ = tiny
+    plan, windows = _plan(layer_lr=layer_lr, layer_steps=8), _windows(32, seed=0)
+    student = _student(teacher)
+    start = [copy.deepcopy(m.state_dict()) for m in hf.attnlab_modules(student)]
+    healer = _after_layer_phase(teacher, student, plan, windows)
+    s = healer.state
+    assert s["phase"] == "distill" and len(s["layer_checks"]) == 2
+    check = windows[plan.layer_windows: plan.layer_windows + 4]  # the windows after the layer-wise ones
+    with torch.no_grad():
+        inputs = attention_inputs(teacher, check)
+    for i, (m, t, (before, after)) in enumerate(zip(hf.attnlab_modules(student), hf.attnlab_modules(teacher),
+                                                  s["layer_checks"])):
+        x = inputs[i].reshape(4, T, -1)
+        with torch.no_grad():
+            now = float(normalised_mse(m(x, is_causal=True), t(x, is_causal=True)))
+        same = all(torch.equal(v, start[i][k]) for k, v in m.state_dict().items())
+        assert (i in s["layers_restored"]) == (after > before) == same
+        assert now == pytest.approx(min(before, after), rel=1e-6)  # what the layer holds now: the better of the two
+    assert s["lr_scale"] == GUARD_CUT ** -len(s["layers_restored"])
+    if layer_lr == 3.0:
+        assert s["layers_restored"] == [0, 1]
+        assert healer.optimizer.param_groups[0]["lr"] < plan.lr / GUARD_CUT  # the end-to-end steps are cut too

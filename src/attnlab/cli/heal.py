@@ -137,7 +137,7 @@ def heal(source: Path = typer.Argument(..., help="A converted-model folder writt
     from .. import models as hf
     from ..heal import distributed as dd
     from ..heal.data import check_pair, training_data
-    from ..heal.distill import HealPlan, heal_model
+    from ..heal.distill import HealPlan, guard_line, heal_model
     from ..io.folders import check_output, output_lock
     from ..runtime.budget import Budget, Stopped, stop_on_signals
 
@@ -243,8 +243,9 @@ def heal(source: Path = typer.Argument(..., help="A converted-model folder writt
                      f"{budget.elapsed() / 60:.1f} min in all, {report['distill_tokens']} end-to-end tokens)")
             if "teacher" in report and world.main:
                 console.print(report_table(title, report))
-                if report.get("kept"):
-                    console.print(f"kept {report['kept']}")
+                for line in (guard_line(report), report.get("kept") and f"kept {report['kept']}"):
+                    if line:
+                        console.print(line)
             if not report["steps_done"]:
                 raise UsageProblem(f"nothing was trained: the budget was spent first ({budget.elapsed() / 60:.1f} "
                                    "min went to loading, data and evaluation); nothing written (give more --minutes)")

@@ -92,6 +92,7 @@ def shrink(source: str = typer.Argument(..., help="The model: smollm2, a transfo
     Example: attnlab shrink smollm2 --kv-budget 50% --out smol-half
     Example: attnlab shrink ~/Llama-3.2-1B --kv-budget 25% --text notes.txt --minutes 30 --format gguf --out small.gguf
     """
+    from ..heal.distill import guard_line
     from ..runtime.budget import Budget, Stopped, stop_on_signals
     from ..shrink.pipeline import ShrinkRequest, check_request, run_folder
     from ..shrink.pipeline import shrink as run
@@ -134,9 +135,11 @@ def shrink(source: str = typer.Argument(..., help="The model: smollm2, a transfo
     line = _against_baselines(report)
     if line:
         console.print(line)
-    kept = (report.get("heal") or {}).get("kept")
-    if kept:  # the heal made it worse: the converted weights are what was written
-        console.print(f"kept {kept}")
+    heal = report.get("heal") or {}
+    if guard_line(heal):
+        console.print(guard_line(heal))
+    if heal.get("kept"):  # the heal made it worse: the converted weights are what was written
+        console.print(f"kept {heal['kept']}")
     minutes_by_phase = ", ".join(f"{k} {v:.1f}" for k, v in report["minutes"].items())
     console.print(f"minutes per phase: {minutes_by_phase}")
     console.print(f"wrote {out}")

@@ -6,6 +6,11 @@ Two phases, on token windows (data.py: the user's text, or text the teacher writ
 1. Layer-wise: each converted attention module learns, one layer at a time, to reproduce
    the teacher's attention output on the teacher's own hidden states (normalised MSE,
    AdamW, cosine learning rate). No whole-model backward: one attention layer per step.
+   A guard compares each layer's error on a few check windows (held out from the phase's
+   batches where the text has windows to spare) before and after its steps: a layer that
+   ended worse gets its start weights back, and every later step of both phases is 4 times
+   smaller (a model whose conversion starts close to the original, or whose weights are
+   smaller than the rates assume, backs off instead of being trained away from the teacher).
 2. End-to-end: KL(teacher || student) of the next-token distributions, training only the
    converted attention weights (or, with lora_rank, LoRA adapters on them through peft,
    merged back at the end). bf16 autocast on CUDA; float32 on CPU (on the 2-core EPYC of
@@ -72,6 +77,16 @@ class HealPlan:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0 or (
                     v == 0 and f.name not in ("layer_steps", "warmup", "seed")):
                 raise ValueError(f"heal plan: {f.name} must be a positive number, got {v!r}")
+
+
+GUARD_WINDOWS = 4  # windows on which the layer-wise guard compares a layer's start and end
+GUARD_CUT = 4.0  # a layer that ended worse than it started divides every later learning rate by this
+
+
+def _guard_state() -> dict:
+    """The layer-wise guard's part of the Healer's state: the current layer's start error, each layer's (start, end)
+    errors, the layers given back their start weights, and the factor on both phases' learning rates."""
+    return {"layer_start_error": None, "layer_checks": [], "layers_restored": [], "lr_scale": 1.0}
 
 
 def _modules(model):
@@ -219,7 +234,7 @@ class Healer:
         self.autocast = self.device.type == "cuda"  # bf16 where the hardware has it
         self.state = {"phase": "layers" if plan.layer_steps else "distill", "layer": 0, "step": 0, "tokens": 0,
                       "total_steps": None, "elapsed": 0.0, "layer_losses": [], "distill_losses": [],
-                      "steps_done": 0}
+                      "steps_done": 0, **_guard_state()}
         self.fingerprints = {"student": fingerprint(_attention_weights(_modules(student)).items()),
                              "teacher": fingerprint(teacher.state_dict().items())}
         for p in teacher.parameters():
@@ -231,7 +246,8 @@ class Healer:
         self._attn = _modules(student)  # the student's own attention modules (what checkpoints hold)
         self.optimizer = None
         self.steps_this_run = 0
-        self._inputs = None
+        self._inputs = self._check_x = None
+        self._start_weights = None  # the layer-wise phase's current layer as it started (the guard's fallback)
         # what the phase trains, as called (the layer, the student, or their DDP wrapper); under FSDP2 the
         # sharded twins of the attention modules it trains (index -> twin), in the student while attached
         self._part, self._owner, self._twins, self._attached = None, None, {}, False
@@ -258,7 +274,8 @@ class Healer:
                 "fingerprint": dict(self.fingerprints),
                 "student": {k: v.cpu() for k, v in _attention_weights(self._attn).items()},
                 "optimizer": optimizer,
-                "windows": self.windows.cpu()}
+                "windows": self.windows.cpu(),
+                "layer_start": None if self._start_weights is None else dict(self._start_weights)}
         replace_with(self.checkpoint, lambda tmp: torch.save(blob, tmp))
 
     @staticmethod
@@ -295,8 +312,8 @@ class Healer:
         self._release()
         self.windows = blob["windows"]
         _load_attention(self._attn, blob["student"])
-        self.state = dict(blob["state"])
-        self.state.setdefault("steps_done", 0)
+        self.state = {"steps_done": 0, **_guard_state(), **blob["state"]}
+        self._start_weights = blob.get("layer_start")
         self._make_optimizer()
         if blob["optimizer"] is not None and self.optimizer is not None:
             if self.shard:
@@ -324,7 +341,7 @@ class Healer:
         else:
             self._owner = self._attn[s["layer"]] if s["phase"] == "layers" else self.student
             self._part = dd.wrap(self._owner, self.world)
-        lr = self.plan.layer_lr if s["phase"] == "layers" else self.plan.lr
+        lr = (self.plan.layer_lr if s["phase"] == "layers" else self.plan.lr) * s["lr_scale"]
         params = [p for p in self._owner.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
 
@@ -399,6 +416,12 @@ class Healer:
                 part = ids[start:start + chunk]
                 parts.append([x.reshape(part.shape[0], part.shape[1], -1) for x in attention_inputs(self.teacher, part)])
             self._inputs = [torch.cat(layer) for layer in zip(*parts)]
+            spare = self.windows[ids.shape[0]: ids.shape[0] + GUARD_WINDOWS].to(self.device)
+            if spare.shape[0]:  # held out from the layer-wise batches
+                self._check_x = [x.reshape(spare.shape[0], spare.shape[1], -1)
+                                 for x in attention_inputs(self.teacher, spare)]
+            else:  # no window to spare: the first of the layer-wise ones
+                self._check_x = [x[:GUARD_WINDOWS] for x in self._inputs]
         return self._inputs
 
     def _layer_step(self) -> float:
@@ -410,10 +433,13 @@ class Healer:
         if self.world.distributed:  # this rank's rows of the one-process batch
             idx = idx[self.world.rows(idx.numel(), "layer-wise batch")]
         x = x_all[idx.to(x_all.device)]  # (b, T, dim)
+        if s["step"] == 0 and s["layer_start_error"] is None:
+            self._start_weights = {k: v.detach().clone() for k, v in self._attn[layer].state_dict().items()}
+            s["layer_start_error"] = self._check_error(layer)
         with torch.no_grad():
             target = _modules(self.teacher)[layer](x, is_causal=True)  # (b, T, dim)
         for g in self.optimizer.param_groups:
-            g["lr"] = plan.layer_lr * _cosine(s["step"], plan.layer_steps, warmup_steps(plan.layer_steps))
+            g["lr"] = plan.layer_lr * s["lr_scale"] * _cosine(s["step"], plan.layer_steps, warmup_steps(plan.layer_steps))
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
             out = self._part(x, is_causal=True)
         loss = normalised_mse(out, target, world=self.world)
@@ -424,12 +450,35 @@ class Healer:
         s["step"] += 1
         if s["step"] == plan.layer_steps:
             s["layer_losses"].append(value)
+            self._guard(layer)
             s["layer"], s["step"] = s["layer"] + 1, 0
             if s["layer"] == len(self._attn):
                 s["phase"], s["layer"] = "distill", 0
-                self._inputs = None
+                self._inputs = self._check_x = None
             self._make_optimizer()
         return value
+
+    def _check_error(self, layer: int) -> float:
+        """The layer's normalised error against the teacher's layer on the check windows (no gradient; every rank
+        computes the same figure from the same weights and inputs, and rank 0's is the one used)."""
+        x = self._check_x[layer]  # (c, T, dim)
+        with torch.no_grad(), torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+            err = float(normalised_mse(self._attn[layer](x, is_causal=True),
+                                       _modules(self.teacher)[layer](x, is_causal=True)))
+        return dd.broadcast_object(err, patient=False) if self.world.distributed else err
+
+    def _guard(self, layer: int) -> None:
+        """End of a layer's layer-wise steps: if it ends worse on the check windows than it started, its start
+        weights come back and every later step (both phases) is GUARD_CUT times smaller; state records both."""
+        s = self.state
+        self._release()  # FSDP2: the trained weights into the student's own module first
+        before, after = s["layer_start_error"], self._check_error(layer)
+        s["layer_checks"].append([before, after])
+        if after > before:
+            self._attn[layer].load_state_dict(self._start_weights)
+            s["layers_restored"].append(layer)
+            s["lr_scale"] /= GUARD_CUT
+        s["layer_start_error"], self._start_weights = None, None
 
     def _batch(self, step: int) -> torch.Tensor:
         B, N = self.plan.batch_size, self.windows.shape[0]
@@ -445,7 +494,7 @@ class Healer:
         ids = self._batch(s["step"])  # (B, T): the whole batch
         mine = ids[self.world.rows(ids.shape[0])] if self.world.distributed else ids  # this rank's rows
         for g in self.optimizer.param_groups:
-            g["lr"] = plan.lr * _cosine(s["step"], s["total_steps"] or 10 ** 9, plan.warmup)
+            g["lr"] = plan.lr * s["lr_scale"] * _cosine(s["step"], s["total_steps"] or 10 ** 9, plan.warmup)
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
             with torch.no_grad():
                 t_logits = self.teacher(mine).logits
@@ -568,8 +617,8 @@ def heal_model(teacher, student, windows: torch.Tensor, held_out: torch.Tensor, 
     before training, by perplexity and by top-1 agreement with the teacher both, put the converted weights
     back (they are the better model): report["kept"] says so
     and report["healed"] holds the healed student's figures; report["after"] is then the model returned.
-    A heal's learning rates are set for weights of SmolLM2's size; on a model whose conversion starts
-    close to the original (Gemma 3 270M, every value kept in 4 bits) they can make it worse.
+    The layer-wise guard (module docstring) acts within the heal; report["layers_restored"] names the layers it
+    gave their start weights back and report["lr_scale"] the factor it left on the learning rates.
     """
     from .data import check_pair
     from .evaluate import evaluate_pair, public
@@ -620,7 +669,8 @@ def heal_model(teacher, student, windows: torch.Tensor, held_out: torch.Tensor, 
     report.update(status=status, minutes=s["elapsed"] / 60, distill_tokens=s["tokens"],
                   distill_steps=s["step"] if s["phase"] != "layers" else 0, layer_losses=s["layer_losses"],
                   distill_loss_first=s["distill_losses"][:1], distill_loss_last=s["distill_losses"][-5:],
-                  trained_steps=healer.steps_this_run, steps_done=s["steps_done"])
+                  trained_steps=healer.steps_this_run, steps_done=s["steps_done"], layer_checks=s["layer_checks"],
+                  layers_restored=s["layers_restored"], lr_scale=s["lr_scale"])
     if evaluate and status != "stopped" and s["steps_done"] and "reference" in s:
         try:
             report["after"] = public(evaluate_pair(teacher, student, held_out, budget=budget.unbounded(),
@@ -635,6 +685,16 @@ def heal_model(teacher, student, windows: torch.Tensor, held_out: torch.Tensor, 
                               f"to {h['perplexity']:.3f} and top-1 agreement with the teacher fell from "
                               f"{b['top1_agreement']:.4f} to {h['top1_agreement']:.4f}")
     return report
+
+
+def guard_line(report: dict) -> str | None:
+    """One line on what the layer-wise guard did in a heal report (None when it gave no layer back)."""
+    layers = report.get("layers_restored") or []
+    if not layers:
+        return None
+    return (f"layer-wise: {len(layers)} of {len(report.get('layer_checks') or layers)} layers ended worse on the "
+            f"check windows than they started and kept their start weights (layers {', '.join(map(str, layers))}); "
+            f"the later steps ran at {report['lr_scale']:g} of the plan's learning rates")
 
 
 def _worse(before: dict | None, after: dict | None) -> bool:
