@@ -247,3 +247,39 @@ def test_cli_export_gguf_fits_a_norm_on_calibration_text(tmp_path, capsys):
     assert main(["export", str(conv), "--format", "deepseek", "--out", str(tmp_path / "c")]) == 0
     assert f"caches {LATENT + 1 + ROPE} values per token per layer (latent {LATENT} + 1 constant channel" in \
         capsys.readouterr().out
+
+
+@pytest.mark.parametrize("cache", ["q4_0", "q8_0"])
+def test_llama_cpps_quantised_cache_is_the_one_attnlab_planned_and_healed_through(tmp_path, cache):
+    """A GGUF shrink is planned and healed through attnlab's copy of a llama.cpp cache type (shrink --format gguf
+    --kv-dtype q4_0): the latent with its steady channel and the rope key in whole blocks of 32, the cached row
+    [latent | rope key] quantised block by block as llama.cpp's K cache stores it (deepseek2 caches no V). Oracle:
+    llama.cpp itself with that cache type. Its logits must sit much closer to attnlab's through the same codes than
+    to attnlab's unquantised ones: the mismatch left (llama.cpp also rounds the query to q8_0 for its dot products
+    with q4_0 blocks, and sums in another order) is a small part of what the codes themselves change."""
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is an optional extra built from source")
+    import numpy as np
+
+    from attnlab.models.evaluate import set_kv_dtype
+
+    folder = tmp_path / "llama"  # head_dim 64: a rope key of 32 (16 pairs) that llama.cpp can turn
+    make_checkpoint("llama", folder, rope_scaling=None, rope_theta=10000.0, head_dim=64)
+    model, tok = load_checkpoint(folder)
+    hf.to_attnlab(model)
+    ids = tok(TEXT, return_tensors="pt").input_ids
+    hf.convert_model(model, "mla", latent_dim=63, rope_dim=32, calibration_ids=ids, pair_selection="rorope")
+    add_steady_channels(model, ids)  # the latent: 63 + 1 = 64, two blocks; the rope key one
+    path = export_gguf(model, tmp_path / "model.gguf", tokenizer=tok)
+    ids = ids[:, :48]
+    with torch.no_grad():
+        plain = model(ids).logits[0]
+        set_kv_dtype(model, cache)
+        ours = model(ids).logits[0]
+    kind = getattr(llama_cpp, f"GGML_TYPE_{cache.upper()}")
+    llm = llama_cpp.Llama(str(path), n_ctx=128, logits_all=True, verbose=False, n_threads=1, type_k=kind,
+                          type_v=kind, flash_attn=True)  # a quantised cache needs flash attention
+    llm.eval(ids[0].tolist())
+    theirs = torch.from_numpy(np.array(llm.scores[:ids.shape[1]]))
+    codes = rel_err(ours, plain)  # what the codes change
+    assert codes > 1e-4
+    assert rel_err(theirs, ours) <= 0.2 * codes, (rel_err(theirs, ours), codes, rel_err(theirs, plain))

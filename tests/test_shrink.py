@@ -198,6 +198,72 @@ def test_the_gguf_plan_keeps_within_what_llama_cpp_can_turn(tiny):
     assert all(c.rope_select == "rorope" and c.rope_dim <= limit and c.kv_dtype == "bf16" for c in result.measured)
 
 
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory):
+    """(folder, model, tokenizer): a 2-layer Llama with 1 KV head of 64 (V = 128 values per token and layer) and no
+    rope scaling, so that llama.cpp can turn a rope key of a whole block of 32."""
+    folder = tmp_path_factory.mktemp("wide") / "llama"
+    make_checkpoint("llama", folder, rope_scaling=None, rope_theta=10000.0, hidden_size=128, num_attention_heads=2,
+                    num_key_value_heads=1, head_dim=64, max_position_embeddings=512)
+    model, tok, _ = hf.load_model(str(folder))
+    return folder, model, tok
+
+
+@pytest.mark.parametrize("budget", ["40%", "30%"])
+def test_a_gguf_plan_in_llama_cpps_cache_types_fills_whole_blocks(wide, budget):
+    """For --format gguf the planner measures llama.cpp's cache types too: each such candidate's latent (with its
+    steady channel) and rope key are whole blocks of 32; its bytes are llama.cpp's (34, 22 or 18 bytes a block, per
+    layer) within the budget, and one block more would not fit (or would hold more than the V - 2 values a latent and a rope pair can use);
+    the chosen plan converts to a model whose caches allocate those bytes."""
+    from attnlab.shrink.plan import GGUF_STORAGES, LLAMA_CPP_CACHE
+
+    _, model, tok = wide
+    cal = tok(TEXT * 10, return_tensors="pt").input_ids[:, :256]
+    result = plan(model, cal, parse_budget(budget), fmt="gguf", storages=GGUF_STORAGES, window=T)
+    block_bytes = {"q8_0": 34, "q5_0": 22, "q4_0": 18}
+    blocks = [c for c in result.measured if c.kv_dtype in LLAMA_CPP_CACHE]
+    assert {c.kv_dtype for c in blocks} == set(block_bytes)
+    for c in blocks:
+        n = c.values // 32
+        assert (c.latent_dim + 1) % 32 == 0 and c.rope_dim % 32 == 0 and c.extra == 1 and c.latent_norm
+        assert c.bytes_per_token == 2 * n * block_bytes[c.kv_dtype] <= result.budget_bytes
+        per_storage = max(b.values for b in blocks if b.kv_dtype == c.kv_dtype)
+        assert 2 * (per_storage // 32 + 1) * block_bytes[c.kv_dtype] > result.budget_bytes or per_storage + 32 > 126
+    assert max(c.values for c in blocks) > max(c.values for c in result.measured if c.kv_dtype == "bf16")
+    best = result.best
+    probe = copy.deepcopy(model)
+    apply(probe, best, cal)
+    assert hf.kv_bytes_per_token(probe) == best.bytes_per_token
+
+
+def test_a_gguf_shrink_for_a_q4_0_cache_says_how_to_run_it(wide, tiny, tmp_path):
+    """shrink --format gguf --kv-dtype q4_0: planned, healed and scored through llama.cpp's q4_0 codes (its bytes
+    per token), and the report (the sidecar beside the file) names the cache type and the flags that select it."""
+    folder = wide[0]
+    _, _, _, text, held = tiny
+    out = tmp_path / "w.gguf"
+    report = shrink(_req(folder, out, kv_budget="30%", fmt="gguf", storage="q4_0", text=[str(text)],
+                         eval_text=[str(held)]))
+    chosen = report["plan"]["chosen"]
+    assert chosen["kv_dtype"] == "q4_0" and report["kv_bytes_per_token"]["shrunk"] == 2 * chosen[
+        "values_per_token_per_layer"] // 32 * 18
+    assert report["llama_cpp"]["cache_type_k"] == "q4_0" and report["llama_cpp"]["flash_attn"] is True
+    assert "--cache-type-k q4_0 --cache-type-v q4_0 --flash-attn on" in report["llama_cpp"]["note"]
+    assert json.loads((tmp_path / "w.gguf.shrink.json").read_text())["llama_cpp"] == report["llama_cpp"]
+
+
+def test_a_gguf_budget_below_one_row_of_blocks_names_the_smallest(wide, tiny):
+    _, model, tok = wide
+    cal = tok(TEXT * 10, return_tensors="pt").input_ids[:, :256]
+    with pytest.raises(ValueError, match=r"in llama.cpp's q4_0 cache, which stores rows in blocks of 32: the smallest "
+                                         r"row of whole blocks \(a latent of 31 \+ the steady channel, a rope key of "
+                                         r"32\) takes 72 bytes/token \(14.1%\)"):
+        plan(model, cal, parse_budget("10%"), fmt="gguf", storages=("q4_0",), window=T)
+    _, small, tok, text, _ = tiny  # Llama 3 rope scaling on head_dim 16: llama.cpp turns fewer than 32 rope values
+    with pytest.raises(ValueError, match=r"the rope key llama.cpp can turn here is \d+ values, under one block"):
+        plan(small, _ids(tok, text, 64), parse_budget("40%"), fmt="gguf", storages=("q4_0",), window=T)
+
+
 # -- the pipeline ------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("fmt", ["attnlab", "deepseek", "gguf"])
 def test_shrink_end_to_end_for_each_format(tiny, tmp_path, fmt):
@@ -317,7 +383,10 @@ def test_cli_bad_input_is_one_line(tiny, tmp_path, capsys):
              (["--kv-budget", "100%"], "strictly between 0% and 100%"),
              (["--kv-budget", "20"], "no plan can meet"),
              (["--kv-budget", "50%", "--format", "gguf"], "--out must end in .gguf"),
-             (["--kv-budget", "50%", "--format", "gguf", "--kv-dtype", "int8"], "attnlab's own cache"),
+             (["--kv-budget", "50%", "--out", "x.gguf", "--format", "gguf", "--kv-dtype", "int8"],
+              "llama.cpp cache type the model is planned and healed for: auto, bf16 (llama.cpp's f16 cache), q8_0"),
+             (["--kv-budget", "50%", "--kv-dtype", "q4_0"], "q4_0 is a llama.cpp cache type: with --format gguf"),
+             (["--kv-budget", "50%", "--format", "deepseek", "--kv-dtype", "q8_0"], "not a DeepSeek folder's"),
              (["--kv-budget", "50%", "--latent-dim", "12"], "give --latent-dim and --rope-dim together"),
              (["--kv-budget", "50%", "--minutes", "0"], "--minutes must be a positive number"),
              (["--kv-budget", "50%", "--resume"], "no shrink run to resume")]

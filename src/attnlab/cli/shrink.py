@@ -71,9 +71,11 @@ def shrink(source: str = typer.Argument(..., help="The model: smollm2, a transfo
            fmt: str = typer.Option("attnlab", "--format", help="attnlab (attention layers beside the base), deepseek "
                                    "(a DeepseekV3 folder) or gguf (one file llama.cpp runs)."),
            kv_dtype: str = typer.Option("auto", "--kv-dtype", help="Cache storage: auto (attnlab's format may "
-                                        "choose 8-bit or 4/3/2-bit latents when they measure better), bf16, int8, int4, int3, int2 (int4/g<N>: a "
+                                        "choose 8-bit or 4/3/2-bit latents when they measure better; a GGUF llama.cpp's "
+                                        "f16, q8_0, q5_0 or q4_0 cache), bf16, int8, int4, int3, int2 (int4/g<N>: a "
                                         "scale per N channels; +r8: the rope key in 8 bits; +c4: the rope key in 4 bits "
-                                        "per channel over groups of 64 tokens)."),
+                                        "per channel over groups of 64 tokens); for --format gguf bf16 (llama.cpp's "
+                                        "f16) or a llama.cpp cache type, q8_0, q5_0, q4_1, q4_0."),
            latent_dim: Optional[int] = typer.Option(None, "--latent-dim", help="Skip the planner: this latent size "
                                                     "(with --rope-dim)."),
            rope_dim: Optional[int] = typer.Option(None, "--rope-dim", help="Skip the planner: this rope size."),
@@ -132,9 +134,9 @@ def shrink(source: str = typer.Argument(..., help="The model: smollm2, a transfo
     if table is not None:
         console.print(table)
     console.print(_summary(report))
-    line = _against_baselines(report)
-    if line:
-        console.print(line)
+    for line in (_against_baselines(report), (report.get("llama_cpp") or {}).get("note")):
+        if line:
+            console.print(line)
     heal = report.get("heal") or {}
     if guard_line(heal):
         console.print(guard_line(heal))

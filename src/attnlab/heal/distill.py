@@ -8,9 +8,11 @@ Two phases, on token windows (data.py: the user's text, or text the teacher writ
    AdamW, cosine learning rate). No whole-model backward: one attention layer per step.
    A guard compares each layer's error on a few check windows (held out from the phase's
    batches where the text has windows to spare) before and after its steps: a layer that
-   ended worse gets its start weights back, and every later step of both phases is 4 times
-   smaller (a model whose conversion starts close to the original, or whose weights are
-   smaller than the rates assume, backs off instead of being trained away from the teacher).
+   ended worse gets its start weights back and the next layer's steps are 4 times smaller;
+   a layer that ended better puts them back up by 4 (up to the plan's rates); the end-to-end
+   phase runs at the factor the last layer left. A model whose conversion starts close to the
+   original, or whose weights are smaller than the rates assume, backs off instead of being
+   trained away from the teacher; a single near-exact layer costs the others nothing.
 2. End-to-end: KL(teacher || student) of the next-token distributions, training only the
    converted attention weights (or, with lora_rank, LoRA adapters on them through peft,
    merged back at the end). bf16 autocast on CUDA; float32 on CPU (on the 2-core EPYC of
@@ -80,7 +82,7 @@ class HealPlan:
 
 
 GUARD_WINDOWS = 4  # windows on which the layer-wise guard compares a layer's start and end
-GUARD_CUT = 4.0  # a layer that ended worse than it started divides every later learning rate by this
+GUARD_CUT = 4.0  # a layer that ended worse than it started divides the later learning rates by this
 
 
 def _guard_state() -> dict:
@@ -469,7 +471,8 @@ class Healer:
 
     def _guard(self, layer: int) -> None:
         """End of a layer's layer-wise steps: if it ends worse on the check windows than it started, its start
-        weights come back and every later step (both phases) is GUARD_CUT times smaller; state records both."""
+        weights come back and the later steps (both phases) are GUARD_CUT times smaller; if it ended better, they
+        are GUARD_CUT times larger again, up to the plan's rates; state records both."""
         s = self.state
         self._release()  # FSDP2: the trained weights into the student's own module first
         before, after = s["layer_start_error"], self._check_error(layer)
@@ -478,6 +481,8 @@ class Healer:
             self._attn[layer].load_state_dict(self._start_weights)
             s["layers_restored"].append(layer)
             s["lr_scale"] /= GUARD_CUT
+        else:  # the rates suit this model again (a near-exact first layer is no sign for the others)
+            s["lr_scale"] = min(1.0, s["lr_scale"] * GUARD_CUT)
         s["layer_start_error"], self._start_weights = None, None
 
     def _batch(self, step: int) -> torch.Tensor:

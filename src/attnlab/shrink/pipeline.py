@@ -31,7 +31,8 @@ from pathlib import Path
 import torch
 
 from ..runtime.budget import Budget, Stopped
-from .plan import STORAGES, Candidate, check_format, feasible, few_bit, keys_whole, parse_budget, storage_ok
+from .plan import (GGUF_STORAGES, LLAMA_CPP_CACHE, STORAGES, Candidate, check_format, feasible, few_bit, keys_whole,
+                   llama_cpp_type, parse_budget, storage_ok)
 
 CALIBRATION_TOKENS = 2048
 PROXY_TOKENS = 1024  # the planner's scoring windows, after the calibration's
@@ -40,12 +41,12 @@ PROXY_TOKENS = 1024  # the planner's scoring windows, after the calibration's
 PLAN_SHARE = 0.25
 PHASES = ("data", "plan", "convert", "heal", "export")
 RUN_FORMAT = "attnlab-shrink-run"
-STORAGE_CHOICES = {"auto": STORAGES}
+AUTO_STORAGES = {"attnlab": STORAGES, "gguf": GGUF_STORAGES, "deepseek": ("bf16",)}
 
 
-def storage_choices(storage: str) -> tuple[str, ...]:
-    """The storages the planner may choose for --kv-dtype: every one for auto, else the one named."""
-    return STORAGE_CHOICES.get(storage, (storage,))
+def storage_choices(storage: str, fmt: str = "attnlab") -> tuple[str, ...]:
+    """The storages the planner may choose for --kv-dtype: every one the format holds for auto, else the one named."""
+    return AUTO_STORAGES[fmt] if storage == "auto" else (storage,)
 
 
 @dataclass
@@ -81,12 +82,18 @@ def check_request(req: ShrinkRequest) -> None:
 
     if req.fmt not in FORMATS:
         raise ValueError(f"--format must be one of {', '.join(FORMATS)}, got {req.fmt!r}")
-    if req.storage != "auto" and not storage_ok(req.storage):
-        raise ValueError(f"--kv-dtype must be auto, bf16, int8, int4 or int2 (int4/g<N>, int2/g<N>: a scale and "
-                         f"minimum per N latent channels; '+r8': the rope key in 8 bits), got {req.storage!r}")
-    if req.storage not in ("auto", "bf16") and req.fmt != "attnlab":
-        raise ValueError(f"--kv-dtype {req.storage} is attnlab's own cache; a {req.fmt} export's cache type is the "
-                         "engine's choice (llama.cpp: --cache-type-k q8_0; vLLM: kv_cache_dtype fp8)")
+    if req.storage != "auto" and req.fmt == "gguf" and not storage_ok(req.storage, "gguf"):
+        raise ValueError(f"--kv-dtype for --format gguf is the llama.cpp cache type the model is planned and healed "
+                         f"for: auto, bf16 (llama.cpp's f16 cache), {', '.join(LLAMA_CPP_CACHE)}; got {req.storage!r}")
+    if req.storage not in ("auto", "bf16") and req.fmt == "deepseek":
+        raise ValueError(f"--kv-dtype {req.storage} is not a DeepSeek folder's: its cache type is the engine's "
+                         "choice (vLLM: kv_cache_dtype fp8); use auto or bf16")
+    if req.storage != "auto" and req.fmt == "attnlab" and not storage_ok(req.storage):
+        llama = f"; {req.storage} is a llama.cpp cache type: with --format gguf" if req.storage in LLAMA_CPP_CACHE \
+            else ""
+        raise ValueError(f"--kv-dtype must be auto, bf16, int8, int4, int3 or int2 (int4/g<N>: a scale and minimum "
+                         f"per N latent channels; '+r8': the rope key in 8 bits; '+c4': in 4 bits per channel), got "
+                         f"{req.storage!r}{llama}")
     parse_budget(req.kv_budget)
     if (req.latent_dim is None) != (req.rope_dim is None):
         raise ValueError("give --latent-dim and --rope-dim together (or neither: the planner chooses)")
@@ -301,7 +308,7 @@ def shrink(req: ShrinkRequest, *, resume: bool = False, force: bool = False, bud
     if limit and req.seq_len > limit:
         raise ValueError(f"--seq-len {req.seq_len} exceeds the model's context (max_position_embeddings {limit})")
     if req.latent_dim is None:
-        feasible(teacher, parse_budget(req.kv_budget), req.fmt, storage_choices(req.storage))
+        feasible(teacher, parse_budget(req.kv_budget), req.fmt, storage_choices(req.storage, req.fmt))
     state.data["minutes"]["load"] = state.data["minutes"].get("load", 0.0) + phase_time(t)
     budget.check()
 
@@ -323,7 +330,7 @@ def shrink(req: ShrinkRequest, *, resume: bool = False, force: bool = False, bud
         else:
             show.phase("planning: measuring candidate conversions on the calibration text")
             result = choose(teacher, data["calibration"], parse_budget(req.kv_budget), fmt=req.fmt,
-                            storages=storage_choices(req.storage), calibrate=req.calibration,
+                            storages=storage_choices(req.storage, req.fmt), calibrate=req.calibration,
                             proxy_ids=data.get("proxy"), time_budget=budget.share(PLAN_SHARE),
                             progress=lambda i, label: show.phase(f"planning: candidate {i + 1}: {label}"))
             chosen = result.to_dict()
@@ -436,6 +443,15 @@ def _is_report(path: Path) -> bool:
         return False
 
 
+def llama_cpp_cache(storage: str) -> dict:
+    """How to run a GGUF shrink in llama.cpp with the cache it was planned and healed for."""
+    kind = llama_cpp_type(storage)
+    flags = "" if kind == "f16" else f" --cache-type-k {kind} --cache-type-v {kind} --flash-attn on"
+    return {"cache_type_k": kind, "flash_attn": kind != "f16",
+            "note": f"planned and healed for llama.cpp's {kind} KV cache: run it with{flags or ' the default cache'} "
+                    f"(llama-cpp-python: type_k/type_v {kind}{', flash_attn=True' if flags else ''})"}
+
+
 def final_report(req: ShrinkRequest, state: RunState, teacher, student, meta) -> dict:
     """KV bytes per token before/after, held-out perplexity (teacher, student before/after), agreement, the plan,
     minutes per phase."""
@@ -450,6 +466,7 @@ def final_report(req: ShrinkRequest, state: RunState, teacher, student, meta) ->
             "kv_bytes_per_token": {"original_16bit": 2 * V * L, "shrunk": kv_bytes_per_token(student),
                                    "storage": chosen.get("kv_dtype"),
                                    "values_per_token_per_layer": [V, chosen.get("values_per_token_per_layer")]},
+            **({"llama_cpp": llama_cpp_cache(chosen.get("kv_dtype") or "bf16")} if req.fmt == "gguf" else {}),
             "plan": plan, "heal_plan": state.data["heal_plan"],
             "held_out": {"teacher": heal.get("teacher"), "before": heal.get("before"), "after": heal.get("after")},
             "baselines": state.data["report"].get("baselines"),

@@ -52,17 +52,25 @@ FORMATS = ("attnlab", "deepseek", "gguf")
 # key in 4 bits per channel over groups of 64 tokens (KIVI's key layout; docs/real-models.md)
 FEW_BIT = ("int4/g32+r8", "int2/g32+r8", "int3/g64+c4", "int4/g32+c4")
 STORAGES = ("bf16", "int8", *FEW_BIT)
+# a GGUF's cache is llama.cpp's: its f16 ("bf16" here: the same bytes) or a block type of --cache-type-k, which
+# quantises deepseek2's cached row [latent | rope key] in blocks of 32 (modules/lowbit.py computes it bit for bit)
+LLAMA_CPP_CACHE = ("q8_0", "q5_0", "q4_1", "q4_0")
+GGUF_STORAGES = ("bf16", "q8_0", "q5_0", "q4_0")
 # rope shares of the values tried by the split round, in this order so that a planning time that
 # runs out keeps the likelier winners (measured on SmolLM2: benchmarks/shrink.py --part proxy)
 SPLIT_SHARES = (0.4, 0.5, 0.35, 0.25, 0.2)
 
 
-def storage_ok(storage: str) -> bool:
-    """Whether the planner can store a latent cache so: bf16, int8, or attnlab's int4/int3/int2 groups (any /g<N>,
-    with or without +r8 or +c4)."""
+def storage_ok(storage: str, fmt: str = "attnlab") -> bool:
+    """Whether the planner can store a latent cache so in that format: bf16 in every one; in attnlab's own also int8
+    and its int4/int3/int2 groups (any /g<N>, with or without +r8 or +c4); in a GGUF llama.cpp's cache types."""
     from ..modules.cache import check_kv_dtype
 
-    if storage in ("bf16", "int8"):
+    if storage == "bf16":
+        return True
+    if fmt != "attnlab":
+        return fmt == "gguf" and storage in LLAMA_CPP_CACHE
+    if storage == "int8":
         return True
     try:
         fmt = check_kv_dtype(storage)
@@ -73,6 +81,11 @@ def storage_ok(storage: str) -> bool:
 
 def few_bit(storage: str) -> bool:
     return storage.startswith(("int4", "int3", "int2"))
+
+
+def llama_cpp_type(storage: str) -> str:
+    """The llama.cpp cache type (--cache-type-k) a GGUF storage is planned for: f16 for the 16-bit cache."""
+    return "f16" if storage == "bf16" else storage
 
 
 @dataclass(frozen=True)
@@ -183,6 +196,10 @@ def bytes_per_token(values: int, storage: str, layers: int, rope_dim: int = 2) -
 def values_for(budget_bytes: float, storage: str, layers: int) -> int:
     """The most values per token and layer that fit the byte budget in that storage (even, for RoPE pairs);
     for a few-bit storage an estimate from its mean cost per value (fit() makes each split fit)."""
+    if storage in LLAMA_CPP_CACHE:  # whole blocks of 32 values only
+        per_block = layer_bytes(32, 32, storage) // 2
+        v = int(budget_bytes / layers // per_block) * 32
+        return v
     if few_bit(storage):
         per_value = (layer_bytes(258, 62, storage) - layer_bytes(2, 2, storage)) / 316
         fixed = layer_bytes(2, 2, storage) - 4 * per_value
@@ -207,6 +224,14 @@ def fit(latent: int, rope: int, storage: str, layers: int, budget_bytes: float, 
     while latent > 0 and not fits(latent):
         latent -= 1
     return latent
+
+
+def _whole_blocks(pairs: list[tuple[int, int]], storage: str, extra: int) -> list[tuple[int, int]]:
+    """The (latent, rope) pairs whose parts are whole blocks of 32 where the storage is one of llama.cpp's block
+    types (its cache refuses other rows); every pair otherwise."""
+    if storage not in LLAMA_CPP_CACHE:
+        return pairs
+    return [(r, p) for r, p in pairs if (r + extra) % 32 == 0 and p % 32 == 0]
 
 
 def _even(x: float) -> int:
@@ -317,7 +342,7 @@ def feasible(teacher, budget: KVBudget, fmt: str = "attnlab", storages=STORAGES)
     if budget_bytes >= original:
         raise ValueError(f"a KV budget of {budget} ({budget_bytes:.0f} bytes/token) is not below the original's "
                          f"{original} bytes/token (16-bit): nothing to cut")
-    storages = [s for s in storages if storage_ok(s) and (s == "bf16" or fmt == "attnlab")] or ["bf16"]
+    storages = [s for s in storages if storage_ok(s, fmt)] or ["bf16"]
     whole = keys_whole(teacher)
     if whole is not None:
         check_format(teacher, fmt)
@@ -332,6 +357,18 @@ def feasible(teacher, budget: KVBudget, fmt: str = "attnlab", storages=STORAGES)
         return original, budget_bytes, per_storage
     per_storage = {s: values_for(budget_bytes, s, L) for s in storages}
     per_storage = {s: min(v, V - 2) for s, v in per_storage.items() if v >= 10}
+    blocks = [s for s in storages if s in LLAMA_CPP_CACHE]
+    if blocks:  # llama.cpp's block types: a rope key of whole blocks it can turn, and a whole-block latent beside it
+        from ..models.export_gguf import gguf_rope_limit
+        limit = min(G * d, gguf_rope_limit(teacher))
+        per_storage = {s: v for s, v in per_storage.items() if s not in blocks or (v >= 64 and limit >= 32)}
+        if not per_storage:
+            need = L * layer_bytes(32, 32, blocks[0])
+            why = (f"the rope key llama.cpp can turn here is {limit} values, under one block" if limit < 32 else
+                   f"the smallest row of whole blocks (a latent of 31 + the steady channel, a rope key of 32) takes "
+                   f"{need} bytes/token ({need / original:.1%})")
+            raise ValueError(f"no plan can meet a KV budget of {budget} ({budget_bytes:.0f} bytes/token) in llama.cpp's "
+                             f"{', '.join(blocks)} cache, which stores rows in blocks of 32: {why}")
     if not per_storage:
         smallest = min(L * layer_bytes(8, 2, s) for s in storages)
         raise ValueError(f"no plan can meet a KV budget of {budget} ({budget_bytes:.0f} bytes/token): it leaves "
@@ -393,7 +430,8 @@ def plan(teacher, calibration_ids: torch.Tensor, budget: KVBudget, *, fmt: str =
         try:
             apply(teacher, cand, calibration_ids if calibrate else None, inputs=inputs if calibrate else None)
             # what the caches allocate; a DeepSeek export's constant channel comes on top of the attnlab model
-            added = L * (layer_bytes(3, 2, cand.kv_dtype) - layer_bytes(2, 2, cand.kv_dtype)) * (fmt == "deepseek")
+            added = L * (layer_bytes(3, 2, cand.kv_dtype) - layer_bytes(2, 2, cand.kv_dtype)) if fmt == "deepseek" \
+                else 0
             cand.bytes_per_token = kv_bytes_per_token(teacher) + added
             if cand.bytes_per_token > budget_bytes:
                 raise RuntimeError(f"planner bug: {cand.label()} takes {cand.bytes_per_token} bytes/token, over the "
@@ -424,7 +462,7 @@ def plan(teacher, calibration_ids: torch.Tensor, budget: KVBudget, *, fmt: str =
     for sel, bkv in selections:
         if spent():
             break
-        for r, p in splits(v0 - extra, (0.3,), max_rope=max_rope, **aligned)[:1]:
+        for r, p in _whole_blocks(splits(v0 - extra, (0.3,), max_rope=max_rope, **aligned), first, extra)[:1]:
             measure(Candidate(r, p, sel, bkv, first, norm, extra=extra, round=1))
     best = min(measured, key=lambda c: c.proxy)
     # 2. storage: the winner in the other storage, at its own number of values (before the split: 8 bits can
@@ -433,7 +471,7 @@ def plan(teacher, calibration_ids: torch.Tensor, budget: KVBudget, *, fmt: str =
     for storage, v in per_storage.items():
         if storage == first or spent():
             continue
-        for r, p in splits(v - extra, (share,), max_rope=max_rope, **aligned)[:1]:
+        for r, p in _whole_blocks(splits(v - extra, (share,), max_rope=max_rope, **aligned), storage, extra)[:1]:
             measure(Candidate(r, p, best.rope_select, best.balance, storage, norm, extra=extra, round=2))
     # ... and, where a few-bit storage can hold every value (the whole key as the rope key, the values as the
     # latent: nothing cut to low rank, only codes), that row: at 50% and 25% of SmolLM2's bytes it won
@@ -452,7 +490,7 @@ def plan(teacher, calibration_ids: torch.Tensor, budget: KVBudget, *, fmt: str =
     for c in sorted(measured, key=lambda c: c.proxy):
         by_storage.setdefault(c.kv_dtype, c)
     tops = list(by_storage)[:2]
-    pairs = {s: splits(per_storage[s] - extra, SPLIT_SHARES, max_rope=max_rope, **aligned)
+    pairs = {s: _whole_blocks(splits(per_storage[s] - extra, SPLIT_SHARES, max_rope=max_rope, **aligned), s, extra)
              for s in tops}
     for i in range(max(len(v) for v in pairs.values())):
         for storage in tops:
