@@ -75,7 +75,7 @@ class Captured:
         self.file.close()
 
 
-CACHE_TYPES = {"f32": 0, "f16": 1, "q8_0": 8}  # llama.cpp's GGML_TYPE_* numbers for type_k / type_v
+CACHE_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q8_0": 8}  # GGML_TYPE_* for type_k / type_v
 
 
 def open_llama(path: Path, n_ctx: int, logits_all: bool = False, f32_cache: bool = False, threads: int = 2,

@@ -55,6 +55,9 @@ CASES = {  # name: (shrink arguments, what it checks)
                      "(--kv-dtype auto may pick 4- or 2-bit latents)"),
     "12-text-30": (["--kv-budget", "12.5%", "--minutes", "30", "--text", "{pydoc}"], "12.5% with text, 30 minutes"),
     "6-text-30": (["--kv-budget", "6.25%", "--minutes", "30", "--text", "{pydoc}"], "6.25% with text, 30 minutes"),
+    "12-gguf-notext-10": (["--kv-budget", "12.5%", "--format", "gguf"],
+                          "12.5% as a GGUF, no text, 10 minutes: the planner picks llama.cpp's cache type; perplexity "
+                          "in llama.cpp with that cache type and with f16"),
     "50-gguf-text-30": (["--kv-budget", "50%", "--minutes", "30", "--format", "gguf", "--text", "{pydoc}"],
                         "50% as a GGUF (quantised by llama.cpp in benchmarks/export_gguf.py)"),
 }
@@ -404,6 +407,26 @@ def run_key(case: str, model: str) -> str:
     return f"run-{case}" if model == "smollm2" else f"run-{model}-{case}"
 
 
+def llama_cpp_rows(path: Path, model: str, report: dict) -> dict:
+    """A GGUF shrink in llama.cpp: GPL-3 perplexity and KV bytes per token (llama.cpp's log) with the cache type it
+    was planned and healed for (flash attention on) and with llama.cpp's default f16 cache."""
+    from export_gguf import llama_perplexity, open_llama
+
+    from attnlab import models as hf
+
+    _, tok, _ = hf.load_model(model)
+    ids = hf.read_text_ids(tok, EVALUATION, 2048)[0].tolist()
+    planned = report["llama_cpp"]["cache_type_k"]
+    rows = {}
+    for cache in dict.fromkeys((planned, "f16")):
+        llm, per_token = open_llama(path, 512, logits_all=True, cache=None if cache == "f16" else cache)
+        rows[cache] = {"perplexity": llama_perplexity(llm, ids)[0], "kv_bytes_per_token": per_token}
+        del llm
+    rows["planned"] = planned
+    rows["ratio_to_f16"] = rows[planned]["perplexity"] / rows["f16"]["perplexity"]
+    return rows
+
+
 def part_run(case: str, redo: bool, model: str = "smollm2") -> None:
     """One `attnlab shrink MODEL ...` command in a child process, its wall time, and its output on GPL-3."""
     data = json.loads(JSON.read_text()) if JSON.exists() else {}
@@ -442,6 +465,13 @@ def part_run(case: str, redo: bool, model: str = "smollm2") -> None:
         row["original"] = hf.perplexity(teacher, ids)
         row["evaluation"] = evaluate(str(out))
         row["ratio"] = row["evaluation"]["perplexity"] / row["original"]
+    elif out.suffix == ".gguf":
+        from attnlab import models as hf
+
+        teacher, tok, _ = hf.load_model(model)
+        row["original"] = hf.perplexity(teacher, hf.read_text_ids(tok, EVALUATION, 2048))
+        row["llama_cpp"] = llama_cpp_rows(out, model, report)
+        row["ratio"] = row["llama_cpp"][row["llama_cpp"]["planned"]]["perplexity"] / row["original"]
     row["out"] = str(out)
     save(key, row)
     print(json.dumps({k: v for k, v in row.items() if k != "report"}, indent=2))
