@@ -248,6 +248,59 @@ def test_torchrun_heal_writes_what_one_process_writes(runs, tmp_path, capsys):
     assert not list(tmp_path.glob(".two.attnlab-lock")) and (tmp_path / "two.heal.pt").is_file()
 
 
+def test_a_rank_killed_with_sigkill_ends_the_others_in_one_line_with_the_checkpoint_intact(runs, tmp_path):
+    """Two ranks of `attnlab heal` started as torchrun starts them (RANK, WORLD_SIZE, a rendezvous; no agent that
+    would stop the survivor itself). Once rank 0 has written a checkpoint, rank 1 is killed with SIGKILL: rank 0
+    exits 2 within the collective timeout (plus start-up slack) with one line on stderr naming its rank and the
+    checkpoint, writes no output, and the checkpoint reads back whole (written atomically: no partial file)."""
+    import signal
+    import time
+
+    from tiny_checkpoints import TEXT
+
+    from attnlab.cli import main
+    from attnlab.heal import Healer
+
+    work = runs[0]
+    conv, text, out = tmp_path / "conv", tmp_path / "train.txt", tmp_path / "out"
+    text.write_text(TEXT * 12)
+    assert main(["convert", str(work / "llama"), "--to", "mla", "--latent-dim", "12", "--rope-dim", "4", "--out",
+                 str(conv)]) == 0
+    timeout = 20
+    args = [sys.executable, "-m", "attnlab", "heal", str(conv), "--text", str(text), "--tokens", str(10 ** 8),
+            "--seq-len", str(T), "--layer-steps", "0", "--checkpoint-minutes", "0.002", "--collective-timeout",
+            str(timeout), "--out", str(out)]
+    env = _env(WORLD_SIZE="2")
+    procs = [subprocess.Popen(args, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in range(2)]
+    ckpt = out.with_name(out.name + ".heal.pt")
+    try:
+        deadline = time.monotonic() + 240
+        while not ckpt.is_file() and time.monotonic() < deadline and procs[0].poll() is None:
+            time.sleep(0.2)
+        assert ckpt.is_file(), procs[0].communicate(timeout=30)[1][-2000:]
+        time.sleep(1.0)  # a few more steps and checkpoints
+        procs[1].send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        stdout, stderr = procs[0].communicate(timeout=timeout + 90)
+        took = time.monotonic() - killed
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    lines = stderr.strip().splitlines()
+    assert procs[0].returncode == 2 and len(lines) == 1, stderr[-3000:]
+    assert lines[0].startswith("error: rank 0 of 2: another process of the job stopped answering") or \
+        "rank 0 of 2: another process of the job stopped answering" in lines[0], lines
+    assert f"the last checkpoint is {ckpt}" in lines[0]
+    assert took <= timeout + 30, took
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(("out", ".out"))) \
+        == [ckpt.name]
+    blob = Healer.read(ckpt)
+    assert blob["format"] == "attnlab-heal" and blob["state"]["steps_done"] > 0
+
+
 def test_shard_without_torchrun_is_one_line(runs, tmp_path, capsys):
     from attnlab.cli import main
 

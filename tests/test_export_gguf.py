@@ -249,8 +249,8 @@ def test_cli_export_gguf_fits_a_norm_on_calibration_text(tmp_path, capsys):
         capsys.readouterr().out
 
 
-@pytest.mark.parametrize("cache", ["q4_0", "q8_0"])
-def test_llama_cpps_quantised_cache_is_the_one_attnlab_planned_and_healed_through(tmp_path, cache):
+@pytest.mark.parametrize("cache, rotated", [("q4_0", False), ("q4_0", True), ("q8_0", True)])
+def test_llama_cpps_quantised_cache_is_the_one_attnlab_planned_and_healed_through(tmp_path, cache, rotated):
     """A GGUF shrink is planned and healed through attnlab's copy of a llama.cpp cache type (shrink --format gguf
     --kv-dtype q4_0): the latent with its steady channel and the rope key in whole blocks of 32, the cached row
     [latent | rope key] quantised block by block as llama.cpp's K cache stores it (deepseek2 caches no V). Oracle:
@@ -269,6 +269,11 @@ def test_llama_cpps_quantised_cache_is_the_one_attnlab_planned_and_healed_throug
     ids = tok(TEXT, return_tensors="pt").input_ids
     hf.convert_model(model, "mla", latent_dim=63, rope_dim=32, calibration_ids=ids, pair_selection="rorope")
     add_steady_channels(model, ids)  # the latent: 63 + 1 = 64, two blocks; the rope key one
+    if rotated:  # as the planner does for these caches: every latent channel but the steady one (convert/rotate.py)
+        from attnlab.convert.rotate import rotate_latent
+
+        for m in hf.attnlab_modules(model):
+            rotate_latent(m, "random")
     path = export_gguf(model, tmp_path / "model.gguf", tokenizer=tok)
     ids = ids[:, :48]
     with torch.no_grad():

@@ -236,6 +236,36 @@ def test_rotating_the_latent_is_exact_in_float64(kw, rotation):
     assert rel_err(c_after, c_before) > 0.1  # the cached latent did change
 
 
+@pytest.mark.parametrize("rotation", ["random", "hadamard"])
+def test_a_steady_channel_stays_out_of_the_rotation_and_the_model_is_unchanged(rotation):
+    """A GGUF's latent norm with its steady channel (norm weight 0, no up-projection column, a pre-norm value far
+    above the others): the other channels rotate, the steady one keeps its weight 0 and its row of W_DKV, its
+    cached value stays 0, and every output is the same in float64."""
+    torch.manual_seed(0)
+    m = randomize(MultiHeadLatentAttention(48, 4, 33, head_dim=12, rope_dim=8, latent_norm=True), std=0.3).double()
+    with torch.no_grad():
+        m.kv_norm.weight.uniform_(0.5, 2.0)
+        m.kv_norm.weight[-1] = 0.0
+        m.W_UK.weight[:, -1] = 0.0
+        m.W_UV.weight[:, -1] = 0.0
+        m.W_DKV.weight[-1] *= 30  # steadies the norm's scale
+    steady_row = m.W_DKV.weight[-1].clone()
+    x = torch.randn(2, 9, 48, dtype=F64, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        before = [m(x, is_causal=True, absorbed=a) for a in (True, False)]
+        c_before = m.compress(x)[..., :33]
+        R = rotate_latent(m, rotation if rotation == "random" else torch.as_tensor(hadamard(32)))
+        after = [m(x, is_causal=True, absorbed=a) for a in (True, False)]
+        c_after = m.compress(x)[..., :33]
+    for b, a in zip(before, after):
+        assert rel_err(a, b) <= F64_TOL
+    assert R.shape == (33, 33) and R[-1, -1] == 1 and torch.count_nonzero(R[-1, :-1]) == 0
+    assert torch.equal(m.kv_norm.weight[-1], torch.zeros((), dtype=F64))
+    assert torch.equal(m.kv_norm.weight[:-1], torch.ones(32, dtype=F64))
+    assert torch.equal(m.W_DKV.weight[-1], steady_row)
+    assert torch.count_nonzero(c_after[..., -1]) == 0 and rel_err(c_after[..., :-1], c_before[..., :-1]) > 0.1
+
+
 def test_rotation_spreads_an_outlier_channel_and_lowers_the_four_bit_error():
     torch.manual_seed(0)
     m = randomize(MultiHeadLatentAttention(64, 4, 64, head_dim=16, rope_dim=0), std=0.3).double()
@@ -263,7 +293,8 @@ def test_rotation_sizes_and_refusals():
     with pytest.raises(ValueError, match=r"power-of-two size, got 12"):
         hadamard(12)
     m = MultiHeadLatentAttention(16, 2, 6)
-    with pytest.raises(ValueError, match=r"must be 6 x 6 \(the latent\), got \(5, 5\)"):
+    with pytest.raises(ValueError, match=r"must be 6 x 6 \(the latent's channels with a nonzero norm weight\), got "
+                                         r"\(5, 5\)"):
         rotate_latent(m, torch.eye(5))
     with pytest.raises(ValueError, match="not orthogonal"):
         rotate_latent(m, 2 * torch.eye(6))

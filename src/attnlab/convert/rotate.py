@@ -6,7 +6,10 @@ through W_UK' = W_UK R^T, W_UV' = W_UV R^T gives W_UK' c' = W_UK R^T R c = W_UK 
 score is unchanged, exactly in float64 and to rounding in float32. With a latent RMSNorm of weight w,
 c = w * z / rms(z) with z = W_DKV y: w is first folded into the up-projections (W_U diag(w)) and set
 to 1, and rms(R z) = rms(z) (an orthogonal map keeps the norm), so the norm commutes with R and the
-rotation folds as above. The model is the same; what changes is what a quantiser sees. An SVD latent
+rotation folds as above. Channels whose norm weight is exactly 0 (a GGUF's steady channel: it steadies
+the norm's scale and is cached as 0, models/export.py) are left out of the rotation and keep their 0:
+R acts on the other channels only, which keeps the whole latent's norm and so the norm's scale, and
+the steady channel (32 times the largest latent value) never reaches a block of codes. The model is the same; what changes is what a quantiser sees. An SVD latent
 puts most of its energy in few channels, and a few-bit code with one scale per group of channels
 spends its levels on those outliers; after a rotation that spreads every direction over all channels,
 each group holds values of similar size and the same bits buy a smaller error (QuaRot and SpinQuant's
@@ -58,25 +61,32 @@ def rotation_matrix(kind: str, n: int, seed: int = 0) -> torch.Tensor:
 
 
 def rotate_latent(mla, rotation="random", *, seed: int = 0):
-    """Rotate `mla`'s latent in place (module docstring); returns the r x r float64 rotation applied.
+    """Rotate `mla`'s latent in place (module docstring); returns the latent_dim x latent_dim float64 rotation applied
+    (the identity on channels whose norm weight is 0).
 
-    rotation: "random", "hadamard", or an orthogonal (r, r) tensor. A GQA tiling (kv_tiling) no
+    rotation: "random", "hadamard", or an orthogonal (r, r) tensor, r the channels rotated. A GQA tiling (kv_tiling) no
     longer holds afterwards and is dropped."""
-    r = mla.latent_dim
+    weight = None if mla.kv_norm is None else getattr(mla.kv_norm, "weight", None)
+    moved = torch.arange(mla.latent_dim) if weight is None else torch.nonzero(weight.detach() != 0).flatten()
+    r = moved.numel()  # the channels rotated: every one, or those whose norm weight is not 0
     if isinstance(rotation, torch.Tensor):
         R = rotation.to(F64)
         if R.shape != (r, r):
-            raise ValueError(f"the rotation must be {r} x {r} (the latent), got {tuple(R.shape)}")
+            raise ValueError(f"the rotation must be {r} x {r} (the latent's channels with a nonzero norm weight), "
+                             f"got {tuple(R.shape)}")
         if not torch.allclose(R @ R.T, torch.eye(r, dtype=F64), atol=1e-9):
             raise ValueError("the rotation is not orthogonal (R R^T != I within 1e-9)")
     else:
         R = rotation_matrix(rotation, r, seed)
+    full = torch.eye(mla.latent_dim, dtype=F64)
+    full[moved[:, None], moved[None, :]] = R  # the identity on the channels left out
     with torch.no_grad():
-        if mla.kv_norm is not None and getattr(mla.kv_norm, "weight", None) is not None:
-            w = mla.kv_norm.weight.to(F64)
+        if weight is not None:
+            w = weight.to(F64)
             for up in (mla.W_UK, mla.W_UV):
                 up.weight.copy_((up.weight.to(F64) * w[None, :]).to(up.weight.dtype))
-            mla.kv_norm.weight.fill_(1.0)
+            weight[moved] = 1.0
+        R = full
         down = mla.W_DKV
         down.weight.copy_((R @ down.weight.to(F64)).to(down.weight.dtype))
         if down.bias is not None:

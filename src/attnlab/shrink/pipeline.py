@@ -222,7 +222,7 @@ def _explicit(req: ShrinkRequest, whole: bool = False) -> Candidate:
     select = "frequency" if whole else "rorope" if req.fmt == "gguf" else "rorope-score"
     return Candidate(req.latent_dim, req.rope_dim, select, not whole,
                      storage, req.fmt == "gguf", extra=int(req.fmt != "attnlab"),
-                     rotation="random" if few_bit(storage) else None)
+                     rotation="random" if few_bit(storage) or storage in LLAMA_CPP_CACHE else None)
 
 
 def _heal_plan(req, teacher, student, train: torch.Tensor, seconds: float):

@@ -425,6 +425,8 @@ def plan(teacher, calibration_ids: torch.Tensor, budget: KVBudget, *, fmt: str =
             cand.latent_dim = fit(cand.latent_dim, cand.rope_dim, cand.kv_dtype, L, budget_bytes, cand.extra,
                                   ceiling=V - cand.rope_dim)  # more latent than the keys and values it holds buys nothing
             cand.rotation = None if cand.latent_norm else "random"
+        elif cand.kv_dtype in LLAMA_CPP_CACHE:  # llama.cpp's blocks too: rotated past the norm (convert/rotate.py)
+            cand.rotation = "random"
         if progress:
             progress(len(measured), cand.label())
         try:
