@@ -248,6 +248,54 @@ def test_torchrun_heal_writes_what_one_process_writes(runs, tmp_path, capsys):
     assert not list(tmp_path.glob(".two.attnlab-lock")) and (tmp_path / "two.heal.pt").is_file()
 
 
+def test_torchrun_shrink_plans_once_and_writes_what_one_process_writes(runs, tmp_path, capsys):
+    """`torchrun --nproc-per-node 2 -m attnlab shrink` against `attnlab shrink` in one process, on the tiny Llama
+    (float32), the heal's steps fixed (--tokens, --layer-steps) so that no timing enters: rank 0 alone plans, prints
+    and writes; the plan and the heal's losses are the one-process run's (to 1e-4: float32 sums in another order; a
+    wrong split of the layer-wise loss moves them by ~1e-1, the heal's torchrun test), and so are the weights; the
+    others received the plan, the data and the converted student from rank 0 (no second text or plan)."""
+    from tiny_checkpoints import TEXT
+
+    from attnlab import models as hf
+    from attnlab.cli import main
+
+    work = runs[0]
+    text, held = tmp_path / "train.txt", tmp_path / "held.txt"
+    text.write_text(TEXT * 40)
+    held.write_text(TEXT[::-1] * 8)
+    args = ["shrink", str(work / "llama"), "--kv-budget", "50%", "--text", str(text), "--eval-text", str(held),
+            "--tokens", str(4 * T * 4), "--seq-len", str(T), "--layer-steps", "2", "--kv-dtype", "bf16"]
+    assert main([*args, "--out", str(tmp_path / "one")]) == 0
+    capsys.readouterr()
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "-m", "attnlab", *args, "--out", str(tmp_path / "two")],
+                          env=_env(), capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert proc.stdout.count(f"wrote {tmp_path / 'two'}") == 1 and proc.stdout.count("plan for a KV budget") == 1
+    one, two = (json.loads((tmp_path / d / "config.json").read_text())["shrink"] for d in ("one", "two"))
+    # the same plan (the proxies to float32 rounding: torchrun runs each process on one thread, other sums)
+    assert two["plan"]["chosen"]["label"] == one["plan"]["chosen"]["label"] and two["heal_plan"] == one["heal_plan"]
+    assert [c["label"] for c in two["plan"]["candidates"]] == [c["label"] for c in one["plan"]["candidates"]]
+    assert [c["proxy"] for c in two["plan"]["candidates"]] == pytest.approx(
+        [c["proxy"] for c in one["plan"]["candidates"]], rel=1e-4)
+    h1, h2 = one["heal"], two["heal"]
+    assert h2["status"] == h1["status"] == "done" and h2["distill_tokens"] == h1["distill_tokens"]
+    assert h2["layer_losses"] == pytest.approx(h1["layer_losses"], rel=1e-4)
+    assert h2["distill_loss_last"] == pytest.approx(h1["distill_loss_last"], rel=1e-4)
+    assert two["held_out"]["after"]["perplexity"] == pytest.approx(one["held_out"]["after"]["perplexity"], rel=1e-4)
+    a, b = _weights(hf.load_model(str(tmp_path / "one"))[0]), _weights(hf.load_model(str(tmp_path / "two"))[0])
+    assert _rel(b, a) <= 1e-3
+    assert not (tmp_path / "two.shrink-run").exists() and not list(tmp_path.glob(".two*"))
+    # rank 0's error before the hand-off (no plan meets 20 bytes/token, found after loading): the other rank
+    # gets it instead of waiting, and only rank 0 says it
+    bad = [a if a != "50%" else "20" for a in args]
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "-m", "attnlab", *bad, "--out", str(tmp_path / "three")],
+                          env=_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and (proc.stdout + proc.stderr).count("no plan can meet a KV budget of 20") == 1, \
+        proc.stderr[-3000:]
+
+
 def test_a_rank_killed_with_sigkill_ends_the_others_in_one_line_with_the_checkpoint_intact(runs, tmp_path):
     """Two ranks of `attnlab heal` started as torchrun starts them (RANK, WORLD_SIZE, a rendezvous; no agent that
     would stop the survivor itself). Once rank 0 has written a checkpoint, rank 1 is killed with SIGKILL: rank 0

@@ -25,6 +25,7 @@ import typer
 from rich.table import Table
 
 from .base import RunDisplay, UsageProblem, console, positive
+from .ranks import Silent, rank_errors, said_by_rank0
 
 
 def report_table(title: str, report: dict) -> Table:
@@ -42,47 +43,6 @@ def report_table(title: str, report: dict) -> Table:
         table.add_row(f"student {name}", f"{r['perplexity']:.3f}", f"{r['top1_agreement']:.4f}",
                       "-" if g is None else f"{g:.4f}", str(r["kv_bytes_per_token"]))
     return table
-
-
-class _Silent:
-    """The display of a rank other than 0: nothing."""
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-    def phase(self, text: str) -> None:
-        pass
-
-    def count(self, done: int, total: int | None, what: str = "") -> None:
-        pass
-
-    def step(self, info: dict) -> None:
-        pass
-
-
-@contextlib.contextmanager
-def _said_by_rank0(rank: int):
-    """A UsageProblem that every rank raises alike (a command-line check): rank 0 says it, the others exit 2 quietly."""
-    try:
-        yield
-    except UsageProblem:
-        if rank:
-            raise typer.Exit(2) from None
-        raise
-
-
-def _peer_lost(e: BaseException, world, timeout: float, checkpoint: Path) -> UsageProblem:
-    """One line for a collective that failed because another rank stopped answering."""
-    text = str(e)
-    why = (f"no answer within --collective-timeout {timeout:g} s" if "Timed out" in text or "timeout" in text.lower()
-           else "its connection closed: it stopped or died" if "closed" in text or "reset" in text
-           else text.split("] ", 1)[-1].splitlines()[0][:160] if text else type(e).__name__)
-    saved = f"; the last checkpoint is {checkpoint} (--resume continues)" if checkpoint.is_file() else ""
-    return UsageProblem(f"rank {world.rank} of {world.size}: another process of the job stopped answering at a "
-                        f"collective ({why}; the other ranks' output says more){saved}")
 
 
 def check_seq_len(seq_len: int, model) -> None:
@@ -145,7 +105,7 @@ def heal(source: Path = typer.Argument(..., help="A converted-model folder writt
         place = dd.world_from_env(device if device in ("cpu", "cuda") else "cpu")  # torchrun's; no group joined yet
     except ValueError as e:
         raise UsageProblem(str(e)) from None
-    with _said_by_rank0(place.rank):  # the command line's checks: the same on every rank
+    with said_by_rank0(place.rank):  # the command line's checks: the same on every rank
         budget = Budget(positive("--minutes", minutes))  # from the command's start: loading counts
         positive("--tokens", tokens, integer=True)
         positive("--checkpoint-minutes", checkpoint_minutes)
@@ -195,9 +155,9 @@ def heal(source: Path = typer.Argument(..., help="A converted-model folder writt
     hf_logging.disable_progress_bar()  # one progress display: ours
     world = dd.init_world(device, collective_timeout)
     device = world.device if world.distributed else device
-    try:
+    with rank_errors(world, collective_timeout, checkpoint):
         with (output_lock(out) if world.main else contextlib.nullcontext()), stop_on_signals(budget), \
-                (RunDisplay(budget) if world.main else _Silent()) as show:
+                (RunDisplay(budget) if world.main else Silent()) as show:
             try:
                 show.phase("loading the student and the teacher")
                 student, tok, meta = hf.load_model(str(source))
@@ -257,18 +217,6 @@ def heal(source: Path = typer.Argument(..., help="A converted-model folder writt
                 extra = {k: v for k, v in meta.items() if k not in ("format", "version", "base", "layers")}
                 hf.save_model(student, meta["base"], out, extra={**extra, "heal": report}, force=force or resume,
                               sources=readers)
-    except (typer.Exit, UsageProblem, KeyboardInterrupt) as e:
-        if isinstance(e, UsageProblem) and not world.main:
-            raise typer.Exit(2) from None  # the same check failed on rank 0, or rank 0 sent its error: it says it
-        raise
-    except Exception as e:
-        if dd.collective_failure(e):
-            raise _peer_lost(e, world, collective_timeout, checkpoint) from e
-        if not world.main:  # this rank's own trouble: name the rank
-            raise UsageProblem(f"rank {world.rank} of {world.size}: {str(e) or type(e).__name__}") from e
-        raise
-    finally:
-        dd.close_world(world)
     if not world.main:
         return
     if report["status"] == "budget":

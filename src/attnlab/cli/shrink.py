@@ -5,6 +5,7 @@ functions); this file parses, wires Ctrl-C and the one progress display, and pri
 """
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Optional
 
@@ -12,6 +13,7 @@ import typer
 from rich.table import Table
 
 from .base import RunDisplay, UsageProblem, console, positive
+from .ranks import Silent, rank_errors, said_by_rank0
 
 
 def _summary(report: dict) -> Table:
@@ -88,30 +90,57 @@ def shrink(source: str = typer.Argument(..., help="The model: smollm2, a transfo
            device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
            resume: bool = typer.Option(False, "--resume/--no-resume", help="Continue a stopped run (same arguments)."),
            force: bool = typer.Option(False, "--force/--no-force", help="Replace an existing --out (only one "
-                                      "attnlab wrote).")):
+                                      "attnlab wrote)."),
+           layer_steps: Optional[int] = typer.Option(None, "--layer-steps", help="Layer-wise heal steps per layer "
+                                                     "(0: skip the phase; default: sized to the time)."),
+           shard: bool = typer.Option(False, "--shard/--no-shard", help="Under torchrun: shard the trained weights, "
+                                      "their gradients and the optimizer state over the processes (FSDP2) instead "
+                                      "of replicating them (DDP)."),
+           collective_timeout: float = typer.Option(120.0, "--collective-timeout", help="Under torchrun: seconds a "
+                                                    "process waits for the others at a collective of the heal "
+                                                    "before it gives up.")):
     """Shrink a model's KV cache to a budget: plan, convert, heal and export in one run.
 
     Example: attnlab shrink smollm2 --kv-budget 50% --out smol-half
     Example: attnlab shrink ~/Llama-3.2-1B --kv-budget 25% --text notes.txt --minutes 30 --format gguf --out small.gguf
+    Example: torchrun --standalone --nproc-per-node 4 -m attnlab shrink ~/Llama-3.2-1B --kv-budget 25% --device cuda
+    --minutes 60 --out small (rank 0 plans and converts once; the heal runs on every process)
     """
     from ..heal.distill import guard_line
     from ..runtime.budget import Budget, Stopped, stop_on_signals
     from ..shrink.pipeline import ShrinkRequest, check_request, run_folder
     from ..shrink.pipeline import shrink as run
 
-    positive("--minutes", minutes)
-    positive("--tokens", tokens, integer=True)
-    positive("--seq-len", seq_len, integer=True)
-    positive("--latent-dim", latent_dim, integer=True)
-    positive("--rope-dim", rope_dim, integer=True)
-    if device not in ("cpu", "cuda"):
-        raise UsageProblem(f"--device must be cpu or cuda, not {device!r}")
-    req = ShrinkRequest(source=source, kv_budget=kv_budget, out=str(out), fmt=fmt, minutes=minutes,
-                        text=[str(t) for t in text or []], eval_text=[str(t) for t in eval_text or []], seed=seed,
-                        device=device, calibration=not no_calibration, storage=kv_dtype, latent_dim=latent_dim,
-                        rope_dim=rope_dim, tokens=tokens, seq_len=seq_len)
-    check_request(req)
-    if no_calibration:
+    from ..heal import distributed as dd
+
+    place = dd.world_from_env(device if device in ("cpu", "cuda") else "cpu")  # torchrun's; no group joined yet
+    with said_by_rank0(place.rank):  # the command line's checks: the same on every rank
+        positive("--minutes", minutes)
+        positive("--tokens", tokens, integer=True)
+        positive("--seq-len", seq_len, integer=True)
+        positive("--latent-dim", latent_dim, integer=True)
+        positive("--rope-dim", rope_dim, integer=True)
+        if device not in ("cpu", "cuda"):
+            raise UsageProblem(f"--device must be cpu or cuda, not {device!r}")
+        if layer_steps is not None and layer_steps < 0:
+            raise UsageProblem(f"--layer-steps must be 0 (skip the phase) or more, got {layer_steps}")
+        if shard and not place.distributed:
+            raise UsageProblem("--shard needs a process group: it shards the trained weights over the processes of "
+                               "a torchrun job (torchrun --nproc-per-node N -m attnlab shrink ..., N >= 2); this is "
+                               "one process")
+        if place.distributed and 4 % place.size:
+            raise UsageProblem(f"shrink's heal splits batches of 4 windows over the processes: run 2 or 4 of them, "
+                               f"not {place.size}")
+        req = ShrinkRequest(source=source, kv_budget=kv_budget, out=str(out), fmt=fmt, minutes=minutes,
+                            text=[str(t) for t in text or []], eval_text=[str(t) for t in eval_text or []],
+                            seed=seed, device=device, calibration=not no_calibration, storage=kv_dtype,
+                            latent_dim=latent_dim, rope_dim=rope_dim, tokens=tokens, seq_len=seq_len,
+                            layer_steps=layer_steps)
+        try:
+            check_request(req)
+        except ValueError as e:
+            raise UsageProblem(str(e)) from None
+    if no_calibration and place.main:
         console.print("[yellow]warning:[/yellow] --no-calibration: the cut is chosen on the weights alone, which "
                       "measured many times worse before healing (docs/real-models.md)")
     from transformers.utils import logging as hf_logging
@@ -120,16 +149,23 @@ def shrink(source: str = typer.Argument(..., help="The model: smollm2, a transfo
 
     hf_logging.disable_progress_bar()
     budget = Budget(minutes)
-    with output_lock(out), stop_on_signals(budget), RunDisplay(budget) as show:
-        try:
-            report = run(req, resume=resume, force=force, budget=budget, display=show)
-        except Stopped as e:
-            where = run_folder(out)
-            if e.reason == "stop":
-                console.print(f"stopped; the run's state is in {where} (continue with --resume)")
-                raise typer.Exit(1)
-            raise UsageProblem(f"the budget ({minutes} min) was spent before the heal could start: nothing written; "
-                               f"--resume with more --minutes continues from {where}") from None
+    world = dd.init_world(device, collective_timeout)
+    with rank_errors(world, collective_timeout, run_folder(out) / "heal.pt"):
+        with (output_lock(out) if world.main else contextlib.nullcontext()), stop_on_signals(budget), \
+                (RunDisplay(budget) if world.main else Silent()) as show:
+            try:
+                report = run(req, resume=resume, force=force, budget=budget, display=show, world=world, shard=shard)
+            except Stopped as e:
+                if not world.main:
+                    raise typer.Exit(1 if e.reason == "stop" else 2) from None
+                where = run_folder(out)
+                if e.reason == "stop":
+                    console.print(f"stopped; the run's state is in {where} (continue with --resume)")
+                    raise typer.Exit(1)
+                raise UsageProblem(f"the budget ({minutes} min) was spent before the heal could start: nothing "
+                                   f"written; --resume with more --minutes continues from {where}") from None
+    if not world.main:
+        return
     table = _candidates(report)
     if table is not None:
         console.print(table)

@@ -233,6 +233,10 @@ def broadcast_tensors(tensors=None, *, patient: bool = True) -> list[torch.Tenso
     return out
 
 
+class Relayed(ValueError):
+    """Rank 0's error, raised again on another rank that waited for rank 0 (rank 0 reports it; the others need not)."""
+
+
 def from_rank0(make, *, carry: tuple = (ValueError,)):
     """make() run on rank 0 alone, its result on every rank; an error of a `carry` type (or runtime.Stopped) that
     make() raises on rank 0 is raised on every rank, with its message (one process: make())."""

@@ -19,6 +19,9 @@ checkpoint and the healed student (healed/), each written atomically when its ph
 phase that ended (a request with other arguments is refused), and the folder is deleted once the
 output is written. A stop request (Ctrl-C) ends the run at the next step or window with its
 state saved; kill -9 loses at most the phase (or heal steps since the last checkpoint) in flight.
+Under torchrun (`world`), rank 0 alone runs every phase but the heal and holds the run folder; at the
+heal it hands the others the converted student, the windows and the heal plan (hand_off), and all
+heal data-parallel (heal/distributed.py; docs/distributed.md).
 """
 from __future__ import annotations
 
@@ -266,8 +269,40 @@ def _heal_plan(req, teacher, student, train: torch.Tensor, seconds: float):
 
 
 def shrink(req: ShrinkRequest, *, resume: bool = False, force: bool = False, budget: Budget | None = None,
-           display=None) -> dict:
-    """Run the pipeline (module docstring); returns the report. Raises runtime.Stopped when stopped (state saved)."""
+           display=None, world=None, shard: bool = False) -> dict | None:
+    """Run the pipeline (module docstring); returns the report. Raises runtime.Stopped when stopped (state saved).
+
+    world (heal.distributed.World of N > 1 processes, under torchrun): rank 0 alone loads the data, plans,
+    converts, writes the state and the output; the others load the teacher and wait; at the heal rank 0
+    hands them the plan, the data and the converted student (hand_off) and every rank heals its share
+    of each batch (DDP, or FSDP2 with shard=True). Ranks other than 0 return None after the heal; an
+    error on rank 0 before the hand-off reaches them as the same error.
+    """
+    from ..heal import distributed as dd
+
+    world = world if world is not None else dd.World()
+    if world.distributed and not world.main:
+        return _follow(req, world, shard, budget if budget is not None else Budget(req.minutes))
+    if not world.distributed:
+        return _shrink(req, resume, force, budget, display)
+    handed = {"done": False}
+    try:
+        report = _shrink(req, resume, force, budget, display, world=world, shard=shard, handed=handed)
+    except BaseException as e:
+        if not handed["done"]:  # the others wait for the hand-off: it brings them this error
+            kind = "stopped" if isinstance(e, Stopped) else "error" if isinstance(e, ValueError) else "failed"
+            dd.broadcast_object((kind, getattr(e, "reason", ""), str(e).splitlines()[0] if str(e) else
+                                 type(e).__name__))
+        raise
+    if not handed["done"]:  # the heal was done before this run (resumed after it): nothing for the others
+        dd.broadcast_object(("skip",))
+    return report
+
+
+def _shrink(req: ShrinkRequest, resume: bool, force: bool, budget: Budget | None, display, *, world=None,
+            shard: bool = False, handed: dict | None = None) -> dict:
+    """shrink() in one process, or as rank 0 of a torchrun job (world, shard; handed["done"] once the others have
+    the hand-off)."""
     from .. import models as hf
     from ..heal.distill import HealPlan, heal_model
     from ..io.folders import check_output
@@ -366,10 +401,16 @@ def shrink(req: ShrinkRequest, *, resume: bool = False, force: bool = False, bud
         plan = HealPlan(**state.data["heal_plan"])
         show.phase("evaluating the converted model before training")
         checkpoint = folder / "heal.pt"
-        report = heal_model(teacher, student, data["train"], data["held"], plan, device=req.device,
+        resume_heal = checkpoint.is_file()
+        if world is not None and world.distributed:
+            hand_off(student_dir, data, {"heal_plan": state.data["heal_plan"], "resume": resume_heal,
+                                         "reserve": reserve, "checkpoint": str(checkpoint)})
+            handed["done"] = True
+        report = heal_model(teacher, student, data["train"], data["held"], plan,
+                            device=world.device if world is not None and world.distributed else req.device,
                             budget=budget.share(seconds=max(0.0, budget.left() - reserve)) if budget.deadline
-                            else budget, checkpoint=checkpoint, resume=checkpoint.is_file(),
-                            progress=show.step)
+                            else budget, checkpoint=checkpoint, resume=resume_heal,
+                            progress=show.step, world=world, shard=shard)
         state.data["report"]["heal"] = report
         state.data["minutes"]["heal"] = state.data["minutes"].get("heal", 0.0) + phase_time(t)
         state.save()
@@ -418,6 +459,49 @@ def shrink(req: ShrinkRequest, *, resume: bool = False, force: bool = False, bud
 
 
 BASELINE_SECONDS = 30.0  # kept back from the heal: two teacher passes over the held-out windows
+
+
+def hand_off(student_dir: Path, data: dict, info: dict) -> None:
+    """Rank 0 of a torchrun job, at the heal: the converted student's folder (its files, as bytes: no shared disk
+    is assumed), the training and held-out windows and what the heal needs, to every other rank (_follow)."""
+    from ..heal import distributed as dd
+
+    files = {p.name: p.read_bytes() for p in sorted(student_dir.iterdir()) if p.is_file()}
+    dd.broadcast_object(("ok", {**info, "files": files}))
+    dd.broadcast_tensors([data["train"], data["held"]])
+
+
+def _follow(req: ShrinkRequest, world, shard: bool, budget: Budget) -> None:
+    """A rank other than 0: load the teacher, wait for rank 0's hand-off, heal its share; returns None."""
+    import tempfile
+
+    from .. import models as hf
+    from ..heal import distributed as dd
+    from ..heal.distill import HealPlan, heal_model
+
+    teacher, _, _ = hf.load_model(req.source)
+    got = dd.broadcast_object(None)  # patient: rank 0 writes text, plans and converts first
+    if got[0] == "skip":
+        return None
+    if got[0] != "ok":
+        kind, reason, text = got
+        if kind == "stopped":
+            raise Stopped(reason, text)
+        raise dd.Relayed(text if kind == "error" else f"rank 0 failed before the heal ({text})")
+    info = got[1]
+    train, held = dd.broadcast_tensors(None)
+    with tempfile.TemporaryDirectory(prefix="attnlab-shrink-rank") as tmp:
+        for name, blob in info["files"].items():
+            (Path(tmp) / name).write_bytes(blob)
+        student, _, _ = hf.load_model(tmp)
+    reserve = info["reserve"]
+    report = heal_model(teacher, student, train, held, HealPlan(**info["heal_plan"]), device=world.device,
+                        budget=budget.share(seconds=max(0.0, budget.left() - reserve)) if budget.deadline
+                        else budget, checkpoint=Path(info["checkpoint"]), resume=info["resume"], world=world,
+                        shard=shard)
+    if report["status"] == "stopped":
+        raise Stopped("stop")
+    return None
 
 
 def _baselines(teacher, student, held, heal: dict) -> dict:
