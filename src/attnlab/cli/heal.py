@@ -25,7 +25,7 @@ import typer
 from rich.table import Table
 
 from .base import RunDisplay, UsageProblem, console, positive
-from .ranks import Silent, rank_errors, said_by_rank0
+from .ranks import COLLECTIVE_TIMEOUT, SHARD, Silent, rank_errors, said_by_rank0
 
 
 def report_table(title: str, report: dict) -> Table:
@@ -81,12 +81,7 @@ def heal(source: Path = typer.Argument(..., help="A converted-model folder writt
          checkpoint_minutes: float = typer.Option(5.0, "--checkpoint-minutes", help="Minutes between checkpoints."),
          force: bool = typer.Option(False, "--force/--no-force", help="Replace an existing --out folder "
                                     "(only one attnlab wrote)."),
-         shard: bool = typer.Option(False, "--shard/--no-shard", help="Under torchrun: shard the trained weights, "
-                                    "their gradients and the optimizer state over the processes (FSDP2) instead of "
-                                    "replicating them (DDP)."),
-         collective_timeout: float = typer.Option(120.0, "--collective-timeout", help="Under torchrun: seconds a "
-                                                  "process waits for the others at a collective before it gives "
-                                                  "up.")):
+         shard: bool = SHARD, collective_timeout: float = COLLECTIVE_TIMEOUT):
     """Heal a converted model by distillation from the original (layer-wise, then KL on next tokens).
 
     Example: attnlab heal smollm2-mla192 --out smollm2-mla192-healed --minutes 25

@@ -10,6 +10,12 @@ import typer
 
 from .base import UsageProblem
 
+# the options heal and shrink share under torchrun
+SHARD = typer.Option(False, "--shard/--no-shard", help="Under torchrun: shard the trained weights, their gradients "
+                     "and the optimizer state over the processes (FSDP2) instead of replicating them (DDP).")
+COLLECTIVE_TIMEOUT = typer.Option(120.0, "--collective-timeout", help="Under torchrun: seconds a process waits for "
+                                  "the others at a collective of the heal before it gives up.")
+
 
 class Silent:
     """The display of a rank other than 0: nothing."""

@@ -13,7 +13,7 @@ import typer
 from rich.table import Table
 
 from .base import RunDisplay, UsageProblem, console, positive
-from .ranks import Silent, rank_errors, said_by_rank0
+from .ranks import COLLECTIVE_TIMEOUT, SHARD, Silent, rank_errors, said_by_rank0
 
 
 def _summary(report: dict) -> Table:
@@ -93,12 +93,7 @@ def shrink(source: str = typer.Argument(..., help="The model: smollm2, a transfo
                                       "attnlab wrote)."),
            layer_steps: Optional[int] = typer.Option(None, "--layer-steps", help="Layer-wise heal steps per layer "
                                                      "(0: skip the phase; default: sized to the time)."),
-           shard: bool = typer.Option(False, "--shard/--no-shard", help="Under torchrun: shard the trained weights, "
-                                      "their gradients and the optimizer state over the processes (FSDP2) instead "
-                                      "of replicating them (DDP)."),
-           collective_timeout: float = typer.Option(120.0, "--collective-timeout", help="Under torchrun: seconds a "
-                                                    "process waits for the others at a collective of the heal "
-                                                    "before it gives up.")):
+           shard: bool = SHARD, collective_timeout: float = COLLECTIVE_TIMEOUT):
     """Shrink a model's KV cache to a budget: plan, convert, heal and export in one run.
 
     Example: attnlab shrink smollm2 --kv-budget 50% --out smol-half
