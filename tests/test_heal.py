@@ -316,7 +316,8 @@ def test_the_layer_wise_guard_never_leaves_a_layer_worse_than_it_started(tiny, l
     """Invariant of the guard: a layer whose check error rose over its steps has exactly its start weights back, one
     that improved keeps its trained weights, and the learning rates follow (down by GUARD_CUT after a give-back, up
     after an improvement). At a rate far too large for this model (3.0) every layer ends worse and all come back."""
-    from attnlab.heal.distill import GUARD_CUT, normalised_mse
+    from attnlab.heal.distill import normalised_mse
+    from attnlab.heal.guard import GUARD_CUT
     from attnlab.models.evaluate import attention_inputs
 
     _, teacher, _ = tiny

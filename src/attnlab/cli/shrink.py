@@ -101,7 +101,7 @@ def shrink(source: str = typer.Argument(..., help="The model: smollm2, a transfo
     Example: torchrun --standalone --nproc-per-node 4 -m attnlab shrink ~/Llama-3.2-1B --kv-budget 25% --device cuda
     --minutes 60 --out small (rank 0 plans and converts once; the heal runs on every process)
     """
-    from ..heal.distill import guard_line
+    from ..heal.guard import guard_line
     from ..runtime.budget import Budget, Stopped, stop_on_signals
     from ..shrink.pipeline import ShrinkRequest, check_request, run_folder
     from ..shrink.pipeline import shrink as run

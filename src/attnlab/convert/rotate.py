@@ -9,7 +9,9 @@ to 1, and rms(R z) = rms(z) (an orthogonal map keeps the norm), so the norm comm
 rotation folds as above. Channels whose norm weight is exactly 0 (a GGUF's steady channel: it steadies
 the norm's scale and is cached as 0, models/export.py) are left out of the rotation and keep their 0:
 R acts on the other channels only, which keeps the whole latent's norm and so the norm's scale, and
-the steady channel (32 times the largest latent value) never reaches a block of codes. The model is the same; what changes is what a quantiser sees. An SVD latent
+the steady channel (32 times the largest latent value) never reaches a block of codes.
+
+The model is the same; what changes is what a quantiser sees. An SVD latent
 puts most of its energy in few channels, and a few-bit code with one scale per group of channels
 spends its levels on those outliers; after a rotation that spreads every direction over all channels,
 each group holds values of similar size and the same bits buy a smaller error (QuaRot and SpinQuant's
@@ -78,15 +80,14 @@ def rotate_latent(mla, rotation="random", *, seed: int = 0):
             raise ValueError("the rotation is not orthogonal (R R^T != I within 1e-9)")
     else:
         R = rotation_matrix(rotation, r, seed)
-    full = torch.eye(mla.latent_dim, dtype=F64)
-    full[moved[:, None], moved[None, :]] = R  # the identity on the channels left out
+    if r < mla.latent_dim:  # the identity on the channels left out
+        R = torch.eye(mla.latent_dim, dtype=F64).index_put((moved[:, None], moved[None, :]), R)
     with torch.no_grad():
         if weight is not None:
             w = weight.to(F64)
             for up in (mla.W_UK, mla.W_UV):
                 up.weight.copy_((up.weight.to(F64) * w[None, :]).to(up.weight.dtype))
             weight[moved] = 1.0
-        R = full
         down = mla.W_DKV
         down.weight.copy_((R @ down.weight.to(F64)).to(down.weight.dtype))
         if down.bias is not None:

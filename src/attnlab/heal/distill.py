@@ -6,7 +6,7 @@ Two phases, on token windows (data.py: the user's text, or text the teacher writ
 1. Layer-wise: each converted attention module learns, one layer at a time, to reproduce
    the teacher's attention output on the teacher's own hidden states (normalised MSE,
    AdamW, cosine learning rate). No whole-model backward: one attention layer per step.
-   A guard compares each layer's error on a few check windows (held out from the phase's
+   A guard (guard.py) compares each layer's error on a few check windows (held out from the phase's
    batches where the text has windows to spare) before and after its steps: a layer that
    ended worse gets its start weights back and the next layer's steps are 4 times smaller;
    a layer that ended better puts them back up by 4 (up to the plan's rates); the end-to-end
@@ -52,6 +52,7 @@ from ..io.folders import replace_with
 from ..models.evaluate import kv_bytes_per_token
 from ..runtime.budget import Budget, Stopped
 from . import distributed as dd
+from . import guard
 
 LORA_TARGETS = ("W_Q", "W_DQ", "W_UQ", "W_K", "W_V", "W_DKV", "W_KR", "W_UK", "W_UV", "W_O")
 
@@ -79,16 +80,6 @@ class HealPlan:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0 or (
                     v == 0 and f.name not in ("layer_steps", "warmup", "seed")):
                 raise ValueError(f"heal plan: {f.name} must be a positive number, got {v!r}")
-
-
-GUARD_WINDOWS = 4  # windows on which the layer-wise guard compares a layer's start and end
-GUARD_CUT = 4.0  # a layer that ended worse than it started divides the later learning rates by this
-
-
-def _guard_state() -> dict:
-    """The layer-wise guard's part of the Healer's state: the current layer's start error, each layer's (start, end)
-    errors, the layers given back their start weights, and the factor on both phases' learning rates."""
-    return {"layer_start_error": None, "layer_checks": [], "layers_restored": [], "lr_scale": 1.0}
 
 
 def _modules(model):
@@ -236,7 +227,7 @@ class Healer:
         self.autocast = self.device.type == "cuda"  # bf16 where the hardware has it
         self.state = {"phase": "layers" if plan.layer_steps else "distill", "layer": 0, "step": 0, "tokens": 0,
                       "total_steps": None, "elapsed": 0.0, "layer_losses": [], "distill_losses": [],
-                      "steps_done": 0, **_guard_state()}
+                      "steps_done": 0, **guard.initial_state()}
         self.fingerprints = {"student": fingerprint(_attention_weights(_modules(student)).items()),
                              "teacher": fingerprint(teacher.state_dict().items())}
         for p in teacher.parameters():
@@ -314,7 +305,7 @@ class Healer:
         self._release()
         self.windows = blob["windows"]
         _load_attention(self._attn, blob["student"])
-        self.state = {"steps_done": 0, **_guard_state(), **blob["state"]}
+        self.state = {"steps_done": 0, **guard.initial_state(), **blob["state"]}
         self._start_weights = blob.get("layer_start")
         self._make_optimizer()
         if blob["optimizer"] is not None and self.optimizer is not None:
@@ -418,12 +409,12 @@ class Healer:
                 part = ids[start:start + chunk]
                 parts.append([x.reshape(part.shape[0], part.shape[1], -1) for x in attention_inputs(self.teacher, part)])
             self._inputs = [torch.cat(layer) for layer in zip(*parts)]
-            spare = self.windows[ids.shape[0]: ids.shape[0] + GUARD_WINDOWS].to(self.device)
+            spare = self.windows[ids.shape[0]: ids.shape[0] + guard.WINDOWS].to(self.device)
             if spare.shape[0]:  # held out from the layer-wise batches
                 self._check_x = [x.reshape(spare.shape[0], spare.shape[1], -1)
                                  for x in attention_inputs(self.teacher, spare)]
             else:  # no window to spare: the first of the layer-wise ones
-                self._check_x = [x[:GUARD_WINDOWS] for x in self._inputs]
+                self._check_x = [x[:guard.WINDOWS] for x in self._inputs]
         return self._inputs
 
     def _layer_step(self) -> float:
@@ -472,17 +463,12 @@ class Healer:
     def _guard(self, layer: int) -> None:
         """End of a layer's layer-wise steps: if it ends worse on the check windows than it started, its start
         weights come back and the later steps (both phases) are GUARD_CUT times smaller; if it ended better, they
-        are GUARD_CUT times larger again, up to the plan's rates; state records both."""
+        are GUARD_CUT times larger again, up to the plan's rates (guard.after_layer); state records both."""
         s = self.state
         self._release()  # FSDP2: the trained weights into the student's own module first
         before, after = s["layer_start_error"], self._check_error(layer)
-        s["layer_checks"].append([before, after])
-        if after > before:
+        if guard.after_layer(s, layer, before, after):
             self._attn[layer].load_state_dict(self._start_weights)
-            s["layers_restored"].append(layer)
-            s["lr_scale"] /= GUARD_CUT
-        else:  # the rates suit this model again (a near-exact first layer is no sign for the others)
-            s["lr_scale"] = min(1.0, s["lr_scale"] * GUARD_CUT)
         s["layer_start_error"], self._start_weights = None, None
 
     def _batch(self, step: int) -> torch.Tensor:
@@ -682,7 +668,7 @@ def heal_model(teacher, student, windows: torch.Tensor, held_out: torch.Tensor, 
                                                    reference=s["reference"]))
         except Stopped:
             report["status"] = "stopped"
-        if converted is not None and _worse(report.get("before"), report.get("after")):
+        if converted is not None and guard.worse(report.get("before"), report.get("after")):
             _load_attention(_modules(student), converted)
             report["healed"], report["after"] = report["after"], dict(report["before"])
             b, h = report["before"], report["healed"]
@@ -690,24 +676,6 @@ def heal_model(teacher, student, windows: torch.Tensor, held_out: torch.Tensor, 
                               f"to {h['perplexity']:.3f} and top-1 agreement with the teacher fell from "
                               f"{b['top1_agreement']:.4f} to {h['top1_agreement']:.4f}")
     return report
-
-
-def guard_line(report: dict) -> str | None:
-    """One line on what the layer-wise guard did in a heal report (None when it gave no layer back)."""
-    layers = report.get("layers_restored") or []
-    if not layers:
-        return None
-    return (f"layer-wise: {len(layers)} of {len(report.get('layer_checks') or layers)} layers ended worse on the "
-            f"check windows than they started and kept their start weights (layers {', '.join(map(str, layers))}); "
-            f"the later steps ran at {report['lr_scale']:g} of the plan's learning rates")
-
-
-def _worse(before: dict | None, after: dict | None) -> bool:
-    """Whether a healed student is worse than the converted one by both measures of the same held-out windows: a
-    higher perplexity and a lower top-1 agreement with the teacher (one alone is not enough: a student can fall
-    below the teacher's perplexity while agreeing less, or agree more at a higher perplexity)."""
-    return before is not None and after is not None and after["perplexity"] > before["perplexity"] and \
-        after["top1_agreement"] < before["top1_agreement"]
 
 
 def _attention_weights(modules) -> dict:

@@ -408,8 +408,7 @@ def _shrink(req: ShrinkRequest, resume: bool, force: bool, budget: Budget | None
             handed["done"] = True
         report = heal_model(teacher, student, data["train"], data["held"], plan,
                             device=world.device if world is not None and world.distributed else req.device,
-                            budget=budget.share(seconds=max(0.0, budget.left() - reserve)) if budget.deadline
-                            else budget, checkpoint=checkpoint, resume=resume_heal,
+                            budget=_heal_budget(budget, reserve), checkpoint=checkpoint, resume=resume_heal,
                             progress=show.step, world=world, shard=shard)
         state.data["report"]["heal"] = report
         state.data["minutes"]["heal"] = state.data["minutes"].get("heal", 0.0) + phase_time(t)
@@ -461,6 +460,11 @@ def _shrink(req: ShrinkRequest, resume: bool, force: bool, budget: Budget | None
 BASELINE_SECONDS = 30.0  # kept back from the heal: two teacher passes over the held-out windows
 
 
+def _heal_budget(budget: Budget, reserve: float) -> Budget:
+    """The heal's share of the budget: what is left but `reserve` seconds (baselines and export after it)."""
+    return budget.share(seconds=max(0.0, budget.left() - reserve)) if budget.deadline else budget
+
+
 def hand_off(student_dir: Path, data: dict, info: dict) -> None:
     """Rank 0 of a torchrun job, at the heal: the converted student's folder (its files, as bytes: no shared disk
     is assumed), the training and held-out windows and what the heal needs, to every other rank (_follow)."""
@@ -494,11 +498,9 @@ def _follow(req: ShrinkRequest, world, shard: bool, budget: Budget) -> None:
         for name, blob in info["files"].items():
             (Path(tmp) / name).write_bytes(blob)
         student, _, _ = hf.load_model(tmp)
-    reserve = info["reserve"]
     report = heal_model(teacher, student, train, held, HealPlan(**info["heal_plan"]), device=world.device,
-                        budget=budget.share(seconds=max(0.0, budget.left() - reserve)) if budget.deadline
-                        else budget, checkpoint=Path(info["checkpoint"]), resume=info["resume"], world=world,
-                        shard=shard)
+                        budget=_heal_budget(budget, info["reserve"]), checkpoint=Path(info["checkpoint"]),
+                        resume=info["resume"], world=world, shard=shard)
     if report["status"] == "stopped":
         raise Stopped("stop")
     return None

@@ -198,8 +198,7 @@ def values_for(budget_bytes: float, storage: str, layers: int) -> int:
     for a few-bit storage an estimate from its mean cost per value (fit() makes each split fit)."""
     if storage in LLAMA_CPP_CACHE:  # whole blocks of 32 values only
         per_block = layer_bytes(32, 32, storage) // 2
-        v = int(budget_bytes / layers // per_block) * 32
-        return v
+        return int(budget_bytes / layers // per_block) * 32
     if few_bit(storage):
         per_value = (layer_bytes(258, 62, storage) - layer_bytes(2, 2, storage)) / 316
         fixed = layer_bytes(2, 2, storage) - 4 * per_value
@@ -226,25 +225,18 @@ def fit(latent: int, rope: int, storage: str, layers: int, budget_bytes: float, 
     return latent
 
 
-def _whole_blocks(pairs: list[tuple[int, int]], storage: str, extra: int) -> list[tuple[int, int]]:
-    """The (latent, rope) pairs whose parts are whole blocks of 32 where the storage is one of llama.cpp's block
-    types (its cache refuses other rows); every pair otherwise."""
-    if storage not in LLAMA_CPP_CACHE:
-        return pairs
-    return [(r, p) for r, p in pairs if (r + extra) % 32 == 0 and p % 32 == 0]
-
-
 def _even(x: float) -> int:
     return max(2, int(round(x / 2)) * 2)
 
 
 def splits(values: int, shares=(0.3,), *, max_rope: int, min_latent: int = 8, block: int | None = None,
-           extra: int = 0) -> list[tuple[int, int]]:
+           extra: int = 0, strict: bool = False) -> list[tuple[int, int]]:
     """(latent, rope) pairs of `values` with the rope key taking about each share (even, >= 2, <= max_rope).
 
     block: for llama.cpp, whose quantised KV caches (q8_0) store rows in blocks of 32, the rope key and
     the latent with its `extra` channels are made multiples of `block` (at most `values` in all) where
-    the sizes allow it; the pairs that cannot be aligned are returned as they are."""
+    the sizes allow it; the pairs that cannot be aligned are returned as they are, unless strict (a cache
+    in one of llama.cpp's block types refuses such rows): then they are left out."""
     out = []
     for s in shares:
         p = min(_even(values * s), max_rope - max_rope % 2)
@@ -255,6 +247,8 @@ def splits(values: int, shares=(0.3,), *, max_rope: int, min_latent: int = 8, bl
                 p = pb
                 if (rb, p) not in out:
                     out.append((rb, p))
+                continue
+            if strict:
                 continue
         if values - p >= min_latent and (values - p, p) not in out:
             out.append((values - p, p))
@@ -412,6 +406,10 @@ def plan(teacher, calibration_ids: torch.Tensor, budget: KVBudget, *, fmt: str =
     norm, extra = fmt == "gguf", int(fmt != "attnlab")
     aligned = {"block": 32, "extra": extra} if fmt == "gguf" else {}  # llama.cpp's q8_0 cache blocks
 
+    def split(values: int, shares, storage: str) -> list[tuple[int, int]]:
+        """(latent, rope) pairs of a row of `values` (the extra channel included) in that storage."""
+        return splits(values - extra, shares, max_rope=max_rope, strict=storage in LLAMA_CPP_CACHE, **aligned)
+
     originals = list(attnlab_modules(teacher))
     inputs = attention_inputs(teacher, calibration_ids)
     windows = (calibration_ids if proxy_ids is None else proxy_ids)[0, : proxy_windows * window]
@@ -464,7 +462,7 @@ def plan(teacher, calibration_ids: torch.Tensor, budget: KVBudget, *, fmt: str =
     for sel, bkv in selections:
         if spent():
             break
-        for r, p in _whole_blocks(splits(v0 - extra, (0.3,), max_rope=max_rope, **aligned), first, extra)[:1]:
+        for r, p in split(v0, (0.3,), first)[:1]:
             measure(Candidate(r, p, sel, bkv, first, norm, extra=extra, round=1))
     best = min(measured, key=lambda c: c.proxy)
     # 2. storage: the winner in the other storage, at its own number of values (before the split: 8 bits can
@@ -473,7 +471,7 @@ def plan(teacher, calibration_ids: torch.Tensor, budget: KVBudget, *, fmt: str =
     for storage, v in per_storage.items():
         if storage == first or spent():
             continue
-        for r, p in _whole_blocks(splits(v - extra, (share,), max_rope=max_rope, **aligned), storage, extra)[:1]:
+        for r, p in split(v, (share,), storage)[:1]:
             measure(Candidate(r, p, best.rope_select, best.balance, storage, norm, extra=extra, round=2))
     # ... and, where a few-bit storage can hold every value (the whole key as the rope key, the values as the
     # latent: nothing cut to low rank, only codes), that row: at 50% and 25% of SmolLM2's bytes it won
@@ -492,8 +490,7 @@ def plan(teacher, calibration_ids: torch.Tensor, budget: KVBudget, *, fmt: str =
     for c in sorted(measured, key=lambda c: c.proxy):
         by_storage.setdefault(c.kv_dtype, c)
     tops = list(by_storage)[:2]
-    pairs = {s: _whole_blocks(splits(per_storage[s] - extra, SPLIT_SHARES, max_rope=max_rope, **aligned), s, extra)
-             for s in tops}
+    pairs = {s: split(per_storage[s], SPLIT_SHARES, s) for s in tops}
     for i in range(max(len(v) for v in pairs.values())):
         for storage in tops:
             if spent() or i >= len(pairs[storage]):

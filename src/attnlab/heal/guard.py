@@ -1,0 +1,48 @@
+"""What keeps a heal from leaving the model worse than it was converted: the layer-wise guard's rule and state, and
+heal_model's keep-better test (the Healer in distill.py applies both; docs/real-models.md says why).
+
+The layer-wise guard scores each layer on WINDOWS check windows before and after its steps. A layer that ended
+worse gets its start weights back and the later learning rates are divided by GUARD_CUT; one that ended better
+multiplies them by GUARD_CUT again, up to the plan's rates. Its part of the Healer's state is plain numbers and
+lists (initial_state), so checkpoints hold it as they hold the rest.
+"""
+from __future__ import annotations
+
+WINDOWS = 4  # windows on which the layer-wise guard compares a layer's start and end
+GUARD_CUT = 4.0  # a layer that ended worse than it started divides the later learning rates by this
+
+
+def initial_state() -> dict:
+    """The guard's part of the Healer's state: the current layer's start error, each layer's (start, end) errors, the
+    layers given back their start weights, and the factor on both phases' learning rates."""
+    return {"layer_start_error": None, "layer_checks": [], "layers_restored": [], "lr_scale": 1.0}
+
+
+def after_layer(state: dict, layer: int, before: float, after: float) -> bool:
+    """Record a layer's (start, end) check errors in `state` and move the rates' factor; True when the layer must get
+    its start weights back (it ended worse)."""
+    state["layer_checks"].append([before, after])
+    if after > before:
+        state["layers_restored"].append(layer)
+        state["lr_scale"] /= GUARD_CUT
+        return True
+    state["lr_scale"] = min(1.0, state["lr_scale"] * GUARD_CUT)  # a near-exact layer is no sign for the others
+    return False
+
+
+def guard_line(report: dict) -> str | None:
+    """One line on what the layer-wise guard did in a heal report (None when it gave no layer back)."""
+    layers = report.get("layers_restored") or []
+    if not layers:
+        return None
+    return (f"layer-wise: {len(layers)} of {len(report.get('layer_checks') or layers)} layers ended worse on the "
+            f"check windows than they started and kept their start weights (layers {', '.join(map(str, layers))}); "
+            f"the later steps ran at {report['lr_scale']:g} of the plan's learning rates")
+
+
+def worse(before: dict | None, after: dict | None) -> bool:
+    """Whether a healed student is worse than the converted one by both measures of the same held-out windows: a
+    higher perplexity and a lower top-1 agreement with the teacher (one alone is not enough: a student can fall
+    below the teacher's perplexity while agreeing less, or agree more at a higher perplexity)."""
+    return before is not None and after is not None and after["perplexity"] > before["perplexity"] and \
+        after["top1_agreement"] < before["top1_agreement"]
