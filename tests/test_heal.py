@@ -270,9 +270,9 @@ def _text(tmp_path):
 
 
 def test_a_heal_that_makes_the_student_worse_returns_the_converted_weights(tiny, monkeypatch):
-    """keep_better: when the healed student scores worse on the held-out windows than the converted one (higher
-    perplexity and lower top-1 agreement), heal_model gives back the converted weights exactly and says so; when
-    either measure improved, or without keep_better, the healed weights stay. The evaluation after training is
+    """keep_better: when the healed student's perplexity on the held-out windows is higher than the converted one's,
+    heal_model gives back the converted weights exactly and says so, whatever top-1 agreement did; when the
+    perplexity fell (even with top-1 agreement falling), or without keep_better, the healed weights stay. The evaluation after training is
     made to read worse or better here (the tiny random model's figures go either way)."""
     import attnlab.heal.evaluate as ev
 
@@ -289,7 +289,7 @@ def test_a_heal_that_makes_the_student_worse_returns_the_converted_weights(tiny,
             return out
         return fake
 
-    for factor, shift, keep, restored in ((10.0, -0.01, True, True), (10.0, +0.01, True, False),
+    for factor, shift, keep, restored in ((10.0, -0.01, True, True), (10.0, +0.01, True, True),
                                           (0.5, -0.01, True, False), (10.0, -0.01, False, False)):
         monkeypatch.setattr(ev, "evaluate_pair", after_reads(factor, shift))
         student = _student(teacher)
@@ -300,7 +300,7 @@ def test_a_heal_that_makes_the_student_worse_returns_the_converted_weights(tiny,
         assert ("kept" in report) == restored and ("healed" in report) == restored
         if restored:
             assert report["after"] == report["before"] and "rose from" in report["kept"]
-            assert report["healed"]["top1_agreement"] < report["before"]["top1_agreement"]
+            assert report["healed"]["perplexity"] > report["before"]["perplexity"]
 
 
 def _after_layer_phase(teacher, student, plan, windows):

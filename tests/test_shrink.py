@@ -467,3 +467,22 @@ def test_a_lossy_convert_without_text_calibrates_on_text_the_model_writes(tiny, 
         assert mine.keys() == saved.keys() and all(torch.equal(saved[k], mine[k]) for k in mine)
     _one_line_error(*_cli([*args, "--no-calibration", "--calibration", folder / "config.json", "--out",
                            tmp_path / "both"], capsys), "not both")
+
+
+def test_a_shrink_of_a_model_with_sliding_layers_states_its_bytes_at_a_context(tmp_path):
+    """Gemma 3 (a sliding layer of window 8, a global one): the report states bytes per token at the model's
+    context as well, the original's and the shrunk model's, each as kv_bytes_per_token counts them at that
+    context, fewer than per token held (the sliding layer's cache stops at its window)."""
+    folder = tmp_path / "gemma3"
+    make_checkpoint("gemma3", folder, max_position_embeddings=256)
+    text = tmp_path / "train.txt"
+    text.write_text(TEXT * 40)
+    out = tmp_path / "out"
+    report = shrink(_req(folder, out, text=[str(text)]))
+    kv = report["kv_bytes_per_token"]
+    at = kv["at_context"]
+    model, _, _ = hf.load_model(str(out))
+    teacher, _, _ = hf.load_model(str(folder))
+    assert at["context"] == 256
+    assert at["shrunk"] == hf.kv_bytes_per_token(model, context=256) < kv["shrunk"]
+    assert at["original_16bit"] == hf.kv_bytes_per_token(teacher, torch.bfloat16, context=256) < kv["original_16bit"]

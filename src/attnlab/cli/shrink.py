@@ -33,6 +33,10 @@ def _summary(report: dict) -> Table:
     greedy = lambda d: "-" if "greedy_agreement" not in d else f"{d['greedy_agreement']['prefix']:.4f}"  # noqa: E731
     table.add_row("greedy prefix (64)", "1", greedy(b), greedy(a))
     table.add_row("KV bytes/token", f"{kv['original_16bit']} (16-bit)", str(kv["shrunk"]), str(kv["shrunk"]))
+    if kv.get("at_context"):  # sliding layers hold at most their window: the bytes of a long sequence are fewer
+        at = kv["at_context"]
+        table.add_row(f"at {at['context']} tokens", f"{at['original_16bit']:.0f}", f"{at['shrunk']:.0f}",
+                      f"{at['shrunk']:.0f}")
     return table
 
 

@@ -89,14 +89,15 @@ class Generator:
                              f"asked for {dtype} on {device}: move the model first (model.to(...))")
         self.model, self.dtype, self.device = model, dtype, weight.device
         self.max_batch_size, self.max_len = max_batch_size, max_len
-        self._full = [m.init_cache(max_batch_size, max_len, dtype=dtype, device=self.device, kv_dtype=kv_dtype)
-                      for m in self.modules]
+        on_cuda = self.device.type == "cuda"
+        self.fixed_shape = on_cuda if fixed_shape is None else bool(fixed_shape)
+        # sliding-window layers keep only their window, except for a fixed-shape step (which needs every slot)
+        self._full = [m.init_cache(max_batch_size, max_len, dtype=dtype, device=self.device, kv_dtype=kv_dtype,
+                                   sliding=not self.fixed_shape) for m in self.modules]
         self.caches = self._full
         self._views: dict[int, tuple[list, list | None]] = {}  # batch size -> (caches, their fixed_slot views)
         self._valid = torch.zeros(max_batch_size, max_len, dtype=torch.bool, device=self.device)  # real keys
         self.batch_size, self.length, self.padded = 0, 0, False
-        on_cuda = self.device.type == "cuda"
-        self.fixed_shape = on_cuda if fixed_shape is None else bool(fixed_shape)
         compile = self.fixed_shape and on_cuda if compile is None else bool(compile)
         if compile and not self.fixed_shape:
             raise ValueError("compile=True captures the fixed-shape decode step: pass fixed_shape=True too")

@@ -604,9 +604,8 @@ def heal_model(teacher, student, windows: torch.Tensor, held_out: torch.Tensor, 
     world, shard: data-parallel over a torchrun job (Healer). Every rank calls heal_model: rank 0
     reads the checkpoint and sends it to the others; the evaluations run on every rank (not split
     yet; rank 0's report is the one to show) and a stop during the first one on any rank stops all.
-    keep_better: when the healed student scores worse on the held-out windows than the converted one did
-    before training, by perplexity and by top-1 agreement with the teacher both, put the converted weights
-    back (they are the better model): report["kept"] says so
+    keep_better: when the healed student's perplexity on the held-out windows is higher than the converted one's
+    before training (guard.worse), put the converted weights back (they are the better model): report["kept"] says so
     and report["healed"] holds the healed student's figures; report["after"] is then the model returned.
     The layer-wise guard (module docstring) acts within the heal; report["layers_restored"] names the layers it
     gave their start weights back and report["lr_scale"] the factor it left on the learning rates.
@@ -673,8 +672,8 @@ def heal_model(teacher, student, windows: torch.Tensor, held_out: torch.Tensor, 
             report["healed"], report["after"] = report["after"], dict(report["before"])
             b, h = report["before"], report["healed"]
             report["kept"] = (f"the converted weights: healed, the held-out perplexity rose from {b['perplexity']:.3f} "
-                              f"to {h['perplexity']:.3f} and top-1 agreement with the teacher fell from "
-                              f"{b['top1_agreement']:.4f} to {h['top1_agreement']:.4f}")
+                              f"to {h['perplexity']:.3f} (top-1 agreement with the teacher "
+                              f"{b['top1_agreement']:.4f} -> {h['top1_agreement']:.4f})")
     return report
 
 

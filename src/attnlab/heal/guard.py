@@ -41,8 +41,10 @@ def guard_line(report: dict) -> str | None:
 
 
 def worse(before: dict | None, after: dict | None) -> bool:
-    """Whether a healed student is worse than the converted one by both measures of the same held-out windows: a
-    higher perplexity and a lower top-1 agreement with the teacher (one alone is not enough: a student can fall
-    below the teacher's perplexity while agreeing less, or agree more at a higher perplexity)."""
-    return before is not None and after is not None and after["perplexity"] > before["perplexity"] and \
-        after["top1_agreement"] < before["top1_agreement"]
+    """Whether a healed student is worse than the converted one: a higher perplexity on the same held-out windows.
+
+    Perplexity alone decides, the measure every target and baseline of a shrink is stated in. Top-1 agreement with
+    the teacher does not overrule it: on Gemma 3 270M at 50% the converted model scored 0.988x the teacher's
+    perplexity and the heal took it to 1.040x while its top-1 agreement rose, and requiring both measures to fall
+    kept that heal (docs/real-models.md)."""
+    return before is not None and after is not None and after["perplexity"] > before["perplexity"]

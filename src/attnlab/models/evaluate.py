@@ -95,24 +95,39 @@ def perplexity(model, input_ids: torch.Tensor, window: int = 512, stride: int | 
     return float(torch.exp(torch.tensor(total / count)))
 
 
-def kv_bytes_per_token(model, dtype: torch.dtype | None = None, kv_dtype: str | None = None) -> int:
+def kv_bytes_per_token(model, dtype: torch.dtype | None = None, kv_dtype: str | None = None,
+                       context: int | None = None):
     """KV-cache bytes per token for the whole model, read from caches the attnlab modules allocate
     (on the meta device). dtype: the activations' (default each module's weight dtype); kv_dtype: the
     storage ("fp32", "bf16", "int8", "fp8", ...: scales counted), default each module's own kv_dtype,
-    else plain in dtype."""
+    else plain in dtype. context: None, bytes per token held (an int; a sliding layer counts as a
+    global one); or a sequence length, bytes per token of a sequence that long (a float: a sliding
+    layer's cache holds at most its window and some room, _Cache.bytes_at)."""
     from ..modules import lowbit
-    from ..modules.cache import check_kv_dtype
+    from ..modules.cache import check_kv_dtype, window_rows
 
     asked = check_kv_dtype(kv_dtype)
     total = 0
     for m in attnlab_modules(model):
         fmt = asked or m._kv_format
         if fmt is not None and fmt.evaluation_only:  # KIVI has no cache here: its steady-state bytes
-            total += lowbit.kivi_bytes(m.kv_values_per_token, fmt.low)
+            kivi = lowbit.kivi_bytes(m.kv_values_per_token, fmt.low)
+            slides = context is not None and m.sliding_window is not None
+            total += kivi * window_rows(m.sliding_window, context) / context if slides else kivi
             continue
         cache = m.init_cache(1, 1, dtype=dtype or m._anchor.dtype, device="meta", kv_dtype=kv_dtype)
-        total += cache.bytes_per_token
+        total += cache.bytes_per_token if context is None else cache.bytes_at(context)
     return total
+
+
+def sliding_context(model) -> int | None:
+    """The context length a report states bytes per token at when some layer slides (its bytes depend on it): the
+    model's max_position_embeddings (else 8 windows of its largest); None when no layer slides."""
+    windows = [m.sliding_window for m in attnlab_modules(model) if m.sliding_window is not None]
+    if not windows:
+        return None
+    cfg = getattr(model, "config", None)
+    return int(getattr(cfg, "max_position_embeddings", 0) or 8 * max(windows))
 
 
 def set_kv_dtype(model, kv_dtype: str | None):

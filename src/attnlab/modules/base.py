@@ -61,11 +61,12 @@ class AttentionModule(nn.Module):
         return dict(qk_norm_eps=None if self.k_head_norm is None else self.k_head_norm.eps,
                     softmax_scale=self.softmax_scale, sliding_window=self.sliding_window)
 
-    def _window(self, positions: torch.Tensor, S: int, mask: torch.Tensor | None) -> torch.Tensor:
-        """The sliding window as a mask over keys at positions 0..S-1, (L, S) or (B, 1, L, S), merged with `mask`:
-        key j is seen from query position i when i - sliding_window < j <= i (causal by construction)."""
+    def _window(self, positions: torch.Tensor, S: int, mask: torch.Tensor | None, start: int = 0) -> torch.Tensor:
+        """The sliding window as a mask over keys at positions start..start+S-1, (L, S) or (B, 1, L, S), merged
+        with `mask`: key j is seen from query position i when i - sliding_window < j <= i (causal by
+        construction). start: the position of the first key (a window cache's key_start; 0 otherwise)."""
         q = positions[..., :, None]  # (L, 1) or (B, L, 1)
-        j = torch.arange(S, device=positions.device)
+        j = torch.arange(start, start + S, device=positions.device)
         band = (j <= q) & (j > q - self.sliding_window)  # (L, S) or (B, L, S)
         if band.dim() == 3:
             band = band[:, None]  # (B, 1, L, S)
@@ -74,6 +75,15 @@ class AttentionModule(nn.Module):
         if mask.dtype == torch.bool:
             return mask & band
         return mask.masked_fill(~band, float("-inf"))
+
+    def _windowed(self, positions: torch.Tensor, S: int, mask: torch.Tensor | None, cache, ours: bool):
+        """(mask, key_start) for S keys of a self-attention call with the sliding window: the window's band merged
+        with `mask`, whose key axis (every position so far, as _prepare made it) is cut to the S keys a window
+        cache returned."""
+        start = cache.key_start if ours and cache is not None else 0
+        if mask is not None and mask.shape[-1] > S:
+            mask = mask[..., mask.shape[-1] - S:]
+        return self._window(positions, S, mask, start), start
 
     def _as_stored(self, t, parts: tuple[int, ...], role: str | None = None):
         """t (..., W) as a cache of this module's kv_dtype would return it (t itself when kv_dtype is None);

@@ -46,6 +46,20 @@ since integer codes would cut the graph and leave the key/value projections untr
 
 Cross-attention: the first call with a context fills the cache and marks it
 `static`; later calls reuse it and append nothing.
+
+Sliding window (`window=W`, what init_cache gives a module with a sliding_window, Gemma 3's sliding
+layers): a query at position i sees keys i - W < j <= i, so between calls the cache needs only the
+last W - 1 tokens. It allocates window_rows(W, max_len) = min(max_len, W + min(W, 64)) rows, not
+max_len: the tokens held, in order, and room for new ones; when the room runs out the last W - 1 rows
+move to the front (for Gemma 3's W = 512, 511 rows copied every 65 tokens: about 8 rows per token
+written, against the 512 each decode step reads). A chunk longer than the room (a long prompt) is
+attended whole from the returned rows and only its last W - 1 are kept. `length` stays
+the number of tokens written (the next position); `key_start` is the position of the first row the
+last extend() returned, which the module's window mask and a RoPE applied after the cache read.
+Tokens dropped are gone: truncate() cannot go back before what a later query would need, and a
+fixed_slot view (a fixed-shape step) needs every slot, so a module's init_cache(sliding=False)
+keeps every token and leaves the window to the mask; so does a "+c4" storage (window_for), whose
+rope key is quantised per channel over groups of 64 tokens and cannot drop one token at a time.
 """
 from __future__ import annotations
 
@@ -129,6 +143,24 @@ def check_kv_dtype(kv_dtype) -> StorageFormat | None:
 
 
 # -- quantisation --------------------------------------------------------------------------------
+WINDOW_ROOM = 64  # rows a window cache allocates beyond its window (at most the window itself)
+
+
+def window_rows(window: int, max_len: int) -> int:
+    """Rows a cache of that window allocates for sequences of up to max_len tokens (module docstring)."""
+    return min(max_len, window + min(window, WINDOW_ROOM))
+
+
+def window_for(sliding_window: int | None, kv_dtype, sliding: bool = True) -> int | None:
+    """The window a module's cache keeps: its sliding_window, unless sliding is False or the storage keeps a rope
+    key per channel over groups of tokens ("+c4"), which cannot drop one token at a time (then every token is
+    kept and the module's mask applies the window)."""
+    fmt = check_kv_dtype(kv_dtype)
+    if not sliding or (fmt is not None and fmt.low is not None and fmt.low.rope_channel):
+        return None
+    return sliding_window
+
+
 def num_scales(parts: tuple[int, ...], group: int | None) -> int:
     """Scales per row: one per part, or one per `group` channels of each part (the last group may be short)."""
     return sum(1 if group is None else -(-w // group) for w in parts)
@@ -258,18 +290,30 @@ class _Cache:
     parts[name]: the widths each scale covers in a row of buffer `name` (see the module docstring).
     """
 
+    key_start = 0  # position of the first row the last extend() returned (a window cache drops older ones)
+
     def __init__(self, owner: nn.Module, batch_size: int, max_len: int, buffers: dict[str, tuple[int, ...]],
-                 dtype: torch.dtype, device, *, kv_dtype=None, parts: dict[str, tuple[int, ...]] | None = None):
+                 dtype: torch.dtype, device, *, kv_dtype=None, parts: dict[str, tuple[int, ...]] | None = None,
+                 window: int | None = None):
         checks.positive_int("batch_size", batch_size)
         checks.positive_int("max_len", max_len)
+        if window is not None:
+            checks.positive_int("window", window)
         fmt = check_kv_dtype(kv_dtype)
         if fmt is not None and fmt.evaluation_only:
             raise ValueError(f"kv_dtype {kv_dtype!r} is KIVI, an evaluation baseline (keys quantised per channel "
                              "over whole groups of tokens, in a forward without a cache); attnlab's caches store "
                              "q8_0, q5_0, q4_0, q4_1, int4/g<N>, int2/g<N>, int8 or fp8")
+        if window is not None and fmt is not None and fmt.low is not None and fmt.low.rope_channel:
+            raise ValueError(f"kv_dtype {kv_dtype!r} keeps the rope key per channel over groups of "
+                             f"{lowbit.KEY_TOKENS} tokens, which a sliding-window cache (window {window}) cannot "
+                             "drop a token at a time; use a kv_dtype without +c4, or sliding=False")
         self._owner = weakref.ref(owner)
-        self.batch_size, self.max_len = batch_size, max_len
+        self.batch_size, self.max_len, self.window = batch_size, max_len, window
+        self.capacity = max_len if window is None else window_rows(window, max_len)  # rows allocated
+        buffers = {name: (*shape[:-2], self.capacity, shape[-1]) for name, shape in buffers.items()}
         self._length = 0
+        self._start = 0  # tokens dropped from the front (a window cache): row 0 holds position _start
         self.static = False
         self._dtype, self.kv_dtype, self._format = dtype, kv_dtype, fmt
         stored = dtype if fmt is None else fmt.storage_dtype
@@ -332,16 +376,30 @@ class _Cache:
     def values_per_token(self) -> int:
         """Numbers stored per token of one sequence (scales included), counted from the allocated tensors."""
         rows = [getattr(self, n) for n in self._row_names()]
-        return sum(b.numel() for b in rows) // (self.batch_size * self.max_len) + self._per_token_share(True)
+        return sum(b.numel() for b in rows) // (self.batch_size * self.capacity) + self._per_token_share(True)
 
     @property
     def bytes_per_token(self) -> int:
-        """Bytes stored per token of one sequence (scales included), measured from the allocated tensors; a
+        """Bytes stored per token held of one sequence (scales included), measured from the allocated tensors; a
         rope key per channel counts in the steady state (a share of its group's meta; its newest, incomplete
-        group is a fixed KEY_TOKENS rows a sequence, not a cost per token)."""
+        group is a fixed KEY_TOKENS rows a sequence, not a cost per token). A window cache holds at most
+        `capacity` tokens whatever the context (bytes_at)."""
         rows = [getattr(self, n) for n in self._row_names()]
-        per_row = sum(b.numel() * b.element_size() for b in rows) // (self.batch_size * self.max_len)
+        per_row = sum(b.numel() * b.element_size() for b in rows) // (self.batch_size * self.capacity)
         return per_row + self._per_token_share(False)
+
+    def bytes_at(self, context: int) -> float:
+        """Bytes per token of one sequence of `context` tokens: bytes_per_token, or for a window cache the rows a
+        cache made for that context allocates (window_rows) spread over the context."""
+        checks.positive_int("context", context)
+        if self.window is None:
+            return float(self.bytes_per_token)
+        return self.bytes_per_token * window_rows(self.window, context) / context
+
+    @property
+    def held(self) -> int:
+        """Tokens in the buffers now (length, less what a window cache dropped)."""
+        return self.length - self._start
 
     @property
     def length(self) -> int:
@@ -365,6 +423,9 @@ class _Cache:
         if self._channel:
             raise ValueError(f"kv_dtype {self.kv_dtype!r} quantises the rope key a group of {lowbit.KEY_TOKENS} "
                              "tokens at a time, which a fixed-shape step cannot: decode without fixed_shape")
+        if self.window is not None:
+            raise ValueError(f"this cache keeps a sliding window of {self.window} tokens, and a fixed-shape step "
+                             "needs every slot: make it with init_cache(..., sliding=False)")
         part = copy.copy(self)
         part._slot = slot.view(1)
         return part
@@ -376,13 +437,16 @@ class _Cache:
         self._length = length
 
     def reset(self) -> None:
-        self._length = 0
+        self._length = self._start = self.key_start = 0
         self.static = False
 
     def truncate(self, length: int) -> None:
         """Forget every token after the first `length` (for example rejected draft tokens)."""
         if not 0 <= length <= self.length:
             raise ValueError(f"length must be between 0 and the cached {self.length}, got {length}")
+        if self.window is not None and self._start > max(0, length - self.window + 1):
+            raise ValueError(f"this sliding-window cache dropped the tokens before {self._start}; going back to "
+                             f"{length} needs them from {max(0, length - self.window + 1)}")
         for name, groups in self._channel.items():  # the kept tokens of a group now incomplete go back unquantised
             groups.truncate(getattr(self, name), getattr(self, self._scale_names[name]), self.length, length)
         self._length = length
@@ -419,6 +483,9 @@ class _Cache:
             return
         if self.length + n > self.max_len:
             raise ValueError(f"cannot append {n} tokens: the cache holds {self.length} of max_len {self.max_len}")
+        if self.window is not None:
+            self._extend_window(new, n)
+            return
         end = self.length + n
         for name, t in new.items():
             if name in self._channel:
@@ -432,31 +499,65 @@ class _Cache:
         """Each buffer's first `rows` rows (default: the tokens held; a fixed_slot view: all max_len) as stored:
         a tensor in the activation dtype for plain storage, QuantisedKV for quantised storage."""
         if rows is None:
-            rows = self.max_len if self._slot is not None else self._length
+            rows = self.max_len if self._slot is not None else self.held
         out = []
         for name in self._names:
             if name in self._channel:  # dequantised here: the rope key's groups have their meta apart
                 out.append(self._channel[name].read(getattr(self, name), getattr(self, self._scale_names[name]),
                                                     self._length, rows))
                 continue
-            buf = getattr(self, name)[..., :rows, :]
-            if name in self._scale_names:
-                scales = getattr(self, self._scale_names[name])[..., :rows, :]
-                out.append(QuantisedKV(buf, scales, self._parts[name], self._format.group, self.dtype,
-                                       self._format.low))
-            else:
-                out.append(buf if buf.dtype == self.dtype else buf.to(self.dtype))
+            scales = getattr(self, self._scale_names[name])[..., :rows, :] if name in self._scale_names else None
+            out.append(self._as_read(getattr(self, name)[..., :rows, :], scales, name))
+        return tuple(out)
+
+    def _as_read(self, rows: torch.Tensor, scales: torch.Tensor | None, name: str):
+        """Rows of buffer `name` as stored() gives them: QuantisedKV with their scales, or in the activation dtype."""
+        if scales is not None:
+            return QuantisedKV(rows, scales, self._parts[name], self._format.group, self.dtype, self._format.low)
+        return rows if rows.dtype == self.dtype else rows.to(self.dtype)
+
+    def _extend_window(self, new: dict[str, torch.Tensor], n: int) -> tuple:
+        """A window cache's write (module docstring); returns the rows this call attends, as stored()."""
+        keep_max = self.window - 1
+        held = self.held
+        if held + n > self.capacity and held > keep_max:  # drop what no later query sees, keep the order
+            drop = held - keep_max
+            for name in self._row_names():
+                buf = getattr(self, name)
+                buf[..., :keep_max, :] = buf[..., drop:held, :].clone()
+            self._start, held = self._start + drop, keep_max
+        self.key_start = self._start
+        if held + n <= self.capacity:
+            for name, t in new.items():
+                for buf, rows in self._encode(name, t):
+                    buf[..., held:held + n, :] = rows
+            self._length += n
+            return self.stored()
+        out = []  # a chunk longer than the room: attend the held rows and all new ones, keep the last W - 1
+        keep = min(keep_max, held + n)
+        for name, t in new.items():
+            pairs = self._encode(name, t)  # (buffer, new rows): the codes or values, then the scales if quantised
+            joined = [torch.cat([buf[..., :held, :], rows], dim=-2) for buf, rows in pairs]
+            out.append(self._as_read(joined[0], joined[1] if len(joined) > 1 else None, name))
+            for (buf, _), rows in zip(pairs, joined):
+                buf[..., :keep, :] = rows[..., rows.shape[-2] - keep:, :]
+        self._length += n
+        self._start = self._length - keep
         return tuple(out)
 
     def extend(self, **new: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Write the new tokens after the cached ones; return each buffer up to the new length (the
-        whole buffers for a fixed_slot view), in the activation dtype (dequantised)."""
-        self.write(**new)
-        return tuple(dense(t) for t in self.stored())
+        whole buffers for a fixed_slot view; a window cache: from key_start), in the activation dtype (dequantised)."""
+        return tuple(dense(t) for t in self.extend_stored(**new))
 
     def extend_stored(self, **new: torch.Tensor) -> tuple:
         """As extend, but quantised buffers come back as stored (QuantisedKV), for readers that dequantise
         themselves (the absorbed-decode kernel)."""
+        if self.window is not None and self._slot is None:
+            n = next(iter(new.values())).shape[-2]
+            if self.length + n > self.max_len:
+                raise ValueError(f"cannot append {n} tokens: the cache holds {self.length} of max_len {self.max_len}")
+            return self._extend_window(new, n)
         self.write(**new)
         return self.stored()
 
@@ -476,26 +577,27 @@ class _Cache:
 
     def view(self) -> tuple[torch.Tensor, ...]:
         """The tokens held, in the activation dtype (dequantised)."""
-        return tuple(dense(t) for t in self.stored(self.length))
+        return tuple(dense(t) for t in self.stored(self.held))
 
     def view_stored(self) -> tuple:
         """The tokens held, as stored (see stored())."""
-        return self.stored(self.length)
+        return self.stored(self.held)
 
     def __repr__(self) -> str:
+        window = "" if self.window is None else f", window={self.window}"
         return (f"{type(self).__name__}(batch_size={self.batch_size}, max_len={self.max_len}, length={self.length}, "
-                f"dtype={self.dtype}, kv_dtype={self.kv_dtype!r})")
+                f"dtype={self.dtype}, kv_dtype={self.kv_dtype!r}{window})")
 
 
 class KVCache(_Cache):
     """K (B, G, S_max, d) and V (B, G, S_max, dv); quantised: scales per token and KV head (or per group)."""
 
     def __init__(self, owner, batch_size: int, max_len: int, num_kv_heads: int, head_dim: int, v_head_dim: int,
-                 *, dtype, device=None, kv_dtype=None):
+                 *, dtype, device=None, kv_dtype=None, window: int | None = None):
         super().__init__(owner, batch_size, max_len, {
             "k": (batch_size, num_kv_heads, max_len, head_dim),
             "v": (batch_size, num_kv_heads, max_len, v_head_dim),
-        }, dtype, device, kv_dtype=kv_dtype)
+        }, dtype, device, kv_dtype=kv_dtype, window=window)
 
 
 class LatentCache(_Cache):
@@ -503,9 +605,9 @@ class LatentCache(_Cache):
     or, for a GQA-tiled MLA, `parts` = its KV heads' widths (one scale per token and head of K and of V)."""
 
     def __init__(self, owner, batch_size: int, max_len: int, latent_dim: int, rope_dim: int, *, dtype, device=None,
-                 kv_dtype=None, parts: tuple[int, ...] | None = None):
+                 kv_dtype=None, parts: tuple[int, ...] | None = None, window: int | None = None):
         if parts is None:
             parts = (latent_dim, rope_dim) if rope_dim else (latent_dim,)
         super().__init__(owner, batch_size, max_len, {"kv": (batch_size, max_len, latent_dim + rope_dim)},
-                         dtype, device, kv_dtype=kv_dtype, parts={"kv": tuple(parts)})
+                         dtype, device, kv_dtype=kv_dtype, parts={"kv": tuple(parts)}, window=window)
         self.latent_dim, self.rope_dim = latent_dim, rope_dim

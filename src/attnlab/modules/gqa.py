@@ -16,7 +16,7 @@ from torch import nn
 from . import checks
 from .attention import attend
 from .base import AttentionModule
-from .cache import KVCache, with_row_scale
+from .cache import KVCache, window_for, with_row_scale
 from .heads import check_grouping
 from .rope import RotaryEmbedding
 
@@ -93,14 +93,17 @@ class GroupedQueryAttention(AttentionModule):
         """Numbers a KV cache stores per token (Part 14): G*(d + dv); 2*D for MHA with d = D/H."""
         return self.num_kv_heads * (self.head_dim + self.v_head_dim)
 
-    def init_cache(self, batch_size: int, max_len: int, *, dtype=None, device=None, kv_dtype=None) -> KVCache:
+    def init_cache(self, batch_size: int, max_len: int, *, dtype=None, device=None, kv_dtype=None,
+                   sliding: bool = True) -> KVCache:
         """A preallocated cache of K and V for num_kv_heads heads.
 
         dtype: the activation dtype it takes and returns (default the weights'); kv_dtype: its storage
-        (default self.kv_dtype; None: plain in dtype)."""
+        (default self.kv_dtype; None: plain in dtype). With a sliding_window, the cache keeps only the
+        tokens a later query can see (modules/cache.py); sliding=False keeps every token (a fixed-shape step)."""
         return KVCache(self, batch_size, max_len, self.num_kv_heads, self.head_dim, self.v_head_dim,
                        dtype=dtype or self._anchor.dtype, device=device or self._anchor.device,
-                       kv_dtype=kv_dtype if kv_dtype is not None else self.kv_dtype)
+                       kv_dtype=kv_dtype if kv_dtype is not None else self.kv_dtype,
+                       window=window_for(self.sliding_window, kv_dtype or self.kv_dtype, sliding))
 
     def project_kv(self, source: torch.Tensor, positions: torch.Tensor | None = None):
         """K (B, G, S, d) and V (B, G, S, dv) of a sequence, RoPE applied to K at `positions`."""
@@ -146,7 +149,7 @@ class GroupedQueryAttention(AttentionModule):
                 k, v = cache.extend_stored(k=k, v=v) if ours else cache.extend(k=k, v=v)  # (B, G, S, *)
                 cache.static = context is not None
         if self.sliding_window is not None and context is None and (cache is None or ours):
-            mask, is_causal = self._window(positions, k.shape[-2], mask), False
+            (mask, _), is_causal = self._windowed(positions, k.shape[-2], mask, cache, ours), False
         # int8 codes with one scale per token and head: the scales multiply scores and weights, not the rows
         (k, key_scale), (v, value_scale) = with_row_scale(k), with_row_scale(v)
         o = attend(q, k, v, grouping=self.grouping, mask=mask, is_causal=is_causal, scale=self.scale,

@@ -65,7 +65,7 @@ from ..kernels import mla_decode
 from . import checks
 from .attention import attend
 from .base import AttentionModule
-from .cache import LatentCache, QuantisedKV, dense
+from .cache import LatentCache, QuantisedKV, dense, window_for
 from .heads import check_grouping, gqa_block, kv_head_of, tile_heads
 from .rope import RotaryEmbedding
 
@@ -269,14 +269,16 @@ class MultiHeadLatentAttention(AttentionModule):
         """Numbers the cache stores per token (Part 14): r, plus rope_dim for the shared rotary key."""
         return self.latent_dim + self.rope_dim
 
-    def init_cache(self, batch_size: int, max_len: int, *, dtype=None, device=None, kv_dtype=None) -> LatentCache:
+    def init_cache(self, batch_size: int, max_len: int, *, dtype=None, device=None, kv_dtype=None,
+                   sliding: bool = True) -> LatentCache:
         """A preallocated cache of the latent (and the shared rotary key) only.
 
         dtype: the activation dtype it takes and returns (default the weights'); kv_dtype: its storage
-        (default self.kv_dtype; None: plain in dtype)."""
+        (default self.kv_dtype; None: plain in dtype). sliding: as in GroupedQueryAttention.init_cache."""
         return LatentCache(self, batch_size, max_len, self.latent_dim, self.rope_dim,
                            dtype=dtype or self._anchor.dtype, device=device or self._anchor.device,
-                           kv_dtype=kv_dtype if kv_dtype is not None else self.kv_dtype, parts=self._kv_parts())
+                           kv_dtype=kv_dtype if kv_dtype is not None else self.kv_dtype, parts=self._kv_parts(),
+                           window=window_for(self.sliding_window, kv_dtype or self.kv_dtype, sliding))
 
     def _kv_parts(self) -> tuple[int, ...]:
         """The widths a quantised cache row gives a scale each: (r, p), or with kv_tiling the KV heads of K and V."""
@@ -464,8 +466,9 @@ class MultiHeadLatentAttention(AttentionModule):
             if cache is not None:
                 (kv,) = cache.extend_stored(kv=kv) if ours else cache.extend(kv=kv)  # (B, S, r+p)
                 cache.static = context is not None
+        key_start = 0
         if self.sliding_window is not None and context is None and (cache is None or ours):
-            mask, is_causal = self._window(positions, kv.shape[1], mask), False
+            (mask, key_start), is_causal = self._windowed(positions, kv.shape[1], mask, cache, ours), False
         key_positions = None
         if tiled:
             o = self._tiled(q_nope, dense(kv), mask, is_causal)  # (B, H, L, dv)
@@ -479,6 +482,8 @@ class MultiHeadLatentAttention(AttentionModule):
                 raise ValueError("rope_after_up has no absorbed path: RoPE sits between W_UK and the scores")
             absorbed = False
             key_positions = positions if cache is None and context is None else None
+            if key_start:  # a window cache returned its keys from key_start on
+                key_positions = torch.arange(key_start, key_start + kv.shape[1], device=kv.device)
         if absorbed is None:
             absorbed = self.prefers_absorbed(L, kv.shape[1])
         if absorbed:

@@ -541,17 +541,22 @@ def llama_cpp_cache(storage: str) -> dict:
 def final_report(req: ShrinkRequest, state: RunState, teacher, student, meta) -> dict:
     """KV bytes per token before/after, held-out perplexity (teacher, student before/after), agreement, the plan,
     minutes per phase."""
-    from ..models.evaluate import kv_bytes_per_token
+    from ..models.evaluate import kv_bytes_per_token, sliding_context
     from .plan import original_sizes
 
     L, _, _, V = original_sizes(teacher)
+    context = sliding_context(teacher)  # sliding layers: their bytes per token depend on the context
+    at_context = {"at_context": {"context": context, "original_16bit": kv_bytes_per_token(teacher, torch.bfloat16,
+                                                                                         context=context),
+                                 "shrunk": kv_bytes_per_token(student, context=context)}} if context else {}
     heal = state.data["report"].get("heal", {})
     plan = state.data["plan"] or {}
     chosen = plan.get("chosen", {})
     return {"format": "attnlab-shrink-report", "request": req.identity(),
             "kv_bytes_per_token": {"original_16bit": 2 * V * L, "shrunk": kv_bytes_per_token(student),
                                    "storage": chosen.get("kv_dtype"),
-                                   "values_per_token_per_layer": [V, chosen.get("values_per_token_per_layer")]},
+                                   "values_per_token_per_layer": [V, chosen.get("values_per_token_per_layer")],
+                                   **at_context},
             **({"llama_cpp": llama_cpp_cache(chosen.get("kv_dtype") or "bf16")} if req.fmt == "gguf" else {}),
             "plan": plan, "heal_plan": state.data["heal_plan"],
             "held_out": {"teacher": heal.get("teacher"), "before": heal.get("before"), "after": heal.get("after")},
