@@ -296,25 +296,20 @@ def test_torchrun_shrink_plans_once_and_writes_what_one_process_writes(runs, tmp
         proc.stderr[-3000:]
 
 
-def test_a_rank_killed_with_sigkill_ends_the_others_in_one_line_with_the_checkpoint_intact(runs, tmp_path):
-    """Two ranks of `attnlab heal` started as torchrun starts them (RANK, WORLD_SIZE, a rendezvous; no agent that
-    would stop the survivor itself). Once rank 0 has written a checkpoint, rank 1 is killed with SIGKILL: rank 0
-    exits 2 within the collective timeout (plus start-up slack) with one line on stderr naming its rank and the
-    checkpoint, writes no output, and the checkpoint reads back whole (written atomically: no partial file)."""
-    import signal
+def _heal_ranks(work: Path, tmp_path: Path, timeout: int):
+    """Two ranks of an endless `attnlab heal` started as torchrun starts them (RANK, WORLD_SIZE, a rendezvous; no
+    agent that would stop a survivor itself), returned once rank 0 has written a checkpoint and taken a few more
+    steps: (processes, out, checkpoint)."""
     import time
 
     from tiny_checkpoints import TEXT
 
     from attnlab.cli import main
-    from attnlab.heal import Healer
 
-    work = runs[0]
     conv, text, out = tmp_path / "conv", tmp_path / "train.txt", tmp_path / "out"
     text.write_text(TEXT * 12)
     assert main(["convert", str(work / "llama"), "--to", "mla", "--latent-dim", "12", "--rope-dim", "4", "--out",
                  str(conv)]) == 0
-    timeout = 20
     args = [sys.executable, "-m", "attnlab", "heal", str(conv), "--text", str(text), "--tokens", str(10 ** 8),
             "--seq-len", str(T), "--layer-steps", "0", "--checkpoint-minutes", "0.002", "--collective-timeout",
             str(timeout), "--out", str(out)]
@@ -322,21 +317,41 @@ def test_a_rank_killed_with_sigkill_ends_the_others_in_one_line_with_the_checkpo
     procs = [subprocess.Popen(args, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for r in range(2)]
     ckpt = out.with_name(out.name + ".heal.pt")
+    deadline = time.monotonic() + 240
+    while not ckpt.is_file() and time.monotonic() < deadline and procs[0].poll() is None:
+        time.sleep(0.2)
+    if not ckpt.is_file():
+        _end(procs)
+        raise AssertionError(procs[0].communicate(timeout=30)[1][-2000:])
+    time.sleep(1.0)  # a few more steps and checkpoints
+    return procs, out, ckpt
+
+
+def _end(procs):
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+
+
+def test_a_rank_killed_with_sigkill_ends_the_others_in_one_line_with_the_checkpoint_intact(runs, tmp_path):
+    """Once rank 0 of a 2-rank heal has written a checkpoint, rank 1 is killed with SIGKILL: rank 0 exits 2 within
+    the collective timeout (plus start-up slack) with one line on stderr naming its rank and the checkpoint, writes
+    no output, and the checkpoint reads back whole (written atomically: no partial file)."""
+    import signal
+    import time
+
+    from attnlab.heal import Healer
+
+    timeout = 20
+    procs, out, ckpt = _heal_ranks(runs[0], tmp_path, timeout)
     try:
-        deadline = time.monotonic() + 240
-        while not ckpt.is_file() and time.monotonic() < deadline and procs[0].poll() is None:
-            time.sleep(0.2)
-        assert ckpt.is_file(), procs[0].communicate(timeout=30)[1][-2000:]
-        time.sleep(1.0)  # a few more steps and checkpoints
         procs[1].send_signal(signal.SIGKILL)
         killed = time.monotonic()
         stdout, stderr = procs[0].communicate(timeout=timeout + 90)
         took = time.monotonic() - killed
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
+        _end(procs)
     lines = stderr.strip().splitlines()
     assert procs[0].returncode == 2 and len(lines) == 1, stderr[-3000:]
     assert lines[0].startswith("error: rank 0 of 2: another process of the job stopped answering") or \
@@ -347,6 +362,36 @@ def test_a_rank_killed_with_sigkill_ends_the_others_in_one_line_with_the_checkpo
         == [ckpt.name]
     blob = Healer.read(ckpt)
     assert blob["format"] == "attnlab-heal" and blob["state"]["steps_done"] > 0
+
+
+@pytest.mark.parametrize("sig, ranks", [("SIGTERM", [1]), ("SIGINT", [0, 1])])
+def test_a_signal_to_one_rank_or_all_stops_every_rank_at_the_same_step(runs, tmp_path, sig, ranks):
+    """SIGTERM to rank 1 alone (a scheduler stopping one process), or SIGINT to both (Ctrl-C in the terminal of a
+    torchrun job): the stop is decided across the ranks, so both stop at the same step and exit 1 well within the
+    collective timeout (a rank left waiting in a collective would exit 2 only after it, naming a lost peer).
+    Rank 0 says where the checkpoint is, nothing is written as output, and the checkpoint resumes."""
+    import signal
+    import time
+
+    from attnlab.heal import Healer
+
+    timeout = 60
+    procs, out, ckpt = _heal_ranks(runs[0], tmp_path, timeout)
+    try:
+        sent = time.monotonic()
+        for r in ranks:
+            procs[r].send_signal(getattr(signal, sig))
+        results = [p.communicate(timeout=timeout + 90) for p in procs]
+        took = time.monotonic() - sent
+    finally:
+        _end(procs)
+    assert [p.returncode for p in procs] == [1, 1], [e[-2000:] for _, e in results]
+    assert took < timeout, took
+    assert f"stopped; the checkpoint is {ckpt} (continue with --resume)" in " ".join(results[0][0].split())
+    assert not any("stopped answering" in e for _, e in results)
+    assert not out.exists()
+    blob = Healer.read(ckpt)
+    assert blob["state"]["steps_done"] > 0
 
 
 def test_shard_without_torchrun_is_one_line(runs, tmp_path, capsys):
