@@ -228,7 +228,7 @@ def test_torchrun_heal_writes_what_one_process_writes(runs, tmp_path, capsys):
     assert main(["convert", str(work / "llama"), "--to", "mla", "--latent-dim", "12", "--rope-dim", "4", "--out",
                  str(conv)]) == 0
     args = ["heal", str(conv), "--text", str(text), "--tokens", str(4 * T * 4), "--seq-len", str(T),
-            "--layer-steps", "1", "--layer-batch", "4", "--lr", "1e-3"]
+            "--layer-steps", "1", "--layer-batch", "4", "--lr", "1e-3", "--keep-worse"]  # the heal's weights
     assert main([*args, "--out", str(tmp_path / "one")]) == 0
     capsys.readouterr()
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",

@@ -81,6 +81,9 @@ def heal(source: Path = typer.Argument(..., help="A converted-model folder writt
          checkpoint_minutes: float = typer.Option(5.0, "--checkpoint-minutes", help="Minutes between checkpoints."),
          force: bool = typer.Option(False, "--force/--no-force", help="Replace an existing --out folder "
                                     "(only one attnlab wrote)."),
+         keep_worse: bool = typer.Option(False, "--keep-worse", help="Write the healed weights even when the "
+                                         "held-out perplexity rose (by default the converted ones are written "
+                                         "back then, and the report says so)."),
          shard: bool = SHARD, collective_timeout: float = COLLECTIVE_TIMEOUT):
     """Heal a converted model by distillation from the original (layer-wise, then KL on next tokens).
 
@@ -187,7 +190,8 @@ def heal(source: Path = typer.Argument(..., help="A converted-model folder writt
                 report = heal_model(teacher, student, train, held, plan, budget=budget, device=device,
                                     checkpoint=checkpoint, resume=resume,
                                     checkpoint_seconds=60 * checkpoint_minutes,
-                                    progress=show.step if world.main else None, world=world, shard=shard)
+                                    progress=show.step if world.main else None, world=world, shard=shard,
+                                    keep_better=not keep_worse)
             except Stopped as e:
                 spent = f"{budget.elapsed() / 60:.1f} of {minutes} minutes" if minutes else "time"
                 raise UsageProblem("stopped before training began: nothing trained, nothing written"
