@@ -5,6 +5,7 @@
 - evaluate.py  the student against the teacher: perplexity, top-1 and greedy agreement
 - encoder.py   healing an encoder (BERT) with a cosine loss on sentence embeddings
 - distributed.py  the heal data-parallel under torchrun: the process group, DDP or FSDP2, what ranks share
+- trained.py   what a phase trains, wrapped for the ranks: the module itself, its DDP wrapper, or FSDP2 twins
 - guard.py     what keeps a heal from leaving the model worse: the layer-wise guard, the keep-better test
 """
 from .data import PROMPTS, check_pair, read_ids, teacher_windows, text_windows

@@ -53,6 +53,7 @@ from ..models.evaluate import kv_bytes_per_token
 from ..runtime.budget import Budget, Stopped
 from . import distributed as dd
 from . import guard
+from .trained import TrainedPart
 
 LORA_TARGETS = ("W_Q", "W_DQ", "W_UQ", "W_K", "W_V", "W_DKV", "W_KR", "W_UK", "W_UV", "W_O")
 
@@ -241,9 +242,7 @@ class Healer:
         self.steps_this_run = 0
         self._inputs = self._check_x = None
         self._start_weights = None  # the layer-wise phase's current layer as it started (the guard's fallback)
-        # what the phase trains, as called (the layer, the student, or their DDP wrapper); under FSDP2 the
-        # sharded twins of the attention modules it trains (index -> twin), in the student while attached
-        self._part, self._owner, self._twins, self._attached = None, None, {}, False
+        self.trained = TrainedPart(student, self._attn, self.world, self.shard, self.device)  # what a phase trains
 
     # -- checkpoints ---------------------------------------------------------------------------
     def request_stop(self) -> None:
@@ -258,9 +257,8 @@ class Healer:
         """
         if self.checkpoint is None:
             return
-        self._sync()
-        optimizer = None if self.optimizer is None else (
-            dd.full_optimizer_state(self._owner, self.optimizer) if self.shard else self.optimizer.state_dict())
+        self.trained.sync()
+        optimizer = None if self.optimizer is None else self.trained.optimizer_state(self.optimizer)
         if not self.world.main:
             return
         blob = {"format": "attnlab-heal", "plan": asdict(self.plan), "state": dict(self.state),
@@ -302,79 +300,27 @@ class Healer:
             diff = sorted(k for k in blob["plan"] if blob["plan"][k] != asdict(self.plan).get(k))
             raise ValueError(f"{where} was made with a different plan ({', '.join(diff)} differ)")
         _check_split(self.world, self.plan, blob["windows"])
-        self._release()
+        self.trained.release()
         self.windows = blob["windows"]
         _load_attention(self._attn, blob["student"])
         self.state = {"steps_done": 0, **guard.initial_state(), **blob["state"]}
         self._start_weights = blob.get("layer_start")
         self._make_optimizer()
         if blob["optimizer"] is not None and self.optimizer is not None:
-            if self.shard:
-                dd.load_optimizer_state(self._owner, self.optimizer, blob["optimizer"])
-            else:
-                self.optimizer.load_state_dict(blob["optimizer"])
+            self.trained.load_optimizer_state(self.optimizer, blob["optimizer"])
 
     # -- what is trained, and its wrapper over N ranks ---------------------------------------------
     def _make_optimizer(self):
-        """The optimizer of what the phase trains (a new one per layer and phase); over N ranks that part is wrapped
-        first: DDP around the module itself, or FSDP2 around a twin of each attention module it holds."""
+        """The optimizer of what the phase trains (a new one per layer and phase), wrapped first over N ranks
+        (trained.py: DDP around the module itself, or FSDP2 around a twin of each attention module it holds)."""
         s = self.state
-        self._release()
         if s["phase"] not in ("layers", "distill"):
+            self.trained.release()
             self.optimizer = None
             return
-        if self.world.distributed:
-            self.student.to(self.device)  # DDP and FSDP2 take modules on their device
-        if self.shard:
-            wanted = [s["layer"]] if s["phase"] == "layers" else range(len(self._attn))
-            for i in wanted:
-                self._twins[i] = dd.wrap(dd.replica(self._attn[i]), self.world, shard=True)
-            self._owner = torch.nn.ModuleList(self._twins[i] for i in wanted)  # the optimizer's parameters, in order
-            self._part = self._twins[s["layer"]] if s["phase"] == "layers" else self.student  # attached to step
-        else:
-            self._owner = self._attn[s["layer"]] if s["phase"] == "layers" else self.student
-            self._part = dd.wrap(self._owner, self.world)
+        params = self.trained.wrap(s["phase"], s["layer"])
         lr = (self.plan.layer_lr if s["phase"] == "layers" else self.plan.lr) * s["lr_scale"]
-        params = [p for p in self._owner.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-
-    def _swap(self, old, new) -> None:
-        for parent in self.student.modules():
-            for name, child in parent.named_children():
-                if child is old:
-                    setattr(parent, name, new)
-                    return
-        raise ValueError("an attention module is no longer in the student")  # pragma: no cover - a bug
-
-    def _attach(self) -> None:
-        """FSDP2, end-to-end: the sharded twins take their modules' places in the student, for the training steps
-        only (an evaluation between runs sees the student's own modules, and runs no collective)."""
-        if self.state["phase"] == "distill" and self._twins and not self._attached:
-            for i, twin in self._twins.items():
-                self._swap(self._attn[i], twin)
-            self._attached = True
-
-    def _sync(self) -> None:
-        """FSDP2: the twins' full weights into the student's own modules (a collective; every rank calls it)."""
-        for i, twin in self._twins.items():
-            self._attn[i].load_state_dict(dd.full_state_dict(twin))
-
-    def _detach(self, sync: bool = True) -> None:
-        """FSDP2: the student's own modules back in place, holding the trained weights (twins and optimizer kept)."""
-        if sync:
-            self._sync()
-        if self._attached:
-            for i, twin in self._twins.items():
-                self._swap(twin, self._attn[i])
-            self._attached = False
-
-    def _release(self) -> None:
-        """Let go of the wrapped part (its weights are the student's again): at a new layer or phase, at the end."""
-        self._detach()
-        self._twins, self._part, self._owner = {}, None, None
-        if self.world.distributed:
-            import gc
-            gc.collect()  # a dropped DDP wrapper's gradient hooks go with it, before the next wrapper's backward
 
     def _agree(self, flag: bool) -> bool:
         return dd.agree(flag) if self.world.distributed else flag
@@ -434,7 +380,7 @@ class Healer:
         for g in self.optimizer.param_groups:
             g["lr"] = plan.layer_lr * s["lr_scale"] * _cosine(s["step"], plan.layer_steps, warmup_steps(plan.layer_steps))
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
-            out = self._part(x, is_causal=True)
+            out = self.trained.part(x, is_causal=True)
         loss = normalised_mse(out, target, world=self.world)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -465,7 +411,7 @@ class Healer:
         weights come back and the later steps (both phases) are GUARD_CUT times smaller; if it ended better, they
         are GUARD_CUT times larger again, up to the plan's rates (guard.after_layer); state records both."""
         s = self.state
-        self._release()  # FSDP2: the trained weights into the student's own module first
+        self.trained.release()  # FSDP2: the trained weights into the student's own module first
         before, after = s["layer_start_error"], self._check_error(layer)
         if guard.after_layer(s, layer, before, after):
             self._attn[layer].load_state_dict(self._start_weights)
@@ -481,7 +427,7 @@ class Healer:
 
     def _distill_step(self) -> float:
         s, plan = self.state, self.plan
-        self._attach()
+        self.trained.attach(self.state["phase"])
         ids = self._batch(s["step"])  # (B, T): the whole batch
         mine = ids[self.world.rows(ids.shape[0])] if self.world.distributed else ids  # this rank's rows
         for g in self.optimizer.param_groups:
@@ -489,7 +435,7 @@ class Healer:
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
             with torch.no_grad():
                 t_logits = self.teacher(mine).logits
-            loss = kl_loss(t_logits, self._part(mine).logits)
+            loss = kl_loss(t_logits, self.trained.part(mine).logits)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         # the global norm: DDP's gradients are the averaged ones on every rank; FSDP2's are DTensor shards
@@ -557,7 +503,7 @@ class Healer:
                 last_save = clock()
         s["elapsed"] = elapsed0 + clock() - start
         self.save()
-        self._detach(sync=self.checkpoint is None)  # save() synced the weights already
+        self.trained.detach(sync=self.checkpoint is None)  # save() synced the weights already
         return status
 
     def _info(self, phase, loss, step_time) -> dict:
@@ -575,7 +521,7 @@ class Healer:
     def finish(self) -> None:
         """Merge LoRA adapters (if any) and stop tracking gradients: the student is an ordinary model again."""
         if self.world.distributed:  # drop the wrappers (FSDP2: the trained weights into the student first)
-            self._release()
+            self.trained.release()
             self.optimizer = None
         if self.plan.lora_rank:
             merge_lora(self.student)
