@@ -25,8 +25,11 @@ def test_kv_table_lists_every_preset(tmp_path):
     assert result.exit_code == 0, result.output
     rows = json.loads(out.read_text())
     assert [r["name"] for r in rows] == list(PRESETS)
-    for r in rows:  # the footprint comes from a cache, and scales with context
+    for r in rows:  # the footprint comes from a cache, and scales with context (below the held bytes where layers slide)
+        slides = PRESETS[r["name"]].sliding_layers
         assert r["bytes_total"] == r["bytes_per_token"] * 4096
+        assert (r["bytes_per_token"] < r["bytes_per_token_held"]) if slides else \
+            (r["bytes_per_token"] == r["bytes_per_token_held"])
 
 
 def test_kv_presets_follow_part14_formulas():
@@ -35,6 +38,19 @@ def test_kv_presets_follow_part14_formulas():
     assert kv_footprint(llama).bytes_per_token == 2 * llama.num_kv_heads * llama.head_dim * llama.num_layers * 2
     v3 = get_preset("deepseek-v3")
     assert kv_footprint(v3).bytes_per_token == (v3.latent_dim + v3.rope_dim) * v3.num_layers * 2
+
+
+@pytest.mark.parametrize("context", [100, 4096, 131072])
+def test_kv_of_sliding_layers_stops_at_their_window(context):
+    """Gemma 3 (5 of 6 layers sliding): a global layer caches every token, a sliding one window + min(window, 64)
+    rows at most (written out here), so bytes per token at a long context approach the global layers' alone."""
+    for name in ("gemma-3-270m", "gemma-3-27b"):
+        c = get_preset(name)
+        row = 2 * c.num_kv_heads * c.head_dim * 2  # K and V of one token and layer, bf16
+        rows = min(context, c.window + min(c.window, 64))
+        want = (c.num_layers - c.sliding_layers) * row * context + c.sliding_layers * row * rows
+        got = kv_footprint(c, context=context, batch=2)
+        assert got.bytes_total == 2 * want and got.bytes_per_token_held == c.num_layers * row
 
 
 def test_kv_plot_is_a_real_png(tmp_path):

@@ -3,6 +3,9 @@
 The footprint is measured, not typed: each preset builds one attention layer
 on the meta device (no memory, no weights), asks it for a cache, and reads the
 allocated buffers' sizes, the same way Part 14 is answered for small modules.
+A model with sliding-window layers (Gemma 3) has two kinds of layer: a global
+one caches every token, a sliding one at most its window (modules/cache.py), so
+its bytes per token depend on the context and are stated at one.
 """
 from __future__ import annotations
 
@@ -27,11 +30,14 @@ class AttentionConfig:
     rope_dim: int = 0  # mla: qk_rope_head_dim
     v_head_dim: int = 0  # mla (0: head_dim)
     source: str = ""
+    sliding_layers: int = 0  # gqa: layers attending to the last `window` tokens only (the others: every token)
+    window: int = 0
 
-    def module(self, device="meta", dtype=torch.bfloat16):
+    def module(self, device="meta", dtype=torch.bfloat16, sliding: bool = False):
+        """One attention layer (a sliding one, with its window, when sliding=True)."""
         if self.kind == "gqa":
             return GroupedQueryAttention(self.dim, self.num_heads, self.num_kv_heads, head_dim=self.head_dim,
-                                         device=device, dtype=dtype)
+                                         sliding_window=self.window if sliding else None, device=device, dtype=dtype)
         if self.kind == "mla":
             return MultiHeadLatentAttention(self.dim, self.num_heads, self.latent_dim, head_dim=self.head_dim,
                                             v_head_dim=self.v_head_dim or self.head_dim, rope_dim=self.rope_dim,
@@ -53,6 +59,10 @@ PRESETS: dict[str, AttentionConfig] = {c.name: c for c in [
                     source="Qwen/Qwen2.5-7B config.json"),
     AttentionConfig("smollm2-135m", "gqa", 30, 576, 9, 64, num_kv_heads=3,
                     source="HuggingFaceTB/SmolLM2-135M config.json"),
+    AttentionConfig("gemma-3-270m", "gqa", 18, 640, 4, 256, num_kv_heads=1, sliding_layers=15, window=512,
+                    source="the bundled gemma3-270m GGUF's metadata (5 of every 6 layers sliding)"),
+    AttentionConfig("gemma-3-27b", "gqa", 62, 5376, 32, 128, num_kv_heads=16, sliding_layers=52, window=1024,
+                    source="google/gemma-3-27b config.json (5 of every 6 layers sliding)"),
     AttentionConfig("deepseek-v2-lite", "mla", 27, 2048, 16, 128, latent_dim=512, rope_dim=64, v_head_dim=128,
                     source="deepseek-ai/DeepSeek-V2-Lite config.json"),
     AttentionConfig("deepseek-v3", "mla", 61, 7168, 128, 128, latent_dim=512, rope_dim=64, v_head_dim=128,
@@ -81,19 +91,33 @@ class KVFootprint:
     name: str
     kind: str
     values_per_token_per_layer: int
-    bytes_per_token: int  # all layers
-    bytes_total: int  # bytes_per_token * context * batch
+    bytes_per_token: int  # all layers, at the context (a sliding layer's cache holds at most its window), rounded
+    bytes_total: int  # what the caches of `batch` sequences of `context` tokens allocate
+    bytes_per_token_held: int = 0  # all layers, each holding every token (what a model without windows pays)
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
+def _allocated(cache) -> int:
+    return sum(t.numel() * t.element_size() for t in cache.tensors())
+
+
 def kv_footprint(config: AttentionConfig, *, context: int = 4096, batch: int = 1,
                  dtype: torch.dtype = torch.bfloat16) -> KVFootprint:
-    """KV-cache bytes of a whole model, read from a cache allocated on the meta device."""
+    """KV-cache bytes of a whole model, read from caches allocated on the meta device: per token held, and for
+    `batch` sequences of `context` tokens (a sliding layer's cache allocated for that context: its window and
+    some room, modules/cache.py)."""
     if context <= 0 or batch <= 0:
         raise ValueError(f"context ({context}) and batch ({batch}) must be positive")
     layer = config.module(device="meta", dtype=dtype)
     cache = layer.init_cache(1, 1, dtype=dtype, device="meta")
-    per_token = cache.bytes_per_token * config.num_layers
-    return KVFootprint(config.name, config.kind, cache.values_per_token, per_token, per_token * context * batch)
+    held = cache.bytes_per_token * config.num_layers
+    whole = layer.init_cache(batch, context, dtype=dtype, device="meta")
+    total = _allocated(whole) * (config.num_layers - config.sliding_layers)
+    if config.sliding_layers:
+        window = config.module(device="meta", dtype=dtype, sliding=True).init_cache(batch, context, dtype=dtype,
+                                                                                 device="meta")
+        total += _allocated(window) * config.sliding_layers
+    return KVFootprint(config.name, config.kind, cache.values_per_token, round(total / (context * batch)), total,
+                       held)

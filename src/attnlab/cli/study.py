@@ -61,7 +61,8 @@ def kv(preset: Optional[str] = typer.Argument(None, help="A preset name; omit fo
        rope_dim: int = typer.Option(64, help="Custom mla: decoupled RoPE size."),
        json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the table as JSON."),
        plot: Optional[Path] = typer.Option(None, "--plot", help="PNG of cache memory against context length.")):
-    """KV-cache size per token and for a context, read from real (meta-device) caches.
+    """KV-cache size per token and for a context, read from real (meta-device) caches. A model with sliding-window
+    layers (gemma-3-*) is stated at the context: its sliding layers hold at most their window.
 
     Example: attnlab kv llama-3-8b --context 32768 --batch 8
     """
@@ -83,11 +84,11 @@ def kv(preset: Optional[str] = typer.Argument(None, help="A preset name; omit fo
         configs = list(PRESETS.values())
     rows = [kv_footprint(c, context=context, batch=batch, dtype=dt) for c in configs]
     table = Table(title=f"KV cache, {dtype}, context {context}, batch {batch}")
-    for col in ("model", "kind", "values/token/layer", "bytes/token", "per token", "total"):
+    for col in ("model", "kind", "values/token/layer", "bytes/token", "per token", "total", "held/token"):
         table.add_column(col, justify="left" if col in ("model", "kind") else "right")
-    for r in rows:
+    for r in rows:  # bytes/token at the context (sliding layers hold their window); held: every layer, every token
         table.add_row(r.name, r.kind, str(r.values_per_token_per_layer), str(r.bytes_per_token),
-                      human_bytes(r.bytes_per_token), human_bytes(r.bytes_total))
+                      human_bytes(r.bytes_per_token), human_bytes(r.bytes_total), human_bytes(r.bytes_per_token_held))
     console.print(table)
     if json_out is not None:
         write_atomic(json_out, json.dumps([r.to_dict() for r in rows], indent=2).encode())
