@@ -183,9 +183,10 @@ def test_each_path_reads_a_quantised_cache_as_its_dequantised_values(name, kv_dt
     for a, b, e in zip(got, want, exact):
         assert rel_err(a, b) <= F32_TOL
         assert rel_err(a, e) > 100 * F32_TOL  # the quantisation did change what is read
-    if name == "mla-tiled":  # the tiled cache has a scale per token and KV head of K and of V, as a GQA
+    if name == "mla-tiled":  # the tiled cache is a GQA's: a scale per token and KV head of K and of V
         per_head = {"k": 1, "v": 1} if "/g4" not in kv_dtype else {"k": 8 // 4, "v": -(-6 // 4)}
-        assert quant.kv_scales.shape[-1] == 2 * per_head["k"] + 2 * per_head["v"]  # G = 2 heads of d = 8, dv = 6
+        assert tuple(quant.k_scales.shape[1:]) == (2, 9, per_head["k"])  # G = 2 heads of d = 8
+        assert tuple(quant.v_scales.shape[1:]) == (2, 9, per_head["v"])  # ... and of dv = 6
 
 
 @pytest.mark.parametrize("kv_dtype", QUANTISED)

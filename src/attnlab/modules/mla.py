@@ -31,11 +31,14 @@ convert.gqa_to_mla): the latent is [K of G heads, V of G heads] (r = G*(d + dv))
 and W_UK, W_UV are 0/1 matrices that hand each query head its group's slices.
 Then no up-projection is needed at all: the cache stores exactly what the GQA's
 KV cache would (keys already rotated at their positions and with their bias,
-values with theirs: selection commutes with RoPE), and attention reads (B, G, S, d)
-views of the latent as GQA reads its cache. Checked against the weights before
-every call (cheaply, by version counter): once W_UK/W_UV stop being that tiling
-(training), the general paths take over, and a cache filled in the tiled layout
-is refused. An explicit `absorbed=` also takes the general paths.
+values with theirs: selection commutes with RoPE), and attention reads it as GQA
+reads its cache. A module made with kv_tiling gets a GQA's KVCache from init_cache
+(K (B, G, S, d) and V (B, G, S, dv), each head's keys contiguous: SDPA reads strided
+slices of (B, S, r) rows about 30% slower, docs/performance.md); the general paths
+read it back as latent rows. Checked against the weights before every call (cheaply,
+by version counter): once W_UK/W_UV stop being that tiling (training), the general
+paths take over, and a cache filled in the tiled layout is refused. An explicit
+`absorbed=` also takes the general paths.
 
 The *keys-whole* layout (`rope_kv_heads=G`, head_dim 0): the rope key is the whole key of G KV heads
 (rope_dim = G x d), each KV head's d dims laid out as a rotary embedding of d dims would hold them (its
@@ -48,8 +51,8 @@ its norm and RoPE (as it holds post-RoPE keys anyway), so every path reads it as
 expanded, absorbed (the Triton kernel included), and every kv_dtype.
 
 Quantised storage (`kv_dtype`, modules/cache.py): the cache holds codes and scales, one
-scale per token for c and one for k_R (for a tiled cache one per token and KV head of K
-and of V, as a GQA's KVCache). Every path reads the rows dequantised, except the absorbed
+scale per token for c and one for k_R (a tiled module's KVCache: one per token and KV
+head of K and of V, as a GQA's). Every path reads the rows dequantised, except the absorbed
 decode kernel (kernels/mla_decode.py), which is handed the codes and scales and
 dequantises in its tile load. Without a cache, the new [c, k_R] go through the same
 quantisation before attention, so a whole-sequence forward equals cached decode.
@@ -65,7 +68,7 @@ from ..kernels import mla_decode
 from . import checks
 from .attention import attend
 from .base import AttentionModule
-from .cache import LatentCache, QuantisedKV, dense, window_for
+from .cache import KVCache, LatentCache, QuantisedKV, dense, window_for, with_row_scale
 from .heads import check_grouping, gqa_block, kv_head_of, tile_heads
 from .rope import RotaryEmbedding
 
@@ -270,15 +273,18 @@ class MultiHeadLatentAttention(AttentionModule):
         return self.latent_dim + self.rope_dim
 
     def init_cache(self, batch_size: int, max_len: int, *, dtype=None, device=None, kv_dtype=None,
-                   sliding: bool = True) -> LatentCache:
-        """A preallocated cache of the latent (and the shared rotary key) only.
+                   sliding: bool = True) -> LatentCache | KVCache:
+        """A preallocated cache of the latent (and the shared rotary key) only; with kv_tiling, the GQA's K and V
+        as a GQA's KVCache holds them (module docstring).
 
         dtype: the activation dtype it takes and returns (default the weights'); kv_dtype: its storage
         (default self.kv_dtype; None: plain in dtype). sliding: as in GroupedQueryAttention.init_cache."""
-        return LatentCache(self, batch_size, max_len, self.latent_dim, self.rope_dim,
-                           dtype=dtype or self._anchor.dtype, device=device or self._anchor.device,
-                           kv_dtype=kv_dtype if kv_dtype is not None else self.kv_dtype, parts=self._kv_parts(),
-                           window=window_for(self.sliding_window, kv_dtype or self.kv_dtype, sliding))
+        kw = dict(dtype=dtype or self._anchor.dtype, device=device or self._anchor.device,
+                  kv_dtype=kv_dtype if kv_dtype is not None else self.kv_dtype,
+                  window=window_for(self.sliding_window, kv_dtype or self.kv_dtype, sliding))
+        if self.kv_tiling is not None:
+            return KVCache(self, batch_size, max_len, self._tiling_groups(), self.head_dim, self.v_head_dim, **kw)
+        return LatentCache(self, batch_size, max_len, self.latent_dim, self.rope_dim, parts=self._kv_parts(), **kw)
 
     def _kv_parts(self) -> tuple[int, ...]:
         """The widths a quantised cache row gives a scale each: (r, p), or with kv_tiling the KV heads of K and V."""
@@ -403,13 +409,27 @@ class MultiHeadLatentAttention(AttentionModule):
             k = self.rope(k.view(B, S, G, d).transpose(1, 2), positions).transpose(1, 2).reshape(B, S, G * d)
         return torch.cat([k, v], dim=-1)  # (B, S, r)
 
-    def _tiled(self, q, kv, mask, is_causal):
-        """Attention on (B, G, S, d) views of a tiled cache, grouped heads folded as GQA does."""
-        B, S, _ = kv.shape
+    def _heads(self, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tiled rows (B, S, r) as the GQA's K (B, G, S, d) and V (B, G, S, dv), views."""
         G, d, dv = self._tiling_groups(), self.head_dim, self.v_head_dim
-        k = kv[..., :G * d].unflatten(-1, (G, d)).transpose(1, 2)  # (B, G, S, d), a view
-        v = kv[..., G * d:].unflatten(-1, (G, dv)).transpose(1, 2)  # (B, G, S, dv), a view
-        return attend(q, k, v, grouping=self.kv_tiling, mask=mask, is_causal=is_causal, scale=self.scale)
+        return (kv[..., :G * d].unflatten(-1, (G, d)).transpose(1, 2),
+                kv[..., G * d:].unflatten(-1, (G, dv)).transpose(1, 2))
+
+    @staticmethod
+    def _rows(k, v) -> torch.Tensor:
+        """A tiled module's KVCache read back as latent rows (B, S, r) = [K of every head, V of every head]."""
+        return torch.cat([dense(k).transpose(1, 2).flatten(2), dense(v).transpose(1, 2).flatten(2)], dim=-1)
+
+    def _tiled(self, q, kv, mask, is_causal):
+        """Attention on the GQA's K and V, grouped heads folded as GQA does: kv is tiled rows (B, S, r), or (K, V)
+        from the module's KVCache (int8 codes with a scale per token and head: folded into the scores and weights,
+        as the GQA does)."""
+        if isinstance(kv, tuple):
+            (k, key_scale), (v, value_scale) = with_row_scale(kv[0]), with_row_scale(kv[1])
+        else:
+            (k, v), key_scale, value_scale = self._heads(dense(kv)), None, None
+        return attend(q, k, v, grouping=self.kv_tiling, mask=mask, is_causal=is_causal, scale=self.scale,
+                      key_scale=key_scale, value_scale=value_scale)
 
     def _choose_tiled(self, cache, absorbed) -> bool:
         """Use the tiled path? Checks that a cache was filled in the layout this call reads."""
@@ -452,10 +472,12 @@ class MultiHeadLatentAttention(AttentionModule):
         B, L, _ = x.shape
         q_nope, q_rope = self.project_query(x, positions)  # (B, H, L, d), (B, H, L, p)
         tiled = self._choose_tiled(cache, absorbed)
-        ours = isinstance(cache, LatentCache)  # else no cache, or transformers' (adapters.TransformersCache)
-        # kv below: a tensor (B, S, r+p) in x's dtype, or QuantisedKV rows of a quantised cache (read by dense())
+        ours = isinstance(cache, (LatentCache, KVCache))  # else no cache, or transformers' (adapters.TransformersCache)
+        heads = isinstance(cache, KVCache)  # a tiled module's cache: the GQA's K and V (module docstring)
+        # kv below: a tensor (B, S, r+p) in x's dtype, or QuantisedKV rows of a quantised cache (read by dense()); or,
+        # from a tiled module's KVCache, (K (B, G, S, d), V (B, G, S, dv)), tensors or QuantisedKV
         if cache is not None and cache.static:
-            (kv,) = cache.view_stored() if ours else cache.view()  # (B, S, r+p)
+            kv = cache.view_stored() if heads else cache.view_stored()[0] if ours else cache.view()[0]
         else:
             if tiled:
                 kv = self._tiled_kv(source, positions if context is None else None)  # (B, S_new, r)
@@ -463,15 +485,22 @@ class MultiHeadLatentAttention(AttentionModule):
                 kv = self.compress(source, positions if context is None else None)  # (B, S_new, r+p)
             if not ours:  # no storage of ours: quantise and read back as our cache would
                 kv = self._as_stored(kv, self._kv_parts())  # (B, S_new, r+p)
-            if cache is not None:
+            if heads:
+                k, v = self._heads(kv)
+                kv = cache.extend_stored(k=k, v=v)  # (K, V)
+            elif cache is not None:
                 (kv,) = cache.extend_stored(kv=kv) if ours else cache.extend(kv=kv)  # (B, S, r+p)
+            if cache is not None:
                 cache.static = context is not None
+        if heads and not tiled:  # the general paths read latent rows
+            kv = self._rows(*kv)  # (B, S, r)
+        S = kv[0].shape[-2] if isinstance(kv, tuple) else kv.shape[1]
         key_start = 0
         if self.sliding_window is not None and context is None and (cache is None or ours):
-            (mask, key_start), is_causal = self._windowed(positions, kv.shape[1], mask, cache, ours), False
+            (mask, key_start), is_causal = self._windowed(positions, S, mask, cache, ours), False
         key_positions = None
         if tiled:
-            o = self._tiled(q_nope, dense(kv), mask, is_causal)  # (B, H, L, dv)
+            o = self._tiled(q_nope, kv, mask, is_causal)  # (B, H, L, dv)
             return self.W_O(o.transpose(1, 2).reshape(B, L, self.num_heads * self.v_head_dim))  # (B, L, dim)
         if self.k_head_norm is not None and not self.rope_after_up and not self.rope_dim:  # no RoPE: only the key norm
             if absorbed:
