@@ -93,5 +93,6 @@ def test_kv_prints_the_same_numbers_as_before():
     assert "KV cache, bfloat16, context 4096, batch 1" in proc.stdout
     rows = [[c.strip() for c in line.split("│")[1:-1]] for line in proc.stdout.splitlines() if "llama-3-8b" in line]
     assert rows == [["llama-3-8b", "gqa", str(2 * kv_heads * head_dim), str(per_token),
-                     f"{per_token / 1024:.2f} KiB", f"{per_token * context / 2 ** 20:.2f} MiB"]]
-    assert rows[0][-2:] == ["128.00 KiB", "512.00 MiB"]
+                     f"{per_token / 1024:.2f} KiB", f"{per_token * context / 2 ** 20:.2f} MiB",
+                     f"{per_token / 1024:.2f} KiB"]]  # held per token: the same, no layer slides
+    assert rows[0][-3:] == ["128.00 KiB", "512.00 MiB", "128.00 KiB"]
