@@ -69,6 +69,8 @@ class Generator:
             graph on CUDA (default: on CUDA). Reuse one Generator across prompts to reuse the graph.
         kv_dtype: storage of every layer's cache ("fp32", "bf16", "int8", "fp8", "int8/g<N>", "fp8/g<N>"; see
             modules/cache.py); default each module's own kv_dtype (None there: plain, in dtype).
+        sliding: sliding-window layers' caches keep only their window (default; not with fixed_shape, whose
+            step needs every slot); False keeps every token there too, the window applied by the mask alone.
 
     prefill(input_ids, attention_mask) -> logits (B, V) of the last position; step(ids (B,))
     -> logits (B, V) of the token just fed. `kv_bytes_per_token` is measured from the caches.
@@ -76,7 +78,8 @@ class Generator:
     """
 
     def __init__(self, model, max_batch_size: int, max_len: int, dtype: torch.dtype | None = None, device=None,
-                 *, fixed_shape: bool | None = None, compile: bool | None = None, kv_dtype: str | None = None):
+                 *, fixed_shape: bool | None = None, compile: bool | None = None, kv_dtype: str | None = None,
+                 sliding: bool = True):
         checks.positive_int("max_batch_size", max_batch_size)
         checks.positive_int("max_len", max_len)
         check_kv_dtype(kv_dtype)
@@ -93,7 +96,7 @@ class Generator:
         self.fixed_shape = on_cuda if fixed_shape is None else bool(fixed_shape)
         # sliding-window layers keep only their window, except for a fixed-shape step (which needs every slot)
         self._full = [m.init_cache(max_batch_size, max_len, dtype=dtype, device=self.device, kv_dtype=kv_dtype,
-                                   sliding=not self.fixed_shape) for m in self.modules]
+                                   sliding=sliding and not self.fixed_shape) for m in self.modules]
         self.caches = self._full
         self._views: dict[int, tuple[list, list | None]] = {}  # batch size -> (caches, their fixed_slot views)
         self._valid = torch.zeros(max_batch_size, max_len, dtype=torch.bool, device=self.device)  # real keys
