@@ -143,6 +143,9 @@ def test_the_generation_loop_keeps_the_window_and_transformers_tokens():
         want = theirs.generate(prompt, max_new_tokens=40, do_sample=False, pad_token_id=0)
         assert [c.capacity for c in Generator(ours, max_batch_size=2, max_len=64).caches] == [8, 64]
         assert [c.capacity for c in Generator(ours, 2, 64, fixed_shape=True).caches] == [64, 64]
+        every = Generator(ours, 2, 64, sliding=False)
+        assert [c.capacity for c in every.caches] == [64, 64]
+        assert torch.equal(generate(ours, prompt, max_new_tokens=40, generator=every), want)
         got = generate(ours, prompt, max_new_tokens=40)
     assert torch.equal(got, want)
 
