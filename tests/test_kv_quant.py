@@ -530,7 +530,9 @@ def test_unknown_kv_dtype_on_a_model_changes_nothing():
 
 
 def test_fp8_where_the_torch_build_lacks_it(monkeypatch):
-    monkeypatch.setattr(cache_mod, "fp8_supported", lambda: False)
+    from attnlab.modules import storage
+
+    monkeypatch.setattr(storage, "fp8_supported", lambda: False)  # where check_kv_dtype looks it up
     want = re.escape(f"kv_dtype 'fp8' needs torch.float8_e4m3fn, which torch {torch.__version__} does not support; "
                      "use 'int8'")
     with pytest.raises(ValueError, match=want):

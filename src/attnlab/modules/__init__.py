@@ -3,7 +3,8 @@
 - checks.py     argument checks: one clear error naming the values
 - heads.py      which KV head each query head reads (strided, blocked) and the tilings it implies
 - rope.py       rotary position embeddings
-- cache.py      KV and latent caches: preallocated buffers written in place
+- cache.py      KV and latent caches: preallocated buffers written in place (a sliding layer's: its window)
+- storage.py    how a cache stores its rows: plain, int8/fp8 with scales (lowbit.py: few-bit codes)
 - attention.py  the attention core: grouped heads without copies, masks
 - base.py       what every attention module does before its own math
 - gqa.py        GroupedQueryAttention, and MultiHeadAttention as its G = H case

@@ -14,35 +14,9 @@ twice and then never again. Its tensors never enter a module's state_dict.
   Keeping them side by side lets the absorbed decode read key and value as
   views of one tensor, with no copy per step.
 
-Storage (`kv_dtype`; `cache.dtype` stays the activation dtype the cache returns):
-- None: plain, in the activation dtype (the default); "fp32", "bf16": plain in that dtype.
-- "int8": symmetric integers, code = round_half_even(x / s) clamped to [-127, 127], one
-  float32 scale s = amax / 127 per token and *part* of a row: for an MLA row the latent c
-  (r numbers) and the rotary key k_R (p numbers) have a scale each (k_R is rotated and not
-  normalised, its size has nothing to do with c's); for K and V of a GQA one per token and
-  KV head; for a GQA-tiled MLA row one per token and KV head of K and of V.
-- "fp8": torch.float8_e4m3fn codes of x / s with s = amax / 448 (its largest finite value),
-  the same scales; where the torch build has no float8_e4m3fn it is refused.
-- "int8/g<N>", "fp8/g<N>": one scale per N channels of a part instead of one per part.
-- few-bit ("q4_0", "int4/g32", "int3/g64+c4", ...): packed codes and float16 meta (modules/lowbit.py); with
-  "+c4" an MLA's rope key is kept per channel over groups of 64 tokens, its newest, incomplete group
-  unquantised (modules/key_groups.py); such a cache reads back dequantised rows and refuses fixed_slot.
-Per part is the default because per-group scales did not measure clearly better on a real
-model (docs/generation.md, "Quantised KV caches"): on SmolLM2-135M, int8 per part costs at
-most 1.003x perplexity on the GQA and nothing measurable on its MLA at half the KV values
-(2 scales, 8 bytes per token and layer); groups of 32 gained 0.1-0.2% on the GQA and nothing
-on the MLA for 7 scales (28 bytes) on the MLA's 192 codes.
-Scales are float32: 4 bytes each, counted in bytes_per_token; float16 would save 2 bytes a
-scale, but below amax = 127 * 6e-5 its scales turn subnormal and lose precision.
-Tokens are quantised once, when written (`extend`), and read back dequantised to the
-activation dtype, (code * s) computed in float32 (float64 for float64 activations), each part
-times its scale by broadcasting. Readers that can (`QuantisedKV.foldable`: one scale per part,
-float32/float64 activations) skip that copy: the GQA and the absorbed MLA decode take the codes
-and multiply the scores and the softmax weights by the scales (`attend(key_scale=, value_scale=)`),
-which makes an 8-bit decode step cost what a 16-bit one does (docs/generation.md).
-`round_trip` applies the same quantisation to new keys of a forward without a cache; when they
-require gradients (a heal), the gradient passes straight through the storage (the identity's),
-since integer codes would cut the graph and leave the key/value projections untrained.
+Storage (`kv_dtype`: plain, int8/fp8 with scales, few-bit codes) is modules/storage.py's; a cache
+writes each new token's codes and scales once (`extend`) and hands them back as stored (QuantisedKV)
+or dequantised. Its names are importable from here as before.
 
 Cross-attention: the first call with a context fills the cache and marks it
 `static`; later calls reuse it and append nothing.
@@ -64,85 +38,16 @@ rope key is quantised per channel over groups of 64 tokens and cannot drop one t
 from __future__ import annotations
 
 import copy
-import functools
-import re
 import weakref
-from typing import NamedTuple
 
 import torch
 from torch import nn
 
 from . import checks, lowbit
 from .key_groups import RopeKeyGroups
+from .storage import (KV_DTYPES, PLAIN, QMAX, SCALE_DTYPE, QuantisedKV, StorageFormat, check_kv_dtype,  # noqa: F401
+                      dense, dequantise, fp8_supported, num_scales, quantise, round_trip, with_row_scale)
 
-KV_DTYPES = ("fp32", "bf16", "int8", "fp8", "q8_0", "q5_0", "q4_0", "q4_1", "int4", "int3", "int2", "kivi4",
-             "kivi2")
-PLAIN = {"fp32": torch.float32, "bf16": torch.bfloat16}
-QMAX = {"int8": 127.0, "fp8": 448.0}  # the largest code: int8 symmetric, float8_e4m3fn's largest finite value
-SCALE_DTYPE = torch.float32
-_SPELLING = re.compile(r"(fp32|bf16)|(int8|fp8)(?:/g([1-9][0-9]*))?")
-
-
-@functools.cache
-def fp8_supported() -> bool:
-    """True where this torch build has torch.float8_e4m3fn and can cast to and from it."""
-    if not hasattr(torch, "float8_e4m3fn"):
-        return False
-    try:
-        return bool(torch.ones(1).to(torch.float8_e4m3fn).float().item() == 1.0)
-    except (RuntimeError, TypeError):
-        return False
-
-
-class StorageFormat(NamedTuple):
-    """A parsed kv_dtype: its spelling, its code ("fp32", "bf16", "int8", "fp8", or a few-bit one), its scale
-    group (None: per part), and for the few-bit storages their LowBit (modules/lowbit.py)."""
-    name: str
-    code: str
-    group: int | None
-    low: lowbit.LowBit | None = None
-
-    @property
-    def quantised(self) -> bool:
-        return self.code in QMAX or self.low is not None
-
-    @property
-    def evaluation_only(self) -> bool:
-        """KIVI: applied to keys and values of a forward without a cache, never stored by a cache."""
-        return self.low is not None and self.low.kind == "kivi"
-
-    @property
-    def storage_dtype(self) -> torch.dtype:
-        if self.low is not None:
-            return torch.uint8
-        return PLAIN[self.code] if self.code in PLAIN else torch.int8 if self.code == "int8" else torch.float8_e4m3fn
-
-
-def check_kv_dtype(kv_dtype) -> StorageFormat | None:
-    """Parse a kv_dtype ("fp32", "bf16", "int8", "fp8", "int8/g<N>", "fp8/g<N>", the few-bit ones of
-    modules/lowbit.py: "q8_0", "q5_0", "q4_0", "q4_1", "int4[/g<N>][+r8|+c4]", "int3...", "int2...", "kivi4",
-    "kivi2"; or None); one-line errors."""
-    if kv_dtype is None:
-        return None
-    choices = ("'fp32', 'bf16', 'int8', 'fp8' (or 'int8/g<N>', 'fp8/g<N>': one scale per N channels), llama.cpp's "
-               "'q8_0', 'q5_0', 'q4_0', 'q4_1', 'int4', 'int3', 'int2' (or 'int4/g<N>', ..., and after any of them '+r8' "
-               "for an MLA's rope key in 8 bits or '+c4' for it in 4 bits per channel), 'kivi4', 'kivi2' or None")
-    if not isinstance(kv_dtype, str):
-        raise TypeError(f"kv_dtype must be one of {choices}, got {type(kv_dtype).__name__} ({kv_dtype!r})")
-    low = lowbit.parse(kv_dtype)
-    if low is not None:
-        return StorageFormat(kv_dtype, low.code, low.group, low)
-    found = _SPELLING.fullmatch(kv_dtype)
-    if found is None:
-        raise ValueError(f"kv_dtype must be one of {choices}, got {kv_dtype!r}")
-    code = found.group(1) or found.group(2)
-    if code == "fp8" and not fp8_supported():
-        raise ValueError(f"kv_dtype {kv_dtype!r} needs torch.float8_e4m3fn, which torch {torch.__version__} "
-                         "does not support; use 'int8'")
-    return StorageFormat(kv_dtype, code, int(found.group(3)) if found.group(3) else None)
-
-
-# -- quantisation --------------------------------------------------------------------------------
 WINDOW_ROOM = 64  # rows a window cache allocates beyond its window (at most the window itself)
 
 
@@ -159,128 +64,6 @@ def window_for(sliding_window: int | None, kv_dtype, sliding: bool = True) -> in
     if not sliding or (fmt is not None and fmt.low is not None and fmt.low.rope_channel):
         return None
     return sliding_window
-
-
-def num_scales(parts: tuple[int, ...], group: int | None) -> int:
-    """Scales per row: one per part, or one per `group` channels of each part (the last group may be short)."""
-    return sum(1 if group is None else -(-w // group) for w in parts)
-
-
-def _each_scale(y: torch.Tensor, scales: torch.Tensor, parts: tuple[int, ...], group: int | None, op) -> torch.Tensor:
-    """y (..., W) in place: op(channels, scale) for each part (each group of N channels of it with /g<N>)
-    and its scale column of scales (..., n), broadcast over the channels (no gathered copy of the scales)."""
-    start = col = 0
-    for w in parts:
-        g = w if group is None or group >= w else group
-        n, whole = -(-w // g), w // g * g  # scales of the part; channels in its full groups
-        y_p, s = y[..., start:start + w], scales[..., col:col + n]
-        if whole:
-            op(y_p[..., :whole].unflatten(-1, (whole // g, g)), s[..., :whole // g, None])
-        if whole < w:  # the short last group
-            op(y_p[..., whole:], s[..., n - 1:])
-        start, col = start + w, col + n
-    return y
-
-
-def quantise(x: torch.Tensor, parts: tuple[int, ...], fmt: StorageFormat) -> tuple[torch.Tensor, torch.Tensor]:
-    """x (..., W) -> codes (..., W) in fmt's storage dtype and float32 scales (..., n); see the module docstring.
-    Few-bit formats: packed uint8 codes and float16 scales (and minima), modules/lowbit.py."""
-    if fmt.low is not None:
-        return lowbit.encode(x, parts, fmt.low)
-    xf = x.to(torch.promote_types(x.dtype, SCALE_DTYPE))  # (..., W)
-    amax, start = [], 0
-    for w in parts:
-        part = xf[..., start:start + w].abs()  # (..., w)
-        if fmt.group is None or fmt.group >= w:
-            amax.append(part.amax(-1, keepdim=True))  # (..., 1)
-        else:
-            n = -(-w // fmt.group)
-            part = nn.functional.pad(part, (0, n * fmt.group - w))  # (..., n*g), zeros do not raise amax
-            amax.append(part.unflatten(-1, (n, fmt.group)).amax(-1))  # (..., n)
-        start += w
-    scales = (torch.cat(amax, -1) / QMAX[fmt.code]).to(SCALE_DTYPE)  # (..., n)
-    s = torch.where(scales > 0, scales, torch.ones_like(scales)).to(xf.dtype)  # (..., n)
-    y = xf.clone() if xf is x else xf  # divided in place below; x itself stays as given
-    y = _each_scale(y, s, parts, fmt.group, torch.Tensor.div_)  # (..., W), |y| <= QMAX up to rounding
-    if fmt.code == "int8":
-        return torch.round(y).clamp_(-127, 127).to(torch.int8), scales
-    return y.clamp_(-QMAX["fp8"], QMAX["fp8"]).to(torch.float8_e4m3fn), scales
-
-
-def dequantise(codes: torch.Tensor, scales: torch.Tensor, parts: tuple[int, ...], group: int | None,
-               dtype: torch.dtype, low: lowbit.LowBit | None = None) -> torch.Tensor:
-    """codes (..., W), scales (..., n) -> (codes * scale) (..., W) in `dtype`, multiplied in float32
-    (float64 for float64); few-bit formats (low) through lowbit.decode."""
-    if low is not None:
-        return lowbit.decode(codes, scales, parts, low, dtype)
-    work = torch.promote_types(dtype, SCALE_DTYPE)
-    out = _each_scale(codes.to(work), scales.to(work), parts, group, torch.Tensor.mul_)  # (..., W)
-    return out if work == dtype else out.to(dtype)
-
-
-def round_trip(x: torch.Tensor, kv_dtype, parts: tuple[int, ...], role: str | None = None) -> torch.Tensor:
-    """x as a cache with this kv_dtype (a spelling or a StorageFormat) returns it: quantised then
-    dequantised, or rounded to a plain storage dtype. role ("key", "value"): what x (..., S, W) holds,
-    for KIVI, which quantises keys along the tokens (lowbit.kivi_round_trip)."""
-    fmt = kv_dtype if isinstance(kv_dtype, StorageFormat) else check_kv_dtype(kv_dtype)
-    if fmt is None:
-        return x
-    if fmt.evaluation_only:
-        stored = lowbit.kivi_round_trip(x.detach(), fmt.low, role)
-    elif not fmt.quantised:
-        stored = x.to(fmt.storage_dtype).to(x.dtype)
-    elif fmt.low is not None:
-        stored = lowbit.round_trip(x.detach(), parts, fmt.low)
-    else:
-        codes, scales = quantise(x, parts, fmt)
-        stored = dequantise(codes, scales, parts, fmt.group, x.dtype, fmt.low)
-    if x.requires_grad:  # training through the storage: its values forward, the identity's gradient back
-        return x + (stored - x).detach()  # (straight-through; integer codes would cut the graph)
-    return stored
-
-
-class QuantisedKV(NamedTuple):
-    """Rows of a quantised cache as stored: codes (..., S, W), float32 scales (..., S, n), how scales map
-    to channels (parts, group), and the activation dtype they are read back in."""
-    data: torch.Tensor
-    scales: torch.Tensor
-    parts: tuple[int, ...]
-    group: int | None
-    dtype: torch.dtype
-    low: lowbit.LowBit | None = None  # a few-bit format: data holds packed codes, scales float16 meta
-
-    @property
-    def shape(self) -> torch.Size:
-        """(..., S, W): the rows' shape as read back (a packed row is narrower in storage)."""
-        return (*self.data.shape[:-1], sum(self.parts)) if self.low is not None else self.data.shape
-
-    @property
-    def foldable(self) -> bool:
-        """Whether a reader may take the codes in the activation dtype and apply the scales per row of
-        each part (one scale per part, a float32/float64 activation dtype: the same products in the same
-        precision as dequantise(), in another order)."""
-        return (self.low is None and num_scales(self.parts, self.group) == len(self.parts)
-                and self.dtype in (torch.float32, torch.float64))
-
-    def codes(self) -> torch.Tensor:
-        """The codes in the activation dtype (exact: int8 and e4m3 codes are representable), (..., S, W)."""
-        return self.data.to(self.dtype)
-
-    def dequantise(self) -> torch.Tensor:
-        return dequantise(self.data, self.scales, self.parts, self.group, self.dtype, self.low)  # (..., S, W)
-
-
-def dense(kv):
-    """A tensor as it is; QuantisedKV rows dequantised."""
-    return kv.dequantise() if isinstance(kv, QuantisedKV) else kv
-
-
-def with_row_scale(kv) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(rows, per-row factor (..., S) or None) whose product is dense(kv): the codes and their scale for
-    one-part QuantisedKV rows a reader can fold (QuantisedKV.foldable), else dense(kv) and None."""
-    if isinstance(kv, QuantisedKV) and kv.foldable and len(kv.parts) == 1:
-        return kv.codes(), kv.scales[..., 0].to(kv.dtype)
-    return dense(kv), None
 
 
 # -- the caches ----------------------------------------------------------------------------------
