@@ -9,6 +9,7 @@
 - base.py       what every attention module does before its own math
 - gqa.py        GroupedQueryAttention, and MultiHeadAttention as its G = H case
 - mla.py        MultiHeadLatentAttention: expanded, absorbed and GQA-tiled paths
+- tiling.py     the GQA tiling of an MLA (an exact conversion): found, checked, cached and attended as GQA does
 """
 from .attention import attend, causal_mask
 from .cache import KVCache, LatentCache
