@@ -486,3 +486,19 @@ def test_a_shrink_of_a_model_with_sliding_layers_states_its_bytes_at_a_context(t
     assert at["context"] == 256
     assert at["shrunk"] == hf.kv_bytes_per_token(model, context=256) < kv["shrunk"]
     assert at["original_16bit"] == hf.kv_bytes_per_token(teacher, torch.bfloat16, context=256) < kv["original_16bit"]
+
+
+@pytest.mark.parametrize("keep_worse", [False, True])
+def test_a_heal_judged_worse_is_given_back_unless_keep_worse(tiny, tmp_path, monkeypatch, keep_worse):
+    """keep_better in a shrink: a heal judged worse (guard.worse made to say so) leaves the converted weights in the
+    output and says so in the report; with keep_worse (--keep-worse) the healed ones are written."""
+    from attnlab.heal import guard
+
+    folder, _, _, text, held = tiny
+    monkeypatch.setattr(guard, "worse", lambda before, after: True)
+    out = tmp_path / "out"
+    report = shrink(_req(folder, out, text=[str(text)], eval_text=[str(held)], keep_worse=keep_worse))
+    heal = report["heal"]
+    assert ("kept" in heal) == (not keep_worse) and heal["steps_done"] > 0
+    held_out = report["held_out"]
+    assert (held_out["after"] == held_out["before"]) == (not keep_worse)

@@ -97,6 +97,9 @@ def shrink(source: str = typer.Argument(..., help="The model: smollm2, a transfo
                                       "attnlab wrote)."),
            layer_steps: Optional[int] = typer.Option(None, "--layer-steps", help="Layer-wise heal steps per layer "
                                                      "(0: skip the phase; default: sized to the time)."),
+           keep_worse: bool = typer.Option(False, "--keep-worse", help="Write the healed weights even when the "
+                                           "held-out perplexity rose (by default the converted ones are written "
+                                           "then, and the report says so)."),
            shard: bool = SHARD, collective_timeout: float = COLLECTIVE_TIMEOUT):
     """Shrink a model's KV cache to a budget: plan, convert, heal and export in one run.
 
@@ -134,7 +137,7 @@ def shrink(source: str = typer.Argument(..., help="The model: smollm2, a transfo
                             text=[str(t) for t in text or []], eval_text=[str(t) for t in eval_text or []],
                             seed=seed, device=device, calibration=not no_calibration, storage=kv_dtype,
                             latent_dim=latent_dim, rope_dim=rope_dim, tokens=tokens, seq_len=seq_len,
-                            layer_steps=layer_steps)
+                            layer_steps=layer_steps, keep_worse=keep_worse)
         try:
             check_request(req)
         except ValueError as e:

@@ -72,6 +72,7 @@ class ShrinkRequest:
     seq_len: int = 256  # tokens per training window
     tokens: int | None = None  # end-to-end heal tokens (None: as many as the time allows)
     layer_steps: int | None = None  # layer-wise steps per layer (None: sized to the time)
+    keep_worse: bool = False  # write the healed weights even when held-out perplexity rose (heal_model's keep_better)
 
     def identity(self) -> dict:
         keep = ("source", "kv_budget", "fmt", "text", "eval_text", "seed", "calibration", "storage", "latent_dim",
@@ -409,7 +410,7 @@ def _shrink(req: ShrinkRequest, resume: bool, force: bool, budget: Budget | None
         report = heal_model(teacher, student, data["train"], data["held"], plan,
                             device=world.device if world is not None and world.distributed else req.device,
                             budget=_heal_budget(budget, reserve), checkpoint=checkpoint, resume=resume_heal,
-                            progress=show.step, world=world, shard=shard)
+                            progress=show.step, world=world, shard=shard, keep_better=not req.keep_worse)
         state.data["report"]["heal"] = report
         state.data["minutes"]["heal"] = state.data["minutes"].get("heal", 0.0) + phase_time(t)
         state.save()
@@ -500,7 +501,7 @@ def _follow(req: ShrinkRequest, world, shard: bool, budget: Budget) -> None:
         student, _, _ = hf.load_model(tmp)
     report = heal_model(teacher, student, train, held, HealPlan(**info["heal_plan"]), device=world.device,
                         budget=_heal_budget(budget, info["reserve"]), checkpoint=Path(info["checkpoint"]),
-                        resume=info["resume"], world=world, shard=shard)
+                        resume=info["resume"], world=world, shard=shard, keep_better=not req.keep_worse)
     if report["status"] == "stopped":
         raise Stopped("stop")
     return None
