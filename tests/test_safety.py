@@ -272,6 +272,27 @@ def test_5_teacher_writing_stops_starting_batches_when_its_share_is_spent(tiny):
     assert 4 <= windows.shape[0] < 64 and clock.now <= 15 + per_batch
 
 
+def test_5_a_slow_teacher_starts_small_and_fills_its_share_without_passing_it(tiny):
+    """A model whose pass costs 1 s per window in the batch (compute-bound on its batch), windows of T = 16 tokens
+    from prompts of 8 (8 passes a batch): under a deadline the teacher writes a first batch of FIRST_BATCH windows,
+    then as many as the measured cost per window says still fit, and never passes its share of 180 s; one batch
+    of 32 windows, the batch size asked for, would take 256 s."""
+    from attnlab.heal.data import FIRST_BATCH
+
+    _, teacher, tok = tiny
+    clock = FakeClock()
+    hook = teacher.model.embed_tokens.register_forward_pre_hook(
+        lambda _m, args: setattr(clock, "now", clock.now + args[0].shape[0]))
+    try:
+        budget = Budget(6, clock=clock)
+        windows = teacher_windows(teacher, tok, 64, T, batch_size=32, budget=budget.share(0.5))  # 180 s
+    finally:
+        hook.remove()
+    per_window = T // 2  # passes per batch (a prefill and T/2 - 1 decode steps), 1 s each per window
+    assert FIRST_BATCH < windows.shape[0] < 64 and clock.now <= 180
+    assert clock.now > 180 - 2 * FIRST_BATCH * per_window  # it used its share, not just the first batch
+
+
 def test_5_bad_budgets_and_lengths_are_one_line_errors(tiny, tmp_path, capsys):
     folder, _, _ = tiny
     conv = tmp_path / "conv"

@@ -80,13 +80,19 @@ def text_windows(tok, paths, seq_len: int, *, holdout: float = 0.1, eval_paths=N
     return train, ids[cut:][None]
 
 
+FIRST_BATCH = 4  # windows in the first batch the teacher writes under a deadline (teacher_windows)
+
+
 def teacher_windows(teacher, tok, count: int, seq_len: int, *, seed: int = 0, batch_size: int = 8,
                     prompts=PROMPTS, progress=None, budget=None) -> torch.Tensor:
     """Up to `count` windows (n, seq_len) of text the teacher writes from the prompts (sampled, seeded).
 
     Written batch_size windows at a time with attnlab's generation loop. budget (runtime.Budget):
-    a batch starts only if the last batch's time still fits (the windows written so far are
-    returned, at least one batch); a stop request raises runtime.Stopped, also in a batch.
+    a batch starts only if it still fits, taking a batch to cost at least the last one's time and
+    more in proportion to its windows (the windows written so far are returned, at least one
+    batch); with a deadline the first batch is FIRST_BATCH windows at most, so that a slow model
+    (Gemma 3 270M: about 3 minutes for 32 windows of 256 tokens on 2 cores) cannot spend a short
+    budget before anything is measured. A stop request raises runtime.Stopped, also in a batch.
     """
     from ..generation.loop import generate
     from ..runtime.budget import Stopped
@@ -98,15 +104,20 @@ def teacher_windows(teacher, tok, count: int, seq_len: int, *, seed: int = 0, ba
         raise ValueError(f"windows of {seq_len} tokens exceed the model's context (max_position_embeddings {context})")
     pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
     out = []
-    last = 0.0  # seconds the last batch took: a batch starts only if one more still fits
-    for start in range(0, count, batch_size):
+    timed = budget is not None and budget.deadline is not None
+    last, last_n = 0.0, 1  # the last batch: seconds and windows (a batch starts only if it still fits)
+    start = 0
+    while start < count:
+        n = min(batch_size, count - start, FIRST_BATCH if timed and not start else batch_size)
         if budget is not None and start:
             if budget.stop_requested:
                 raise Stopped("stop")
             if budget.expired(last):
                 break
+            if timed and last > 0:  # as many windows as fit, at the last batch's cost per window (or more)
+                n = min(n, max(last_n, int(budget.left() * last_n / last)))
         began = None if budget is None else budget.clock()
-        rows = [prompts[(start + k) % len(prompts)] for k in range(min(batch_size, count - start))]
+        rows = [prompts[(start + k) % len(prompts)] for k in range(n)]
         enc = [tok(p, return_tensors="pt").input_ids[0][: seq_len // 2] for p in rows]
         if max(e.numel() for e in enc) + seq_len - min(e.numel() for e in enc) > context:
             short = min(e.numel() for e in enc)  # left padding would run past the context: equal prompts
@@ -124,7 +135,8 @@ def teacher_windows(teacher, tok, count: int, seq_len: int, *, seed: int = 0, ba
         for k, e in enumerate(enc):  # the prompt (without its padding) and the continuation, cut to seq_len
             out.append(torch.cat([e, full[k, P:]])[:seq_len])
         if began is not None:
-            last = budget.clock() - began
+            last, last_n = budget.clock() - began, n
+        start += n
         if progress:
             progress(len(out), count)
     return torch.stack(out)  # (n, T)
