@@ -80,7 +80,28 @@ def text_windows(tok, paths, seq_len: int, *, holdout: float = 0.1, eval_paths=N
     return train, ids[cut:][None]
 
 
-FIRST_BATCH = 4  # windows in the first batch the teacher writes under a deadline (teacher_windows)
+class _TooSlow(Exception):
+    """A batch of teacher text that would not fit its budget, found early in its generation (teacher_windows)."""
+
+    def __init__(self, seconds_per_window: float):
+        super().__init__("batch too slow")
+        self.seconds_per_window = seconds_per_window
+
+
+def _watch(budget, began: float, steps: int, n: int):
+    """A stream callback that times a batch of n windows after its first 1/16 of `steps` (at least 2) and raises
+    _TooSlow if the whole batch would not fit what was left of the budget when it began."""
+    probe = max(2, steps // 16)
+    seen = [0]
+    left = budget.left()
+
+    def watch(_column):
+        seen[0] += 1
+        if seen[0] == probe and probe < steps:
+            per_window = (budget.clock() - began) * steps / probe / n  # the prefill counted as a step: high side
+            if per_window * n > left:
+                raise _TooSlow(per_window)
+    return watch
 
 
 def teacher_windows(teacher, tok, count: int, seq_len: int, *, seed: int = 0, batch_size: int = 8,
@@ -88,11 +109,12 @@ def teacher_windows(teacher, tok, count: int, seq_len: int, *, seed: int = 0, ba
     """Up to `count` windows (n, seq_len) of text the teacher writes from the prompts (sampled, seeded).
 
     Written batch_size windows at a time with attnlab's generation loop. budget (runtime.Budget):
-    a batch starts only if it still fits, taking a batch to cost at least the last one's time and
-    more in proportion to its windows (the windows written so far are returned, at least one
-    batch); with a deadline the first batch is FIRST_BATCH windows at most, so that a slow model
-    (Gemma 3 270M: about 3 minutes for 32 windows of 256 tokens on 2 cores) cannot spend a short
-    budget before anything is measured. A stop request raises runtime.Stopped, also in a batch.
+    a batch starts only if the last batch's time still fits (the windows written so far are
+    returned, at least one batch). With a deadline every batch is timed after its first 1/16 of
+    steps (at least 2): if the whole batch would not fit what is left, it is dropped and started
+    again with as many windows as fit at the cost per window just measured (at least one), so
+    that a slow model (Gemma 3 270M: about 3 minutes for 32 windows of 256 tokens on 2 cores)
+    cannot spend a short budget on one batch. A stop request raises runtime.Stopped, also in a batch.
     """
     from ..generation.loop import generate
     from ..runtime.budget import Stopped
@@ -105,17 +127,15 @@ def teacher_windows(teacher, tok, count: int, seq_len: int, *, seed: int = 0, ba
     pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
     out = []
     timed = budget is not None and budget.deadline is not None
-    last, last_n = 0.0, 1  # the last batch: seconds and windows (a batch starts only if it still fits)
-    start = 0
+    last = 0.0  # seconds the last batch took: a batch starts only if one more still fits
+    start, n = 0, batch_size
     while start < count:
-        n = min(batch_size, count - start, FIRST_BATCH if timed and not start else batch_size)
+        n = min(n, count - start)
         if budget is not None and start:
             if budget.stop_requested:
                 raise Stopped("stop")
             if budget.expired(last):
                 break
-            if timed and last > 0:  # as many windows as fit, at the last batch's cost per window (or more)
-                n = min(n, max(last_n, int(budget.left() * last_n / last)))
         began = None if budget is None else budget.clock()
         rows = [prompts[(start + k) % len(prompts)] for k in range(n)]
         enc = [tok(p, return_tensors="pt").input_ids[0][: seq_len // 2] for p in rows]
@@ -128,14 +148,21 @@ def teacher_windows(teacher, tok, count: int, seq_len: int, *, seed: int = 0, ba
         for k, e in enumerate(enc):
             ids[k, P - e.numel():], mask[k, P - e.numel():] = e, 1
         new = seq_len - min(e.numel() for e in enc)  # enough for the row with the shortest prompt
-        with torch.no_grad():
-            full = generate(teacher, ids, mask, max_new_tokens=new, temperature=1.0, top_p=0.95,
-                            seed=seed * 100003 + start, budget=None if budget is None else budget.unbounded())
-            # (B, P + new)
+        watch = _watch(budget, began, new, n) if timed and n > 1 else None
+        try:
+            with torch.no_grad():
+                full = generate(teacher, ids, mask, max_new_tokens=new, temperature=1.0, top_p=0.95,
+                                seed=seed * 100003 + start, budget=None if budget is None else budget.unbounded(),
+                                stream=watch)  # (B, P + new)
+        except _TooSlow as e:  # the batch again, with as many windows as fit at the cost just measured
+            if start and budget.left() < e.seconds_per_window:
+                break
+            n = max(1, min(n - 1, int(budget.left() / e.seconds_per_window)))
+            continue
         for k, e in enumerate(enc):  # the prompt (without its padding) and the continuation, cut to seq_len
             out.append(torch.cat([e, full[k, P:]])[:seq_len])
         if began is not None:
-            last, last_n = budget.clock() - began, n
+            last = budget.clock() - began
         start += n
         if progress:
             progress(len(out), count)
