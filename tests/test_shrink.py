@@ -16,7 +16,7 @@ from attnlab import models as hf
 from attnlab.cli import main
 from attnlab.runtime import Budget, Stopped
 from attnlab.shrink import ShrinkRequest, parse_budget, plan, shrink
-from attnlab.shrink.pipeline import run_folder
+from attnlab.shrink.pipeline import check_request, run_folder
 from attnlab.shrink.plan import Candidate, apply, bytes_per_token, proxy_kl, teacher_log_probs
 
 T = 16
@@ -502,3 +502,26 @@ def test_a_heal_judged_worse_is_given_back_unless_keep_worse(tiny, tmp_path, mon
     assert ("kept" in heal) == (not keep_worse) and heal["steps_done"] > 0
     held_out = report["held_out"]
     assert (held_out["after"] == held_out["before"]) == (not keep_worse)
+
+
+def test_a_budget_at_a_context_is_met_there_and_the_kept_layers_are_the_teachers(tmp_path):
+    """--context 256 on Gemma 3 (window 8): the budget is a share of the original's bytes at 256 tokens, the written
+    model's cache holds no more there (kv_bytes_per_token at that context, from the folder), the report and the plan
+    say at which context, and a layer the plan kept is the teacher's own, bit for bit; a context of 0 is refused."""
+    folder = tmp_path / "gemma3"
+    make_checkpoint("gemma3", folder, max_position_embeddings=256)
+    text = tmp_path / "train.txt"
+    text.write_text(TEXT * 40)
+    out = tmp_path / "out"
+    report = shrink(_req(folder, out, text=[str(text)], kv_budget="25%", context=256))
+    at = report["kv_bytes_per_token"]["at_context"]
+    model, _, _ = hf.load_model(str(out))
+    teacher, _, _ = hf.load_model(str(folder))
+    assert at["context"] == report["plan"]["context"] == 256
+    assert at["shrunk"] == hf.kv_bytes_per_token(model, context=256) <= 0.25 * at["original_16bit"]
+    kept = [i for i in range(2) if i not in (report["plan"]["chosen"]["layers"] or range(2))]
+    for i in kept:
+        mine, theirs = hf.attnlab_modules(model)[i].state_dict(), hf.attnlab_modules(teacher)[i].state_dict()
+        assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+    with pytest.raises(ValueError, match="--context must be a positive number of tokens, got 0"):
+        check_request(_req(folder, tmp_path / "o2", context=0))

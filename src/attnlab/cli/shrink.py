@@ -60,7 +60,7 @@ def _candidates(report: dict) -> Table | None:
     for col in ("candidate", "bytes/token", "proxy KL"):
         table.add_column(col, justify="left" if col == "candidate" else "right")
     for c in plan["candidates"]:
-        table.add_row(c["label"], str(c["bytes_per_token"]), f"{c['proxy']:.4f}")
+        table.add_row(c["label"], f"{c['bytes_per_token']:.0f}", f"{c['proxy']:.4f}")
     return table
 
 
@@ -68,6 +68,10 @@ def shrink(source: str = typer.Argument(..., help="The model: smollm2, a transfo
                                           "(Llama, Mistral, Qwen2)."),
            kv_budget: str = typer.Option(..., "--kv-budget", help="The KV cache to keep: a share of the original's "
                                          "16-bit cache (50%, 0.25) or bytes per token for the whole model (6000)."),
+           context: Optional[int] = typer.Option(None, "--context", help="Count the budget's bytes per token at this "
+                                                 "sequence length: a sliding-window layer holds only its window, and "
+                                                 "the planner may keep such layers unconverted (Gemma 3; default: "
+                                                 "every token held in every layer)."),
            out: Path = typer.Option(..., "--out", help="Where to write: a folder (attnlab, deepseek) or a .gguf file."),
            minutes: float = typer.Option(10.0, "--minutes", help="Time budget for everything, from the start."),
            text: Optional[list[Path]] = typer.Option(None, "--text", help="Training and calibration text (repeat); "
@@ -120,6 +124,7 @@ def shrink(source: str = typer.Argument(..., help="The model: smollm2, a transfo
         positive("--minutes", minutes)
         positive("--tokens", tokens, integer=True)
         positive("--seq-len", seq_len, integer=True)
+        positive("--context", context, integer=True)
         positive("--latent-dim", latent_dim, integer=True)
         positive("--rope-dim", rope_dim, integer=True)
         if device not in ("cpu", "cuda"):
@@ -137,7 +142,7 @@ def shrink(source: str = typer.Argument(..., help="The model: smollm2, a transfo
                             text=[str(t) for t in text or []], eval_text=[str(t) for t in eval_text or []],
                             seed=seed, device=device, calibration=not no_calibration, storage=kv_dtype,
                             latent_dim=latent_dim, rope_dim=rope_dim, tokens=tokens, seq_len=seq_len,
-                            layer_steps=layer_steps, keep_worse=keep_worse)
+                            layer_steps=layer_steps, keep_worse=keep_worse, context=context)
         try:
             check_request(req)
         except ValueError as e:

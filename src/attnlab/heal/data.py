@@ -206,6 +206,22 @@ def training_data(teacher, tok, seq_len: int, *, text=None, eval_text=None, wind
     return train, held, used
 
 
+def converted_layers(teacher, student) -> list[int]:
+    """The indices of the layers whose attention the conversion changed (another class, or other weights): the ones
+    a heal trains. A layer the planner kept (shrink/plan.py layouts) is the teacher's own and stays so; a student with
+    no changed layer (nothing converted) trains every layer, as a heal always did."""
+    from ..models.adapters import attnlab_modules
+
+    def same(a, b) -> bool:
+        sa, sb = a.state_dict(), b.state_dict()
+        return type(a) is type(b) and sa.keys() == sb.keys() and all(
+            sa[k].shape == sb[k].shape and torch.equal(sa[k].to(sb[k].device), sb[k]) for k in sa)
+
+    pairs = list(zip(attnlab_modules(teacher), attnlab_modules(student)))
+    changed = [i for i, (t, s) in enumerate(pairs) if not same(t, s)]
+    return changed or list(range(len(pairs)))
+
+
 def check_pair(teacher, student) -> None:
     """ValueError unless the teacher is the student's network around its attention (same shapes, same vocabulary)."""
     from ..models.adapters import attnlab_modules, family

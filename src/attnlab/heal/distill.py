@@ -53,6 +53,7 @@ from ..models.evaluate import kv_bytes_per_token
 from ..runtime.budget import Budget, Stopped
 from . import distributed as dd
 from . import guard
+from .data import converted_layers
 from .trained import TrainedPart
 
 LORA_TARGETS = ("W_Q", "W_DQ", "W_UQ", "W_K", "W_V", "W_DKV", "W_KR", "W_UK", "W_UV", "W_O")
@@ -88,11 +89,12 @@ def _modules(model):
     return attnlab_modules(model)
 
 
-def freeze_all_but_attention(student) -> list[torch.nn.Parameter]:
-    """requires_grad only on the attnlab attention modules' parameters; returns them."""
+def freeze_all_but_attention(student, layers=None) -> list[torch.nn.Parameter]:
+    """requires_grad only on the attnlab attention modules' parameters (of the layers in `layers`, default all);
+    returns them."""
     for p in student.parameters():
         p.requires_grad_(False)
-    params = [p for m in _modules(student) for p in m.parameters()]
+    params = [p for i, m in enumerate(_modules(student)) if layers is None or i in layers for p in m.parameters()]
     for p in params:
         p.requires_grad_(True)
     return params
@@ -153,11 +155,12 @@ def _generator(*key: int) -> torch.Generator:
     return torch.Generator().manual_seed(hash(key) & 0x7FFF_FFFF_FFFF)
 
 
-def add_lora(student, rank: int) -> None:
-    """LoRA adapters (peft) on every linear map of the attention modules; only those train."""
+def add_lora(student, rank: int, layers=None) -> None:
+    """LoRA adapters (peft) on every linear map of the attention modules (of the layers in `layers`, default all);
+    only those train."""
     from peft import LoraConfig, inject_adapter_in_model
 
-    for m in _modules(student):
+    for m in (m for i, m in enumerate(_modules(student)) if layers is None or i in layers):
         names = [n for n in LORA_TARGETS if getattr(m, n, None) is not None]
         inject_adapter_in_model(LoraConfig(r=rank, lora_alpha=rank, target_modules=names), m)
     for p in student.parameters():
@@ -220,13 +223,15 @@ class Healer:
         self.shard = bool(shard)
         _check_split(self.world, plan, windows)
         self.teacher, self.student, self.plan = teacher.eval(), student.eval(), plan
+        self.layers = converted_layers(teacher, student)  # what trains: a layer the conversion kept stays the teacher's
         self.device = self.world.device if self.world.distributed else torch.device(device)
         self.windows = windows
         self.checkpoint = None if checkpoint is None else Path(checkpoint)
         self.checkpoint_seconds, self.progress = checkpoint_seconds, progress
         self.budget = budget if budget is not None else Budget()
         self.autocast = self.device.type == "cuda"  # bf16 where the hardware has it
-        self.state = {"phase": "layers" if plan.layer_steps else "distill", "layer": 0, "step": 0, "tokens": 0,
+        self.state = {"phase": "layers" if plan.layer_steps else "distill", "layer": self.layers[0], "step": 0,
+                      "tokens": 0,
                       "total_steps": None, "elapsed": 0.0, "layer_losses": [], "distill_losses": [],
                       "steps_done": 0, **guard.initial_state()}
         self.fingerprints = {"student": fingerprint(_attention_weights(_modules(student)).items()),
@@ -234,15 +239,16 @@ class Healer:
         for p in teacher.parameters():
             p.requires_grad_(False)
         if plan.lora_rank:
-            add_lora(student, plan.lora_rank)
+            add_lora(student, plan.lora_rank, self.layers)
         else:
-            freeze_all_but_attention(student)
+            freeze_all_but_attention(student, self.layers)
         self._attn = _modules(student)  # the student's own attention modules (what checkpoints hold)
         self.optimizer = None
         self.steps_this_run = 0
         self._inputs = self._check_x = None
         self._start_weights = None  # the layer-wise phase's current layer as it started (the guard's fallback)
-        self.trained = TrainedPart(student, self._attn, self.world, self.shard, self.device)  # what a phase trains
+        self.trained = TrainedPart(student, self._attn, self.world, self.shard, self.device,  # what a phase trains
+                                   self.layers)
 
     # -- checkpoints ---------------------------------------------------------------------------
     def request_stop(self) -> None:
@@ -390,8 +396,9 @@ class Healer:
         if s["step"] == plan.layer_steps:
             s["layer_losses"].append(value)
             self._guard(layer)
-            s["layer"], s["step"] = s["layer"] + 1, 0
-            if s["layer"] == len(self._attn):
+            later = [i for i in self.layers if i > layer]
+            s["layer"], s["step"] = (later[0] if later else len(self._attn)), 0
+            if not later:
                 s["phase"], s["layer"] = "distill", 0
                 self._inputs = self._check_x = None
             self._make_optimizer()
@@ -507,9 +514,10 @@ class Healer:
         return status
 
     def _info(self, phase, loss, step_time) -> dict:
-        s, plan, n = self.state, self.plan, len(_modules(self.student))
+        s, plan, n = self.state, self.plan, len(self.layers)
         if phase == "layers":
-            done = s["layer"] * plan.layer_steps + s["step"] if s["phase"] == "layers" else n * plan.layer_steps
+            done = self.layers.index(s["layer"]) * plan.layer_steps + s["step"] if s["phase"] == "layers" \
+                else n * plan.layer_steps
             total = n * plan.layer_steps
             tokens = plan.layer_batch * plan.seq_len
         else:
@@ -606,7 +614,7 @@ def heal_model(teacher, student, windows: torch.Tensor, held_out: torch.Tensor, 
                   distill_steps=s["step"] if s["phase"] != "layers" else 0, layer_losses=s["layer_losses"],
                   distill_loss_first=s["distill_losses"][:1], distill_loss_last=s["distill_losses"][-5:],
                   trained_steps=healer.steps_this_run, steps_done=s["steps_done"], layer_checks=s["layer_checks"],
-                  layers_restored=s["layers_restored"], lr_scale=s["lr_scale"])
+                  layers_restored=s["layers_restored"], lr_scale=s["lr_scale"], layers_trained=list(healer.layers))
     if evaluate and status != "stopped" and s["steps_done"] and "reference" in s:
         try:
             report["after"] = public(evaluate_pair(teacher, student, held_out, budget=budget.unbounded(),

@@ -19,12 +19,15 @@ from . import distributed as dd
 class TrainedPart:
     """The trained part of `student` for one phase and layer at a time (module docstring).
 
-    attn: the student's own attention modules, in order (what checkpoints hold). After wrap(): `owner` is the
+    attn: the student's own attention modules, in order (what checkpoints hold); layers: the indices of those the
+    heal trains (default all; a layer the conversion kept is not). After wrap(): `owner` is the
     module whose parameters the optimizer holds (FSDP2: the twins, as a ModuleList), `part` the one a step calls.
     """
 
-    def __init__(self, student: nn.Module, attn: list[nn.Module], world: dd.World, shard: bool, device):
+    def __init__(self, student: nn.Module, attn: list[nn.Module], world: dd.World, shard: bool, device,
+                 layers=None):
         self.student, self.attn, self.world, self.shard, self.device = student, attn, world, shard, device
+        self.layers = list(range(len(attn))) if layers is None else list(layers)  # the trained ones
         self.part = self.owner = None
         self._twins: dict[int, nn.Module] = {}
         self._attached = False
@@ -35,7 +38,7 @@ class TrainedPart:
         if self.world.distributed:
             self.student.to(self.device)  # DDP and FSDP2 take modules on their device
         if self.shard:
-            wanted = [layer] if phase == "layers" else range(len(self.attn))
+            wanted = [layer] if phase == "layers" else self.layers
             for i in wanted:
                 self._twins[i] = dd.wrap(dd.replica(self.attn[i]), self.world, shard=True)
             self.owner = nn.ModuleList(self._twins[i] for i in wanted)  # the optimizer's parameters, in order

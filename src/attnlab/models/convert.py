@@ -27,18 +27,24 @@ ROROPE_SELECTIONS = ("rorope", "rorope-score")
 
 
 def convert_layers(model, fn, *, calibration_ids: torch.Tensor | None = None, progress=None,
-                   inputs: list | None = None):
-    """Apply fn(module, calibration or None) -> (new module, report) to every layer; returns the reports.
+                   inputs: list | None = None, layers=None):
+    """Apply fn(module, calibration or None) -> (new module, report) to every layer (or to the indices in
+    `layers`: the others stay as they are, their report None); returns the reports.
 
     Calibration inputs of all layers come from one forward of the model as it was
     before the conversion (one shot, not layer by layer); `inputs` gives them instead
     when the caller already has them (attention_inputs).
     """
     modules = attnlab_modules(model)
+    chosen = check_layers(layers, len(modules))
     if inputs is None:
         inputs = attention_inputs(model, calibration_ids) if calibration_ids is not None else [None] * len(modules)
     new, reports = [], []
     for i, (m, x) in enumerate(zip(modules, inputs)):
+        if i not in chosen:
+            new.append(m)
+            reports.append(None)
+            continue
         converted, report = fn(m, x)
         new.append(converted)
         reports.append(report)
@@ -46,6 +52,22 @@ def convert_layers(model, fn, *, calibration_ids: torch.Tensor | None = None, pr
             progress(i)
     replace_attention(model, new)
     return reports
+
+
+def check_layers(layers, count: int) -> set[int]:
+    """The set of layer indices to convert: all `count` for None, else each index once, in range; ValueError naming
+    the value otherwise (an empty selection converts nothing and is refused too)."""
+    if layers is None:
+        return set(range(count))
+    if isinstance(layers, (str, bytes)) or not hasattr(layers, "__iter__"):
+        raise TypeError(f"layers must be None (all) or a collection of layer indices, got {layers!r}")
+    chosen = list(layers)
+    bad = [i for i in chosen if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < count]
+    if bad or not chosen or len(set(chosen)) != len(chosen):
+        why = f"{bad[0]!r} is not a layer index in 0..{count - 1}" if bad else \
+            "it is empty" if not chosen else "an index repeats"
+        raise ValueError(f"layers must name each converted layer once among the model's {count}: {why}")
+    return set(chosen)
 
 
 def check_finite(layer: int, tensors: dict) -> None:
@@ -147,7 +169,8 @@ def check_convertible(model, exact: bool = False, *, rope_dim: int | None = None
 def convert_model(model, to: str, *, latent_dim: int | None = None, rope_dim: int | None = None,
                   num_kv_heads: int | None = None, method: str | None = None,
                   calibration_ids: torch.Tensor | None = None, pair_selection: str = "frequency",
-                  balance: bool = False, shared_planes: bool = True, progress=None, inputs: list | None = None):
+                  balance: bool = False, shared_planes: bool = True, progress=None, inputs: list | None = None,
+                  layers=None):
     """Convert every attention layer of an attnlab'd model in place; returns the per-layer reports.
 
     Llama (RoPE GQA) -> "mla": without latent_dim, the exact gqa_to_mla (the latent holds
@@ -163,7 +186,9 @@ def convert_model(model, to: str, *, latent_dim: int | None = None, rope_dim: in
     training, but the layers then turn at different frequencies and no export can hold them).
     Weights must be finite (checked first, naming the layer and tensor). inputs: each layer's
     calibration inputs, when the caller has them already (attention_inputs of the model as it is):
-    a planner converting one model many ways computes them once.
+    a planner converting one model many ways computes them once. layers: the indices of the layers to
+    convert (default all); the others stay GQA, a mixed model (the planner keeps a sliding-window model's
+    sliding layers so, shrink/plan.py); rorope-score then shares its planes among the converted layers.
     """
     from ..convert.choose import convert as convert_module
     from ..convert.decoupled import gqa_to_mla_decoupled, rorope_plane_scores, selection_options
@@ -179,8 +204,10 @@ def convert_model(model, to: str, *, latent_dim: int | None = None, rope_dim: in
                          "convert its source model instead")
     check_convertible(model, exact=fam == "llama" and to == "mla" and latent_dim is None, rope_dim=rope_dim,
                       pair_selection=pair_selection, balance=balance)
+    chosen = check_layers(layers, len(modules))
     for i, m in enumerate(modules):
-        check_finite(i, _attention_weights(m))
+        if i in chosen:
+            check_finite(i, _attention_weights(m))
     if calibration_ids is not None and calibration_ids.numel() == 0:
         raise ValueError("calibration_ids holds 0 tokens; calibration needs text")
     if fam == "llama":
@@ -189,7 +216,7 @@ def convert_model(model, to: str, *, latent_dim: int | None = None, rope_dim: in
         if latent_dim is None:
             if rope_dim is not None or calibration_ids is not None:
                 raise ValueError("--rope-dim and calibration apply to a compressed MLA: give --latent-dim too")
-            return convert_layers(model, lambda m, x: gqa_to_mla(m), progress=progress)
+            return convert_layers(model, lambda m, x: gqa_to_mla(m), progress=progress, layers=layers)
         G, d = first.num_kv_heads, first.head_dim
         if rope_dim is None:  # the keys whole for a model with per-head q/k norms
             rope_dim = keys_whole_rope_dim(model) or default_rope_dim(G, d)
@@ -198,21 +225,22 @@ def convert_model(model, to: str, *, latent_dim: int | None = None, rope_dim: in
         if pair_selection not in ROROPE_SELECTIONS:
             return convert_layers(model, lambda m, x: gqa_to_mla_decoupled(m, latent_dim, count, calibration=x,
                                                                            **options),
-                                  calibration_ids=calibration_ids, progress=progress, inputs=inputs)
+                                  calibration_ids=calibration_ids, progress=progress, inputs=inputs, layers=layers)
         if inputs is None:
             inputs = attention_inputs(model, calibration_ids) if calibration_ids is not None else [None] * len(modules)
         if pair_selection == "rorope-score" and shared_planes:
-            chosen = plane_choice([rorope_plane_scores(m, x) for m, x in zip(modules, inputs)], count)
-            by_layer = {id(m): p for m, p in zip(modules, chosen)}
+            picked = [(m, x) for i, (m, x) in enumerate(zip(modules, inputs)) if i in chosen]
+            planes = plane_choice([rorope_plane_scores(m, x) for m, x in picked], count)
+            by_layer = {id(m): p for (m, _), p in zip(picked, planes)}
             return convert_layers(model, lambda m, x: gqa_to_mla_decoupled(m, latent_dim, None, calibration=x,
                                                                            planes=by_layer[id(m)], **options),
-                                  inputs=inputs, progress=progress)
+                                  inputs=inputs, progress=progress, layers=layers)
         return convert_layers(model, lambda m, x: gqa_to_mla_decoupled(m, latent_dim, None, calibration=x,
                                                                        rope_planes=count, **options),
-                              inputs=inputs, progress=progress)
+                              inputs=inputs, progress=progress, layers=layers)
     if rope_dim is not None:
         raise ValueError("rope_dim applies to RoPE models (Llama); BERT has no RoPE")
     return convert_layers(model, lambda m, x: convert_module(m, to, num_kv_heads=num_kv_heads, method=method,
                                                               latent_dim=latent_dim, calibration=x),
-                          calibration_ids=calibration_ids, progress=progress, inputs=inputs)
+                          calibration_ids=calibration_ids, progress=progress, inputs=inputs, layers=layers)
 

@@ -13,15 +13,16 @@ import math
 BASELINES = ("q8_0", "q5_0", "q4_1", "q4_0", "kivi4", "kivi2")
 
 
-def baseline_bytes(teacher, names=BASELINES) -> dict[str, int]:
+def baseline_bytes(teacher, names=BASELINES, context: int | None = None) -> dict[str, float]:
     """Bytes per token of the teacher's whole cache in each baseline storage it can be stored in (llama.cpp's
-    blocks need head sizes that are multiples of 32; the others are left out)."""
+    blocks need head sizes that are multiples of 32; the others are left out); at a context, a sliding layer's
+    cache holding its window (models.kv_bytes_per_token)."""
     from ..models.evaluate import kv_bytes_per_token
 
     out = {}
     for n in names:
         try:
-            out[n] = kv_bytes_per_token(teacher, kv_dtype=n)
+            out[n] = kv_bytes_per_token(teacher, kv_dtype=n, context=context)
         except ValueError:  # a row that is not whole blocks: llama.cpp refuses that cache type for this model
             continue
     return out

@@ -73,10 +73,11 @@ class ShrinkRequest:
     tokens: int | None = None  # end-to-end heal tokens (None: as many as the time allows)
     layer_steps: int | None = None  # layer-wise steps per layer (None: sized to the time)
     keep_worse: bool = False  # write the healed weights even when held-out perplexity rose (heal_model's keep_better)
+    context: int | None = None  # the budget counts bytes per token at this sequence length (None: every token held)
 
     def identity(self) -> dict:
         keep = ("source", "kv_budget", "fmt", "text", "eval_text", "seed", "calibration", "storage", "latent_dim",
-                "rope_dim", "windows", "seq_len", "tokens", "layer_steps")
+                "rope_dim", "windows", "seq_len", "tokens", "layer_steps", "context")
         return {k: [str(x) for x in v] if isinstance(v, list) else v for k, v in asdict(self).items() if k in keep}
 
 
@@ -99,6 +100,9 @@ def check_request(req: ShrinkRequest) -> None:
                          f"per N latent channels; '+r8': the rope key in 8 bits; '+c4': in 4 bits per channel), got "
                          f"{req.storage!r}{llama}")
     parse_budget(req.kv_budget)
+    if req.context is not None and (isinstance(req.context, bool) or not isinstance(req.context, int) or
+                                    req.context < 1):
+        raise ValueError(f"--context must be a positive number of tokens, got {req.context!r}")
     if (req.latent_dim is None) != (req.rope_dim is None):
         raise ValueError("give --latent-dim and --rope-dim together (or neither: the planner chooses)")
     if req.fmt == "gguf" and not req.calibration:
@@ -344,7 +348,7 @@ def _shrink(req: ShrinkRequest, resume: bool, force: bool, budget: Budget | None
     if limit and req.seq_len > limit:
         raise ValueError(f"--seq-len {req.seq_len} exceeds the model's context (max_position_embeddings {limit})")
     if req.latent_dim is None:
-        feasible(teacher, parse_budget(req.kv_budget), req.fmt, storage_choices(req.storage, req.fmt))
+        feasible(teacher, parse_budget(req.kv_budget), req.fmt, storage_choices(req.storage, req.fmt), req.context)
     state.data["minutes"]["load"] = state.data["minutes"].get("load", 0.0) + phase_time(t)
     budget.check()
 
@@ -367,7 +371,7 @@ def _shrink(req: ShrinkRequest, resume: bool, force: bool, budget: Budget | None
             show.phase("planning: measuring candidate conversions on the calibration text")
             result = choose(teacher, data["calibration"], parse_budget(req.kv_budget), fmt=req.fmt,
                             storages=storage_choices(req.storage, req.fmt), calibrate=req.calibration,
-                            proxy_ids=data.get("proxy"), time_budget=budget.share(PLAN_SHARE),
+                            proxy_ids=data.get("proxy"), time_budget=budget.share(PLAN_SHARE), context=req.context,
                             progress=lambda i, label: show.phase(f"planning: candidate {i + 1}: {label}"))
             chosen = result.to_dict()
         state.data["plan"] = chosen
@@ -507,17 +511,18 @@ def _follow(req: ShrinkRequest, world, shard: bool, budget: Budget) -> None:
     return None
 
 
-def _baselines(teacher, student, held, heal: dict) -> dict:
-    """shrink.baselines for the report: every baseline's bytes, the two cheapest at or above the student's
-    scored on the held-out tokens the heal's final evaluation read (with its window)."""
+def _baselines(teacher, student, held, heal: dict, context: int | None = None) -> dict:
+    """shrink.baselines for the report: every baseline's bytes (at `context`, when the budget was counted there), the
+    two cheapest at or above the student's scored on the held-out tokens the heal's final evaluation read (with its
+    window)."""
     from ..models.evaluate import kv_bytes_per_token
     from . import baselines
 
     after, teacher_eval = heal.get("after") or {}, heal.get("teacher") or {}
     if after.get("perplexity") is None or teacher_eval.get("perplexity") is None:
         return {"note": "not scored: the heal has no final evaluation"}
-    sizes = baselines.baseline_bytes(teacher)
-    reached = kv_bytes_per_token(student)
+    sizes = baselines.baseline_bytes(teacher, context=context)
+    reached = kv_bytes_per_token(student, context=context)
     names = baselines.at_or_above(sizes, reached)
     scored = baselines.score(teacher, held, names, tokens=after.get("tokens"))
     return baselines.compare(reached, after["perplexity"], teacher_eval["perplexity"], sizes, scored)
@@ -546,7 +551,7 @@ def final_report(req: ShrinkRequest, state: RunState, teacher, student, meta) ->
     from .plan import original_sizes
 
     L, _, _, V = original_sizes(teacher)
-    context = sliding_context(teacher)  # sliding layers: their bytes per token depend on the context
+    context = req.context or sliding_context(teacher)  # sliding layers: their bytes per token depend on the context
     at_context = {"at_context": {"context": context, "original_16bit": kv_bytes_per_token(teacher, torch.bfloat16,
                                                                                          context=context),
                                  "shrunk": kv_bytes_per_token(student, context=context)}} if context else {}

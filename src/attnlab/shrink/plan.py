@@ -134,14 +134,19 @@ class Candidate:
 
     extra: int = 0  # latent values the export adds (DeepSeek's constant channel, GGUF's steady channel)
     rotation: str | None = None  # an orthogonal rotation of the latent folded into the weights (convert/rotate.py)
+    layers: list[int] | None = None  # the converted layers (None: all); the others keep the original's attention
+    kept_dtype: str | None = None  # the storage of the kept layers' cache
 
     @property
     def values(self) -> int:
         return self.latent_dim + self.extra + self.rope_dim
 
     def label(self) -> str:
+        n = 0 if self.layers is None else len(self.layers)
+        kept = "" if self.layers is None else f" in {n} global layer{'s' * (n != 1)}, the sliding ones kept in " \
+            f"{self.kept_dtype}"
         return (f"r={self.latent_dim}{'+1' if self.extra else ''} p={self.rope_dim} {self.rope_select}"
-                f"{' +BKV' if self.balance else ''}{' rotated' if self.rotation else ''} {self.kv_dtype}")
+                f"{' +BKV' if self.balance else ''}{' rotated' if self.rotation else ''} {self.kv_dtype}{kept}")
 
     def to_dict(self) -> dict:
         return {**asdict(self), "values_per_token_per_layer": self.values, "label": self.label()}
@@ -155,10 +160,12 @@ class PlanResult:
     original_bytes_16bit: int = 0
     budget_bytes: float = 0.0
     note: str = ""
+    context: int | None = None  # the sequence length bytes per token are counted at (None: every token held)
 
     def to_dict(self) -> dict:
         ranked = sorted((c for c in self.measured if c.proxy is not None), key=lambda c: c.proxy)
         return {"chosen": self.best.to_dict(), "budget": self.budget, "budget_bytes": self.budget_bytes,
+                "context": self.context,
                 "original_bytes_per_token_16bit": self.original_bytes_16bit, "note": self.note,
                 "candidates": [c.to_dict() for c in ranked]}
 
@@ -255,6 +262,73 @@ def splits(values: int, shares=(0.3,), *, max_rope: int, min_latent: int = 8, bl
     return out
 
 
+# -- layer types at a context ------------------------------------------------------------------------------
+KEPT_STORAGES = ("bf16", "int8")  # what the sliding layers a candidate keeps (unconverted) may store their cache in
+
+
+def held_share(window: int | None, storage: str, context: int | None) -> float:
+    """The share of a `context`-token sequence a layer's cache holds in that storage: 1 for a global layer, for no
+    context, or for a storage that keeps every token (modules/cache.py window_for); else its window's rows over the
+    context (window_rows)."""
+    from ..modules.cache import window_for, window_rows
+
+    if context is None or window is None or window_for(window, storage) is None:
+        return 1.0
+    return window_rows(window, context) / context
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Which layers a candidate converts, and the bytes per token the budget leaves them.
+
+    layers: the converted layers' indices (None: all); the others keep the original's attention, their cache in
+    kept_dtype. windows: each converted layer's sliding window (None: global). room: the budget less what the kept
+    layers' caches take at the context."""
+    layers: tuple[int, ...] | None
+    kept_dtype: str | None
+    windows: tuple
+    room: float
+
+    def span(self, storage: str, context: int | None) -> float:
+        """Converted layers, each counted by the share of the context its cache holds: a converted layer's bytes per
+        token times span() is the converted layers' bytes per token at the context."""
+        return sum(held_share(w, storage, context) for w in self.windows)
+
+
+def layouts(teacher, budget_bytes: float, context: int | None, fmt: str = "attnlab",
+            kept=KEPT_STORAGES) -> list[Layout]:
+    """Every layer converted; and, for a model with both sliding and global layers planned at a context in attnlab's
+    format, the global layers converted and the sliding ones kept as they are, their cache in each of `kept` whose
+    bytes leave room (at a long context a sliding layer holds a small share of its tokens: the bytes are the
+    global layers')."""
+    from ..models.adapters import attnlab_modules
+
+    mods = attnlab_modules(teacher)
+    windows = tuple(m.sliding_window for m in mods)
+    out = [Layout(None, None, windows, budget_bytes)]
+    slide = [i for i, w in enumerate(windows) if w is not None]
+    glob = [i for i, w in enumerate(windows) if w is None]
+    if context is None or fmt != "attnlab" or not slide or not glob:
+        return out
+    for storage in kept:
+        cost = sum(mods[i].init_cache(1, 1, dtype=torch.bfloat16, device="meta", kv_dtype=storage).bytes_at(context)
+                   for i in slide)
+        if cost < budget_bytes:
+            out.append(Layout(tuple(glob), storage, tuple(windows[i] for i in glob), budget_bytes - cost))
+    return out
+
+
+def original_bytes(teacher, context: int | None = None) -> float:
+    """The original's 16-bit cache in bytes per token: every token held (2 V L), or at a context (sliding layers
+    holding their windows)."""
+    if context is None:
+        L, _, _, V = original_sizes(teacher)
+        return bytes_per_token(V, "bf16", L)
+    from ..models.evaluate import kv_bytes_per_token
+
+    return kv_bytes_per_token(teacher, torch.bfloat16, kv_dtype="bf16", context=context)
+
+
 # -- measuring ----------------------------------------------------------------------------------------
 def teacher_log_probs(teacher, windows: torch.Tensor) -> list[torch.Tensor]:
     """The teacher's next-token log-probabilities on each proxy window (1, T, V), kept for every candidate."""
@@ -274,24 +348,32 @@ def proxy_kl(student, windows: torch.Tensor, reference: list[torch.Tensor]) -> f
 
 
 def apply(model, cand: Candidate, calibration_ids: torch.Tensor | None, inputs=None) -> None:
-    """Convert the model in place to the candidate: decoupled-RoPE MLA, the steady latent channel, the storage."""
+    """Convert the model in place to the candidate: decoupled-RoPE MLA, the steady latent channel, the storage; a
+    candidate that converts some layers (cand.layers) stores the others' caches in cand.kept_dtype."""
     from ..models.convert import convert_model
     from ..models.evaluate import set_kv_dtype
     from ..models.export import add_steady_channels
 
+    from ..models.adapters import attnlab_modules
+
     convert_model(model, "mla", latent_dim=cand.latent_dim, rope_dim=cand.rope_dim, calibration_ids=calibration_ids,
-                  pair_selection=cand.rope_select, balance=cand.balance, inputs=inputs)
+                  pair_selection=cand.rope_select, balance=cand.balance, inputs=inputs, layers=cand.layers)
     if cand.latent_norm:
         if calibration_ids is None:
             raise ValueError("a latent norm for a GGUF is fitted on calibration text: give text, or --format attnlab")
         add_steady_channels(model, calibration_ids)
+    converted = [m for i, m in enumerate(attnlab_modules(model)) if cand.layers is None or i in cand.layers]
     if cand.rotation:
         from ..convert.rotate import rotate_latent
-        from ..models.adapters import attnlab_modules
 
-        for m in attnlab_modules(model):
+        for m in converted:
             rotate_latent(m, cand.rotation)
-    set_kv_dtype(model, cand.kv_dtype)
+    if cand.layers is None:
+        set_kv_dtype(model, cand.kv_dtype)
+        return
+    set_kv_dtype(model, cand.kept_dtype)  # the kept layers'
+    for m in converted:
+        m.kv_dtype = cand.kv_dtype
 
 
 MIN_WHOLE_LATENT = 8  # the smallest latent (values) a keys-whole candidate is given
@@ -314,42 +396,58 @@ def check_format(teacher, fmt: str) -> None:
                          "MLA does not have; use --format attnlab")
 
 
-def _keys_whole_storages(L: int, V: int, whole: int, budget_bytes: float, storages) -> dict:
+def _keys_whole_storages(span, V: int, whole: int, room: float, storages) -> dict:
     """{storage: values per token and layer} of the keys-whole layout: the rope key and the largest latent that fits
-    (at least MIN_WHOLE_LATENT, at most V - whole), for each storage where one does."""
+    (at least MIN_WHOLE_LATENT, at most V - whole), for each storage where one does. span(storage): the converted
+    layers as Layout.span counts them; room: their bytes per token."""
     out = {}
     for s in storages:
-        start = max(0, min(V - whole, values_for(budget_bytes, s, L) - whole))
-        r = fit(start, whole, s, L, budget_bytes, ceiling=V - whole)
+        L = span(s)
+        start = max(0, min(V - whole, values_for(room, s, L) - whole))
+        r = fit(start, whole, s, L, room, ceiling=V - whole)
         if r >= MIN_WHOLE_LATENT:
             out[s] = r + whole
     return out
 
 
-def feasible(teacher, budget: KVBudget, fmt: str = "attnlab", storages=STORAGES) -> tuple[int, float, dict]:
-    """(original 16-bit bytes/token, the budget in bytes, {storage: values per token and layer that fit}) for a
-    budget some plan can meet; ValueError naming the budget otherwise (checked before any work). A model with
-    per-head q/k norms: its keys whole in each storage (values: rope key + latent), only in attnlab's format."""
+def feasible(teacher, budget: KVBudget, fmt: str = "attnlab", storages=STORAGES,
+             context: int | None = None) -> tuple[float, float, list[tuple[Layout, dict]]]:
+    """(original 16-bit bytes/token, the budget in bytes, [(layout, {storage: values per token and layer that fit})])
+    for a budget some plan can meet; ValueError naming the budget otherwise (checked before any work). context: bytes
+    are counted at that sequence length (sliding layers hold their windows; None: every token held), and a model
+    with sliding and global layers may keep its sliding ones (layouts()). A model with per-head q/k norms: its keys
+    whole in each storage (values: rope key + latent), only in attnlab's format. Other models plan every layer
+    converted."""
+    if context is not None:
+        from ..modules.checks import positive_int
+        positive_int("context", context)
     L, G, d, V = original_sizes(teacher)
-    original = bytes_per_token(V, "bf16", L)
+    original = original_bytes(teacher, context)
     budget_bytes = budget.bytes_for(original)
+    at = "" if context is None else f" at a context of {context} tokens"
     if budget_bytes >= original:
         raise ValueError(f"a KV budget of {budget} ({budget_bytes:.0f} bytes/token) is not below the original's "
-                         f"{original} bytes/token (16-bit): nothing to cut")
+                         f"{original:.0f} bytes/token (16-bit{at}): nothing to cut")
     storages = [s for s in storages if storage_ok(s, fmt)] or ["bf16"]
     whole = keys_whole(teacher)
     if whole is not None:
         check_format(teacher, fmt)
-        per_storage = _keys_whole_storages(L, V, whole, budget_bytes, storages)
-        if not per_storage:
-            smallest = min(L * layer_bytes(MIN_WHOLE_LATENT, whole, s) for s in storages)
-            raise ValueError(f"no plan can meet a KV budget of {budget} ({budget_bytes:.0f} bytes/token): this model's "
-                             f"per-head q/k norms keep its keys whole ({whole} values per token in each of the {L} "
-                             f"layers) beside a latent of at least {MIN_WHOLE_LATENT} values; the smallest these "
-                             f"storages ({', '.join(storages)}) can meet is {smallest} bytes/token "
-                             f"({smallest / original:.1%})")
-        return original, budget_bytes, per_storage
-    per_storage = {s: values_for(budget_bytes, s, L) for s in storages}
+        options = []
+        for lay in layouts(teacher, budget_bytes, context, fmt, [s for s in KEPT_STORAGES if s in storages]):
+            per_storage = _keys_whole_storages(lambda s: lay.span(s, context), V, whole, lay.room, storages)
+            if per_storage:
+                options.append((lay, per_storage))
+        if not options:
+            every = layouts(teacher, budget_bytes, context, fmt, [])[0]
+            smallest = min(every.span(s, context) * layer_bytes(MIN_WHOLE_LATENT, whole, s) for s in storages)
+            raise ValueError(f"no plan can meet a KV budget of {budget} ({budget_bytes:.0f} bytes/token{at}): this "
+                             f"model's per-head q/k norms keep its keys whole ({whole} values per token in each of the "
+                             f"{L} layers) beside a latent of at least {MIN_WHOLE_LATENT} values; the smallest these "
+                             f"storages ({', '.join(storages)}) can meet is {smallest:.0f} bytes/token "
+                             f"({smallest / original:.1%}){'' if context else '; --context counts a sliding layer by its window'}")
+        return original, budget_bytes, options
+    lay = layouts(teacher, budget_bytes, context, fmt, [])[0]
+    per_storage = {s: values_for(budget_bytes, s, lay.span(s, context)) for s in storages}
     per_storage = {s: min(v, V - 2) for s, v in per_storage.items() if v >= 10}
     blocks = [s for s in storages if s in LLAMA_CPP_CACHE]
     if blocks:  # llama.cpp's block types: a rope key of whole blocks it can turn, and a whole-block latent beside it
@@ -364,17 +462,18 @@ def feasible(teacher, budget: KVBudget, fmt: str = "attnlab", storages=STORAGES)
             raise ValueError(f"no plan can meet a KV budget of {budget} ({budget_bytes:.0f} bytes/token) in llama.cpp's "
                              f"{', '.join(blocks)} cache, which stores rows in blocks of 32: {why}")
     if not per_storage:
-        smallest = min(L * layer_bytes(8, 2, s) for s in storages)
-        raise ValueError(f"no plan can meet a KV budget of {budget} ({budget_bytes:.0f} bytes/token): it leaves "
+        smallest = min(lay.span(s, context) * layer_bytes(8, 2, s) for s in storages)
+        raise ValueError(f"no plan can meet a KV budget of {budget} ({budget_bytes:.0f} bytes/token{at}): it leaves "
                          f"fewer than 10 values per token in each of the {L} layers (one rope pair and a latent); "
-                         f"the smallest these storages ({', '.join(storages)}) can meet is {smallest} bytes/token "
+                         f"the smallest these storages ({', '.join(storages)}) can meet is {smallest:.0f} bytes/token "
                          f"({smallest / original:.1%})")
-    return original, budget_bytes, per_storage
+    return original, budget_bytes, [(lay, per_storage)]
 
 
 def plan(teacher, calibration_ids: torch.Tensor, budget: KVBudget, *, fmt: str = "attnlab",
          storages=("bf16", "int8"), proxy_windows: int = 4, window: int = 256, time_budget=None,
-         progress=None, calibrate: bool = True, proxy_ids: torch.Tensor | None = None) -> PlanResult:
+         progress=None, calibrate: bool = True, proxy_ids: torch.Tensor | None = None,
+         context: int | None = None) -> PlanResult:
     """Choose the conversion and storage that meet `budget` with the lowest proxy (module docstring).
 
     teacher: an attnlab'd Llama-family model (unconverted); it is converted and restored for
@@ -387,6 +486,9 @@ def plan(teacher, calibration_ids: torch.Tensor, budget: KVBudget, *, fmt: str =
     spent, no new candidate starts (the best so far wins; at least one is measured).
     progress(i, label) is called before each candidate. calibrate=False converts every candidate on
     the weights alone (what --no-calibration will do), still ranking them on the calibration text.
+    context: bytes per token are counted at that sequence length (a sliding layer's cache holds its window; None:
+    every token held, the cache a fixed-shape engine allocates); a model with sliding and global layers then also
+    tries its global layers converted and its sliding ones kept (layouts()).
     """
     from ..models.adapters import attnlab_modules, replace_attention
     from ..models.evaluate import attention_inputs, kv_bytes_per_token
@@ -394,7 +496,13 @@ def plan(teacher, calibration_ids: torch.Tensor, budget: KVBudget, *, fmt: str =
     if fmt not in FORMATS:
         raise ValueError(f"format must be one of {', '.join(FORMATS)}, got {fmt!r}")
     L, G, d, V = original_sizes(teacher)
-    original, budget_bytes, per_storage = feasible(teacher, budget, fmt, storages)
+    original, budget_bytes, options = feasible(teacher, budget, fmt, storages, context)
+    every, per_storage = options[0]  # every layer converted (the only layout of a model that plans in rounds)
+    room = every.room
+
+    def span(storage: str, where: Layout = every) -> float:
+        return where.span(storage, context)
+
     max_rope = G * d
     if fmt == "gguf":
         from ..models.export_gguf import gguf_rope_limit
@@ -411,6 +519,7 @@ def plan(teacher, calibration_ids: torch.Tensor, budget: KVBudget, *, fmt: str =
         return splits(values - extra, shares, max_rope=max_rope, strict=storage in LLAMA_CPP_CACHE, **aligned)
 
     originals = list(attnlab_modules(teacher))
+    storages_before = [m.kv_dtype for m in originals]
     inputs = attention_inputs(teacher, calibration_ids)
     windows = (calibration_ids if proxy_ids is None else proxy_ids)[0, : proxy_windows * window]
     windows = windows[: windows.numel() // window * window].reshape(-1, window) if windows.numel() >= window \
@@ -418,10 +527,10 @@ def plan(teacher, calibration_ids: torch.Tensor, budget: KVBudget, *, fmt: str =
     reference = teacher_log_probs(teacher, windows)
     measured: list[Candidate] = []
 
-    def measure(cand: Candidate) -> Candidate:
+    def measure(cand: Candidate, where: Layout = every) -> Candidate:
         if few_bit(cand.kv_dtype):  # the latent a few-bit row can afford with this rope key; rotated for the codes
-            cand.latent_dim = fit(cand.latent_dim, cand.rope_dim, cand.kv_dtype, L, budget_bytes, cand.extra,
-                                  ceiling=V - cand.rope_dim)  # more latent than the keys and values it holds buys nothing
+            cand.latent_dim = fit(cand.latent_dim, cand.rope_dim, cand.kv_dtype, span(cand.kv_dtype, where),
+                                  where.room, cand.extra, ceiling=V - cand.rope_dim)  # no more than the values held
             cand.rotation = None if cand.latent_norm else "random"
         elif cand.kv_dtype in LLAMA_CPP_CACHE:  # llama.cpp's blocks too: rotated past the norm (convert/rotate.py)
             cand.rotation = "random"
@@ -432,13 +541,15 @@ def plan(teacher, calibration_ids: torch.Tensor, budget: KVBudget, *, fmt: str =
             # what the caches allocate; a DeepSeek export's constant channel comes on top of the attnlab model
             added = L * (layer_bytes(3, 2, cand.kv_dtype) - layer_bytes(2, 2, cand.kv_dtype)) if fmt == "deepseek" \
                 else 0
-            cand.bytes_per_token = kv_bytes_per_token(teacher) + added
+            cand.bytes_per_token = kv_bytes_per_token(teacher, context=context) + added
             if cand.bytes_per_token > budget_bytes:
                 raise RuntimeError(f"planner bug: {cand.label()} takes {cand.bytes_per_token} bytes/token, over the "
                                      f"budget's {budget_bytes:.0f}")
             cand.proxy = proxy_kl(teacher, windows, reference)
         finally:
             replace_attention(teacher, originals)
+            for m, k in zip(originals, storages_before):  # a kept layer is the teacher's own module
+                m.kv_dtype = k
         measured.append(cand)
         return cand
 
@@ -446,15 +557,20 @@ def plan(teacher, calibration_ids: torch.Tensor, budget: KVBudget, *, fmt: str =
         return bool(measured) and time_budget is not None and (time_budget.expired() or time_budget.stop_requested)
 
     whole = keys_whole(teacher)
-    if whole is not None:  # per-head q/k norms: the keys whole in each storage, nothing else to choose
-        for storage, v in per_storage.items():
+    if whole is not None:  # per-head q/k norms: the keys whole in each storage and layout, nothing else to choose
+        todo = [(lay, storage, v) for i in range(max(len(ps) for _, ps in options))
+                for lay, ps in options for storage, v in list(ps.items())[i:i + 1]]  # each storage in every layout
+        for lay, storage, v in todo:
             if not spent():
                 measure(Candidate(v - whole, whole, "frequency", False, storage, False,
-                                  rotation="random" if few_bit(storage) else None, round=1))
+                                  rotation="random" if few_bit(storage) else None, round=1,
+                                  layers=None if lay.layers is None else list(lay.layers), kept_dtype=lay.kept_dtype),
+                        lay)
         best = min(measured, key=lambda c: c.proxy)
-        note = "" if len(measured) == len(per_storage) else "the time given to planning ended before every storage"
+        note = "" if len(measured) == len(todo) else "the time given to planning ended before every storage"
         return PlanResult(best, measured, str(budget), original, budget_bytes,
-                          note or "per-head q/k norms: the keys whole (rope key G x d), the latent holds the values")
+                          note or "per-head q/k norms: the keys whole (rope key G x d), the latent holds the values",
+                          context)
 
     first = "bf16" if "bf16" in per_storage else next(iter(per_storage))
     v0 = per_storage[first]
@@ -478,7 +594,7 @@ def plan(teacher, calibration_ids: torch.Tensor, budget: KVBudget, *, fmt: str =
     whole_key = G * d
     for storage in per_storage:
         if few_bit(storage) and not spent() and whole_key <= max_rope and \
-                L * layer_bytes(V - whole_key + extra, whole_key, storage) <= budget_bytes and \
+                span(storage) * layer_bytes(V - whole_key + extra, whole_key, storage) <= room and \
                 all((c.latent_dim, c.rope_dim, c.kv_dtype) != (V - whole_key, whole_key, storage) for c in measured):
             measure(Candidate(V - whole_key, whole_key, best.rope_select, best.balance, storage, norm, extra=extra,
                               round=2))
@@ -497,13 +613,13 @@ def plan(teacher, calibration_ids: torch.Tensor, budget: KVBudget, *, fmt: str =
                 continue
             r, p = pairs[storage][i]
             if few_bit(storage):
-                r = fit(r, p, storage, L, budget_bytes, extra, ceiling=V - p)
+                r = fit(r, p, storage, span(storage), room, extra, ceiling=V - p)
             if r >= 8 and all((c.latent_dim, c.rope_dim, c.rope_select, c.kv_dtype) != (r, p, best.rope_select,
                                                                                          storage) for c in measured):
                 measure(Candidate(r, p, best.rope_select, best.balance, storage, norm, extra=extra, round=3))
     best = min(measured, key=lambda c: c.proxy)
     note = "" if len(measured) > 1 else "only one candidate fitted the time given to planning"
-    return PlanResult(best, measured, str(budget), original, budget_bytes, note)
+    return PlanResult(best, measured, str(budget), original, budget_bytes, note, context)
 
 
 def rank_agreement(a: list[float], b: list[float]) -> float:

@@ -1,0 +1,154 @@
+"""Layer types: a model converted in some layers only (convert_model(layers=...)), a planner that counts bytes at a
+context and may keep a sliding-window model's sliding layers (shrink/plan.py layouts), and a heal that trains only
+what the conversion changed. Tiny random Gemma 3 (a sliding layer, then a global one) and Llama models."""
+import copy
+
+import pytest
+import torch
+from test_norm_families import G, HEAD, WINDOW, tiny_model
+
+from attnlab import models as hf
+from attnlab.models.convert import check_layers
+from attnlab.modules.cache import window_rows
+from attnlab.modules.gqa import GroupedQueryAttention
+from attnlab.modules.mla import MultiHeadLatentAttention
+from attnlab.shrink import parse_budget, plan
+from attnlab.shrink.plan import Layout, apply, feasible, layer_bytes, layouts, original_bytes
+from reference import rel_err
+
+IDS = torch.randint(0, 97, (1, 64), generator=torch.Generator().manual_seed(2))
+CONTEXT = 128  # the tiny models' max_position_embeddings: a sliding layer holds window_rows(4, 128) = 8 of its rows
+
+
+def _gemma(layers=4):
+    return tiny_model("gemma3", layers=layers, dtype=torch.float32, attention_std=0.1)
+
+
+def test_converting_some_layers_leaves_the_others_as_they_were_and_stays_exact():
+    """The exact MLA of the global layers only (float64): the sliding layers are the very modules they were, the
+    global ones MLA, and the logits the original's within 1e-10."""
+    model = tiny_model("gemma3", layers=4)
+    with torch.no_grad():
+        want = model(IDS).logits
+    before = hf.attnlab_modules(model)
+    reports = hf.convert_model(model, "mla", layers=[1, 3])
+    after = hf.attnlab_modules(model)
+    assert [r is None for r in reports] == [True, False, True, False]
+    assert after[0] is before[0] and after[2] is before[2]
+    assert [type(m) for m in after] == [GroupedQueryAttention, MultiHeadLatentAttention] * 2
+    with torch.no_grad():
+        assert rel_err(model(IDS).logits, want) <= 1e-10
+
+
+@pytest.mark.parametrize("layers, error, match", [
+    ([], ValueError, "it is empty"), ([0, 0], ValueError, "an index repeats"), ([4], ValueError, "4 is not a layer"),
+    ([True], ValueError, "True is not a layer"), ("01", TypeError, "collection of layer indices")])
+def test_a_bad_layer_selection_is_refused_naming_it(layers, error, match):
+    with pytest.raises(error, match=match):
+        check_layers(layers, 4)
+
+
+def test_bytes_at_a_context_count_a_sliding_layer_by_its_window():
+    """The planner's arithmetic (Layout.span x one layer's bytes) against the caches a converted model allocates
+    (models.kv_bytes_per_token on the meta device), with and without a context; and the original's bytes at the
+    context: 2 global layers whole, 2 sliding ones holding 8 rows of 128."""
+    model = _gemma()
+    full = 2 * G * HEAD * 2  # one layer's 16-bit keys and values per token
+    assert original_bytes(model) == 4 * full
+    assert original_bytes(model, CONTEXT) == pytest.approx(2 * full + 2 * full * window_rows(WINDOW, CONTEXT) / CONTEXT)
+    every = layouts(model, 1e9, CONTEXT)[0]
+    for storage in ("bf16", "int8", "int4/g32+r8", "int4/g32+c4"):
+        student = copy.deepcopy(model)
+        hf.convert_model(student, "mla", latent_dim=24, rope_dim=G * HEAD)
+        hf.set_kv_dtype(student, storage)
+        for context in (None, CONTEXT):
+            want = hf.kv_bytes_per_token(student, context=context)
+            assert every.span(storage, context) * layer_bytes(24, G * HEAD, storage) == pytest.approx(want)
+    # a "+c4" rope key keeps every token: the sliding layers count whole
+    assert every.span("int4/g32+c4", CONTEXT) == 4 and every.span("int8", CONTEXT) == pytest.approx(2 + 2 * 8 / 128)
+
+
+def test_at_a_long_context_the_plan_keeps_the_sliding_layers_and_meets_the_budget():
+    """At 25% of the bytes at the context no plan converting every layer fits (the keys stay whole); the planner keeps
+    the sliding layers (their cache in bf16 or int8) and converts the global ones. Every candidate's measured bytes
+    at the context are within the budget, the chosen plan applied to a copy measures so too, its kept layers are the
+    teacher's own weights, and the teacher comes back with its storages."""
+    model = _gemma()
+    budget = parse_budget("25%")
+    storages = ("bf16", "int8", "int4/g32+c4", "int4/g32+r8")
+    _, budget_bytes, options = feasible(model, budget, storages=storages, context=CONTEXT)
+    assert all(lay.layers == (1, 3) for lay, _ in options)
+    result = plan(model, IDS[:, :32], budget, storages=storages, proxy_ids=IDS[:, 32:], window=16, proxy_windows=2,
+                  context=CONTEXT)
+    assert result.context == CONTEXT and result.budget_bytes == pytest.approx(budget_bytes)
+    assert {c.kept_dtype for c in result.measured} <= {"bf16", "int8"} and result.best.layers == [1, 3]
+    assert all(c.bytes_per_token <= budget_bytes for c in result.measured)
+    assert [m.kv_dtype for m in hf.attnlab_modules(model)] == [None] * 4
+    student = copy.deepcopy(model)
+    apply(student, result.best, IDS[:, :32])
+    mods, originals = hf.attnlab_modules(student), hf.attnlab_modules(model)
+    assert hf.kv_bytes_per_token(student, context=CONTEXT) <= budget_bytes
+    for i in (0, 2):
+        assert isinstance(mods[i], GroupedQueryAttention) and mods[i].kv_dtype == result.best.kept_dtype
+        assert all(torch.equal(v, originals[i].state_dict()[k]) for k, v in mods[i].state_dict().items())
+    assert {mods[1].kv_dtype, mods[3].kv_dtype} == {result.best.kv_dtype}
+
+
+def test_without_a_context_or_a_global_layer_every_layer_is_converted():
+    """No context: bytes are every token held, and a kept sliding layer would save nothing; a model of sliding layers
+    only has nothing to keep them for; a Qwen3 (no sliding layer) plans one layout at any context."""
+    model = _gemma()
+    assert [lay.layers for lay in layouts(model, 1e9, None)] == [None]
+    assert [lay.layers for lay in layouts(_gemma(layers=1), 1e9, CONTEXT)] == [None]
+    assert [lay.layers for lay in layouts(tiny_model("qwen3", dtype=torch.float32), 1e9, CONTEXT)] == [None]
+    kept = layouts(model, 1e9, CONTEXT)[1:]
+    assert [(lay.layers, lay.kept_dtype) for lay in kept] == [((1, 3), "bf16"), ((1, 3), "int8")]
+    assert isinstance(kept[0], Layout) and kept[0].room < 1e9
+
+
+def test_a_budget_no_layout_meets_names_the_smallest():
+    with pytest.raises(ValueError, match=r"KV budget of 1% .* at a context of 128 tokens.*the smallest these storages"):
+        feasible(_gemma(), parse_budget("1%"), storages=("bf16", "int8"), context=CONTEXT)
+    with pytest.raises(ValueError, match="context must be positive, got 0"):
+        feasible(_gemma(), parse_budget("25%"), context=0)
+
+
+def test_the_heal_trains_only_the_converted_layers():
+    """A student converted in its second layer only: the heal's both phases leave the first layer bit for bit the
+    teacher's, train the second, and the layer-wise phase runs for that layer alone."""
+    from test_heal import _plan
+
+    from attnlab.heal import heal_model
+    from attnlab.heal.data import converted_layers
+
+    model = tiny_model("qwen3", dtype=torch.float32, attention_std=0.3)
+    student = copy.deepcopy(model)
+    hf.convert_model(student, "mla", latent_dim=16, layers=[1])
+    assert converted_layers(model, student) == [1]
+    assert converted_layers(model, copy.deepcopy(model)) == [0, 1]  # nothing converted: every layer trains
+    start = [copy.deepcopy(m.state_dict()) for m in hf.attnlab_modules(student)]
+    windows = torch.randint(0, 97, (32, 16), generator=torch.Generator().manual_seed(0))
+    report = heal_model(model, student, windows, windows[:8].reshape(1, -1), _plan(), keep_better=False)
+    mods = hf.attnlab_modules(student)
+    assert all(torch.equal(v, start[0][k]) for k, v in mods[0].state_dict().items())
+    assert any(not torch.equal(v, start[1][k]) for k, v in mods[1].state_dict().items())
+    assert len(report["layer_losses"]) == 1 and report["layers_trained"] == [1]
+
+
+def test_a_mixed_model_saves_and_loads_as_it_was(tmp_path):
+    """save_model/load_model of a model with GQA and MLA layers (each layer's record): the same logits, bit for bit,
+    and each layer's storage."""
+    from tiny_checkpoints import make_checkpoint
+
+    folder = tmp_path / "llama"
+    make_checkpoint("llama", folder)
+    model, _, _ = hf.load_model(str(folder))
+    hf.convert_model(model, "mla", latent_dim=12, rope_dim=4, layers=[0])
+    hf.attnlab_modules(model)[1].kv_dtype = "int8"
+    hf.save_model(model, str(folder), tmp_path / "mixed")
+    back, _, _ = hf.load_model(str(tmp_path / "mixed"))
+    ids = torch.randint(0, 300, (1, 12), generator=torch.Generator().manual_seed(0))
+    assert [type(m) for m in hf.attnlab_modules(back)] == [MultiHeadLatentAttention, GroupedQueryAttention]
+    assert hf.attnlab_modules(back)[1].kv_dtype == "int8"
+    with torch.no_grad():
+        assert torch.equal(back(ids).logits, model(ids).logits)
