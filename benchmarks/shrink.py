@@ -53,6 +53,9 @@ CASES = {  # name: (shrink arguments, what it checks)
                          "25% of the original's 16-bit bytes, 8-bit storage allowed, 30 minutes"),
     "25-notext-10": (["--kv-budget", "25%"], "25% as a user types it: no text, no other flag, 10 minutes "
                      "(--kv-dtype auto may pick 4- or 2-bit latents)"),
+    "25-notext-10-ctx32k": (["--kv-budget", "25%", "--context", "32768"],
+                            "25% of the bytes at a 32,768-token context (a sliding layer holds its window), no text, "
+                            "10 minutes: the planner may keep the sliding layers and cut the global ones"),
     "12-text-30": (["--kv-budget", "12.5%", "--minutes", "30", "--text", "{pydoc}"], "12.5% with text, 30 minutes"),
     "6-text-30": (["--kv-budget", "6.25%", "--minutes", "30", "--text", "{pydoc}"], "6.25% with text, 30 minutes"),
     "12-gguf-notext-10": (["--kv-budget", "12.5%", "--format", "gguf"],
@@ -87,12 +90,15 @@ def save(key: str, row: dict) -> None:
     JSON.write_text(json.dumps(data, indent=2))
 
 
-def evaluate(source: str) -> dict:
+def evaluate(source: str, context: int | None = None) -> dict:
     from attnlab import models as hf
 
     model, tok, meta = hf.load_model(source)
     ids = hf.read_text_ids(tok, EVALUATION, 2048)
-    return {"perplexity": hf.perplexity(model, ids, window=512), "kv_bytes_per_token": hf.kv_bytes_per_token(model)}
+    at = {} if context is None else {"kv_bytes_per_token_at_context": hf.kv_bytes_per_token(model, context=context),
+                                     "context": context}
+    return {"perplexity": hf.perplexity(model, ids, window=512), "kv_bytes_per_token": hf.kv_bytes_per_token(model),
+            **at}
 
 
 def part_proxy(budgets: list[str]) -> None:
@@ -463,7 +469,7 @@ def part_run(case: str, redo: bool, model: str = "smollm2") -> None:
         teacher, tok, _ = hf.load_model(model)
         ids = hf.read_text_ids(tok, EVALUATION, 2048)
         row["original"] = hf.perplexity(teacher, ids)
-        row["evaluation"] = evaluate(str(out))
+        row["evaluation"] = evaluate(str(out), int(args[args.index("--context") + 1]) if "--context" in args else None)
         row["ratio"] = row["evaluation"]["perplexity"] / row["original"]
     elif out.suffix == ".gguf":
         from attnlab import models as hf
