@@ -519,6 +519,8 @@ def test_a_budget_at_a_context_is_met_there_and_the_kept_layers_are_the_teachers
     teacher, _, _ = hf.load_model(str(folder))
     assert at["context"] == report["plan"]["context"] == 256
     assert at["shrunk"] == hf.kv_bytes_per_token(model, context=256) <= 0.25 * at["original_16bit"]
+    for row in report["baselines"]["rows"]:  # the original's cache quantized, counted at the same context
+        assert row["kv_bytes_per_token"] == hf.kv_bytes_per_token(teacher, kv_dtype=row["kv_dtype"], context=256)
     kept = [i for i in range(2) if i not in (report["plan"]["chosen"]["layers"] or range(2))]
     for i in kept:
         mine, theirs = hf.attnlab_modules(model)[i].state_dict(), hf.attnlab_modules(teacher)[i].state_dict()

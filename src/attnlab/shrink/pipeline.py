@@ -434,7 +434,7 @@ def _shrink(req: ShrinkRequest, resume: bool, force: bool, budget: Budget | None
     if "baselines" not in state.data["report"]:
         show.phase("scoring the original with its cache quantized (llama.cpp types, KIVI), no training")
         state.data["report"]["baselines"] = _baselines(teacher, student, data["held"],
-                                                       state.data["report"].get("heal", {}))
+                                                       state.data["report"].get("heal", {}), req.context)
         state.save()
 
     # export
