@@ -64,7 +64,8 @@ def _models(work: Path):
 
 def _run(teacher, student, *, world=None, shard=False, stop_at=None, checkpoint=None, restore=None):
     """Heal in place; (status, the loss after every step, the state, rows): rows["model"] and rows["layer0"] list
-    the rows of every call of the teacher and of its first attention layer, the batches this process computed."""
+    the rows of every call of the teacher and of its first attention layer, the batches this process computed;
+    rows["teacher_share"] the share of the teacher's values this process held while it trained."""
     from attnlab.heal import HealPlan, Healer
     from attnlab.models import attnlab_modules
 
@@ -79,6 +80,8 @@ def _run(teacher, student, *, world=None, shard=False, stop_at=None, checkpoint=
                     checkpoint=checkpoint, progress=progress)
     if restore is not None:
         healer.restore(Healer.read(restore))
+    from attnlab.heal.distributed import local_share
+    rows["teacher_share"] = local_share(teacher)
     hooks = [m.register_forward_pre_hook(lambda mod, args, kw, key=key: rows[key].append(
         (args[0] if args else kw["input_ids"]).shape[0]), with_kwargs=True)
         for key, m in (("model", teacher), ("layer0", attnlab_modules(teacher)[0]))]
@@ -96,10 +99,10 @@ def _worker(work: Path) -> None:
 
     torch.set_num_threads(1)
     world = init_world("cpu", timeout_s=60)
-    teacher, base = _models(work)
+    first, base = _models(work)
     try:
         for name, (shard, stop_at) in RUNS.items():
-            student = copy.deepcopy(base)
+            teacher, student = copy.deepcopy(first), copy.deepcopy(base)  # FSDP2 shards its teacher in place
             status, losses, state, rows = _run(teacher, student, world=world, shard=shard, stop_at=stop_at,
                                                checkpoint=work / f"{name}.ckpt" if stop_at else None)
             torch.save({"status": status, "losses": torch.tensor(losses, dtype=torch.float64), "rows": rows,
@@ -154,7 +157,9 @@ def _result(work, name, rank):
 
 @pytest.mark.parametrize("name", ["ddp", "fsdp"])
 def test_two_processes_give_the_one_process_weights_and_loss_curve(runs, name):
-    """DDP and FSDP2 over 2 ranks, layer-wise then end-to-end, at the oracle's global batch of 4 windows."""
+    """DDP and FSDP2 over 2 ranks, layer-wise then end-to-end, at the oracle's global batch of 4 windows; under FSDP2
+    each rank holds half of the teacher (sharded too, every teacher forward a collective) and the weights are still
+    the oracle's."""
     work, (status, losses, state, rows), weights, _, base = runs
     assert status == "done" and len(losses) == STEPS
     for rank in range(2):
@@ -163,9 +168,10 @@ def test_two_processes_give_the_one_process_weights_and_loss_curve(runs, name):
         # check windows, and the guard's checks of layer 0 before and after its steps; every training batch (3
         # layer-wise targets of 4 windows per layer, 4 end-to-end batches of 4) is split in half
         whole = {"model": [8, 4], "layer0": [8, 4, 4]}
-        assert rows["model"] == whole["model"] + [4] * 4
+        assert rows["model"] == whole["model"] + [4] * 4 and rows["teacher_share"] == 1.0
         assert rows["layer0"] == whole["layer0"] + [4] * 3 + [4] + [4] * 4
-        assert got["rows"] == {"model": whole["model"] + [2] * 4, "layer0": whole["layer0"] + [2] * 3 + [4] + [2] * 4}
+        assert got["rows"] == {"model": whole["model"] + [2] * 4, "layer0": whole["layer0"] + [2] * 3 + [4] + [2] * 4,
+                               "teacher_share": pytest.approx(0.5 if name == "fsdp" else 1.0, abs=0.01)}
         assert got["status"] == "done" and got["tokens"] == state["tokens"] == PLAN["tokens"]
         assert _rel(got["weights"], weights) <= TOL, (name, rank, _rel(got["weights"], weights))
         # the recorded losses are the whole batch's (the mean of the ranks'), the curve one process prints

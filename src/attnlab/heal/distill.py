@@ -34,8 +34,11 @@ and the layer-wise batch stay the global batches; rank k computes rows [k B/N, (
 very batch one process would pick, the trained part is wrapped (DDP, or FSDP2 with shard=True),
 the losses are built so that the averaged gradient is the one-process gradient (the layer-wise
 loss divides by the whole batch's target power), the recorded losses are the whole batch's,
-every stop is agreed, and rank 0 alone writes the checkpoint, in the one-process format. The
-teacher's layer inputs of the layer-wise phase are computed by every rank (not split yet).
+every stop is agreed, and rank 0 alone writes the checkpoint, in the one-process format. With
+FSDP2 the frozen teacher is sharded as well (distributed.shard_frozen: each rank keeps 1/N of it and
+every teacher forward is a collective the ranks run together); heal_model gathers it whole for the
+evaluations, which each rank runs alone, and leaves it whole for the caller. The teacher's layer
+inputs of the layer-wise phase are computed by every rank (not split yet).
 Without a world (or with one process) nothing of this runs: the one-process path is unchanged.
 """
 from __future__ import annotations
@@ -238,6 +241,11 @@ class Healer:
                              "teacher": fingerprint(teacher.state_dict().items())}
         for p in teacher.parameters():
             p.requires_grad_(False)
+        self.teacher_sharded = self.shard  # FSDP2: the frozen teacher sharded too (each rank 1/N of it)
+        if self.shard and not dd.sharded(teacher):
+            teacher.to(self.device)
+            layers = list(getattr(getattr(teacher, "model", None), "layers", []))
+            dd.shard_frozen(teacher, self.world, [*_modules(teacher), *layers])
         if plan.lora_rank:
             add_lora(student, plan.lora_rank, self.layers)
         else:
@@ -558,6 +566,8 @@ def heal_model(teacher, student, windows: torch.Tensor, held_out: torch.Tensor, 
     world, shard: data-parallel over a torchrun job (Healer). Every rank calls heal_model: rank 0
     reads the checkpoint and sends it to the others; the evaluations run on every rank (not split
     yet; rank 0's report is the one to show) and a stop during the first one on any rank stops all.
+    With shard the teacher is sharded in place for the training (Healer) and comes back whole: gathered on every
+    rank, an FSDP2 module that runs without collectives.
     keep_better: when the healed student's perplexity on the held-out windows is higher than the converted one's
     before training (guard.worse), put the converted weights back (they are the better model): report["kept"] says so
     and report["healed"] holds the healed student's figures; report["after"] is then the model returned.
@@ -593,7 +603,13 @@ def heal_model(teacher, student, windows: torch.Tensor, held_out: torch.Tensor, 
     try:
         if evaluate and "before" not in report:
             t0 = budget.clock()
-            before = evaluate_pair(teacher, student, held_out, budget=budget.share(eval_share))
+            if healer.teacher_sharded:  # each rank evaluates alone, as long as its share allows: the teacher whole
+                dd.whole(teacher)
+            try:
+                before = evaluate_pair(teacher, student, held_out, budget=budget.share(eval_share))
+            finally:
+                if healer.teacher_sharded:
+                    dd.whole(teacher, False)
             report["teacher"] = {"perplexity": before.pop("teacher_perplexity"),
                                  "kv_bytes_per_token": kv_bytes_per_token(teacher)}
             report["before"] = public(before)
@@ -609,6 +625,8 @@ def heal_model(teacher, student, windows: torch.Tensor, held_out: torch.Tensor, 
     else:
         healer.save()
     healer.finish()
+    if healer.teacher_sharded:  # whole again: the evaluation after training, and the caller's (rank 0's) own use
+        dd.whole(teacher)
     s = healer.state
     report.update(status=status, minutes=s["elapsed"] / 60, distill_tokens=s["tokens"],
                   distill_steps=s["step"] if s["phase"] != "layers" else 0, layer_losses=s["layer_losses"],

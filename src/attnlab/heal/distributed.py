@@ -6,14 +6,15 @@ CUDA (one GPU per rank, cuda:LOCAL_RANK), every collective bounded by `timeout_s
 process (no WORLD_SIZE, or 1) joins nothing: `World()`, and every helper here is then the
 identity, so the one-process path of a heal runs no collective at all.
 
-Every rank holds the whole teacher and the whole student and computes its slice of each global
+Every rank holds the whole student and, with DDP, the whole teacher, and computes its slice of each global
 batch (`World.rows`: rank k takes rows [k B/N, (k+1) B/N) of the B rows the one-process run would
 pick). `wrap` puts the trained part under DistributedDataParallel, which averages the gradients
 over the ranks, or with shard=True under FSDP2 (`fully_shard` over a one-dimensional device mesh),
 which all-gathers the weights for each forward and backward and reduce-scatters the averaged
 gradients, so each rank keeps 1/N of the trained weights, their gradients and the optimizer's
-moments. Either way a step is the one-process step on the whole batch, up to the order of
-floating-point sums.
+moments; the frozen teacher is then sharded too (shard_frozen: each rank keeps 1/N of it, and each of its
+forwards all-gathers one unit at a time), and gathered whole for the evaluations (`whole`). Either way a
+step is the one-process step on the whole batch, up to the order of floating-point sums.
 
 What ranks share beyond gradients:
 - decisions: `agree(flag)` is True on every rank when it is True on any (a stop request, an
@@ -324,6 +325,43 @@ def wrap(module: nn.Module, world: World, shard: bool = False) -> nn.Module:
              else {"broadcast_buffers": False})
     ids = [world.device.index] if world.device.type == "cuda" else None
     return DistributedDataParallel(module, device_ids=ids, **quiet)
+
+
+def shard_frozen(model: nn.Module, world: World, units) -> nn.Module:
+    """FSDP2 over a frozen model (the teacher), in place: each of `units` (its attention modules first, then its
+    decoder layers: nested, so that a layer-wise step can call one attention module alone) a unit of its own, then
+    the root. Every rank keeps 1/N of the weights; each unit's forward all-gathers its own and frees them after, so
+    every forward is a collective that all ranks must run together. whole() gathers it for good."""
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = _mesh(world)
+    for unit in units:
+        fully_shard(unit, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def whole(model: nn.Module, gathered: bool = True) -> None:
+    """gathered=True: every FSDP2 unit of a model sharded by shard_frozen all-gathers its weights and keeps them, so
+    that the model and any part of it (attnlab's generation loop calls a layer's norms and MLP one by one) run on one
+    rank alone, with no collective (an evaluation whose length differs by rank, rank 0's report after the heal);
+    False: back to shards. A collective: every rank calls it. No-op for a model without FSDP2 units."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for unit in (m for m in model.modules() if isinstance(m, FSDPModule)):
+        unit.set_reshard_after_forward(not gathered, recurse=False)
+        if gathered:
+            unit.unshard()
+        else:
+            unit.reshard()
+
+
+def local_share(model: nn.Module) -> float:
+    """The share of a model's parameter values this rank holds (1.0 unsharded; about 1/N under FSDP2 shards)."""
+    from torch.distributed.tensor import DTensor
+
+    params = list(model.parameters())
+    held = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in params)
+    return held / max(1, sum(p.numel() for p in params))
 
 
 def sharded(module: nn.Module) -> bool:
