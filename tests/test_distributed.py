@@ -255,7 +255,8 @@ def test_torchrun_heal_writes_what_one_process_writes(runs, tmp_path, capsys):
 
 
 def test_torchrun_shrink_plans_once_and_writes_what_one_process_writes(runs, tmp_path, capsys):
-    """`torchrun --nproc-per-node 2 -m attnlab shrink` against `attnlab shrink` in one process, on the tiny Llama
+    """`torchrun --nproc-per-node 2 -m attnlab shrink --shard` (FSDP2: the teacher sharded for the heal, whole again
+    for rank 0's baselines after it) against `attnlab shrink` in one process, on the tiny Llama
     (float32), the heal's steps fixed (--tokens, --layer-steps) so that no timing enters: rank 0 alone plans, prints
     and writes; the plan and the heal's losses are the one-process run's (to 1e-4: float32 sums in another order; a
     wrong split of the layer-wise loss moves them by ~1e-1, the heal's torchrun test), and so are the weights; the
@@ -269,12 +270,12 @@ def test_torchrun_shrink_plans_once_and_writes_what_one_process_writes(runs, tmp
     text, held = tmp_path / "train.txt", tmp_path / "held.txt"
     text.write_text(TEXT * 40)
     held.write_text(TEXT[::-1] * 8)
-    args = ["shrink", str(work / "llama"), "--kv-budget", "50%", "--text", str(text), "--eval-text", str(held),
+    args = ["shrink", str(work / "llama"), "--kv-budget", "25%", "--text", str(text), "--eval-text", str(held),
             "--tokens", str(4 * T * 4), "--seq-len", str(T), "--layer-steps", "2", "--kv-dtype", "bf16"]
     assert main([*args, "--out", str(tmp_path / "one")]) == 0
     capsys.readouterr()
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           "-m", "attnlab", *args, "--out", str(tmp_path / "two")],
+                           "-m", "attnlab", *args, "--shard", "--out", str(tmp_path / "two")],
                           env=_env(), capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert proc.stdout.count(f"wrote {tmp_path / 'two'}") == 1 and proc.stdout.count("plan for a KV budget") == 1
@@ -289,12 +290,16 @@ def test_torchrun_shrink_plans_once_and_writes_what_one_process_writes(runs, tmp
     assert h2["layer_losses"] == pytest.approx(h1["layer_losses"], rel=1e-4)
     assert h2["distill_loss_last"] == pytest.approx(h1["distill_loss_last"], rel=1e-4)
     assert two["held_out"]["after"]["perplexity"] == pytest.approx(one["held_out"]["after"]["perplexity"], rel=1e-4)
+    assert two["held_out"]["teacher"]["perplexity"] == pytest.approx(one["held_out"]["teacher"]["perplexity"], rel=1e-5)
+    scored = [[(r["kv_dtype"], r["perplexity"] or 0.0) for r in x["baselines"]["rows"]] for x in (one, two)]  # rank 0
+    assert [k for k, _ in scored[1]] == [k for k, _ in scored[0]] and any(p for _, p in scored[0])  # alone, after
+    assert [p for _, p in scored[1]] == pytest.approx([p for _, p in scored[0]], rel=1e-5)  # the heal: a whole teacher
     a, b = _weights(hf.load_model(str(tmp_path / "one"))[0]), _weights(hf.load_model(str(tmp_path / "two"))[0])
     assert _rel(b, a) <= 1e-3
     assert not (tmp_path / "two.shrink-run").exists() and not list(tmp_path.glob(".two*"))
     # rank 0's error before the hand-off (no plan meets 20 bytes/token, found after loading): the other rank
     # gets it instead of waiting, and only rank 0 says it
-    bad = [a if a != "50%" else "20" for a in args]
+    bad = [a if a != "25%" else "20" for a in args]
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            "-m", "attnlab", *bad, "--out", str(tmp_path / "three")],
                           env=_env(), capture_output=True, text=True, timeout=300)
