@@ -6,7 +6,10 @@ qwen2 (biases on Q/K/V; without sliding-window layers), qwen3 (per-head q/k norm
 gemma3_text (Gemma 3's text model: per-head q/k norms, sliding-window layers with their own
 RoPE base, its own query scale; attention soft-capping refused): these two load and swap, convert in
 memory (the exact MLA, or the compressed one with their keys whole: models/convert.py), but not by the
-streamed route (NOT_CONVERTED), and their GGUF files are refused.
+streamed route (NOT_CONVERTED). Their GGUF files (architectures qwen3 and gemma3) load too, with what
+transformers' GGUF reader leaves out put back from the metadata (the head size from attention.key_length:
+Qwen3's is not hidden / heads; Gemma 3's query scale as llama.cpp sets it), and a rope scaling it would drop
+refused naming the field.
 Anything else is refused with "not supported: <why>" rather than loaded as a wrong model.
 
 `inspect_checkpoint(path)` checks a source without loading weights, so nothing is built from
@@ -290,17 +293,28 @@ GGUF_LAYER_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", 
                     "self_attn.o_proj": "attn_output", "input_layernorm": "attn_norm",
                     "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
                     "mlp.down_proj": "ffn_down"}
+GGUF_LAYER_NAMES.update({"self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"})  # Qwen3, Gemma 3
+# Gemma 3's four norms a layer, in llama.cpp's names (its attention's output norm, then the MLP's two)
+GEMMA3_LAYER_NAMES = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+                      "post_feedforward_layernorm": "post_ffw_norm"}
 GGUF_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
               "lm_head.weight": "output.weight"}
+GGUF_MODEL_TYPES = {"gemma3": "gemma3_text"}  # a GGUF architecture whose transformers model_type differs
+# metadata a family's GGUF needs beyond GGUF_KEYS (the head size: Qwen3's and Gemma 3's is not hidden / heads)
+GGUF_FAMILY_KEYS = {"qwen3": {"attention.key_length": "head_dim"},
+                    "gemma3": {"attention.key_length": "head_dim", "attention.sliding_window": "sliding_window"}}
+GEMMA3_27B_LAYERS = 62  # llama.cpp scales Gemma 3 27B's queries by (hidden / heads) ** -0.5, the others' by head_dim's
 
 
-def gguf_name(name: str) -> str:
-    """llama.cpp's name of a transformers tensor (model.layers.3.self_attn.q_proj.weight -> blk.3.attn_q.weight)."""
+def gguf_name(name: str, arch: str = "llama") -> str:
+    """llama.cpp's name of a transformers tensor (model.layers.3.self_attn.q_proj.weight -> blk.3.attn_q.weight) in a
+    GGUF of that architecture."""
     if name in GGUF_NAMES:
         return GGUF_NAMES[name]
     _, _, i, rest = name.split(".", 3)
     module, kind = rest.rsplit(".", 1)
-    return f"blk.{i}.{GGUF_LAYER_NAMES[module]}.{kind}"
+    names = {**GGUF_LAYER_NAMES, **GEMMA3_LAYER_NAMES} if arch == "gemma3" else GGUF_LAYER_NAMES
+    return f"blk.{i}.{names[module]}.{kind}"
 
 
 def _field_value(field):
@@ -354,12 +368,15 @@ def inspect_gguf(source) -> dict:
     if "general.architecture" not in fields:
         raise ValueError(f"{path}: no general.architecture in the GGUF metadata")
     arch = _field_value(fields["general.architecture"])
-    cfg = {"model_type": arch}
-    if arch in NOT_CONVERTED or f"{arch}_text" in NOT_CONVERTED:  # GGUF names Gemma 3's text model "gemma3"
-        raise ValueError(f"{path}: not supported yet: GGUF architecture {arch!r} (its transformers folder loads)")
+    cfg = {"model_type": GGUF_MODEL_TYPES.get(arch, arch)}
     check_supported(cfg, str(path))
     llama_like = arch in ("llama", "mistral")
-    keys = {**GGUF_KEYS, **({"rope.dimension_count": "head_dim"} if llama_like else {})}
+    keys = {**GGUF_KEYS, **({"rope.dimension_count": "head_dim"} if llama_like else {}),
+            **GGUF_FAMILY_KEYS.get(arch, {})}
+    scaling = f"{arch}.rope.scaling.factor"
+    if arch in GGUF_FAMILY_KEYS and scaling in fields and _field_value(fields[scaling]) not in (None, 1.0):
+        raise ValueError(f"{path}: not supported yet: {scaling} = {_field_value(fields[scaling])} (a RoPE scaling "
+                         f"transformers' GGUF reader does not carry for {arch}; its transformers folder loads)")
     names = {hf: f"{arch}.{key}" for key, hf in keys.items()}
     for key, hf in keys.items():
         if f"{arch}.{key}" in fields:
@@ -373,7 +390,11 @@ def inspect_gguf(source) -> dict:
     tensors = {t.name: tuple(int(n) for n in reversed(list(t.shape))) for t in reader.tensors}  # PyTorch order
     cfg["tie_word_embeddings"] = "output.weight" not in tensors  # as transformers decides
     L = cfg["num_hidden_layers"]
-    expected = {gguf_name(k): v for k, v in expected_shapes(cfg).items()}
+    if arch == "gemma3":  # as llama.cpp scales the queries (transformers' default, 256, is the head size of most)
+        d = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+        cfg["query_pre_attn_scalar"] = cfg["hidden_size"] // cfg["num_attention_heads"] \
+            if cfg["num_hidden_layers"] == GEMMA3_27B_LAYERS else d
+    expected = {gguf_name(k, arch): v for k, v in expected_shapes(cfg).items()}
     for name, shape in expected.items():
         if name not in tensors:
             raise ValueError(f"{path}: the GGUF file lacks the tensor {name} ({arch}.block_count is {L})")
@@ -426,6 +447,9 @@ def _with_gguf_name(name: str) -> str:
         return name
 
 
+GGUF_OVERRIDES = ("head_dim", "query_pre_attn_scalar", "sliding_window")
+
+
 def load_checkpoint(source, dtype=None):
     """(model, tokenizer or None) for a transformers folder or a GGUF file, checked first (inspect_checkpoint,
     inspect_gguf), loaded offline, then its weights checked finite (check_finite).
@@ -441,8 +465,9 @@ def load_checkpoint(source, dtype=None):
 
     p = Path(str(source))
     if p.suffix == ".gguf" and not p.is_dir():
-        inspect_gguf(p)
-        kw = dict(gguf_file=p.name)
+        cfg = inspect_gguf(p)
+        # what transformers' GGUF reader leaves at its defaults, from the metadata (inspect_gguf)
+        kw = dict(gguf_file=p.name, **{k: cfg[k] for k in GGUF_OVERRIDES if k in cfg})
         folder = p.parent
         dtype = dtype or torch.float32
     else:
