@@ -252,6 +252,11 @@ class _Cache:
         codes, scales = quantise(t, self._parts[name], self._format)
         return [(buf, codes), (getattr(self, self._scale_names[name]), scales)]
 
+    def _room_for(self, n: int) -> None:
+        """ValueError naming the numbers unless n more tokens fit the sequence length the cache was made for."""
+        if self.length + n > self.max_len:
+            raise ValueError(f"cannot append {n} tokens: the cache holds {self.length} of max_len {self.max_len}")
+
     def write(self, **new: torch.Tensor) -> None:
         """Write the new tokens after the cached ones (at the slot, for a fixed_slot view), quantised if so stored."""
         n = next(iter(new.values())).shape[-2]
@@ -264,8 +269,7 @@ class _Cache:
                         buf, rows = buf.view(torch.uint8), rows.view(torch.uint8)
                     buf.index_copy_(buf.dim() - 2, self._slot, rows)
             return
-        if self.length + n > self.max_len:
-            raise ValueError(f"cannot append {n} tokens: the cache holds {self.length} of max_len {self.max_len}")
+        self._room_for(n)
         if self.window is not None:
             self._extend_window(new, n)
             return
@@ -338,8 +342,7 @@ class _Cache:
         themselves (the absorbed-decode kernel)."""
         if self.window is not None and self._slot is None:
             n = next(iter(new.values())).shape[-2]
-            if self.length + n > self.max_len:
-                raise ValueError(f"cannot append {n} tokens: the cache holds {self.length} of max_len {self.max_len}")
+            self._room_for(n)
             return self._extend_window(new, n)
         self.write(**new)
         return self.stored()
