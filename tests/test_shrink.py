@@ -527,3 +527,20 @@ def test_a_budget_at_a_context_is_met_there_and_the_kept_layers_are_the_teachers
         assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
     with pytest.raises(ValueError, match="--context must be a positive number of tokens, got 0"):
         check_request(_req(folder, tmp_path / "o2", context=0))
+
+
+def test_a_plan_that_keeps_every_value_heals_end_to_end_only(tiny):
+    """The heal plan of a student whose layers hold every value (the whole key as the rope key, the values as the
+    latent: only codes differ) has no layer-wise phase; one cut to low rank keeps it (pipeline.LAYER_SHARE)."""
+    import copy
+
+    from attnlab.shrink.pipeline import _heal_plan
+
+    _, teacher, tok, text, _ = tiny
+    train = _ids(tok, text, 4 * T).reshape(4, T)
+    req = ShrinkRequest(source="x", kv_budget="25%", out="o", seq_len=T)
+    every, cut = copy.deepcopy(teacher), copy.deepcopy(teacher)
+    hf.convert_model(every, "mla", latent_dim=32, rope_dim=32, pair_selection="rorope")  # 64 = G d + G d: all
+    hf.convert_model(cut, "mla", latent_dim=12, rope_dim=4)
+    assert _heal_plan(req, teacher, every, train, 600.0).layer_steps == 0
+    assert _heal_plan(req, teacher, cut, train, 600.0).layer_steps >= 5
