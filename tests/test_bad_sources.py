@@ -184,7 +184,7 @@ def test_gguf_tensor_transformers_would_drop(tmp_path, llama):
         inspect_checkpoint(path)
 
 
-@pytest.mark.parametrize("arch,message", [("qwen3", "not supported yet: GGUF architecture 'qwen3'"),
+@pytest.mark.parametrize("arch,message", [("gemma2", "not supported: model_type 'gemma2': Gemma 2 uses logit soft"),
                                           ("gpt2", "not supported: unknown model_type 'gpt2'")])
 def test_gguf_unsupported_architecture(tmp_path, llama, arch, message):
     path = write_gguf(tmp_path / "m.gguf", gguf_tensors(llama), arch=arch)
