@@ -259,6 +259,11 @@ def _heal_plan(req, teacher, student, train: torch.Tensor, seconds: float):
         plan.layer_steps = req.layer_steps
         return plan
     mods = attnlab_modules(student)
+    codes_only = all(s.kv_values_per_token >= t.kv_values_per_token for s, t in zip(mods, attnlab_modules(teacher)))
+    share = LAYER_SHARE_CODES if codes_only else LAYER_SHARE  # codes only: every value kept, none cut to low rank
+    if not share:
+        plan.layer_steps = 0  # the end-to-end phase alone (nothing to time)
+        return plan
     m = copy.deepcopy(mods[0]).train()
 
     def timed(fn, n=2):
@@ -271,10 +276,7 @@ def _heal_plan(req, teacher, student, train: torch.Tensor, seconds: float):
     step4 = timed(lambda: m(x, is_causal=True).pow(2).mean().backward()) * 1.3  # + the optimizer and the target
     with torch.no_grad():
         window = timed(lambda: teacher(train[:1]), 1)
-    if all(m.kv_values_per_token >= t.kv_values_per_token for m, t in zip(mods, attnlab_modules(teacher))):
-        plan.layer_steps = 0  # only codes differ from the original: the end-to-end phase alone (LAYER_SHARE_CODES)
-        return plan
-    layer_time = LAYER_SHARE * seconds - window * plan.layer_windows
+    layer_time = share * seconds - window * plan.layer_windows
     steps8 = layer_time / max(2 * step4 * len(mods), 1e-9)
     if steps8 >= 50:
         plan.layer_batch, plan.layer_steps = 8, int(min(100, steps8))

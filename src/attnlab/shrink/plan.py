@@ -350,11 +350,10 @@ def proxy_kl(student, windows: torch.Tensor, reference: list[torch.Tensor]) -> f
 def apply(model, cand: Candidate, calibration_ids: torch.Tensor | None, inputs=None) -> None:
     """Convert the model in place to the candidate: decoupled-RoPE MLA, the steady latent channel, the storage; a
     candidate that converts some layers (cand.layers) stores the others' caches in cand.kept_dtype."""
+    from ..models.adapters import attnlab_modules
     from ..models.convert import convert_model
     from ..models.evaluate import set_kv_dtype
     from ..models.export import add_steady_channels
-
-    from ..models.adapters import attnlab_modules
 
     convert_model(model, "mla", latent_dim=cand.latent_dim, rope_dim=cand.rope_dim, calibration_ids=calibration_ids,
                   pair_selection=cand.rope_select, balance=cand.balance, inputs=inputs, layers=cand.layers)
@@ -439,12 +438,14 @@ def feasible(teacher, budget: KVBudget, fmt: str = "attnlab", storages=STORAGES,
                 options.append((lay, per_storage))
         if not options:
             every = layouts(teacher, budget_bytes, context, fmt, [])[0]
+            slides = any(w is not None for w in every.windows)
+            hint = "; --context counts a sliding layer by its window" if context is None and slides else ""
             smallest = min(every.span(s, context) * layer_bytes(MIN_WHOLE_LATENT, whole, s) for s in storages)
             raise ValueError(f"no plan can meet a KV budget of {budget} ({budget_bytes:.0f} bytes/token{at}): this "
                              f"model's per-head q/k norms keep its keys whole ({whole} values per token in each of the "
                              f"{L} layers) beside a latent of at least {MIN_WHOLE_LATENT} values; the smallest these "
                              f"storages ({', '.join(storages)}) can meet is {smallest:.0f} bytes/token "
-                             f"({smallest / original:.1%}){'' if context else '; --context counts a sliding layer by its window'}")
+                             f"({smallest / original:.1%}){hint}")
         return original, budget_bytes, options
     lay = layouts(teacher, budget_bytes, context, fmt, [])[0]
     per_storage = {s: values_for(budget_bytes, s, lay.span(s, context)) for s in storages}
