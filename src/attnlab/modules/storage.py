@@ -86,13 +86,13 @@ class StorageFormat(NamedTuple):
 
 def check_kv_dtype(kv_dtype) -> StorageFormat | None:
     """Parse a kv_dtype ("fp32", "bf16", "int8", "fp8", "int8/g<N>", "fp8/g<N>", the few-bit ones of
-    modules/lowbit.py: "q8_0", "q5_0", "q4_0", "q4_1", "int4[/g<N>][+r8|+c4]", "int3...", "int2...", "kivi4",
+    modules/lowbit.py: "q8_0", "q5_0", "q4_0", "q4_1", "int4[/g<N>][+r8|+c4|+c3|+c2]", "int3...", "int2...", "kivi4",
     "kivi2"; or None); one-line errors."""
     if kv_dtype is None:
         return None
     choices = ("'fp32', 'bf16', 'int8', 'fp8' (or 'int8/g<N>', 'fp8/g<N>': one scale per N channels), llama.cpp's "
                "'q8_0', 'q5_0', 'q4_0', 'q4_1', 'int4', 'int3', 'int2' (or 'int4/g<N>', ..., and after any of them '+r8' "
-               "for an MLA's rope key in 8 bits or '+c4' for it in 4 bits per channel), 'kivi4', 'kivi2' or None")
+               "for an MLA's rope key in 8 bits or '+c4', '+c3', '+c2' for it in 4, 3, 2 bits per channel), 'kivi4', 'kivi2' or None")
     if not isinstance(kv_dtype, str):
         raise TypeError(f"kv_dtype must be one of {choices}, got {type(kv_dtype).__name__} ({kv_dtype!r})")
     low = lowbit.parse(kv_dtype)
