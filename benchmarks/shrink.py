@@ -314,7 +314,8 @@ def part_bits() -> None:
     save("bits", row)
 
 
-KEY_ROWS = ("int4/g32+r8", "int4/g32+c4", "int4/g32", "int3/g64+c4", "int3/g64", "int2/g32+c4")
+KEY_ROWS = ("int4/g32+r8", "int4/g32+c4", "int4/g32", "int3/g64+c4", "int3/g64", "int2/g32+c4", "int4/g32+c2",
+            "int3/g64+c2")
 
 
 def part_keys() -> None:
