@@ -1,0 +1,241 @@
+"""What a cache costs: the storages the planner may choose, the budget, and bytes per token of a layout.
+
+The planner (shrink/plan.py) chooses among conversions by these numbers. Notation: L layers, G KV heads, d head
+size; V = 2 G d values per token and layer in the original GQA cache; a compressed MLA caches r (latent) + p (rope
+key) values per token and layer. Every size is measured from the cache a module allocates for it (on the meta
+device), so the planner's arithmetic is the caches' own: a few-bit row's bytes step with its groups and packing,
+and `fit` moves a latent up or down until one value more would not fit. At a context (`--context T`) a sliding
+layer holds only its window (`held_share`), and `layouts` offers keeping the sliding layers as they are.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+FORMATS = ("attnlab", "deepseek", "gguf")
+# latent in 4 or 2 bits (groups of 32) with the rope key in 8 bits per token; or latent in 3 or 4 bits with the rope
+# key in 4 bits per channel over groups of 64 tokens (KIVI's key layout; docs/real-models.md)
+FEW_BIT = ("int4/g32+r8", "int2/g32+r8", "int3/g64+c4", "int4/g32+c4")
+STORAGES = ("bf16", "int8", *FEW_BIT)
+# a GGUF's cache is llama.cpp's: its f16 ("bf16" here: the same bytes) or a block type of --cache-type-k, which
+# quantises deepseek2's cached row [latent | rope key] in blocks of 32 (modules/lowbit.py computes it bit for bit)
+LLAMA_CPP_CACHE = ("q8_0", "q5_0", "q4_1", "q4_0")
+GGUF_STORAGES = ("bf16", "q8_0", "q5_0", "q4_0")
+
+def storage_ok(storage: str, fmt: str = "attnlab") -> bool:
+    """Whether the planner can store a latent cache so in that format: bf16 in every one; in attnlab's own also int8
+    and its int4/int3/int2 groups (any /g<N>, with or without +r8 or +c4); in a GGUF llama.cpp's cache types."""
+    from ..modules.cache import check_kv_dtype
+
+    if storage == "bf16":
+        return True
+    if fmt != "attnlab":
+        return fmt == "gguf" and storage in LLAMA_CPP_CACHE
+    if storage == "int8":
+        return True
+    try:
+        fmt = check_kv_dtype(storage)
+    except ValueError:
+        return False
+    return fmt.low is not None and fmt.low.kind == "asym"
+
+
+def few_bit(storage: str) -> bool:
+    return storage.startswith(("int4", "int3", "int2"))
+
+
+def llama_cpp_type(storage: str) -> str:
+    """The llama.cpp cache type (--cache-type-k) a GGUF storage is planned for: f16 for the 16-bit cache."""
+    return "f16" if storage == "bf16" else storage
+
+
+@dataclass(frozen=True)
+class KVBudget:
+    """What the user asked for: a fraction of the original's 16-bit cache, or bytes per token."""
+    kind: str  # "fraction" or "bytes"
+    value: float
+
+    def bytes_for(self, original_bytes: float) -> float:
+        return self.value * original_bytes if self.kind == "fraction" else self.value
+
+    def __str__(self) -> str:
+        return f"{self.value:.0%}" if self.kind == "fraction" else f"{self.value:.0f} bytes/token"
+
+
+def parse_budget(text) -> KVBudget:
+    """`50%` or `0.5` (a fraction of the original's 16-bit cache) or `6000` (bytes per token); ValueError otherwise."""
+    s = str(text).strip().lower()
+    m = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*(%|b|bytes)?", s)
+    if not m:
+        raise ValueError(f"--kv-budget must be a percentage (50%), a fraction (0.5) or bytes per token (6000), "
+                         f"got {text!r}")
+    number, unit = float(m.group(1)), m.group(2)
+    if unit == "%" or (unit is None and number < 1):
+        fraction = number / 100 if unit == "%" else number
+        if not 0 < fraction < 1:
+            raise ValueError(f"--kv-budget must lie strictly between 0% and 100% of the original's cache, got {text!r}")
+        return KVBudget("fraction", fraction)
+    if number < 1:
+        raise ValueError(f"--kv-budget in bytes must be at least 1, got {text!r}")
+    return KVBudget("bytes", number)
+
+
+# -- sizes ------------------------------------------------------------------------------------------
+def original_sizes(model) -> tuple[int, int, int, int]:
+    """(layers L, KV heads G, head size d, values per token and layer V = 2 G d) of an unconverted Llama-family model."""
+    from ..models.adapters import attnlab_modules
+    from ..modules.gqa import GroupedQueryAttention
+
+    mods = attnlab_modules(model)
+    m = mods[0]
+    if not isinstance(m, GroupedQueryAttention):
+        raise ValueError(f"the model is already converted (layer 0 is a {type(m).__name__}): plan from its source")
+    if m.rope is None:
+        raise ValueError("the planner cuts RoPE models (Llama, Mistral, Qwen2); this model has no rotary embedding")
+    return len(mods), m.num_kv_heads, m.head_dim, m.kv_values_per_token
+
+
+def layer_bytes(latent_dim: int, rope_dim: int, storage: str) -> int:
+    """Bytes one layer's latent cache allocates per token in that storage, scales included (a meta-device cache)."""
+    from ..modules.mla import MultiHeadLatentAttention
+
+    width = max(8, latent_dim)  # wide enough that the latent is not above the layer's useful rank
+    m = MultiHeadLatentAttention(width, 1, latent_dim, head_dim=width, rope_dim=rope_dim, kv_dtype=storage,
+                                 device="meta")
+    return m.init_cache(1, 1, device="meta").bytes_per_token
+
+
+def bytes_per_token(values: int, storage: str, layers: int, rope_dim: int = 2) -> int:
+    """Whole-model cache bytes per token of `values` per layer (latent + rope key) in that storage."""
+    return layers * layer_bytes(values - rope_dim, rope_dim, storage)
+
+
+def values_for(budget_bytes: float, storage: str, layers: int) -> int:
+    """The most values per token and layer that fit the byte budget in that storage (even, for RoPE pairs);
+    for a few-bit storage an estimate from its mean cost per value (fit() makes each split fit)."""
+    if storage in LLAMA_CPP_CACHE:  # whole blocks of 32 values only
+        per_block = layer_bytes(32, 32, storage) // 2
+        return int(budget_bytes / layers // per_block) * 32
+    if few_bit(storage):
+        per_value = (layer_bytes(258, 62, storage) - layer_bytes(2, 2, storage)) / 316
+        fixed = layer_bytes(2, 2, storage) - 4 * per_value
+        v = int((budget_bytes / layers - fixed) // per_value)
+        return v - v % 2
+    per_value = layer_bytes(3, 2, storage) - layer_bytes(2, 2, storage)
+    fixed = layer_bytes(2, 2, storage) - 4 * per_value  # the scales
+    v = int((budget_bytes / layers - fixed) // per_value)
+    return v - v % 2
+
+
+def fit(latent: int, rope: int, storage: str, layers: int, budget_bytes: float, extra: int = 0,
+        ceiling: int | None = None) -> int:
+    """The largest latent size (from `latent`, up to `ceiling` when given) whose layers fit the budget with
+    this rope key (0 if none does): a few-bit row's bytes step with its groups and packing, not with each value,
+    so the estimate from values_for() is moved up or down until one value more would not fit."""
+    def fits(n: int) -> bool:
+        return layers * layer_bytes(n + extra, rope, storage) <= budget_bytes
+
+    while ceiling is not None and latent < ceiling and fits(latent + 1):
+        latent += 1
+    while latent > 0 and not fits(latent):
+        latent -= 1
+    return latent
+
+
+def _even(x: float) -> int:
+    return max(2, int(round(x / 2)) * 2)
+
+
+def splits(values: int, shares=(0.3,), *, max_rope: int, min_latent: int = 8, block: int | None = None,
+           extra: int = 0, strict: bool = False) -> list[tuple[int, int]]:
+    """(latent, rope) pairs of `values` with the rope key taking about each share (even, >= 2, <= max_rope).
+
+    block: for llama.cpp, whose quantised KV caches (q8_0) store rows in blocks of 32, the rope key and
+    the latent with its `extra` channels are made multiples of `block` (at most `values` in all) where
+    the sizes allow it; the pairs that cannot be aligned are returned as they are, unless strict (a cache
+    in one of llama.cpp's block types refuses such rows): then they are left out."""
+    out = []
+    for s in shares:
+        p = min(_even(values * s), max_rope - max_rope % 2)
+        if block:
+            pb = min(max(block, round(p / block) * block), max_rope // block * block)
+            rb = (values + extra - pb) // block * block - extra
+            if pb >= block and rb >= min_latent:
+                p = pb
+                if (rb, p) not in out:
+                    out.append((rb, p))
+                continue
+            if strict:
+                continue
+        if values - p >= min_latent and (values - p, p) not in out:
+            out.append((values - p, p))
+    return out
+
+
+# -- layer types at a context ------------------------------------------------------------------------------
+KEPT_STORAGES = ("bf16", "int8")  # what the sliding layers a candidate keeps (unconverted) may store their cache in
+
+
+def held_share(window: int | None, storage: str, context: int | None) -> float:
+    """The share of a `context`-token sequence a layer's cache holds in that storage: 1 for a global layer, for no
+    context, or for a storage that keeps every token (modules/cache.py window_for); else its window's rows over the
+    context (window_rows)."""
+    from ..modules.cache import window_for, window_rows
+
+    if context is None or window is None or window_for(window, storage) is None:
+        return 1.0
+    return window_rows(window, context) / context
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Which layers a candidate converts, and the bytes per token the budget leaves them.
+
+    layers: the converted layers' indices (None: all); the others keep the original's attention, their cache in
+    kept_dtype. windows: each converted layer's sliding window (None: global). room: the budget less what the kept
+    layers' caches take at the context."""
+    layers: tuple[int, ...] | None
+    kept_dtype: str | None
+    windows: tuple
+    room: float
+
+    def span(self, storage: str, context: int | None) -> float:
+        """Converted layers, each counted by the share of the context its cache holds: a converted layer's bytes per
+        token times span() is the converted layers' bytes per token at the context."""
+        return sum(held_share(w, storage, context) for w in self.windows)
+
+
+def layouts(teacher, budget_bytes: float, context: int | None, fmt: str = "attnlab",
+            kept=KEPT_STORAGES) -> list[Layout]:
+    """Every layer converted; and, for a model with both sliding and global layers planned at a context in attnlab's
+    format, the global layers converted and the sliding ones kept as they are, their cache in each of `kept` whose
+    bytes leave room (at a long context a sliding layer holds a small share of its tokens: the bytes are the
+    global layers')."""
+    from ..models.adapters import attnlab_modules
+
+    mods = attnlab_modules(teacher)
+    windows = tuple(m.sliding_window for m in mods)
+    out = [Layout(None, None, windows, budget_bytes)]
+    slide = [i for i, w in enumerate(windows) if w is not None]
+    glob = [i for i, w in enumerate(windows) if w is None]
+    if context is None or fmt != "attnlab" or not slide or not glob:
+        return out
+    for storage in kept:
+        cost = sum(mods[i].init_cache(1, 1, dtype=torch.bfloat16, device="meta", kv_dtype=storage).bytes_at(context)
+                   for i in slide)
+        if cost < budget_bytes:
+            out.append(Layout(tuple(glob), storage, tuple(windows[i] for i in glob), budget_bytes - cost))
+    return out
+
+
+def original_bytes(teacher, context: int | None = None) -> float:
+    """The original's 16-bit cache in bytes per token: every token held (2 V L), or at a context (sliding layers
+    holding their windows)."""
+    if context is None:
+        L, _, _, V = original_sizes(teacher)
+        return bytes_per_token(V, "bf16", L)
+    from ..models.evaluate import kv_bytes_per_token
+
+    return kv_bytes_per_token(teacher, torch.bfloat16, kv_dtype="bf16", context=context)
