@@ -208,7 +208,7 @@ def training_data(teacher, tok, seq_len: int, *, text=None, eval_text=None, wind
 
 def converted_layers(teacher, student) -> list[int]:
     """The indices of the layers whose attention the conversion changed (another class, or other weights): the ones
-    a heal trains. A layer the planner kept (shrink/plan.py layouts) is the teacher's own and stays so; a student with
+    a heal trains. A layer the planner kept (shrink/sizes.py layouts) is the teacher's own and stays so; a student with
     no changed layer (nothing converted) trains every layer, as a heal always did."""
     from ..models.adapters import attnlab_modules
 
