@@ -101,6 +101,8 @@ def _worker(work: Path) -> None:
     world = init_world("cpu", timeout_s=60)
     first, base = _models(work)
     try:
+        teacher, student = copy.deepcopy(first), copy.deepcopy(base)
+        torch.save(_evaluation(teacher, student, world), work / f"eval.rank{world.rank}.pt")
         for name, (shard, stop_at) in RUNS.items():
             teacher, student = copy.deepcopy(first), copy.deepcopy(base)  # FSDP2 shards its teacher in place
             status, losses, state, rows = _run(teacher, student, world=world, shard=shard, stop_at=stop_at,
@@ -111,6 +113,40 @@ def _worker(work: Path) -> None:
                        work / f"{name}.rank{world.rank}.pt")
     finally:
         close_world(world)
+
+
+HELD = 5 * T + T // 2  # held-out tokens: 6 windows of T (the last shorter), 3 rounds of 2 ranks
+
+
+def _evaluation(teacher, student, world=None) -> dict:
+    """evaluate_pair before and after (with the reference) on held-out ids, the windows each model scored here (its
+    forward calls) and the batch sizes its first attention layer saw (the greedy continuations go through attnlab's
+    loop, layer by layer, a batch of this rank's prompts): the evaluation the heal runs, split over the ranks when
+    `world` has several."""
+    from attnlab.heal.evaluate import evaluate_pair
+    from attnlab.models import attnlab_modules
+
+    held = torch.randint(0, 300, (1, HELD), generator=torch.Generator().manual_seed(7))
+    calls = {"teacher": [], "student": [], "teacher_layer0": [], "student_layer0": []}
+    watched = [("teacher", teacher), ("student", student), ("teacher_layer0", attnlab_modules(teacher)[0]),
+               ("student_layer0", attnlab_modules(student)[0])]
+    hooks = [m.register_forward_pre_hook(lambda mod, args, kw, key=key: calls[key].append(
+        (args[0] if args else kw.get("input_ids", kw.get("hidden_states"))).shape[0]), with_kwargs=True)
+        for key, m in watched]
+    try:
+        before = evaluate_pair(teacher, student, held, window=T, prompts=5, prompt_len=8, new_tokens=4, world=world)
+        windows = {k: len(calls[k]) for k in ("teacher", "student")}
+        batches = {k: sorted(set(calls[k])) for k in ("teacher_layer0", "student_layer0")}
+        after = evaluate_pair(teacher, student, held, window=T, prompts=5, prompt_len=8, new_tokens=4,
+                              reference=before, world=world)
+    finally:
+        for h in hooks:
+            h.remove()
+    figures = lambda r: {k: r[k] for k in ("perplexity", "top1_agreement", "tokens", "windows")} | {  # noqa: E731
+        "greedy": [r["greedy_agreement"][k] for k in ("prefix", "tokens")]} | (
+        {"teacher_perplexity": r["teacher_perplexity"]} if "teacher_perplexity" in r else {})
+    return {"before": figures(before), "after": figures(after), "windows": windows, "batches": batches,
+            "teacher_top": before["_teacher_top"], "teacher_tokens": before["greedy_agreement"]["teacher_tokens"]}
 
 
 def _free_port() -> int:
@@ -164,13 +200,13 @@ def test_two_processes_give_the_one_process_weights_and_loss_curve(runs, name):
     assert status == "done" and len(losses) == STEPS
     for rank in range(2):
         got = _result(work, name, rank)
-        # computed whole on every rank (not split): the teacher's layer inputs (8 windows), those of the guard's 4
-        # check windows, and the guard's checks of layer 0 before and after its steps; every training batch (3
-        # layer-wise targets of 4 windows per layer, 4 end-to-end batches of 4) is split in half
-        whole = {"model": [8, 4], "layer0": [8, 4, 4]}
-        assert rows["model"] == whole["model"] + [4] * 4 and rows["teacher_share"] == 1.0
-        assert rows["layer0"] == whole["layer0"] + [4] * 3 + [4] + [4] * 4
-        assert got["rows"] == {"model": whole["model"] + [2] * 4, "layer0": whole["layer0"] + [2] * 3 + [4] + [2] * 4,
+        # the teacher's layer inputs of the 8 layer-wise windows and the guard's 4 check windows: one process in
+        # chunks of 8 and 4, each rank its 6 (split, then gathered); the guard's checks of layer 0 before and after
+        # its steps, 4 windows on every rank; every training batch (3 layer-wise targets of 4 windows per layer, 4
+        # end-to-end batches of 4) split in half
+        assert rows["model"] == [8, 4] + [4] * 4 and rows["teacher_share"] == 1.0
+        assert rows["layer0"] == [8, 4] + [4] + [4] * 3 + [4] + [4] * 4
+        assert got["rows"] == {"model": [6] + [2] * 4, "layer0": [6] + [4] + [2] * 3 + [4] + [2] * 4,
                                "teacher_share": pytest.approx(0.5 if name == "fsdp" else 1.0, abs=0.01)}
         assert got["status"] == "done" and got["tokens"] == state["tokens"] == PLAN["tokens"]
         assert _rel(got["weights"], weights) <= TOL, (name, rank, _rel(got["weights"], weights))
@@ -179,6 +215,28 @@ def test_two_processes_give_the_one_process_weights_and_loss_curve(runs, name):
         assert got["layer_losses"] == pytest.approx(state["layer_losses"], rel=TOL)
         assert got["distill_losses"] == pytest.approx(state["distill_losses"], rel=TOL)
     assert _rel(weights, _weights(base)) > 1e-2  # the comparison is not between untrained weights
+
+
+def test_two_processes_split_the_evaluation_and_both_report_the_one_process_figures(runs):
+    """evaluate_pair over 2 ranks: 6 windows scored 3 by each rank (none twice), the 5 prompts of greedy agreement
+    split 3 and 2, and both ranks return the one-process figures, before and after (the reference's windows and
+    cached answers), to float64 rounding of sums in another order; the teacher's answers gathered whole."""
+    work, _, _, teacher, base = runs
+    one = _evaluation(teacher, copy.deepcopy(base))
+    # one process, before training: each model scores the 6 windows, a batch of 1 each, and continues the 5 prompts
+    # as one batch
+    assert one["before"]["windows"] == 6 and one["windows"] == {"teacher": 6, "student": 6}
+    assert one["batches"] == {"teacher_layer0": [1, 5], "student_layer0": [1, 5]}
+    for rank in range(2):
+        got = torch.load(work / f"eval.rank{rank}.pt", weights_only=True)
+        assert got["windows"] == {"teacher": 3, "student": 3}, got["windows"]  # 3 of the 6 windows
+        prompts = 3 - rank  # 5 prompts: 3 on rank 0, 2 on rank 1
+        assert got["batches"] == {"teacher_layer0": [1, prompts], "student_layer0": [1, prompts]}, got["batches"]
+        for when in ("before", "after"):
+            for k, v in one[when].items():
+                assert got[when][k] == pytest.approx(v, rel=1e-12, abs=0), (rank, when, k)
+        assert all(torch.equal(a, b) for a, b in zip(got["teacher_top"], one["teacher_top"], strict=True))
+        assert torch.equal(got["teacher_tokens"], one["teacher_tokens"])
 
 
 @pytest.mark.parametrize("name", ["ddp_stop", "fsdp_stop", "fsdp_layer_stop"])
@@ -195,6 +253,19 @@ def test_a_two_process_run_stopped_after_k_steps_resumes_in_one_process(runs, na
     straight = _result(work, name.split("_")[0], 0)
     assert _rel(_weights(student), straight["weights"]) <= TOL
     assert torch.allclose(torch.tensor(losses, dtype=torch.float64), straight["losses"][k:], rtol=TOL, atol=0)
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 5])
+def test_parts_cover_every_item_once_in_rank_order_and_differ_by_at_most_one(size):
+    """distributed.part_of, which splits the evaluation's windows and the teacher's layer inputs: the ranks' slices
+    laid end to end are range(n), in rank order, and no share is more than one item larger than another."""
+    from attnlab.heal.distributed import World, part_of
+
+    for n in range(0, 13):
+        parts = [range(n)[part_of(n, r, size)] for r in range(size)]
+        assert [i for p in parts for i in p] == list(range(n))
+        assert max(map(len, parts)) - min(map(len, parts)) <= 1
+        assert [World(rank=r, size=size).part(n) for r in range(size)] == [part_of(n, r, size) for r in range(size)]
 
 
 def test_a_batch_that_does_not_split_over_the_processes_is_refused_before_any_work(runs):

@@ -37,8 +37,9 @@ loss divides by the whole batch's target power), the recorded losses are the who
 every stop is agreed, and rank 0 alone writes the checkpoint, in the one-process format. With
 FSDP2 the frozen teacher is sharded as well (distributed.shard_frozen: each rank keeps 1/N of it and
 every teacher forward is a collective the ranks run together); heal_model gathers it whole for the
-evaluations, which each rank runs alone, and leaves it whole for the caller. The teacher's layer
-inputs of the layer-wise phase are computed by every rank (not split yet).
+evaluations and leaves it whole for the caller. The work that is not a batch is split too: each rank computes its
+share of the teacher's layer inputs for the layer-wise phase and of the evaluations' windows, and the shares are
+gathered (distributed.gather_rows), so no rank repeats another's.
 Without a world (or with one process) nothing of this runs: the one-process path is unchanged.
 """
 from __future__ import annotations
@@ -246,6 +247,9 @@ class Healer:
             teacher.to(self.device)
             layers = list(getattr(getattr(teacher, "model", None), "layers", []))
             dd.shard_frozen(teacher, self.world, [*_modules(teacher), *layers])
+            with torch.no_grad():  # a first forward through the root, every rank together: FSDP2 then knows the root
+                teacher(windows[:1, :2].to(self.device))  # (a rank's first call may else be a unit alone: generation)
+            dd.whole(teacher, False)  # the root keeps its weights gathered after a forward: sharded again
         if plan.lora_rank:
             add_lora(student, plan.lora_rank, self.layers)
         else:
@@ -354,27 +358,34 @@ class Healer:
 
     # -- phases --------------------------------------------------------------------------------
     def _layer_inputs(self, chunk: int = 8):
-        """Each layer's attention input (n, T, dim) on the first layer_windows windows, from the teacher.
+        """Each layer's attention input (n, T, dim) on the first layer_windows windows, from the teacher, and those of
+        the guard's check windows (the next guard.WINDOWS, held out from the phase's batches where the text has them).
 
-        Computed `chunk` windows at a time, checking the budget in between (runtime.Stopped).
-        Over N ranks every rank computes all of them (the batches draw from all; not split yet).
+        Computed `chunk` windows at a time, checking the budget in between (runtime.Stopped). Over N ranks each
+        computes its share of the windows (World.part) and the shares are gathered, so every rank holds them all (the
+        batches draw from all); every rank makes the same number of teacher calls, since under FSDP2 each is a
+        collective (a rank whose share ran out makes one on a window it drops).
         """
         if self._inputs is None:
             from ..models.evaluate import attention_inputs
-            ids = self.windows[: self.plan.layer_windows].to(self.device)
+
+            n = min(self.plan.layer_windows, self.windows.shape[0])
+            ids = self.windows[: n + guard.WINDOWS].to(self.device)  # the spare ones last
+            total = ids.shape[0]
+            mine = ids[self.world.part(total)] if self.world.distributed else ids
+            most = max(len(range(total)[dd.part_of(total, r, self.world.size)]) for r in range(self.world.size))
             parts = []
-            for start in range(0, ids.shape[0], chunk):
-                if start:
+            for c in range(-(-most // chunk)):
+                if c:
                     self._check()
-                part = ids[start:start + chunk]
-                parts.append([x.reshape(part.shape[0], part.shape[1], -1) for x in attention_inputs(self.teacher, part)])
-            self._inputs = [torch.cat(layer) for layer in zip(*parts)]
-            spare = self.windows[ids.shape[0]: ids.shape[0] + guard.WINDOWS].to(self.device)
-            if spare.shape[0]:  # held out from the layer-wise batches
-                self._check_x = [x.reshape(spare.shape[0], spare.shape[1], -1)
-                                 for x in attention_inputs(self.teacher, spare)]
-            else:  # no window to spare: the first of the layer-wise ones
-                self._check_x = [x[:guard.WINDOWS] for x in self._inputs]
+                piece = mine[c * chunk:(c + 1) * chunk]
+                run = piece if piece.shape[0] else ids[:1]
+                parts.append([x.reshape(run.shape[0], run.shape[1], -1)[: piece.shape[0]]
+                              for x in attention_inputs(self.teacher, run)])
+            xs = [dd.gather_rows(torch.cat(layer), total) for layer in zip(*parts)]  # (n + spare, T, dim) per layer
+            self._inputs = [x[:n] for x in xs]
+            # no window to spare: the first of the layer-wise ones
+            self._check_x = [x[n:] if total > n else x[:guard.WINDOWS] for x in xs]
         return self._inputs
 
     def _layer_step(self) -> float:
@@ -564,8 +575,8 @@ def heal_model(teacher, student, windows: torch.Tensor, held_out: torch.Tensor, 
     resume: continue from `checkpoint` (its plan, student and teacher must be this run's).
     stop_hook(healer) is called once the Healer exists (e.g. to wire a signal to request_stop).
     world, shard: data-parallel over a torchrun job (Healer). Every rank calls heal_model: rank 0
-    reads the checkpoint and sends it to the others; the evaluations run on every rank (not split
-    yet; rank 0's report is the one to show) and a stop during the first one on any rank stops all.
+    reads the checkpoint and sends it to the others; the evaluations split their windows and prompts over the ranks
+    (evaluate_pair's world), every rank gets the same figures, and a stop during the first one on any rank stops all.
     With shard the teacher is sharded in place for the training (Healer) and comes back whole: gathered on every
     rank, an FSDP2 module that runs without collectives.
     keep_better: when the healed student's perplexity on the held-out windows is higher than the converted one's
@@ -603,10 +614,10 @@ def heal_model(teacher, student, windows: torch.Tensor, held_out: torch.Tensor, 
     try:
         if evaluate and "before" not in report:
             t0 = budget.clock()
-            if healer.teacher_sharded:  # each rank evaluates alone, as long as its share allows: the teacher whole
+            if healer.teacher_sharded:  # the ranks score different windows, each on its own: the teacher whole
                 dd.whole(teacher)
             try:
-                before = evaluate_pair(teacher, student, held_out, budget=budget.share(eval_share))
+                before = evaluate_pair(teacher, student, held_out, budget=budget.share(eval_share), world=world)
             finally:
                 if healer.teacher_sharded:
                     dd.whole(teacher, False)
@@ -636,7 +647,7 @@ def heal_model(teacher, student, windows: torch.Tensor, held_out: torch.Tensor, 
     if evaluate and status != "stopped" and s["steps_done"] and "reference" in s:
         try:
             report["after"] = public(evaluate_pair(teacher, student, held_out, budget=budget.unbounded(),
-                                                   reference=s["reference"]))
+                                                   reference=s["reference"], world=world))
         except Stopped:
             report["status"] = "stopped"
         if converted is not None and guard.worse(report.get("before"), report.get("after")):

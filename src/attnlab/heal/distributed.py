@@ -74,6 +74,19 @@ class World:
         part = n // self.size
         return slice(self.rank * part, (self.rank + 1) * part)
 
+    def part(self, n: int) -> slice:
+        """This rank's share of n items that need not split evenly (windows to score, prompts to continue): contiguous,
+        in rank order, the first n mod N ranks one item more (part_of)."""
+        return part_of(n, self.rank, self.size)
+
+
+def part_of(n: int, rank: int, size: int) -> slice:
+    """Rank `rank` of `size`'s contiguous share of n items: the first n mod size ranks take one more (some may take
+    none when n < size); the shares cover range(n) once, in rank order."""
+    base, extra = divmod(n, size)
+    start = rank * base + min(rank, extra)
+    return slice(start, start + base + (rank < extra))
+
 
 _groups: dict = {}  # "patient": the gloo group with a long timeout; "mesh": FSDP2's device mesh
 
@@ -200,6 +213,38 @@ def all_sum(t: torch.Tensor) -> torch.Tensor:
 
         dist.all_reduce(t)
     return t
+
+
+def gather_rows(part: torch.Tensor, n: int) -> torch.Tensor:
+    """The whole of a tensor of n rows on every rank, from each rank's part_of(n) rows (`part`, its rows in order):
+    one all_gather of the parts padded to the largest, then trimmed (one process: `part`). Work split over the ranks
+    (the teacher's layer inputs, the evaluation's windows) is put back together with it."""
+    if not _active():
+        return part
+    import torch.distributed as dist
+
+    size = dist.get_world_size()
+    counts = [len(range(n)[part_of(n, r, size)]) for r in range(size)]
+    if part.shape[0] != counts[dist.get_rank()]:
+        raise ValueError(f"rank {dist.get_rank()} holds {part.shape[0]} rows of {n}; its share is "
+                         f"{counts[dist.get_rank()]}")
+    padded = torch.zeros((max(counts), *part.shape[1:]), dtype=part.dtype, device=_device())
+    padded[: part.shape[0]] = part.detach()
+    parts = [torch.empty_like(padded) for _ in range(size)]
+    dist.all_gather(parts, padded)
+    return torch.cat([t[:c] for t, c in zip(parts, counts)]).to(part.device)
+
+
+def gather_objects(obj) -> list:
+    """Every rank's `obj`, in rank order, on every rank (all_gather_object on the training group: pickled between the
+    job's own processes; small things only, e.g. the teacher's answers on the windows a rank scored)."""
+    if not _active():
+        return [obj]
+    import torch.distributed as dist
+
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
 
 
 # -- what rank 0 alone makes ---------------------------------------------------------------------------
