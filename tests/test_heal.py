@@ -306,6 +306,72 @@ def test_a_heal_that_makes_the_student_worse_returns_the_converted_weights(tiny,
             assert report["healed"]["perplexity"] > report["before"]["perplexity"]
 
 
+@pytest.mark.parametrize("harmful", [True, False])
+def test_a_probe_judges_the_end_to_end_phase_and_switches_to_the_layer_wise_phase_when_it_hurts(tiny, monkeypatch,
+                                                                                                harmful):
+    """HealPlan.probe: the end-to-end phase runs first and, at its probe step, heal_model scores the held-out windows.
+    Made to read worse there: the converted weights come back and the layer-wise phase runs alone, so the student
+    ends with exactly the weights of a layer-wise phase from the converted weights (the oracle: a Healer without a
+    probe, stopped where its end-to-end phase would start). Made to read better: the end-to-end phase goes on to its
+    end, exactly as a heal of that phase alone (no layer-wise steps) ends."""
+    import attnlab.heal.evaluate as ev
+
+    _, teacher, _ = tiny
+    held, windows = _windows(8, seed=99).reshape(1, -1), _windows(32, seed=0)
+    real = ev.evaluate_pair
+
+    def fake(*args, reference=None, **kw):
+        out = real(*args, reference=reference, **kw)
+        if reference is not None:  # the probe's (and the final) evaluation
+            out = {**out, "perplexity": reference["perplexity"] * (10.0 if harmful else 0.5)}
+        return out
+
+    monkeypatch.setattr(ev, "evaluate_pair", fake)
+    plan = _plan(probe=0.5)  # 12 end-to-end steps: the probe at step 6
+    student = _student(teacher)
+    report = heal_model(teacher, student, windows, held, plan, keep_better=False)
+    assert report["status"] == "done" and report["probe"]["step"] == 6
+    oracle = _student(teacher)
+    if harmful:
+        assert report["probe"]["verdict"].startswith("the converted weights back")
+        assert len(report["layer_losses"]) == 2 and report["distill_tokens"] == 6 * 4 * T  # no step after the probe
+        _after_layer_phase(teacher, oracle, _plan(), windows)
+    else:
+        assert report["probe"]["verdict"] == "kept the end-to-end phase"
+        assert report["layer_losses"] == [] and report["distill_tokens"] == 12 * 4 * T
+        Healer(teacher, oracle, windows, _plan(layer_steps=0)).run()
+    assert all(torch.equal(a, b) for a, b in zip(_weights(student), _weights(oracle)))
+
+
+def test_a_heal_switched_by_its_probe_resumes_in_its_layer_wise_phase_and_ends_there(tiny, tmp_path):
+    """The probe's verdict is part of the checkpoint: a heal switched to the layer-wise phase, stopped inside it and
+    resumed in a new Healer, ends with the weights of the uninterrupted one and takes no end-to-end step after it."""
+    _, teacher, _ = tiny
+    plan, windows = _plan(probe=0.5), _windows(32, seed=0)
+    base = _student(teacher)
+    converted = dict(zip([f"{i}.{k}" for i, m in enumerate(hf.attnlab_modules(base)) for k in m.state_dict()],
+                         _weights(base)))
+    straight = copy.deepcopy(base)
+    healer = Healer(teacher, straight, windows, plan)
+    assert healer.run() == "probe" and healer.state["step"] == 6
+    healer.settle_probe(True, converted)
+    assert healer.run() == "done" and healer.state["probe"] == "switched"
+    ckpt, student = tmp_path / "heal.pt", copy.deepcopy(base)
+    healer = Healer(teacher, student, windows, plan, checkpoint=ckpt,
+                    progress=lambda info: info["phase"] == "layers" and info["done"] == 3 and healer.request_stop())
+    assert healer.run() == "probe"
+    healer.settle_probe(True, converted)
+    assert healer.run() == "stopped"
+    student = copy.deepcopy(base)
+    healer = Healer(teacher, student, windows, plan, checkpoint=ckpt)
+    healer.restore(Healer.read(ckpt))
+    assert healer.state["probe"] == "switched" and healer.run() == "done"
+    assert len(healer.state["distill_losses"]) == 6 and healer.state["phase"] == "done"
+    assert all(torch.equal(a, b) for a, b in zip(_weights(student), _weights(straight)))
+    with pytest.raises(ValueError, match=r"heal plan: probe is a share of the end-to-end steps, below 1, got 1.0"):
+        _plan(probe=1.0).check()
+
+
 def _after_layer_phase(teacher, student, plan, windows):
     """A Healer run up to the end of its layer-wise phase (stopped at the first end-to-end step)."""
     healer = Healer(teacher, student, windows, plan,

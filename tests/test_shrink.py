@@ -529,12 +529,14 @@ def test_a_budget_at_a_context_is_met_there_and_the_kept_layers_are_the_teachers
         check_request(_req(folder, tmp_path / "o2", context=0))
 
 
-def test_a_plan_that_keeps_every_value_heals_end_to_end_only(tiny):
+def test_a_plan_that_keeps_every_value_heals_end_to_end_first_with_a_probe(tiny):
     """The heal plan of a student whose layers hold every value (the whole key as the rope key, the values as the
-    latent: only codes differ) has no layer-wise phase; one cut to low rank keeps it (pipeline.LAYER_SHARE)."""
+    latent: only codes differ) starts end to end with a probe (pipeline.PROBE_SHARE) and sizes a layer-wise phase for
+    the rest of the time, in case the probe finds the end-to-end phase harmful; one cut to low rank has no probe and
+    its layer-wise phase first (pipeline.LAYER_SHARE)."""
     import copy
 
-    from attnlab.shrink.pipeline import _heal_plan
+    from attnlab.shrink.pipeline import PROBE_SHARE, _heal_plan
 
     _, teacher, tok, text, _ = tiny
     train = _ids(tok, text, 4 * T).reshape(4, T)
@@ -542,5 +544,6 @@ def test_a_plan_that_keeps_every_value_heals_end_to_end_only(tiny):
     every, cut = copy.deepcopy(teacher), copy.deepcopy(teacher)
     hf.convert_model(every, "mla", latent_dim=32, rope_dim=32, pair_selection="rorope")  # 64 = G d + G d: all
     hf.convert_model(cut, "mla", latent_dim=12, rope_dim=4)
-    assert _heal_plan(req, teacher, every, train, 600.0).layer_steps == 0
-    assert _heal_plan(req, teacher, cut, train, 600.0).layer_steps >= 5
+    codes, low_rank = _heal_plan(req, teacher, every, train, 600.0), _heal_plan(req, teacher, cut, train, 600.0)
+    assert codes.probe == PROBE_SHARE and codes.layer_steps >= 5
+    assert low_rank.probe == 0 and low_rank.layer_steps >= 5

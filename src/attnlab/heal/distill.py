@@ -77,6 +77,10 @@ class HealPlan:
     warmup: int = 8
     seed: int = 0
     lora_rank: int | None = None
+    # with layer_steps: the end-to-end phase first, judged on the held-out windows after this share of its steps
+    # (heal_model): if their perplexity rose, the converted weights come back and the layer-wise phase takes the rest
+    # of the time, with no end-to-end phase after it; 0: the layer-wise phase first, then the end-to-end phase
+    probe: float = 0.0
 
     def check(self) -> None:
         for f in fields(self):
@@ -84,8 +88,10 @@ class HealPlan:
             if f.name in ("tokens", "lora_rank") and v is None:
                 continue
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0 or (
-                    v == 0 and f.name not in ("layer_steps", "warmup", "seed")):
+                    v == 0 and f.name not in ("layer_steps", "warmup", "seed", "probe")):
                 raise ValueError(f"heal plan: {f.name} must be a positive number, got {v!r}")
+        if self.probe >= 1:
+            raise ValueError(f"heal plan: probe is a share of the end-to-end steps, below 1, got {self.probe!r}")
 
 
 def _modules(model):
@@ -234,10 +240,11 @@ class Healer:
         self.checkpoint_seconds, self.progress = checkpoint_seconds, progress
         self.budget = budget if budget is not None else Budget()
         self.autocast = self.device.type == "cuda"  # bf16 where the hardware has it
-        self.state = {"phase": "layers" if plan.layer_steps else "distill", "layer": self.layers[0], "step": 0,
-                      "tokens": 0,
+        probing = bool(plan.probe and plan.layer_steps)
+        self.state = {"phase": "layers" if plan.layer_steps and not probing else "distill", "layer": self.layers[0],
+                      "step": 0, "tokens": 0,
                       "total_steps": None, "elapsed": 0.0, "layer_losses": [], "distill_losses": [],
-                      "steps_done": 0, **guard.initial_state()}
+                      "steps_done": 0, **guard.initial_state(), **_probe_state(probing)}
         self.fingerprints = {"student": fingerprint(_attention_weights(_modules(student)).items()),
                              "teacher": fingerprint(teacher.state_dict().items())}
         for p in teacher.parameters():
@@ -314,14 +321,15 @@ class Healer:
             if marks.get(who) != self.fingerprints[who]:
                 raise ValueError(f"{where} belongs to another run: {what} differs from this run's {who} "
                                  "(resume with the same model and teacher, or start afresh)")
-        if blob["plan"] != asdict(self.plan):
-            diff = sorted(k for k in blob["plan"] if blob["plan"][k] != asdict(self.plan).get(k))
+        made = {"probe": 0.0, **blob["plan"]}  # a checkpoint from before the probe: none
+        if made != asdict(self.plan):
+            diff = sorted(k for k in made if made[k] != asdict(self.plan).get(k))
             raise ValueError(f"{where} was made with a different plan ({', '.join(diff)} differ)")
         _check_split(self.world, self.plan, blob["windows"])
         self.trained.release()
         self.windows = blob["windows"]
         _load_attention(self._attn, blob["student"])
-        self.state = {"steps_done": 0, **guard.initial_state(), **blob["state"]}
+        self.state = {"steps_done": 0, **guard.initial_state(), **_probe_state(False), **blob["state"]}
         self._start_weights = blob.get("layer_start")
         self._make_optimizer()
         if blob["optimizer"] is not None and self.optimizer is not None:
@@ -417,8 +425,8 @@ class Healer:
             self._guard(layer)
             later = [i for i in self.layers if i > layer]
             s["layer"], s["step"] = (later[0] if later else len(self._attn)), 0
-            if not later:
-                s["phase"], s["layer"] = "distill", 0
+            if not later:  # after a probe that found the end-to-end phase harmful: none again
+                s["phase"], s["layer"] = "done" if s["probe"] == "switched" else "distill", 0
                 self._inputs = self._check_x = None
             self._make_optimizer()
         return value
@@ -482,7 +490,8 @@ class Healer:
 
         minutes: a budget for this call (within the Healer's own); reserve: seconds to leave
         unspent at the end (the evaluation that follows). A step starts only if the last step's
-        time plus the reserve still fits. Returns "done", "budget" (resumable) or "stopped". A
+        time plus the reserve still fits. Returns "done", "budget" (resumable), "stopped", or "probe" when the
+        end-to-end phase reached the plan's probe point (settle_probe, then run again). A
         checkpoint is written at the end in every case, and every checkpoint_seconds on the way.
         Over N ranks every decision is agreed (any rank's stop or deadline stops all at one step).
         """
@@ -501,6 +510,10 @@ class Healer:
         last_save, step_time, status, elapsed0 = start, 0.0, "done", s["elapsed"]
         self.steps_this_run = 0
         while s["phase"] != "done":
+            if s["phase"] == "distill" and s["probe"] == "pending" and s["probe_step"] is not None \
+                    and s["step"] >= s["probe_step"]:  # the same step on every rank: the steps are counted alike
+                status = "probe"
+                break
             if self._agree(budget.stop_requested):
                 status = "stopped"
                 break
@@ -519,9 +532,13 @@ class Healer:
             s["steps_done"] += 1
             s["elapsed"] = elapsed0 + clock() - start
             if phase == "distill" and s["total_steps"] is None and s["step"] == max(3, plan.warmup):
-                left = (budget.left() - reserve) / max(step_time, 1e-9)  # steps the budget allows from here
+                # steps the budget allows from here (the probe's evaluation costs about what the last one will)
+                left = (budget.left() - reserve * (2 if s["probe"] == "pending" else 1)) / max(step_time, 1e-9)
                 total = s["step"] + max(1, int(left))
                 s["total_steps"] = dd.broadcast_object(total, patient=False) if self.world.distributed else total
+            if phase == "distill" and s["probe"] == "pending" and s["probe_step"] is None \
+                    and s["total_steps"] is not None:
+                s["probe_step"] = max(plan.warmup + 1, round(plan.probe * s["total_steps"]))
             if self.progress:
                 self.progress(self._info(phase, loss, step_time))
             if self._agree(clock() - last_save > self.checkpoint_seconds):
@@ -545,6 +562,21 @@ class Healer:
                 "tokens": s["tokens"], "tokens_per_s": tokens / max(step_time, 1e-9),
                 "eta_s": None if total is None else (total - done) * step_time}
 
+    def settle_probe(self, harmful: bool, start_weights: dict | None = None) -> None:
+        """The verdict on the end-to-end phase at its probe point (HealPlan.probe): kept, or, when `harmful` (the
+        held-out perplexity rose), the student's attention weights back to `start_weights` ({"<layer>.<name>": ...},
+        as the heal started) and the layer-wise phase for the rest, with no end-to-end phase after it."""
+        s = self.state
+        if not harmful:
+            s["probe"] = "kept"
+            return
+        if start_weights is None:
+            raise ValueError("switching to the layer-wise phase needs the weights the heal started from")
+        self.trained.release()
+        _load_attention(self._attn, start_weights)
+        s.update(phase="layers", layer=self.layers[0], step=0, probe="switched")
+        self._make_optimizer()
+
     def finish(self) -> None:
         """Merge LoRA adapters (if any) and stop tracking gradients: the student is an ordinary model again."""
         if self.world.distributed:  # drop the wrappers (FSDP2: the trained weights into the student first)
@@ -554,6 +586,12 @@ class Healer:
             merge_lora(self.student)
         for p in self.student.parameters():
             p.requires_grad_(False)
+
+
+def _probe_state(probing: bool) -> dict:
+    """The probe's part of the Healer's state: "pending" (the end-to-end phase runs first and is judged at probe_step),
+    "kept" or "switched" (the verdict), None (no probe); probe_step is set once the end-to-end phase knows its steps."""
+    return {"probe": "pending" if probing else None, "probe_step": None}
 
 
 _STATUSES = (None, "budget", "stopped")  # a run's end, by rank: the largest over the ranks wins
@@ -600,7 +638,7 @@ def heal_model(teacher, student, windows: torch.Tensor, held_out: torch.Tensor, 
     else:
         blob = Healer.read(checkpoint) if resume else None
     converted = {k: v.clone() for k, v in _attention_weights(_modules(student)).items()} \
-        if keep_better and evaluate else None  # the weights as converted
+        if (keep_better or plan.probe) and evaluate else None  # the weights as converted
     healer = Healer(teacher, student, windows, plan, device=device, checkpoint=checkpoint,
                     checkpoint_seconds=checkpoint_seconds, progress=progress, budget=budget, world=world,
                     shard=shard)
@@ -632,7 +670,13 @@ def heal_model(teacher, student, windows: torch.Tensor, held_out: torch.Tensor, 
     if world.distributed:  # a stop on any rank stops all (a stop request outranks a spent budget)
         status = _STATUSES[dd.largest(_STATUSES.index(status))]
     if status is None:
-        status = healer.run(reserve=report.get("evaluation_seconds", 0.0) if evaluate else 0.0)
+        reserve = report.get("evaluation_seconds", 0.0) if evaluate else 0.0
+        status = healer.run(reserve=reserve)
+        while status == "probe":
+            report["probe"] = _probe(healer, held_out, converted, world) if evaluate else {
+                "verdict": "kept the end-to-end phase (no held-out windows to judge it on)"}
+            healer.state["report"] = report
+            status = healer.run(reserve=reserve)
     else:
         healer.save()
     healer.finish()
@@ -650,7 +694,7 @@ def heal_model(teacher, student, windows: torch.Tensor, held_out: torch.Tensor, 
                                                    reference=s["reference"], world=world))
         except Stopped:
             report["status"] = "stopped"
-        if converted is not None and guard.worse(report.get("before"), report.get("after")):
+        if keep_better and converted is not None and guard.worse(report.get("before"), report.get("after")):
             _load_attention(_modules(student), converted)
             report["healed"], report["after"] = report["after"], dict(report["before"])
             b, h = report["before"], report["healed"]
@@ -658,6 +702,30 @@ def heal_model(teacher, student, windows: torch.Tensor, held_out: torch.Tensor, 
                               f"to {h['perplexity']:.3f} (top-1 agreement with the teacher "
                               f"{b['top1_agreement']:.4f} -> {h['top1_agreement']:.4f})")
     return report
+
+
+def _probe(healer: Healer, held_out: torch.Tensor, converted: dict, world: dd.World) -> dict:
+    """Judge the end-to-end phase at its probe point on the held-out windows of the evaluation before training, and
+    settle it (Healer.settle_probe): the figures and the verdict, for the report. Every rank calls it (the
+    evaluation is split over the ranks and its figures reduced, so every rank reaches the same verdict)."""
+    from .evaluate import evaluate_pair, public
+
+    s = healer.state
+    if healer.teacher_sharded:
+        dd.whole(healer.teacher)
+    try:
+        now = public(evaluate_pair(healer.teacher, healer.student, held_out, budget=healer.budget.unbounded(),
+                                   reference=s["reference"], world=world))
+    finally:
+        if healer.teacher_sharded:
+            dd.whole(healer.teacher, False)
+    before, step = s["report"]["before"], s["step"]
+    harmful = guard.worse(before, now)
+    healer.settle_probe(harmful, converted)
+    verdict = ("the converted weights back and the layer-wise phase for the rest" if harmful
+               else "kept the end-to-end phase")
+    return {"step": step, "perplexity": now["perplexity"],
+            "top1_agreement": now["top1_agreement"], "before": before["perplexity"], "verdict": verdict}
 
 
 def _attention_weights(modules) -> dict:

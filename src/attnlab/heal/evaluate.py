@@ -83,7 +83,7 @@ def evaluate_pair(teacher, student, held_out: torch.Tensor, *, prompts: int = 8,
     if reference is not None:
         chunks = chunks[:reference["windows"]]
     teacher_top = {} if reference is None else dict(enumerate(reference["_teacher_top"]))
-    sums = torch.zeros(5, dtype=torch.float64)  # the student's nll, positions scored, equal top-1, tokens, teacher's nll
+    sums = torch.zeros(5, dtype=torch.float64)  # student's nll, its predictions, equal top-1, tokens, teacher's nll
     last = 0.0  # seconds this rank's last window took: a round starts only if one more still fits on every rank
     scored = len(chunks)
     with torch.no_grad():
@@ -105,8 +105,8 @@ def evaluate_pair(teacher, student, held_out: torch.Tensor, *, prompts: int = 8,
                 t_logits = teacher(chunk).logits
                 sums[4] += next_token_nll(t_logits, chunk)[0]
                 teacher_top[i] = t_logits.argmax(-1)  # (1, n)
-            sums[:4] += torch.tensor([nll, n, int((teacher_top[i].to(s_logits.device) == s_logits.argmax(-1)).sum()), chunk.numel()],
-                                     dtype=torch.float64)
+            same = int((teacher_top[i].to(s_logits.device) == s_logits.argmax(-1)).sum())
+            sums[:4] += torch.tensor([nll, n, same, chunk.numel()], dtype=torch.float64)
             if started is not None:
                 last = budget.clock() - started
     chunks = chunks[:scored]

@@ -40,6 +40,18 @@ def guard_line(report: dict) -> str | None:
             f"the later steps ran at {report['lr_scale']:g} of the plan's learning rates")
 
 
+def probe_line(report: dict) -> str | None:
+    """One line on the end-to-end probe's verdict in a heal report (None when the plan had no probe, or the phase ended
+    before its probe step)."""
+    probe = report.get("probe")
+    if not probe:
+        return None
+    if "perplexity" not in probe:
+        return f"probe: {probe['verdict']}"
+    return (f"probe after {probe['step']} end-to-end steps: held-out perplexity {probe['before']:.3f} -> "
+            f"{probe['perplexity']:.3f}; {probe['verdict']}")
+
+
 def worse(before: dict | None, after: dict | None) -> bool:
     """Whether a healed student is worse than the converted one: a higher perplexity on the same held-out windows.
 

@@ -234,15 +234,19 @@ def _explicit(req: ShrinkRequest, whole: bool = False) -> Candidate:
 
 
 LAYER_SHARE = 0.45  # the layer-wise phase's share of the heal's time
-# ... for a plan that keeps every value (only codes differ from the original): none. Measured on SmolLM2 at 25% with
-# no text (docs/real-models.md): at 5, 13 and 20 layer-wise steps a layer the guard gave 16 of 30 layers their
-# converted weights back and cut every later rate to 1/16, the end-to-end phase's included
-LAYER_SHARE_CODES = 0.0
+# A plan that keeps every value (only codes differ from the original) heals end to end first and is judged on the
+# held-out windows after PROBE_SHARE of its steps (HealPlan.probe): if their perplexity rose, the converted weights
+# come back and the layer-wise phase, sized to the rest of the time, takes over. Measured (docs/real-models.md): on
+# SmolLM2 the end-to-end phase heals such plans and a layer-wise phase first made them worse (its guard gave 16 of
+# 30 layers back and cut every later rate to 1/16); on Gemma 3 270M the end-to-end phase raised held-out perplexity
+# at every rate tried and the layer-wise phase healed.
+PROBE_SHARE = 0.4
 
 
 def _heal_plan(req, teacher, student, train: torch.Tensor, seconds: float):
-    """HealPlan for the time left: the layer-wise phase sized to LAYER_SHARE of it, timed on this machine; none
-    (LAYER_SHARE_CODES) when no layer was cut to low rank.
+    """HealPlan for the time left: the layer-wise phase sized to LAYER_SHARE of it, timed on this machine; when no
+    layer was cut to low rank, the end-to-end phase first with a probe at PROBE_SHARE of its steps, and the
+    layer-wise phase sized to the rest, in case the probe finds the end-to-end phase harmful.
 
     A layer step is timed on layer 0 (forward and backward, twice), the teacher's hidden states on
     one window. Measured on SmolLM2 at a 50% cut (docs/real-models.md): with few steps per layer a
@@ -260,10 +264,9 @@ def _heal_plan(req, teacher, student, train: torch.Tensor, seconds: float):
         return plan
     mods = attnlab_modules(student)
     codes_only = all(s.kv_values_per_token >= t.kv_values_per_token for s, t in zip(mods, attnlab_modules(teacher)))
-    share = LAYER_SHARE_CODES if codes_only else LAYER_SHARE  # codes only: every value kept, none cut to low rank
-    if not share:
-        plan.layer_steps = 0  # the end-to-end phase alone (nothing to time)
-        return plan
+    share = LAYER_SHARE  # the layer-wise phase, then the end-to-end phase
+    if codes_only:  # every value kept, none cut to low rank: end to end first, the layer-wise phase if it hurts
+        plan.probe, share = PROBE_SHARE, 1.0 - PROBE_SHARE
     m = copy.deepcopy(mods[0]).train()
 
     def timed(fn, n=2):
