@@ -434,6 +434,9 @@ def llama_cpp_rows(path: Path, model: str, report: dict) -> dict:
     return rows
 
 
+HEAL_KEYS = ("probe", "distill_steps", "steps_done", "layers_restored", "lr_scale", "kept")  # what the heal did
+
+
 def part_run(case: str, redo: bool, model: str = "smollm2") -> None:
     """One `attnlab shrink MODEL ...` command in a child process, its wall time, and its output on GPL-3."""
     data = json.loads(JSON.read_text()) if JSON.exists() else {}
@@ -461,6 +464,7 @@ def part_run(case: str, redo: bool, model: str = "smollm2") -> None:
     report = json.loads((out / "config.json").read_text())["shrink"] if out.is_dir() and \
         (out / "attention.safetensors").exists() else json.loads(out.with_name(out.name + ".shrink.json").read_text())
     row["report"] = {k: report.get(k) for k in ("kv_bytes_per_token", "held_out", "minutes", "heal_plan", "baselines")}
+    row["report"]["heal"] = {k: (report.get("heal") or {}).get(k) for k in HEAL_KEYS}
     row["plan"] = report["plan"].get("chosen")
     row["candidates"] = [{k: c.get(k) for k in ("round", "label", "bytes_per_token", "proxy")}
                          for c in report["plan"].get("candidates", [])]

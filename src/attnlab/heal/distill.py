@@ -17,6 +17,11 @@ Two phases, on token windows (data.py: the user's text, or text the teacher writ
    converted attention weights (or, with lora_rank, LoRA adapters on them through peft,
    merged back at the end). bf16 autocast on CUDA; float32 on CPU (on the 2-core EPYC of
    docs/ bf16 autocast measured 1.5x slower than float32).
+With a probe (HealPlan.probe, what shrink plans for a student that keeps every value) the order turns
+round: the end-to-end phase runs first, and heal_model scores the held-out windows after that share of
+its steps; if their perplexity rose, the converted weights come back and the layer-wise phase takes
+the rest of the time, with no end-to-end phase after it (Healer.settle_probe). Measured: SmolLM2's
+every-value plans heal end to end, Gemma 3 270M's only layer-wise (docs/real-models.md).
 
 `Healer` runs the phases as one resumable state machine: the plan, step, phase, layer,
 weights, optimizer state and training windows go into one checkpoint file (torch.save,
@@ -536,9 +541,12 @@ class Healer:
                 left = (budget.left() - reserve * (2 if s["probe"] == "pending" else 1)) / max(step_time, 1e-9)
                 total = s["step"] + max(1, int(left))
                 s["total_steps"] = dd.broadcast_object(total, patient=False) if self.world.distributed else total
-            if phase == "distill" and s["probe"] == "pending" and s["probe_step"] is None \
-                    and s["total_steps"] is not None:
-                s["probe_step"] = max(plan.warmup + 1, round(plan.probe * s["total_steps"]))
+            if phase == "distill" and s["probe"] == "pending" and s["probe_step"] is None:
+                # the probe's step: that share of the phase's steps, known from the tokens or timed on this first step
+                at = round(plan.probe * s["total_steps"]) if s["total_steps"] is not None else \
+                    s["step"] + int(plan.probe * (budget.left() - 2 * reserve) / max(step_time, 1e-9))
+                at = max(1, at)
+                s["probe_step"] = dd.broadcast_object(at, patient=False) if self.world.distributed else at
             if self.progress:
                 self.progress(self._info(phase, loss, step_time))
             if self._agree(clock() - last_save > self.checkpoint_seconds):
@@ -590,7 +598,8 @@ class Healer:
 
 def _probe_state(probing: bool) -> dict:
     """The probe's part of the Healer's state: "pending" (the end-to-end phase runs first and is judged at probe_step),
-    "kept" or "switched" (the verdict), None (no probe); probe_step is set once the end-to-end phase knows its steps."""
+    "kept" or "switched" (the verdict), None (no probe); probe_step is set after the end-to-end phase's first step:
+    HealPlan.probe of its steps, counted from the plan's tokens, or from that step's time and the budget left."""
     return {"probe": "pending" if probing else None, "probe_step": None}
 
 
