@@ -1,5 +1,7 @@
 """Conversions: exact round trips, lossy ones exact at full rank and improving with rank, bad input."""
 import copy
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -286,3 +288,60 @@ def test_norm_pair_selection_finds_the_pairs_queries_use():
     assert rel_err(by_freq(x, is_causal=True), expected) > 1e-3
     with pytest.raises(ValueError, match=r"pair_selection='norm' needs calibration inputs"):
         gqa_to_mla_decoupled(g, r, n, pair_selection="norm")
+
+
+@pytest.mark.parametrize("grouping", ["strided", "blocked"])
+@pytest.mark.parametrize("selection", ["frequency", "norm"])
+def test_a_rope_key_per_kv_head_is_dotted_one_part_per_query_head(grouping, selection):
+    """A decoupled conversion that keeps each KV head's own pairs (by frequency or norm) gets a rope key per KV head
+    (rope_kv_heads = G): its expanded path (prefill) dots each query head's no-RoPE dims and its own KV head's 2n
+    rope dims, not all p = 2 G n, and gives the output of the full-width path (the same weights without
+    rope_kv_heads, where the other heads' parts meet zero query rows) to float64 rounding, as does its absorbed path;
+    the rows of W_Q on the other KV heads' parts get no gradient, so training cannot make them matter; a checkpoint
+    keeps the layout."""
+    import attnlab.modules.mla as mla_module
+    from attnlab.convert import gqa_to_mla_decoupled
+    from attnlab.io import load_module, save_module
+    from attnlab.modules.heads import kv_head_of
+
+    H, G, d, n = 6, 3, 8, 2
+    g = randomize(GroupedQueryAttention(48, H, G, head_dim=d, rope_base=50.0, grouping=grouping, bias=False,
+                                        dtype=F64))
+    calib = torch.randn(2, 16, 48, dtype=F64)
+    mla, _ = gqa_to_mla_decoupled(g, 20, n, calibration=calib, pair_selection=selection)
+    p, w = 2 * G * n, 2 * n
+    assert (mla.rope_kv_heads, mla.rope_grouping, mla.rope_dim, mla.head_dim) == (G, grouping, p, d - w)
+    full = MultiHeadLatentAttention(**{k: v for k, v in mla.config().items()
+                                       if k not in ("rope_kv_heads", "rope_grouping")}, dtype=F64)
+    full.load_state_dict(mla.state_dict())  # the oracle: every query head dots the whole rope key
+    widths, attend = [], mla_module.attend
+
+    def watched(q, k, v, **kw):
+        widths.append(q.shape[-1])
+        return attend(q, k, v, **kw)
+
+    x = torch.randn(2, 9, 48, dtype=F64)
+    with torch.no_grad():
+        expected = full(x, is_causal=True, absorbed=False)
+        mla_module.attend = watched
+        try:
+            got = mla(x, is_causal=True, absorbed=False)
+            wide = full(x, is_causal=True, absorbed=False)
+        finally:
+            mla_module.attend = attend
+        assert widths == [d - w + w, d - w + p]  # the per-KV-head path, then the oracle's full width
+        assert rel_err(got, expected) <= 1e-12 and torch.equal(wide, expected)
+        assert rel_err(mla(x, is_causal=True, absorbed=True), expected) <= 1e-12
+    mla(x, is_causal=True, absorbed=False).square().sum().backward()
+    grad = mla.W_Q.weight.grad.view(H, d - w + p, -1)[:, d - w:]  # (H, p, dim): each head's rope rows
+    parts = mla._by_head(grad.transpose(1, 2))  # (H, dim, G, w)
+    own = kv_head_of(H, G, grouping)
+    for h in range(H):
+        others = [j for j in range(G) if j != int(own[h])]
+        assert parts[h][:, others].abs().max() == 0 and parts[h][:, int(own[h])].abs().max() > 0
+    with tempfile.TemporaryDirectory() as tmp:
+        save_module(mla, Path(tmp) / "m")
+        back = load_module(Path(tmp) / "m")
+    assert (back.rope_kv_heads, back.rope_grouping) == (G, grouping)
+    with torch.no_grad():
+        assert torch.equal(back(x, is_causal=True, absorbed=False), got)

@@ -250,12 +250,12 @@ def test_a_keys_whole_mla_survives_save_and_load(tmp_path):
     (dict(rope_dim=16, qk_norm_eps=1e-6), r"qk_norm_eps with a decoupled rope_dim \(16\) needs the keys-whole layout: "
                                           r"rope_kv_heads=G with rope_dim = G x d .*got rope_kv_heads=None and "
                                           r"head_dim=8"),
-    (dict(rope_dim=16, rope_kv_heads=2, head_dim=4, qk_norm_eps=1e-6), r"head_dim \(the no-RoPE part\) must be 0, "
-                                                                         r"got 4"),
-    (dict(rope_dim=12, rope_kv_heads=4, qk_norm_eps=1e-6), r"rope_kv_heads \(4\) needs rope_dim = G x d with d even"
+    (dict(rope_dim=16, rope_kv_heads=2, head_dim=4, qk_norm_eps=1e-6), r"qk_norm_eps with rope_kv_heads \(2\) needs "
+                                                                         r"head_dim 0 .*got head_dim 4"),
+    (dict(rope_dim=12, rope_kv_heads=4, qk_norm_eps=1e-6), r"rope_kv_heads \(4\) needs rope_dim = G x w with w even"
                                                             r".*got rope_dim 12"),
-    (dict(rope_dim=0, rope_kv_heads=2), r"rope_kv_heads \(2\) needs rope_dim = G x d.*got rope_dim 0"),
-    (dict(rope_dim=16, rope_kv_heads=3), r"rope_kv_heads \(3\) needs rope_dim = G x d"),
+    (dict(rope_dim=0, rope_kv_heads=2), r"rope_kv_heads \(2\) needs rope_dim = G x w.*got rope_dim 0"),
+    (dict(rope_dim=16, rope_kv_heads=3), r"rope_kv_heads \(3\) needs rope_dim = G x w"),
     (dict(rope_dim=24, rope_kv_heads=3), r"num_heads \(4\) must be divisible by rope_kv_heads \(3\)"),
 ])
 def test_the_module_refuses_a_norm_on_a_split_key(kw, fragment):

@@ -7,6 +7,11 @@ RoRoPE (`rorope=True`, transforms.py), mixed key planes per frequency across the
 heads. The rest of the keys, with the values, go through the joint SVD of lossy.py
 (`_svd_latent`: whitened by calibration, optionally K/V balanced).
 
+Per KV head (by frequency or norm), each KV head's kept pairs form its own part of the rope key and only its
+own query heads read them: the MLA gets a rope key per KV head (MultiHeadLatentAttention's rope_kv_heads), so its
+expanded path (prefill) dots each query head's own part alone, as narrow as the GQA's scores. RoRoPE's planes mix
+the KV heads, and every query head reads all of them.
+
 Keys whole (a module with per-head q/k norms: Qwen3, Gemma 3): every pair of every KV head keeps its
 rotation (rope_pairs = d/2, by frequency or norm: no RoRoPE mixing across heads), so the rope key is each
 KV head's whole key and the MLA normalises it per KV head before RoPE exactly as the GQA did
@@ -149,8 +154,10 @@ def gqa_to_mla_decoupled(gqa: GroupedQueryAttention, latent_dim: int, rope_pairs
     base, values_exact = _svd_latent(nope_gqa, latent_dim, None, True, calibration, balance)[:2]  # no report
 
     p = 2 * G * n
-    keys_whole = dict(rope_kv_heads=G, rope_grouping=gqa.grouping, **gqa._head_config()) if whole else {}
-    options = {**keys_whole, "softmax_scale": gqa.scale}  # the GQA's scale, 1/sqrt(d) or its own
+    # each KV head's kept pairs are its own part of the rope key, read by its own query heads alone (the others'
+    # rows of W_Q are zero): a rope key per KV head, whose expanded path dots d - 2n + 2n dims, not d - 2n + p
+    per_head = dict(rope_kv_heads=G, rope_grouping=gqa.grouping) if p else {}
+    options = {**per_head, **(gqa._head_config() if whole else {}), "softmax_scale": gqa.scale}  # the GQA's scale
     mla = MultiHeadLatentAttention(gqa.dim, H, latent_dim, head_dim=dn, v_head_dim=gqa.v_head_dim,
                                    context_dim=gqa.context_dim, rope_dim=p, **options, **_like(gqa))
     if p:  # slot g*n + k rotates like pair kept[g, k] of KV head g

@@ -40,6 +40,14 @@ by version counter): once W_UK/W_UV stop being that tiling (training), the gener
 paths take over, and a cache filled in the tiled layout is refused. An explicit
 `absorbed=` also takes the general paths.
 
+A *rope key per KV head* (`rope_kv_heads=G`): the rope key is G KV heads' parts of w = rope_dim / G dims each,
+laid out as a rotary embedding holds them (KV head g's rotary pairs are pairs g w/2 ... (g+1) w/2 - 1 of the rope
+key's), and each query head reads only its own KV head's part (`rope_grouping` says which; its other dims are masked
+to zero, so training cannot make them matter). It is what a decoupled conversion that keeps each KV head's own
+rotary pairs produces (convert.gqa_to_mla_decoupled by frequency or norm): the expanded path then dots each head's
+d no-RoPE dims and only its own w rope dims, d + w instead of d + rope_dim (prefill's scores as narrow as the GQA's);
+the absorbed path reads the whole rope key, the masked dims adding zeros.
+
 The *keys-whole* layout (`rope_kv_heads=G`, head_dim 0): the rope key is the whole key of G KV heads
 (rope_dim = G x d), each KV head's d dims laid out as a rotary embedding of d dims would hold them (its
 rotary pairs are pairs g d/2 ... (g+1) d/2 - 1 of the rope key's); a query head has no no-RoPE part and
@@ -102,10 +110,10 @@ class MultiHeadLatentAttention(GQATiling, AttentionModule):
             head's d dims of the rope key before RoPE and before the cache, and each query head's own d rope
             dims: every path carries it. Any other decoupled layout refuses it (there the key norm would be a
             per-token scalar of keys split between latent and rope key, which the cache does not hold).
-        rope_kv_heads: G for the keys-whole layout (module docstring): the rope key is G KV heads' whole
-            keys of d = rope_dim / G dims each (d even); head_dim must be 0 (None reads as 0) and v_head_dim
-            defaults to d. rope_grouping ("strided" or "blocked", as GroupedQueryAttention's grouping) says
-            which KV head each query head reads.
+        rope_kv_heads: G for a rope key per KV head (module docstring): G parts of w = rope_dim / G dims each
+            (w even), each query head reading its own. With head_dim 0 (the keys-whole layout) the parts are the
+            KV heads' whole keys, and v_head_dim defaults to w. rope_grouping ("strided" or "blocked", as
+            GroupedQueryAttention's grouping) says which KV head each query head reads.
         sliding_window: self-attention to the last sliding_window positions, as in GroupedQueryAttention.
     A latent_dim above min(H*(d + dv), context_dim) cannot compress anything; it
     is allowed (exact conversions may produce it) with a warning.
@@ -131,11 +139,19 @@ class MultiHeadLatentAttention(GQATiling, AttentionModule):
             raise ValueError(f"rope_dim must be even (RoPE rotates pairs), got {rope_dim}")
         if rope_after_up and rope_dim:
             raise ValueError(f"rope_after_up rotates the whole head; it excludes a decoupled rope_dim ({rope_dim})")
-        if rope_kv_heads is not None:  # keys whole: no no-RoPE query/key dims
-            norm_dim = self._keys_whole_size(num_heads, rope_dim, rope_kv_heads, head_dim, rope_after_up, kv_tiling)
+        if rope_kv_heads is not None and not head_dim:  # keys whole: no no-RoPE query/key dims
+            norm_dim = self._rope_part(num_heads, rope_dim, rope_kv_heads, rope_after_up, kv_tiling)
             _, v_head_dim, context_dim = checks.head_sizes(dim, num_heads, norm_dim, v_head_dim, context_dim)
             head_dim = 0
             check_grouping(rope_grouping)
+        elif rope_kv_heads is not None:  # a rope key per KV head beside a no-RoPE part
+            self._rope_part(num_heads, rope_dim, rope_kv_heads, rope_after_up, kv_tiling)
+            head_dim, v_head_dim, context_dim = checks.head_sizes(dim, num_heads, head_dim, v_head_dim, context_dim)
+            norm_dim = head_dim
+            check_grouping(rope_grouping)
+            if qk_norm_eps is not None:
+                raise ValueError(f"qk_norm_eps with rope_kv_heads ({rope_kv_heads}) needs head_dim 0 (each KV head's "
+                                 f"whole key in the rope key), got head_dim {head_dim}")
         else:
             head_dim, v_head_dim, context_dim = checks.head_sizes(dim, num_heads, head_dim, v_head_dim, context_dim)
             norm_dim = head_dim
@@ -194,29 +210,35 @@ class MultiHeadLatentAttention(GQATiling, AttentionModule):
             self.kv_tiling = kv_tiling
 
     @staticmethod
-    def _keys_whole_size(num_heads, rope_dim, rope_kv_heads, head_dim, rope_after_up, kv_tiling) -> int:
-        """d, each KV head's width in the rope key, for rope_kv_heads=G; ValueError naming the values otherwise."""
+    def _rope_part(num_heads, rope_dim, rope_kv_heads, rope_after_up, kv_tiling) -> int:
+        """w, each KV head's width in the rope key, for rope_kv_heads=G; ValueError naming the values otherwise."""
         checks.positive_int("rope_kv_heads", rope_kv_heads)
         G = rope_kv_heads
         if not rope_dim or rope_dim % G or (rope_dim // G) % 2:
-            raise ValueError(f"rope_kv_heads ({G}) needs rope_dim = G x d with d even (each KV head's whole key, "
-                             f"in rotary pairs), got rope_dim {rope_dim}")
-        if head_dim not in (None, 0):
-            raise ValueError(f"rope_kv_heads ({G}) puts the whole key in the rope key: head_dim (the no-RoPE "
-                             f"part) must be 0, got {head_dim}")
+            raise ValueError(f"rope_kv_heads ({G}) needs rope_dim = G x w with w even (each KV head's part of the "
+                             f"rope key, in rotary pairs), got rope_dim {rope_dim}")
         if num_heads % G:
             raise ValueError(f"num_heads ({num_heads}) must be divisible by rope_kv_heads ({G})")
         if rope_after_up or kv_tiling is not None:
-            raise ValueError("rope_kv_heads (keys whole, a decoupled rope key) excludes rope_after_up and kv_tiling")
+            raise ValueError("rope_kv_heads (a decoupled rope key per KV head) excludes rope_after_up and kv_tiling")
         return rope_dim // G
 
     @property
     def keys_whole(self) -> bool:
         """The keys-whole layout (module docstring): the rope key is rope_kv_heads KV heads' whole keys."""
-        return self.rope_kv_heads is not None
+        return self.rope_kv_heads is not None and not self.head_dim
+
+    def _own_part(self, t: torch.Tensor) -> torch.Tensor:
+        """Each query head's own KV head's part of a rope tensor (B, H, ..., rope_dim) -> (B, H, ..., w), for
+        rope_kv_heads: a sum over the G parts weighted 0 or 1, exact (the other parts add zeros)."""
+        own = kv_head_of(self.num_heads, self.rope_kv_heads, self.rope_grouping).to(t.device)  # (H,)
+        keep = torch.nn.functional.one_hot(own, self.rope_kv_heads).to(t.dtype)  # (H, G)
+        parts = self._by_head(t)  # (B, H, ..., G, w)
+        keep = keep.view(self.num_heads, *([1] * (parts.dim() - 4)), self.rope_kv_heads, 1)  # (H, 1.., G, 1)
+        return (parts * keep).sum(-2)  # (B, H, ..., w)
 
     def _by_head(self, t: torch.Tensor) -> torch.Tensor:
-        """Keys whole: (..., rope_dim) -> (..., G, d), each KV head's dims in its own rotary order."""
+        """A rope key per KV head: (..., rope_dim) -> (..., G, w), each KV head's dims in its own rotary order."""
         G = self.rope_kv_heads
         if self.rope.interleaved:  # pairs (2i, 2i + 1): KV head g holds dims g d ... (g + 1) d - 1
             return t.unflatten(-1, (G, -1))
@@ -229,8 +251,8 @@ class MultiHeadLatentAttention(GQATiling, AttentionModule):
         return t.unflatten(-1, (2, -1)).transpose(-3, -2).flatten(-3)
 
     def _own_heads(self, q_rope: torch.Tensor) -> torch.Tensor:
-        """Keys whole: each query head's rope part (B, H, L, p) normalised over its own KV head's d dims, the
-        other KV heads' dims set to zero (never read, so that training cannot make them matter)."""
+        """A rope key per KV head: each query head's rope part (B, H, L, p) with the other KV heads' dims set to zero
+        (never read, so that training cannot make them matter); keys whole: normalised over its own w dims."""
         q = self._by_head(q_rope)  # (B, H, L, G, d)
         if self.q_head_norm is not None:
             q = self.q_head_norm(q)
@@ -255,7 +277,7 @@ class MultiHeadLatentAttention(GQATiling, AttentionModule):
                     norm_eps=norm.eps if norm is not None else 1e-6, kv_tiling=self.kv_tiling,
                     kv_dtype=self.kv_dtype, **self._head_config(),
                     **(dict(rope_kv_heads=self.rope_kv_heads, rope_grouping=self.rope_grouping)
-                       if self.keys_whole else {}))
+                       if self.rope_kv_heads is not None else {}))
 
     @property
     def scale(self) -> float:
@@ -296,8 +318,8 @@ class MultiHeadLatentAttention(GQATiling, AttentionModule):
         q = self.W_Q(x) if self.W_Q is not None else self.W_UQ(self.q_norm(self.W_DQ(x)))  # (B, L, H*(d+p))
         q = q.view(B, L, self.num_heads, self.head_dim + self.rope_dim).transpose(1, 2)  # (B, H, L, d+p)
         q_nope, q_rope = q.split([self.head_dim, self.rope_dim], dim=-1)  # (B, H, L, d), (B, H, L, p)
-        if self.keys_whole:
-            q_rope = self._own_heads(q_rope)  # its own KV head's dims, normalised; the rest zero
+        if self.rope_kv_heads is not None:
+            q_rope = self._own_heads(q_rope)  # its own KV head's dims (keys whole: normalised); the rest zero
         elif self.q_head_norm is not None:
             q_nope = self.q_head_norm(q_nope)
         if self.rope_after_up:
@@ -427,7 +449,12 @@ class MultiHeadLatentAttention(GQATiling, AttentionModule):
         if self.rope_after_up:
             k = self.rope(k, key_positions if key_positions is not None else torch.arange(S, device=kv.device))
         v = self.W_UV(c).view(B, S, H, self.v_head_dim).transpose(1, 2)  # (B, H, S, dv)
-        if self.rope_dim:
+        if self.rope_kv_heads is not None:  # each head dots only its own KV head's w rope dims
+            own = kv_head_of(H, self.rope_kv_heads, self.rope_grouping).to(kv.device)  # (H,)
+            k_rope = self._by_head(kv[..., r:])[:, :, own].transpose(1, 2)  # (B, H, S, w)
+            k = torch.cat([k, k_rope], dim=-1)  # (B, H, S, d+w)
+            q = torch.cat([q_nope, self._own_part(q_rope)], dim=-1)  # (B, H, L, d+w)
+        elif self.rope_dim:
             k_rope = kv[:, None, :, r:].expand(B, H, S, self.rope_dim)  # (B, H, S, p)
             k = torch.cat([k, k_rope], dim=-1)  # (B, H, S, d+p)
             q = torch.cat([q_nope, q_rope], dim=-1)  # (B, H, L, d+p)
