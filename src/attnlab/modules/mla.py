@@ -172,6 +172,7 @@ class MultiHeadLatentAttention(GQATiling, AttentionModule):
                              "is a per-token scalar the latent cache does not hold")
         self.rope_kv_heads = rope_kv_heads
         self.rope_grouping = rope_grouping if rope_kv_heads is not None else None
+        self._rope_own: dict = {}  # device (and dtype) -> each head's own rope part (_rope_index, _rope_mask)
         self._head_options(norm_dim, qk_norm_eps, softmax_scale, sliding_window, **kw)
         q_out = num_heads * (head_dim + rope_dim)
         if q_latent_dim is None:
@@ -228,14 +229,29 @@ class MultiHeadLatentAttention(GQATiling, AttentionModule):
         """The keys-whole layout (module docstring): the rope key is rope_kv_heads KV heads' whole keys."""
         return self.rope_kv_heads is not None and not self.head_dim
 
-    def _own_part(self, t: torch.Tensor) -> torch.Tensor:
-        """Each query head's own KV head's part of a rope tensor (B, H, ..., rope_dim) -> (B, H, ..., w), for
-        rope_kv_heads: a sum over the G parts weighted 0 or 1, exact (the other parts add zeros)."""
-        own = kv_head_of(self.num_heads, self.rope_kv_heads, self.rope_grouping).to(t.device)  # (H,)
-        keep = torch.nn.functional.one_hot(own, self.rope_kv_heads).to(t.dtype)  # (H, G)
-        parts = self._by_head(t)  # (B, H, ..., G, w)
-        keep = keep.view(self.num_heads, *([1] * (parts.dim() - 4)), self.rope_kv_heads, 1)  # (H, 1.., G, 1)
-        return (parts * keep).sum(-2)  # (B, H, ..., w)
+    def _rope_mask(self, like: torch.Tensor) -> torch.Tensor:
+        """rope_kv_heads: (H, 1, p) ones on each query head's own part of the rope key, zeros elsewhere (made once per
+        device and dtype)."""
+        key = (like.device, like.dtype)
+        made = self._rope_own or {}
+        mask = made.get(key)
+        if mask is None:
+            mask = torch.zeros(self.num_heads, self.rope_dim, dtype=like.dtype, device=like.device)
+            mask = mask.scatter_(1, self._rope_index(like.device), 1.0)[:, None]  # (H, 1, p)
+            self._rope_own = {**(self._rope_own or {}), key: mask}
+        return mask
+
+    def _rope_index(self, device) -> torch.Tensor:
+        """rope_kv_heads: (H, w) the rope-key dims of each query head's own KV head, in that part's rotary order
+        (made once per device)."""
+        made = self._rope_own or {}  # None in a replica (distributed.replica drops held tensors)
+        cached = made.get(device)
+        if cached is None:
+            parts = self._by_head(torch.arange(self.rope_dim))  # (G, w): the rope key's dims, by KV head
+            own = kv_head_of(self.num_heads, self.rope_kv_heads, self.rope_grouping)  # (H,)
+            cached = parts[own].to(device)  # (H, w)
+            self._rope_own = {**made, device: cached}
+        return cached
 
     def _by_head(self, t: torch.Tensor) -> torch.Tensor:
         """A rope key per KV head: (..., rope_dim) -> (..., G, w), each KV head's dims in its own rotary order."""
@@ -253,12 +269,12 @@ class MultiHeadLatentAttention(GQATiling, AttentionModule):
     def _own_heads(self, q_rope: torch.Tensor) -> torch.Tensor:
         """A rope key per KV head: each query head's rope part (B, H, L, p) with the other KV heads' dims set to zero
         (never read, so that training cannot make them matter); keys whole: normalised over its own w dims."""
-        q = self._by_head(q_rope)  # (B, H, L, G, d)
         if self.q_head_norm is not None:
-            q = self.q_head_norm(q)
-        own = kv_head_of(self.num_heads, self.rope_kv_heads, self.rope_grouping).to(q.device)  # (H,)
-        keep = torch.nn.functional.one_hot(own, self.rope_kv_heads).to(q.dtype)  # (H, G)
-        return self._from_heads(q * keep[:, None, :, None])  # (B, H, L, p)
+            q = self.q_head_norm(self._by_head(q_rope))  # (B, H, L, G, w)
+            own = kv_head_of(self.num_heads, self.rope_kv_heads, self.rope_grouping).to(q.device)  # (H,)
+            keep = torch.nn.functional.one_hot(own, self.rope_kv_heads).to(q.dtype)  # (H, G)
+            return self._from_heads(q * keep[:, None, :, None])  # (B, H, L, p)
+        return q_rope * self._rope_mask(q_rope)  # (B, H, L, p): one product
 
     @property
     def _anchor(self) -> torch.Tensor:
@@ -450,10 +466,12 @@ class MultiHeadLatentAttention(GQATiling, AttentionModule):
             k = self.rope(k, key_positions if key_positions is not None else torch.arange(S, device=kv.device))
         v = self.W_UV(c).view(B, S, H, self.v_head_dim).transpose(1, 2)  # (B, H, S, dv)
         if self.rope_kv_heads is not None:  # each head dots only its own KV head's w rope dims
-            own = kv_head_of(H, self.rope_kv_heads, self.rope_grouping).to(kv.device)  # (H,)
-            k_rope = self._by_head(kv[..., r:])[:, :, own].transpose(1, 2)  # (B, H, S, w)
+            idx = self._rope_index(kv.device)  # (H, w)
+            w = idx.shape[1]
+            k_rope = kv[..., r:][..., idx.flatten()].view(B, S, H, w).transpose(1, 2)  # (B, H, S, w)
             k = torch.cat([k, k_rope], dim=-1)  # (B, H, S, d+w)
-            q = torch.cat([q_nope, self._own_part(q_rope)], dim=-1)  # (B, H, L, d+w)
+            q_own = q_rope.gather(-1, idx[None, :, None, :].expand(B, H, q_rope.shape[2], w))  # (B, H, L, w)
+            q = torch.cat([q_nope, q_own], dim=-1)  # (B, H, L, d+w)
         elif self.rope_dim:
             k_rope = kv[:, None, :, r:].expand(B, H, S, self.rope_dim)  # (B, H, S, p)
             k = torch.cat([k, k_rope], dim=-1)  # (B, H, S, d+p)
