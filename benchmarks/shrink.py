@@ -229,16 +229,18 @@ def plot() -> None:
         if pts:
             ax.scatter([r["kv_bytes_per_token"] for r in pts], [r["perplexity"] for r in pts], marker=marker,
                        color=color, zorder=4, label=name)
-    healed = [r for k, r in data.items() if k.startswith("run-") and "evaluation" in r and "note" not in r
-              and r.get("model", "smollm2") == "smollm2"]  # SmolLM2's runs: the curves are its own
+    # SmolLM2's runs (the curves are its own), each case's current row: the earlier ones kept under suffixed keys
+    # (run-<case>-before-..., ...-probe-in-warmup) are history, not points
+    healed = [data[run_key(case, "smollm2")] for case in CASES if run_key(case, "smollm2") in data]
+    healed = [r for r in healed if "evaluation" in r and "note" not in r]
     if healed:
         ax.scatter([r["evaluation"]["kv_bytes_per_token"] for r in healed],
                    [r["evaluation"]["perplexity"] for r in healed], marker="D", color="tab:red", zorder=5,
                    label="attnlab shrink (healed)")
-        for i, r in enumerate(sorted(healed, key=lambda r: r["evaluation"]["perplexity"])):
+        for r in healed:
             ev = r["evaluation"]
             ax.annotate(f"{r['case']}: {ev['perplexity']:.1f}", (ev["kv_bytes_per_token"], ev["perplexity"]),
-                        textcoords="offset points", xytext=(6, -12 + 10 * i), fontsize=7, color="tab:red")
+                        textcoords="offset points", xytext=(6, -10), fontsize=7, color="tab:red")
     original = next(p["perplexity"] for p in points if p["kind"] == "original" and p["storage"] == "bf16")
     ax.axhline(1.10 * original, color="grey", linestyle=":", linewidth=1, label="1.10x the original's perplexity")
     ax.set_xscale("log")
