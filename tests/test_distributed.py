@@ -103,6 +103,8 @@ def _worker(work: Path) -> None:
     try:
         teacher, student = copy.deepcopy(first), copy.deepcopy(base)
         torch.save(_evaluation(teacher, student, world), work / f"eval.rank{world.rank}.pt")
+        teacher, student = copy.deepcopy(first), copy.deepcopy(base)
+        torch.save(_probed(teacher, student, world), work / f"probe.rank{world.rank}.pt")
         for name, (shard, stop_at) in RUNS.items():
             teacher, student = copy.deepcopy(first), copy.deepcopy(base)  # FSDP2 shards its teacher in place
             status, losses, state, rows = _run(teacher, student, world=world, shard=shard, stop_at=stop_at,
@@ -147,6 +149,17 @@ def _evaluation(teacher, student, world=None) -> dict:
         {"teacher_perplexity": r["teacher_perplexity"]} if "teacher_perplexity" in r else {})
     return {"before": figures(before), "after": figures(after), "windows": windows, "batches": batches,
             "teacher_top": before["_teacher_top"], "teacher_tokens": before["greedy_agreement"]["teacher_tokens"]}
+
+
+def _probed(teacher, student, world=None) -> dict:
+    """heal_model with a probe (the end-to-end phase first, judged on held-out windows at step 3 of 4): its verdict
+    and the final weights (DDP over the ranks of `world`)."""
+    from attnlab.heal import HealPlan, heal_model
+
+    held = torch.randint(0, 300, (1, HELD), generator=torch.Generator().manual_seed(7))
+    report = heal_model(teacher, student, _windows(32, seed=0), held, HealPlan(**PLAN, probe=0.5), world=world,
+                        keep_better=False)
+    return {"probe": report["probe"], "weights": _weights(student)}
 
 
 def _free_port() -> int:
@@ -237,6 +250,19 @@ def test_two_processes_split_the_evaluation_and_both_report_the_one_process_figu
                 assert got[when][k] == pytest.approx(v, rel=1e-12, abs=0), (rank, when, k)
         assert all(torch.equal(a, b) for a, b in zip(got["teacher_top"], one["teacher_top"], strict=True))
         assert torch.equal(got["teacher_tokens"], one["teacher_tokens"])
+
+
+def test_two_processes_reach_the_one_process_probe_verdict_and_weights(runs):
+    """The heal's probe over 2 ranks (DDP): both judge the end-to-end phase on the split evaluation, reach the verdict
+    one process reaches on the same figures, and end with its weights."""
+    work, _, _, teacher, base = runs
+    one = _probed(copy.deepcopy(teacher), copy.deepcopy(base))
+    assert one["probe"]["step"] == 3
+    for rank in range(2):
+        got = torch.load(work / f"probe.rank{rank}.pt", weights_only=True)
+        assert got["probe"]["verdict"] == one["probe"]["verdict"] and got["probe"]["step"] == 3
+        assert got["probe"]["perplexity"] == pytest.approx(one["probe"]["perplexity"], rel=1e-12)
+        assert _rel(got["weights"], one["weights"]) <= TOL
 
 
 @pytest.mark.parametrize("name", ["ddp_stop", "fsdp_stop", "fsdp_layer_stop"])
