@@ -315,6 +315,7 @@ def test_a_probe_judges_the_end_to_end_phase_and_switches_to_the_layer_wise_phas
     probe, stopped where its end-to-end phase would start). Made to read better: the end-to-end phase goes on to its
     end, exactly as a heal of that phase alone (no layer-wise steps) ends."""
     import attnlab.heal.evaluate as ev
+    from attnlab.heal.guard import probe_line
 
     _, teacher, _ = tiny
     held, windows = _windows(8, seed=99).reshape(1, -1), _windows(32, seed=0)
@@ -331,6 +332,9 @@ def test_a_probe_judges_the_end_to_end_phase_and_switches_to_the_layer_wise_phas
     student = _student(teacher)
     report = heal_model(teacher, student, windows, held, plan, keep_better=False)
     assert report["status"] == "done" and report["probe"]["step"] == 6
+    line = probe_line(report)  # what heal and shrink print
+    assert line.startswith("probe after 6 end-to-end steps: held-out perplexity ") and \
+        line.endswith(report["probe"]["verdict"])
     oracle = _student(teacher)
     if harmful:
         assert report["probe"]["verdict"].startswith("the converted weights back")
