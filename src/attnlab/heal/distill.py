@@ -49,6 +49,7 @@ Without a world (or with one process) nothing of this runs: the one-process path
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -386,7 +387,7 @@ class Healer:
             ids = self.windows[: n + guard.WINDOWS].to(self.device)  # the spare ones last
             total = ids.shape[0]
             mine = ids[self.world.part(total)] if self.world.distributed else ids
-            most = max(len(range(total)[dd.part_of(total, r, self.world.size)]) for r in range(self.world.size))
+            most = -(-total // self.world.size)  # the largest share (part_of gives the first ranks one more)
             parts = []
             for c in range(-(-most // chunk)):
                 if c:
@@ -570,6 +571,18 @@ class Healer:
                 "tokens": s["tokens"], "tokens_per_s": tokens / max(step_time, 1e-9),
                 "eta_s": None if total is None else (total - done) * step_time}
 
+    @contextlib.contextmanager
+    def teacher_whole(self):
+        """A sharded teacher gathered whole for the block (an evaluation: the ranks score different windows, each on
+        its own, with no collective), sharded again after it; an unsharded teacher as it is."""
+        if self.teacher_sharded:
+            dd.whole(self.teacher)
+        try:
+            yield self.teacher
+        finally:
+            if self.teacher_sharded:
+                dd.whole(self.teacher, False)
+
     def settle_probe(self, harmful: bool, start_weights: dict | None = None) -> None:
         """The verdict on the end-to-end phase at its probe point (HealPlan.probe): kept, or, when `harmful` (the
         held-out perplexity rose), the student's attention weights back to `start_weights` ({"<layer>.<name>": ...},
@@ -661,13 +674,8 @@ def heal_model(teacher, student, windows: torch.Tensor, held_out: torch.Tensor, 
     try:
         if evaluate and "before" not in report:
             t0 = budget.clock()
-            if healer.teacher_sharded:  # the ranks score different windows, each on its own: the teacher whole
-                dd.whole(teacher)
-            try:
+            with healer.teacher_whole():
                 before = evaluate_pair(teacher, student, held_out, budget=budget.share(eval_share), world=world)
-            finally:
-                if healer.teacher_sharded:
-                    dd.whole(teacher, False)
             report["teacher"] = {"perplexity": before.pop("teacher_perplexity"),
                                  "kv_bytes_per_token": kv_bytes_per_token(teacher)}
             report["before"] = public(before)
@@ -720,14 +728,9 @@ def _probe(healer: Healer, held_out: torch.Tensor, converted: dict, world: dd.Wo
     from .evaluate import evaluate_pair, public
 
     s = healer.state
-    if healer.teacher_sharded:
-        dd.whole(healer.teacher)
-    try:
+    with healer.teacher_whole():
         now = public(evaluate_pair(healer.teacher, healer.student, held_out, budget=healer.budget.unbounded(),
                                    reference=s["reference"], world=world))
-    finally:
-        if healer.teacher_sharded:
-            dd.whole(healer.teacher, False)
     before, step = s["report"]["before"], s["step"]
     harmful = guard.worse(before, now)
     healer.settle_probe(harmful, converted)

@@ -172,7 +172,7 @@ class MultiHeadLatentAttention(GQATiling, AttentionModule):
                              "is a per-token scalar the latent cache does not hold")
         self.rope_kv_heads = rope_kv_heads
         self.rope_grouping = rope_grouping if rope_kv_heads is not None else None
-        self._rope_own: dict = {}  # device (and dtype) -> each head's own rope part (_rope_index, _rope_mask)
+        self._rope_own: dict = {}  # each head's own rope part: ("index", device), ("mask", device, dtype)
         self._head_options(norm_dim, qk_norm_eps, softmax_scale, sliding_window, **kw)
         q_out = num_heads * (head_dim + rope_dim)
         if q_latent_dim is None:
@@ -232,7 +232,7 @@ class MultiHeadLatentAttention(GQATiling, AttentionModule):
     def _rope_mask(self, like: torch.Tensor) -> torch.Tensor:
         """rope_kv_heads: (H, 1, p) ones on each query head's own part of the rope key, zeros elsewhere (made once per
         device and dtype)."""
-        key = (like.device, like.dtype)
+        key = ("mask", like.device, like.dtype)
         made = self._rope_own or {}
         mask = made.get(key)
         if mask is None:
@@ -245,12 +245,12 @@ class MultiHeadLatentAttention(GQATiling, AttentionModule):
         """rope_kv_heads: (H, w) the rope-key dims of each query head's own KV head, in that part's rotary order
         (made once per device)."""
         made = self._rope_own or {}  # None in a replica (distributed.replica drops held tensors)
-        cached = made.get(device)
+        cached = made.get(("index", device))
         if cached is None:
             parts = self._by_head(torch.arange(self.rope_dim))  # (G, w): the rope key's dims, by KV head
             own = kv_head_of(self.num_heads, self.rope_kv_heads, self.rope_grouping)  # (H,)
             cached = parts[own].to(device)  # (H, w)
-            self._rope_own = {**made, device: cached}
+            self._rope_own = {**made, ("index", device): cached}
         return cached
 
     def _by_head(self, t: torch.Tensor) -> torch.Tensor:
@@ -270,10 +270,7 @@ class MultiHeadLatentAttention(GQATiling, AttentionModule):
         """A rope key per KV head: each query head's rope part (B, H, L, p) with the other KV heads' dims set to zero
         (never read, so that training cannot make them matter); keys whole: normalised over its own w dims."""
         if self.q_head_norm is not None:
-            q = self.q_head_norm(self._by_head(q_rope))  # (B, H, L, G, w)
-            own = kv_head_of(self.num_heads, self.rope_kv_heads, self.rope_grouping).to(q.device)  # (H,)
-            keep = torch.nn.functional.one_hot(own, self.rope_kv_heads).to(q.dtype)  # (H, G)
-            return self._from_heads(q * keep[:, None, :, None])  # (B, H, L, p)
+            q_rope = self._from_heads(self.q_head_norm(self._by_head(q_rope)))  # (B, H, L, p), each part normed
         return q_rope * self._rope_mask(q_rope)  # (B, H, L, p): one product
 
     @property
