@@ -194,3 +194,13 @@ def test_bench_quick_writes_json_and_plot(tmp_path):
 def test_bench_unknown_suite(capsys):
     assert main(["bench", "--suite", "warp"]) == 2
     assert "unknown suite(s) ['warp']" in capsys.readouterr().err
+
+
+def test_eval_help_names_the_evaluation_protocol():
+    """`attnlab eval` takes several texts, a reference, the cache path and the passkey (tests/test_eval_protocol.py
+    runs them)."""
+    result = runner.invoke(app, ["eval", "--help"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    for option in ("--text", "--reference", "--through-cache", "--one-forward", "--chunk", "--json", "--passkey",
+                   "--passkey-lengths", "--passkey-depths", "--passkey-trials", "--seed", "--kv-dtype", "--window"):
+        assert option in result.output, option

@@ -2,6 +2,7 @@
 and bad input gets one-line errors. Tiny random Llama checkpoints (tests/tiny_checkpoints.py)."""
 import copy
 import json
+import math
 
 import pytest
 import torch
@@ -50,12 +51,14 @@ def test_short_heal_lowers_the_distillation_loss_on_held_out_windows(tiny):
     held = _windows(8, seed=99)  # never trained on
     before = distill_loss(teacher, student, held)
     frozen = copy.deepcopy(teacher.state_dict())
-    # keep_better off: this checks the training (held-out perplexity of random token windows can rise while the KL
-    # falls, and keep_better would then give back the converted weights; its own test is below)
+    # keep_better off: this checks the training. heal_model judges the held-out ids as one window of 128 tokens, 8
+    # times the training windows' length, and there this heal's KL to the teacher rises a little (3.9959 -> 4.0009),
+    # so keep_better would give back the converted weights (its own tests are below)
     report = heal_model(teacher, student, _windows(32, seed=0), held.reshape(1, -1), _plan(), keep_better=False)
     after = distill_loss(teacher, student, held)
     assert after < before
     assert report["status"] == "done" and report["distill_tokens"] == 4 * T * 12
+    assert "kept" not in report and report["rollbacks"] == []
     assert report["after"]["top1_agreement"] >= report["before"]["top1_agreement"]
     assert all(torch.equal(v, teacher.state_dict()[k]) for k, v in frozen.items())  # the teacher stays as it was
     assert not any(p.requires_grad for p in student.parameters())
@@ -264,6 +267,7 @@ def test_the_evaluation_window_follows_a_short_context(tmp_path):
     out = evaluate_pair(teacher, student, held, prompts=1, prompt_len=8, new_tokens=4)
     assert out["windows"] == 4 and out["tokens"] == 100  # windows at 0, 32, 64 and 96
     assert out["perplexity"] == pytest.approx(out["teacher_perplexity"], rel=1e-6)
+    assert out["kl"] == 0.0 and out["top1_agreement"] == 1.0
 
 
 def _text(tmp_path):
@@ -272,48 +276,255 @@ def _text(tmp_path):
     return path
 
 
+def _reads(after):
+    """evaluate_pair made to read after(out, text index) for the evaluations with a reference (the probe's, the one
+    after training): the tiny random model's figures go either way, so a test sets them."""
+    import attnlab.heal.evaluate as ev
+
+    real = ev.evaluate_pair
+    texts = {}
+
+    def fake(teacher, student, held, *args, reference=None, **kw):
+        out = real(teacher, student, held, *args, reference=reference, **kw)
+        i = texts.setdefault(id(held), len(texts))  # the texts' order: the evaluation before scores them in order
+        return out if reference is None else {**out, **after(reference, i)}
+    return fake
+
+
 def test_a_heal_that_makes_the_student_worse_returns_the_converted_weights(tiny, monkeypatch):
-    """keep_better: when the healed student's perplexity on the held-out windows is higher than the converted one's,
-    heal_model gives back the converted weights exactly and says so, whatever top-1 agreement did; when the
-    perplexity fell (even with top-1 agreement falling), or without keep_better, the healed weights stay. The evaluation after training is
-    made to read worse or better here (the tiny random model's figures go either way)."""
+    """keep_better: when the healed student is farther from the teacher on the held-out text (its KL rose, or its
+    top-1 agreement fell by more than guard.TOP1_TOLERANCE), heal_model gives back the converted weights exactly and
+    says why, whatever perplexity did (it fell in the first case); when the KL fell and top-1 agreement held (within
+    the tolerance), the healed weights stay even though perplexity rose tenfold; without keep_better they always stay.
+    The evaluation after training is made to read each way."""
+    import attnlab.heal.evaluate as ev
+    from attnlab.heal.guard import TOP1_TOLERANCE
+
+    _, teacher, _ = tiny
+    held = _windows(8, seed=99).reshape(1, -1)[:, :24]  # shorter than a greedy prompt: the decision's figures only
+    cases = (  # KL factor, perplexity factor, top-1 shift, keep_better, restored, what the reason names
+        (1.5, 0.5, +0.01, True, True, "KL to the teacher on the held-out text rose"),
+        (0.5, 10.0, -2 * TOP1_TOLERANCE, True, True, "top-1 agreement with the teacher on the held-out text fell"),
+        (0.5, 10.0, -TOP1_TOLERANCE / 2, True, False, None),
+        (1.5, 0.5, -0.01, False, False, None))
+    for kl, ppl, shift, keep, restored, why in cases:
+        monkeypatch.setattr(ev, "evaluate_pair", _reads(lambda ref, i, kl=kl, ppl=ppl, shift=shift: {
+            "kl": ref["kl"] * kl, "perplexity": ref["perplexity"] * ppl,
+            "top1_agreement": ref["top1_agreement"] + shift}))
+        student = _student(teacher)
+        converted = _weights(student)
+        report = heal_model(teacher, student, _windows(32, seed=0), held, _plan(layer_steps=2, tokens=4 * T * 4),
+                            keep_better=keep)
+        same = all(torch.equal(a, b) for a, b in zip(_weights(student), converted))
+        assert same == restored, (kl, ppl, shift, keep)
+        assert ("kept" in report) == restored and ("healed" in report) == restored
+        assert report["after"]["perplexity"] == (report["before"] if restored else report["after"])["perplexity"]
+        if restored:
+            assert report["after"] == report["before"] and why in report["kept"]
+            assert report["healed"]["kl"] == pytest.approx(report["before"]["kl"] * kl)
+
+
+def test_a_heal_judged_on_several_texts_is_given_back_when_one_text_gets_worse(tiny, monkeypatch):
+    """held_out as a list of texts: every evaluation scores each one; the report keeps each text's figures
+    (report["before"]["texts"], report["teacher"]["texts"]) beside the figures over all their tokens (the existing
+    keys), and a heal whose KL to the teacher rose on one text (the second of three) gives back the converted
+    weights, although it fell on the others and over all the tokens together."""
     import attnlab.heal.evaluate as ev
 
     _, teacher, _ = tiny
-    held = _windows(8, seed=99).reshape(1, -1)
-    real = ev.evaluate_pair
-
-    def after_reads(ppl_factor, top1_shift):
-        def fake(*args, reference=None, **kw):
-            out = real(*args, reference=reference, **kw)
-            if reference is not None:  # the evaluation after training
-                out = {**out, "perplexity": out["perplexity"] * ppl_factor,
-                       "top1_agreement": reference["top1_agreement"] + top1_shift}
-            return out
-        return fake
-
-    for factor, shift, keep, restored in ((10.0, -0.01, True, True), (10.0, +0.01, True, True),
-                                          (0.5, -0.01, True, False), (10.0, -0.01, False, False)):
-        monkeypatch.setattr(ev, "evaluate_pair", after_reads(factor, shift))
+    texts = [_windows(2, seed=s).reshape(1, -1)[:, :24] for s in (97, 98, 99)]  # 24 tokens each: no greedy prompt
+    for worse_text in (1, None):
+        monkeypatch.setattr(ev, "evaluate_pair", _reads(lambda ref, i, w=worse_text: {
+            "kl": ref["kl"] * (1.02 if i == w else 0.5)}))
         student = _student(teacher)
         converted = _weights(student)
-        report = heal_model(teacher, student, _windows(32, seed=0), held, _plan(), keep_better=keep)
+        report = heal_model(teacher, student, _windows(32, seed=0), texts, _plan(layer_steps=2, tokens=4 * T * 4),
+                            eval_share=1.0)
+        before = report["before"]
+        assert [t["tokens"] for t in before["texts"]] == [24, 24, 24] and before["tokens"] == 72
+        assert before["kl"] == pytest.approx(sum(t["kl"] for t in before["texts"]) / 3, rel=1e-12)
+        assert len(report["teacher"]["texts"]) == 3 and "perplexity" in report["teacher"]
         same = all(torch.equal(a, b) for a, b in zip(_weights(student), converted))
-        assert same == restored, (factor, shift, keep)
-        assert ("kept" in report) == restored and ("healed" in report) == restored
-        if restored:
-            assert report["after"] == report["before"] and "rose from" in report["kept"]
-            assert report["healed"]["perplexity"] > report["before"]["perplexity"]
+        if worse_text is None:
+            assert not same and "kept" not in report and len(report["after"]["texts"]) == 3
+        else:
+            assert same and "KL to the teacher on held-out text 2 of 3 rose" in report["kept"]
+            assert report["healed"]["kl"] < before["kl"]  # over all the tokens it got better
+
+
+def test_worse_is_farther_from_the_teacher_on_any_text_never_perplexity_alone():
+    """guard.worse, the keep-better test and the probe's verdict: the KL to the teacher rose (perplexity fell: still
+    worse), or top-1 agreement fell by more than the tolerance, on any held-out text; perplexity moving alone never
+    decides; an evaluation from before the KL was recorded is judged on top-1 agreement."""
+    from attnlab.heal.guard import TOP1_TOLERANCE, reason, worse
+
+    def ev(kl, top1=0.8, ppl=20.0):
+        return {"kl": kl, "top1_agreement": top1, "perplexity": ppl}
+
+    b = ev(0.10)
+    assert worse(b, ev(0.11, top1=0.81, ppl=15.0))  # perplexity fell, KL rose: worse
+    assert not worse(b, ev(0.09, ppl=40.0))  # perplexity rose, KL fell: not worse
+    assert not worse(b, ev(0.10))  # unchanged
+    assert not worse(b, ev(0.09, top1=0.8 - TOP1_TOLERANCE / 2))
+    assert worse(b, ev(0.09, top1=0.8 - 2 * TOP1_TOLERANCE))
+    assert not worse(None, b) and not worse(b, None)
+    old = {"top1_agreement": 0.8, "perplexity": 20.0}  # an older attnlab's evaluation: no KL
+    assert not worse(old, ev(0.5, ppl=90.0)) and worse(old, ev(0.01, top1=0.7))
+
+    def several(*kls):
+        return {**ev(sum(kls) / len(kls)), "texts": [ev(k) for k in kls]}
+
+    assert worse(several(0.1, 0.1, 0.1), several(0.01, 0.11, 0.01))  # better over all, worse on the second text
+    assert "on held-out text 2 of 3" in reason(several(0.1, 0.1, 0.1), several(0.01, 0.11, 0.01))
+    assert not worse(several(0.1, 0.1, 0.1), several(0.09, 0.1, 0.01))
+    with pytest.raises(ValueError, match="evaluations of 3 and 2 held-out texts"):
+        worse(several(0.1, 0.1, 0.1), several(0.1, 0.1))
+
+
+def test_the_kl_of_an_evaluation_is_the_mean_kl_of_an_independent_computation(tiny):
+    """evaluate_pair's "kl" against torch.nn.functional.kl_div on the same logits in float64 (every position of every
+    window, the last one shorter), and evaluate_texts' figures over several texts against the sums over all their
+    tokens; kl_sum in blocks of a few positions, and with a token the teacher rules out (-inf), gives the same."""
+    import torch.nn.functional as F
+
+    from attnlab.heal.evaluate import evaluate_pair, evaluate_texts, kl_sum
+
+    _, teacher, _ = tiny
+    student = _student(teacher)
+    texts = [torch.randint(0, 300, (1, n), generator=torch.Generator().manual_seed(n)) for n in (3 * T + 5, 2 * T)]
+    sums = torch.zeros(5, dtype=torch.float64)  # KL, positions, nll, predicted, equal top-1
+    for text in texts:
+        kl = positions = 0.0
+        for s in range(0, text.shape[1], T):
+            chunk = text[:, s:s + T]
+            with torch.no_grad():
+                t, st = teacher(chunk).logits.double(), student(chunk).logits.double()
+            k = float(F.kl_div(st.log_softmax(-1), t.log_softmax(-1), log_target=True, reduction="sum"))
+            nll = float(F.cross_entropy(st[0, :-1], chunk[0, 1:], reduction="sum"))
+            same = float((t.argmax(-1) == st.argmax(-1)).sum())
+            sums += torch.tensor([k, chunk.numel(), nll, chunk.numel() - 1, same], dtype=torch.float64)
+            kl, positions = kl + k, positions + chunk.numel()
+            assert kl_sum(t, st, rows=3) == pytest.approx(k, rel=1e-12)
+        out = evaluate_pair(teacher, student, text, window=T, prompts=1, prompt_len=8, new_tokens=2)
+        assert out["kl"] == pytest.approx(kl / positions, rel=1e-9) and out["kl"] > 0
+    both = evaluate_texts(teacher, student, texts, window=T, prompts=1, prompt_len=8, new_tokens=2)
+    kl, positions, nll, predicted, same = sums.tolist()
+    assert both["kl"] == pytest.approx(kl / positions, rel=1e-9)
+    assert both["perplexity"] == pytest.approx(math.exp(nll / predicted), rel=1e-5)  # the model's float32 loss
+    assert both["top1_agreement"] == pytest.approx(same / positions, rel=1e-12)
+    assert both["tokens"] == positions == 5 * T + 5 and both["windows"] == 6 and len(both["texts"]) == 2
+    assert both["greedy_agreement"]["prompts"] == 2
+    t = torch.tensor([[0.0, 1.0, float("-inf")]], dtype=torch.float64)
+    st = torch.tensor([[0.5, 0.0, 2.0]], dtype=torch.float64)
+    p = t.softmax(-1)[0, :2]
+    expected = float((p * (p.log() - st.log_softmax(-1)[0, :2])).sum())
+    assert kl_sum(t, st) == pytest.approx(expected, rel=1e-12)
+
+
+def _rollback_plan(**kw):
+    """End to end only, at a rate far too large for the tiny model (the blow-up guard's case): 12 steps."""
+    return _plan(layer_steps=0, lr=1.0, **kw)
+
+
+def _near_student(teacher):
+    """A conversion that keeps most of the cache (a latent of 28 of the 32 key values and 8 rotary channels), which
+    starts nearer the teacher than _student's: its end-to-end loss more than doubles at lr 1.0."""
+    student = copy.deepcopy(teacher)
+    hf.convert_model(student, "mla", latent_dim=28, rope_dim=8)
+    return student
+
+
+def test_a_blown_up_end_to_end_step_is_rolled_back_and_the_rate_cut(tiny):
+    """The blow-up guard: at lr 1.0 the end-to-end loss passes twice the first step's; each such step does not stand:
+    the weights after it are those before the last step that read no worse than the first (guard.good), a new
+    optimizer starts, the rates are divided by GUARD_CUT each time (the next steps run at most at plan.lr times the
+    factor), and no recorded step loss is above twice the first. The report lists the rollbacks and guard_line says
+    so."""
+    from attnlab.heal.guard import BLOW_UP, GUARD_CUT, guard_line
+
+    _, teacher, _ = tiny
+    plan = _rollback_plan()
+    student = _near_student(teacher)
+    calls = []  # (weights before the step, its loss, rolled back, the optimizer's (state, rate) after it) per step
+    holder = {"before": _weights(student)}
+
+    def progress(info):
+        opt = holder["healer"].optimizer
+        calls.append((holder["before"], info["loss"], info["rolled_back"],
+                      opt and (len(opt.state), opt.param_groups[0]["lr"])))
+        holder["before"] = _weights(student)
+
+    report = heal_model(teacher, student, _windows(32, seed=0), _windows(4, 99).reshape(1, -1), plan,
+                        evaluate=False, progress=progress, stop_hook=lambda h: holder.update(healer=h))
+    rollbacks, losses = report["rollbacks"], holder["healer"].state["distill_losses"]
+    assert report["status"] == "done" and len(losses) == 12 and len(rollbacks) >= 2
+    assert len(calls) == 12 + len(rollbacks) and sum(c[2] for c in calls) == len(rollbacks)
+    assert max(losses) <= BLOW_UP * losses[0]
+    assert all(r["loss"] > BLOW_UP * r["start"] and r["start"] == losses[0] for r in rollbacks)
+    assert report["lr_scale"] == GUARD_CUT ** -len(rollbacks) == rollbacks[-1]["lr_scale"]
+    good, cut = None, 0
+    for i, (before, loss, rolled, optimizer) in enumerate(calls):
+        after = calls[i + 1][0] if i + 1 < len(calls) else _weights(student)
+        if rolled:  # back to the last good weights, a new optimizer, a quarter of the rate
+            cut += 1
+            assert all(torch.equal(a, b) for a, b in zip(after, good)), i
+            assert not all(torch.equal(a, b) for a, b in zip(before, good))
+            assert optimizer[0] == 0
+        else:
+            if loss <= losses[0]:
+                good = before
+            if optimizer is not None:
+                assert optimizer[1] <= plan.lr * GUARD_CUT ** -cut * (1 + 1e-12)
+    line = guard_line(report)
+    assert f"end-to-end: {len(rollbacks)} step(s) whose loss passed 2x the first" in line
+
+
+def test_a_heal_stopped_around_its_rollbacks_resumes_to_the_weights_of_an_uninterrupted_run(tiny, tmp_path):
+    """The blow-up guard's state (the rollbacks, the cut rate, the copy of the last good weights) is in the
+    checkpoint: a run stopped right after a rollback, and right before one (its weights must then go back to the good
+    copy the checkpoint holds), resumed in new Healers, ends with the uninterrupted run's weights and rollbacks."""
+    _, teacher, _ = tiny
+    plan, windows = _rollback_plan(), _windows(32, seed=0)
+    base = _near_student(teacher)
+    straight = copy.deepcopy(base)
+    flags = []
+    healer = Healer(teacher, straight, windows, plan, progress=lambda info: flags.append(info["rolled_back"]))
+    assert healer.run() == "done"
+    expected = healer.state["rollbacks"]
+    first = flags.index(True)
+    second = flags.index(True, first + 2)  # another rollback after a step that stood
+    assert not flags[second - 1]
+    stops = {first, second - 1}  # the calls after which to stop: a rollback, and the step before one
+
+    ckpt, calls = tmp_path / "heal.pt", [0]
+
+    def interrupt(info):
+        if calls[0] in stops:
+            healer.request_stop()
+        calls[0] += 1
+
+    student = copy.deepcopy(base)
+    healer = Healer(teacher, student, windows, plan, checkpoint=ckpt, progress=interrupt)
+    runs = 1
+    while healer.run() == "stopped":
+        student = copy.deepcopy(base)
+        healer = Healer(teacher, student, windows, plan, checkpoint=ckpt, progress=interrupt)
+        healer.restore(Healer.read(ckpt))
+        runs += 1
+    assert runs == 3 and calls[0] == len(flags)
+    assert healer.state["rollbacks"] == expected and len(expected) >= 2
+    assert all(torch.equal(a, b) for a, b in zip(_weights(student), _weights(straight)))
 
 
 @pytest.mark.parametrize("harmful", [True, False])
 def test_a_probe_judges_the_end_to_end_phase_and_switches_to_the_layer_wise_phase_when_it_hurts(tiny, monkeypatch,
                                                                                                 harmful):
     """HealPlan.probe: the end-to-end phase runs first and, at its probe step, heal_model scores the held-out windows.
-    Made to read worse there: the converted weights come back and the layer-wise phase runs alone, so the student
-    ends with exactly the weights of a layer-wise phase from the converted weights (the oracle: a Healer without a
-    probe, stopped where its end-to-end phase would start). Made to read better: the end-to-end phase goes on to its
-    end, exactly as a heal of that phase alone (no layer-wise steps) ends."""
+    Made to read worse there (the KL to the teacher up, perplexity down): the converted weights come back and the
+    layer-wise phase runs alone, so the student ends with exactly the weights of a layer-wise phase from the converted
+    weights (the oracle: a Healer without a probe, stopped where its end-to-end phase would start). Made to read
+    better (KL down, perplexity up tenfold): the end-to-end phase goes on to its end, exactly as a heal of that phase
+    alone (no layer-wise steps) ends."""
     import attnlab.heal.evaluate as ev
     from attnlab.heal.guard import probe_line
 
@@ -323,8 +534,9 @@ def test_a_probe_judges_the_end_to_end_phase_and_switches_to_the_layer_wise_phas
 
     def fake(*args, reference=None, **kw):
         out = real(*args, reference=reference, **kw)
-        if reference is not None:  # the probe's (and the final) evaluation
-            out = {**out, "perplexity": reference["perplexity"] * (10.0 if harmful else 0.5)}
+        if reference is not None:  # the probe's (and the final) evaluation: perplexity the other way, never judged
+            out = {**out, "kl": reference["kl"] * (10.0 if harmful else 0.5),
+                   "perplexity": reference["perplexity"] * (0.5 if harmful else 10.0)}
         return out
 
     monkeypatch.setattr(ev, "evaluate_pair", fake)
@@ -333,11 +545,13 @@ def test_a_probe_judges_the_end_to_end_phase_and_switches_to_the_layer_wise_phas
     report = heal_model(teacher, student, windows, held, plan, keep_better=False)
     assert report["status"] == "done" and report["probe"]["step"] == 6
     line = probe_line(report)  # what heal and shrink print
-    assert line.startswith("probe after 6 end-to-end steps: held-out perplexity ") and \
+    assert line.startswith("probe after 6 end-to-end steps on the held-out text: KL to the teacher ") and \
         line.endswith(report["probe"]["verdict"])
+    assert report["probe"]["kl"] == pytest.approx(report["probe"]["kl_before"] * (10.0 if harmful else 0.5))
     oracle = _student(teacher)
     if harmful:
         assert report["probe"]["verdict"].startswith("the converted weights back")
+        assert "KL to the teacher on the held-out text rose" in report["probe"]["reason"]
         assert len(report["layer_losses"]) == 2 and report["distill_tokens"] == 6 * 4 * T  # no step after the probe
         _after_layer_phase(teacher, oracle, _plan(), windows)
     else:

@@ -10,45 +10,229 @@ import typer
 from .base import Busy, UsageProblem, positive
 
 
+def _numbers(option: str, text: str | None, kind):
+    """A comma-separated list of ints or floats, or a UsageProblem naming the option and the value."""
+    if text is None:
+        return None
+    try:
+        values = [kind(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values:
+        what = "integers" if kind is int else "numbers"
+        raise UsageProblem(f"{option} takes comma-separated {what} (e.g. {'2048,4096' if kind is int else '0.1,0.5'})"
+                           f", got {text!r}")
+    return values
+
+
+def _table(rows: list[list[str]]) -> None:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+
+
 def eval_(source: str = typer.Argument(..., help="A model (smollm2, gemma3-270m) or a folder written by attnlab convert."),
-          text: Path = typer.Option(..., "--text", help="An English text file to score."),
-          max_tokens: int = typer.Option(2048, "--max-tokens", help="Score at most this many tokens."),
-          window: int = typer.Option(512, "--window", help="Tokens per forward pass."),
-          kv_dtype: Optional[str] = typer.Option(None, "--kv-dtype", help="KV-cache storage to score and count: "
+          texts: Optional[list[Path]] = typer.Option(None, "--text", help="An English text file to score; repeat "
+                                                     "--text for several (one row each, then the worst)."),
+          reference: Optional[str] = typer.Option(None, "--reference", help="The original model (e.g. smollm2): "
+                                                  "scored on the same tokens, the same way, with its own cache "
+                                                  "storage; each row adds its perplexity and the ratio "
+                                                  "model/reference, and the worst row is the highest ratio."),
+          max_tokens: Optional[int] = typer.Option(None, "--max-tokens", help="Score at most this many tokens of "
+                                                   "each text; default 2048, or one --window where larger."),
+          window: Optional[int] = typer.Option(None, "--window", help="Tokens per window: each window is scored "
+                                               "afresh; default 512, or --max-tokens or the model's context "
+                                               "where smaller. A text shorter than one window is refused."),
+          through_cache: Optional[bool] = typer.Option(None, "--through-cache/--one-forward", help="Score each "
+                                                       "window through the model's KV cache, as decoding reads "
+                                                       "it: fed in chunks of --chunk tokens, each attending to "
+                                                       "the earlier chunks as the cache stores them; or in one "
+                                                       "forward per window. Default: through the cache when "
+                                                       "--window exceeds --chunk, except for KIVI, which has no "
+                                                       "cache."),
+          chunk: int = typer.Option(512, "--chunk", help="Tokens per forward through the cache."),
+          kv_dtype: Optional[str] = typer.Option(None, "--kv-dtype", help="KV-cache storage of MODEL (not of "
+                                                 "--reference) to score and count: "
                                                  "fp32, bf16, int8, fp8 (int8/g<N>, fp8/g<N>: a scale per N "
                                                  "channels); llama.cpp's q8_0, q5_0, q4_0, q4_1; int4, int2 "
                                                  "(/g<N>, +r8 for an MLA's rope key); KIVI's kivi4, kivi2; "
-                                                 "default the model's own.")):
-    """Perplexity of a causal model on a text, and its KV-cache bytes per token.
+                                                 "default the model's own."),
+          json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the rows (and the passkey "
+                                                  "results) as JSON, atomically."),
+          passkey: bool = typer.Option(False, "--passkey", help="Passkey retrieval: a 5-digit key hidden at "
+                                       "--passkey-depths of filler prompts of --passkey-lengths tokens, greedy "
+                                       "answers by attnlab's generation loop through MODEL's cache; exact-match "
+                                       "accuracy per (length, depth)."),
+          passkey_lengths: str = typer.Option("2048,4096,8192", "--passkey-lengths", help="Total tokens (prompt "
+                                              "and answer) of the passkey prompts; longer than the model's "
+                                              "context: its context."),
+          passkey_depths: str = typer.Option("0.1,0.5,0.9", "--passkey-depths", help="Where the key line sits, "
+                                             "as fractions of the filler (0 first, 1 last)."),
+          passkey_trials: int = typer.Option(1, "--passkey-trials", help="Prompts (keys) per length and depth."),
+          seed: int = typer.Option(0, "--seed", help="Seed of the passkey prompts (keys, filler order).")):
+    """Perplexity of a causal model on texts (one row each, then the worst), its KV-cache bytes per token, and
+    passkey retrieval.
 
-    With --kv-dtype the keys and values go through that storage (quantised and read back) before
-    attention, as cached decode reads them, and the bytes count its scales.
+    With --kv-dtype the keys and values go through that storage (quantised and read back) as cached decode reads
+    them, and the bytes count its scales. Long windows (above --chunk, e.g. --window 4096) are scored through the
+    cache by default: later tokens read the stored codes, not a full-precision forward. With --reference every row
+    also holds the original's perplexity on the same tokens and the ratio; the worst row is the highest ratio.
     Example: attnlab eval smollm2-mla256 --text /usr/share/common-licenses/GPL-3 --kv-dtype int8
-    Example: attnlab eval smollm2 --text /usr/share/common-licenses/GPL-3 --kv-dtype q4_0   (llama.cpp's cache type)
+    Example: attnlab eval smollm2 --reference smollm2 --kv-dtype q4_0 --window 4096 --text /usr/share/common-licenses/GPL-3 --text /usr/share/common-licenses/MPL-2.0 --json q4_0.json
+    Example: attnlab eval smollm2 --passkey --passkey-lengths 2048,4096 --kv-dtype q4_0
     """
+    import json
+
     from .. import models as hf
+    from ..io.folders import replace_file
+    from ..models.evaluate import default_window, score_windows
     from ..modules.cache import check_kv_dtype
 
-    check_kv_dtype(kv_dtype)  # before loading anything: one line naming the value and the choices
+    fmt = check_kv_dtype(kv_dtype)  # before loading anything: one line naming the value and the choices
+    texts = list(texts or [])
+    if not texts and not passkey:
+        raise UsageProblem("nothing to do: give --text FILE (repeat it for several) and/or --passkey")
     positive("--max-tokens", max_tokens, integer=True)
-    if window < 2:
+    positive("--chunk", chunk, integer=True)
+    positive("--passkey-trials", passkey_trials, integer=True)
+    if window is not None and window < 2:
         raise UsageProblem(f"--window must be at least 2 tokens (a token and the one it predicts), got {window}")
+    if window is not None and max_tokens is not None and max_tokens < window:
+        raise UsageProblem(f"--max-tokens {max_tokens} keeps fewer tokens than one --window of {window}")
+    if through_cache and fmt is not None and fmt.evaluation_only:
+        raise UsageProblem(f"--kv-dtype {kv_dtype} (KIVI) has no cache to score through; use --one-forward")
+    if reference is not None and not texts:
+        raise UsageProblem("--reference scores texts against the original: give --text FILE (the passkey runs "
+                           "MODEL alone)")
+    lengths = depths = None
+    if passkey:
+        from ..models.passkey import check_lengths
+
+        lengths, depths, _ = check_lengths(_numbers("--passkey-lengths", passkey_lengths, int),
+                                           _numbers("--passkey-depths", passkey_depths, float), passkey_trials)
+    for path in texts:  # the cheap part of reading a text, before the model loads
+        if not path.is_file():
+            raise UsageProblem(f"no such text file: {path}")
+    if max_tokens is None:
+        max_tokens = max(2048, window or 0)
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()  # stderr holds errors (and the terminal's spinner) only
     with Busy(f"loading {source}") as busy:
         model, tok, meta = hf.load_model(source)
         if hf.family(model) != "llama":
             raise UsageProblem("eval scores causal language models (smollm2 and its conversions)")
-        ids = hf.read_text_ids(tok, text, max_tokens, min_tokens=2)
+        limit = getattr(model.config, "max_position_embeddings", None)
+        if window is None:
+            window = default_window(model, min(512, max_tokens))
+        elif isinstance(limit, int) and window > limit:
+            raise UsageProblem(f"--window {window} exceeds {source}'s context (max_position_embeddings {limit})")
+        ids = [hf.read_text_ids(tok, path, max_tokens, min_tokens=1) for path in texts]
+        for path, t in zip(texts, ids):  # every text before any scoring: a short one would flatter
+            if t.shape[1] < window:
+                raise UsageProblem(f"{path} holds {t.shape[1]} tokens, fewer than one window of {window} "
+                                   f"(--window); give a longer text or a smaller --window")
+        if passkey:  # every prompt built now: a length too short for one is refused before any scoring
+            from ..models.passkey import passkey_prompts
+
+            passkey_prompts(model, tok, lengths=lengths, depths=depths, trials=passkey_trials, seed=seed)
+        storages = [kv_dtype] if kv_dtype is not None else [m.kv_dtype for m in hf.attnlab_modules(model)]
+        kivi = [k for k in storages if k is not None and check_kv_dtype(k).evaluation_only]  # no cache to read
+        cached = window > chunk and not kivi if through_cache is None else through_cache
+        if cached and kivi:
+            raise UsageProblem(f"{source} stores its cache as {kivi[0]} (KIVI), which has no cache to score "
+                               "through; use --one-forward")
+        if passkey and kivi:
+            raise UsageProblem(f"--passkey decodes through {source}'s cache, and {kivi[0]} (KIVI) has none")
+        step = chunk if cached else None
+
+        def score(m, t, who, path):
+            n = len(hf.windows(t, window))
+            return score_windows(m, t, window, chunk=step, progress=lambda i: busy.update(
+                f"{who}: scoring {path.name} ({t.shape[1]} tokens): window {i + 1} of {n}"))
+
+        ref_scores = None
+        if reference is not None and texts:
+            if reference == source:  # the same model at its own storage: score it before --kv-dtype applies
+                ref_model, ref_tok = model, tok
+            else:
+                busy.update(f"loading {reference}")
+                ref_model, ref_tok, _ = hf.load_model(reference)
+                if hf.family(ref_model) != "llama":
+                    raise UsageProblem(f"--reference {reference} is not a causal language model")
+            for path, t in zip(texts, ids):
+                theirs = hf.read_text_ids(ref_tok, path, max_tokens, min_tokens=2) if ref_tok is not None else t
+                if tuple(theirs.shape) != tuple(t.shape) or bool((theirs != t).any()):
+                    raise UsageProblem(f"--reference {reference} tokenizes {path} differently from {source}: "
+                                       "perplexities of different tokens do not compare")
+            ref_scores = [score(ref_model, t, reference, path) for path, t in zip(texts, ids)]
+            del ref_model
         if kv_dtype is not None:
             hf.set_kv_dtype(model, kv_dtype)
-        n = len(hf.windows(ids, window))
-        ppl = hf.perplexity(model, ids, window=window,
-                            progress=lambda i: busy.update(f"scoring {ids.shape[1]} tokens: window {i + 1} of {n}"))
-    print(f"perplexity: {ppl:.4f}")
-    print(f"tokens: {ids.shape[1]}")
+        scores = [score(model, t, source, path) for path, t in zip(texts, ids)]
+        report = None
+        if passkey:
+            report = _run_passkey(model, tok, lengths, depths, passkey_trials, seed, busy)
+    rows = []
+    for i, (path, s) in enumerate(zip(texts, scores)):
+        row = {"text": str(path), "tokens": s.tokens, "scored": s.scored, "windows": s.windows,
+               "perplexity": s.perplexity}
+        if ref_scores is not None:
+            row["reference_perplexity"] = ref_scores[i].perplexity
+            row["ratio"] = s.perplexity / ref_scores[i].perplexity
+        rows.append(row)
+    worst = max(rows, key=lambda r: r["ratio" if ref_scores is not None else "perplexity"]) if rows else None
+    how = (f"through the cache in chunks of {chunk} tokens" if cached else "one forward per window")
+    if len(rows) == 1 and ref_scores is None:
+        print(f"perplexity: {rows[0]['perplexity']:.4f}")
+        print(f"tokens: {rows[0]['tokens']}")
+    elif rows:
+        head = ["text", "tokens", "scored", "perplexity"] + (["reference", "ratio"] if ref_scores is not None else [])
+        table = [head]
+        named = [(Path(r["text"]).name, r) for r in rows] + [(f"worst ({Path(worst['text']).name})", worst)]
+        for name, r in named:
+            line = [name, str(r["tokens"]), str(r["scored"]), f"{r['perplexity']:.4f}"]
+            if ref_scores is not None:
+                line += [f"{r['reference_perplexity']:.4f}", f"{r['ratio']:.4f}"]
+            table.append(line)
+        _table(table)
+    if rows:
+        print(f"windows: {window} tokens, {how}")
     stored, sixteen = hf.kv_bytes_per_token(model), hf.kv_bytes_per_token(model, kv_dtype="bf16")
     print(f"kv bytes per token: {stored} ({stored / sixteen:.1%} of its 16-bit cache, {sixteen})")
     if kv_dtype is not None:
         print(f"kv storage: {kv_dtype}")
+    if report is not None:
+        _print_passkey(report)
+    if json_out is not None:
+        out = {"model": source, "reference": reference, "kv_dtype": kv_dtype, "window": window,
+               "max_tokens": max_tokens, "through_cache": cached, "chunk": chunk if cached else None,
+               "kv_bytes_per_token": stored, "rows": rows, "worst": worst,
+               "passkey": None if report is None else report.to_dict()}
+        replace_file(json_out, (json.dumps(out, indent=2) + "\n").encode())
+
+
+def _run_passkey(model, tok, lengths, depths, trials, seed, busy):
+    """Passkey retrieval with attnlab's generation loop (greedy, through the model's cache and its kv_dtype)."""
+    from ..generation.loop import generate as run_generation
+    from ..models.passkey import run_passkey
+
+    eos = getattr(model.generation_config, "eos_token_id", None) or getattr(tok, "eos_token_id", None)
+
+    def decode(ids, n):
+        return run_generation(model, ids, max_new_tokens=n, eos_token_id=eos)[0, ids.shape[1]:]
+
+    return run_passkey(model, tok, lengths=lengths, depths=depths, trials=trials, seed=seed, decode=decode,
+                       progress=lambda i, n: busy.update(f"passkey: prompt {i + 1} of {n}"))
+
+
+def _print_passkey(report) -> None:
+    print(f"passkey: seed {report.seed}, {report.trials} trial(s) per length and depth")
+    table = [["length", "depth", "found", "accuracy"]]
+    for c in report.cells():
+        table.append([str(c["length"]), f"{c['depth']:g}", f"{c['found']}/{c['trials']}", f"{c['accuracy']:.0%}"])
+    _table(table)
+    found = sum(r["found"] for r in report.rows)
+    print(f"passkey accuracy: {found}/{len(report.rows)} ({report.accuracy:.1%})")
 
 
 def generate(source: str = typer.Argument(..., help="A model (smollm2, gemma3-270m) or a folder written by attnlab convert."),

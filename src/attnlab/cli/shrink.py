@@ -93,17 +93,19 @@ def shrink(source: str = typer.Argument(..., help="The model: smollm2, a transfo
                                                "alone (much worse; by default the cut is calibrated on text)."),
            seed: int = typer.Option(0, "--seed", help="Seed of the model's own text and of the data order."),
            tokens: Optional[int] = typer.Option(None, "--tokens", help="End-to-end heal tokens (default: as many "
-                                                "as the time allows)."),
+                                                "as the time allows). With --layer-steps it pins the work: the "
+                                                "same weights under any load, --minutes not enforced."),
            seq_len: int = typer.Option(256, "--seq-len", help="Tokens per training window."),
            device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
            resume: bool = typer.Option(False, "--resume/--no-resume", help="Continue a stopped run (same arguments)."),
            force: bool = typer.Option(False, "--force/--no-force", help="Replace an existing --out (only one "
                                       "attnlab wrote)."),
            layer_steps: Optional[int] = typer.Option(None, "--layer-steps", help="Layer-wise heal steps per layer "
-                                                     "(0: skip the phase; default: sized to the time)."),
-           keep_worse: bool = typer.Option(False, "--keep-worse", help="Write the healed weights even when the "
-                                           "held-out perplexity rose (by default the converted ones are written "
-                                           "then, and the report says so)."),
+                                                     "(0: skip the phase; default: sized to the time). With "
+                                                     "--tokens it pins the work."),
+           keep_worse: bool = typer.Option(False, "--keep-worse", help="Write the healed weights even when they "
+                                           "moved away from the original on a held-out text (by default the "
+                                           "converted ones are written then, and the report says so)."),
            shard: bool = SHARD, collective_timeout: float = COLLECTIVE_TIMEOUT):
     """Shrink a model's KV cache to a budget: plan, convert, heal and export in one run.
 
@@ -188,4 +190,10 @@ def shrink(source: str = typer.Argument(..., help="The model: smollm2, a transfo
         console.print(f"kept {heal['kept']}")
     minutes_by_phase = ", ".join(f"{k} {v:.1f}" for k, v in report["minutes"].items())
     console.print(f"minutes per phase: {minutes_by_phase}")
+    work = report.get("work") or {}
+    if work:
+        console.print(f"work: {work.get('training_windows')} training windows, {work.get('candidates_measured')} "
+                      f"candidates planned, {work.get('heal_steps')} heal steps ({work.get('end_to_end_steps')} end "
+                      f"to end, {work.get('end_to_end_tokens')} tokens)" + ("; pinned" if work.get("pinned") else
+                                                                            "; the clock set how much"))
     console.print(f"wrote {out}")

@@ -9,7 +9,8 @@ Notation: N windows, T tokens per window (seq_len), V vocabulary.
   varied prompts (PROMPTS, written for this repo) by sampling (temperature 1, top-p 0.95,
   a seeded generator), and each prompt + continuation is one training window.
 - `training_data`: one of the two for a heal (or shrink) run, inside a time budget: the
-  teacher's writing gets a bounded share of it.
+  teacher's writing gets a bounded share of it, past the windows a plan reads, which are the same on any machine.
+- `judge_texts`: held-out text of other kinds (shipped sentences, Python source) that a heal is judged on too.
 - `check_pair`: the teacher and the student must be the same network around their attention.
 """
 from __future__ import annotations
@@ -36,6 +37,20 @@ PROMPTS = (
 
 
 HELD_OUT_PROMPTS = 4  # the last prompts write held-out text only (training_data)
+JUDGE_TOKENS = 512  # tokens of each text of judge_texts
+
+
+def judge_texts(tok, tokens: int = JUDGE_TOKENS) -> list[torch.Tensor]:
+    """Held-out texts of other kinds than a heal's training text, for its keep-or-give-back decisions: everyday
+    English sentences written for this repo (judge_sentences.txt, shipped with the package) and Python source with
+    its documentation (attnlab's own attention core), each its first `tokens` token ids (1, M). Without them a heal
+    on text the teacher writes would be judged on the distribution it trained on alone, which flatters a heal that
+    drifts from the teacher on other text."""
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent
+    files = [here / "judge_sentences.txt", here.parent / "modules" / "attention.py"]
+    return [tok(f.read_text(encoding="utf-8"), return_tensors="pt").input_ids[:, :tokens] for f in files]
 
 
 def _windows(ids: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -105,7 +120,7 @@ def _watch(budget, began: float, steps: int, n: int):
 
 
 def teacher_windows(teacher, tok, count: int, seq_len: int, *, seed: int = 0, batch_size: int = 8,
-                    prompts=PROMPTS, progress=None, budget=None) -> torch.Tensor:
+                    prompts=PROMPTS, progress=None, budget=None, offset: int = 0) -> torch.Tensor:
     """Up to `count` windows (n, seq_len) of text the teacher writes from the prompts (sampled, seeded).
 
     Written batch_size windows at a time with attnlab's generation loop. budget (runtime.Budget):
@@ -115,6 +130,8 @@ def teacher_windows(teacher, tok, count: int, seq_len: int, *, seed: int = 0, ba
     again with as many windows as fit at the cost per window just measured (at least one), so
     that a slow model (Gemma 3 270M: about 3 minutes for 32 windows of 256 tokens on 2 cores)
     cannot spend a short budget on one batch. A stop request raises runtime.Stopped, also in a batch.
+    offset: where these windows start in a longer seeded sequence (window i is sampled from the stream of
+    seed and offset + the first window of its batch), so that two calls write other samples than one.
     """
     from ..generation.loop import generate
     from ..runtime.budget import Stopped
@@ -152,7 +169,7 @@ def teacher_windows(teacher, tok, count: int, seq_len: int, *, seed: int = 0, ba
         try:
             with torch.no_grad():
                 full = generate(teacher, ids, mask, max_new_tokens=new, temperature=1.0, top_p=0.95,
-                                seed=seed * 100003 + start, budget=None if budget is None else budget.unbounded(),
+                                seed=seed * 100003 + offset + start, budget=None if budget is None else budget.unbounded(),
                                 stream=watch)  # (B, P + new)
         except _TooSlow as e:  # the batch again, with as many windows as fit at the cost just measured
             if start and budget.left() < e.seconds_per_window:
@@ -170,15 +187,18 @@ def teacher_windows(teacher, tok, count: int, seq_len: int, *, seed: int = 0, ba
 
 
 def training_data(teacher, tok, seq_len: int, *, text=None, eval_text=None, windows: int = 64, seed: int = 0,
-                  budget=None, share: float = 0.3, batch_size: int = 16,
+                  budget=None, share: float = 0.3, batch_size: int = 16, fixed: int = 0,
                   progress=None) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """(training windows (N, T), held-out ids (1, M), what was used) for a heal run.
 
     With `text` files: text_windows (the last tenth held out unless `eval_text` is given). Without:
-    the teacher writes up to `windows` windows within `share` of the budget (what is left of it at
-    the time of the call), batch_size at a time; unless `eval_text` is given, it first writes one
-    window from each of the HELD_OUT_PROMPTS last prompts, which no training window starts from,
-    as the held-out text. progress(i, n) counts windows.
+    the teacher writes up to `windows` windows, batch_size at a time; unless `eval_text` is given, it first
+    writes one window from each of the HELD_OUT_PROMPTS last prompts, which no training window starts from,
+    as the held-out text. The held-out windows and the first `fixed` training windows (what a plan is
+    calibrated and scored on) are written whatever the clock says, so that they are the same on a fast
+    machine and a slow one; the rest within `share` of the budget (what is left of it at the time of the
+    call): a slow machine trains on fewer windows, never on other planning text. budget None: every window.
+    progress(i, n) counts windows.
     """
     from ..runtime.budget import Stopped
 
@@ -187,12 +207,22 @@ def training_data(teacher, tok, seq_len: int, *, text=None, eval_text=None, wind
     else:
         if tok is None:
             raise ValueError("the teacher has no tokenizer: give --text (token windows need one)")
-        mine = None if budget is None else budget.share(share)
+        if isinstance(fixed, bool) or not isinstance(fixed, int) or not 0 <= fixed <= windows:
+            raise ValueError(f"fixed windows must be between 0 and windows ({windows}), got {fixed!r}")
         n = 0 if eval_text else HELD_OUT_PROMPTS
         train_prompts = PROMPTS[:len(PROMPTS) - HELD_OUT_PROMPTS]
         order = PROMPTS[len(PROMPTS) - n:] + tuple(train_prompts[i % len(train_prompts)] for i in range(windows))
-        written = teacher_windows(teacher, tok, n + windows, seq_len, seed=seed, budget=mine, batch_size=batch_size,
-                                  prompts=order, progress=progress)
+        first = n + fixed  # written whatever the clock: the same text on any machine
+        written = [teacher_windows(teacher, tok, first, seq_len, seed=seed, batch_size=max(batch_size, first),
+                                   prompts=order, progress=progress,
+                                   budget=None if budget is None else budget.unbounded())] if first else []
+        if windows > fixed:
+            mine = None if budget is None else budget.share(share)
+            written.append(teacher_windows(teacher, tok, windows - fixed, seq_len, seed=seed, budget=mine,
+                                           batch_size=batch_size, prompts=order[first:],
+                                           offset=first, progress=None if progress is None else
+                                           (lambda i, _n: progress(first + i, n + windows))))
+        written = torch.cat(written)
         if written.shape[0] <= n:
             raise ValueError(f"the teacher wrote {written.shape[0]} window(s) in the time given: too few to train on "
                              "(give more time, or --text)")

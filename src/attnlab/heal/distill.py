@@ -16,12 +16,17 @@ Two phases, on token windows (data.py: the user's text, or text the teacher writ
 2. End-to-end: KL(teacher || student) of the next-token distributions, training only the
    converted attention weights (or, with lora_rank, LoRA adapters on them through peft,
    merged back at the end). bf16 autocast on CUDA; float32 on CPU (on the 2-core EPYC of
-   docs/ bf16 autocast measured 1.5x slower than float32).
+   docs/ bf16 autocast measured 1.5x slower than float32). A blow-up guard (guard.py): a step whose
+   loss is above twice the phase's first loss does not stand: the trained weights go back to those of
+   the last step that read well, no worse than the first (an in-memory copy of the trained parameters,
+   renewed at each such step, and in the checkpoint), the optimizer starts afresh, and the rates are
+   divided by 4 (the guard's lr_scale; state["rollbacks"] records each one).
 With a probe (HealPlan.probe, what shrink plans for a student that keeps every value) the order turns
-round: the end-to-end phase runs first, and heal_model scores the held-out windows after that share of
-its steps; if their perplexity rose, the converted weights come back and the layer-wise phase takes
-the rest of the time, with no end-to-end phase after it (Healer.settle_probe). Measured: SmolLM2's
-every-value plans heal end to end, Gemma 3 270M's only layer-wise (docs/real-models.md).
+round: the end-to-end phase runs first, and heal_model scores the held-out texts after that share of
+its steps; if the student moved away from the teacher there (guard.worse: the KL to the teacher rose,
+or top-1 agreement fell, on any held-out text), the converted weights come back and the layer-wise
+phase takes the rest of the time, with no end-to-end phase after it (Healer.settle_probe). Measured:
+SmolLM2's every-value plans heal end to end, Gemma 3 270M's only layer-wise (docs/real-models.md).
 
 `Healer` runs the phases as one resumable state machine: the plan, step, phase, layer,
 weights, optimizer state and training windows go into one checkpoint file (torch.save,
@@ -32,7 +37,9 @@ that was never stopped. It keeps a time budget (runtime.Budget: the deadline and
 request every long loop checks, the teacher's hidden states included), checkpoints every few
 minutes, and stops cleanly at a step boundary when asked (request_stop, e.g. from a signal).
 `heal_model` is the whole job inside one budget: evaluate before (a bounded share), train
-(leaving time for the evaluation after), evaluate after.
+(leaving time for the evaluation after), evaluate after, on one held-out text or several
+(evaluate.evaluate_texts), and keep the converted weights if the healed student is farther from the
+teacher on any of them (guard.worse).
 
 Data-parallel (distributed.py, under torchrun): given a `world` of N > 1 processes, plan.batch_size
 and the layer-wise batch stay the global batches; rank k computes rows [k B/N, (k+1) B/N) of the
@@ -50,6 +57,7 @@ Without a world (or with one process) nothing of this runs: the one-process path
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -67,6 +75,12 @@ from .data import converted_layers
 from .trained import TrainedPart
 
 LORA_TARGETS = ("W_Q", "W_DQ", "W_UQ", "W_K", "W_V", "W_DKV", "W_KR", "W_UK", "W_UV", "W_O")
+# The end-to-end rate for a plan that keeps every value (HealPlan.lr; shrink sets it where it sets the probe). Such a
+# student starts next to the teacher (only its cache codes differ), and AdamW moves every weight by about the rate
+# per step whatever the gradient's size: on SmolLM2-135M at the default 3e-4 the end-to-end loss rose from 0.05 to
+# 0.20 in 8 steps. HealPlan.lr's default stays 3e-4, the best of 1e-4 / 3e-4 / 1e-3 measured for a low-rank plan,
+# which starts far from the teacher (docs/real-models.md); should 1e-4 still blow up, the blow-up guard cuts it.
+EVERY_VALUE_LR = 1e-4
 
 
 @dataclass
@@ -83,9 +97,10 @@ class HealPlan:
     warmup: int = 8
     seed: int = 0
     lora_rank: int | None = None
-    # with layer_steps: the end-to-end phase first, judged on the held-out windows after this share of its steps
-    # (heal_model): if their perplexity rose, the converted weights come back and the layer-wise phase takes the rest
-    # of the time, with no end-to-end phase after it; 0: the layer-wise phase first, then the end-to-end phase
+    # with layer_steps: the end-to-end phase first, judged on the held-out texts after this share of its steps
+    # (heal_model): if the student moved away from the teacher there (guard.worse), the converted weights come back
+    # and the layer-wise phase takes the rest of the time, with no end-to-end phase after it; 0: the layer-wise phase
+    # first, then the end-to-end phase
     probe: float = 0.0
 
     def check(self) -> None:
@@ -272,6 +287,8 @@ class Healer:
         self.steps_this_run = 0
         self._inputs = self._check_x = None
         self._start_weights = None  # the layer-wise phase's current layer as it started (the guard's fallback)
+        self._good = None  # end-to-end: the trained parameters at the last step that read well (the blow-up guard's)
+        self._rolled_back = False  # the last end-to-end step was rolled back (progress says so)
         self.trained = TrainedPart(student, self._attn, self.world, self.shard, self.device,  # what a phase trains
                                    self.layers)
 
@@ -288,8 +305,13 @@ class Healer:
         """
         if self.checkpoint is None:
             return
+        good = self._good_weights()
         self.trained.sync()
-        optimizer = None if self.optimizer is None else self.trained.optimizer_state(self.optimizer)
+        # an optimizer without state yet (a new layer, a rollback) is saved as none: FSDP2's gathering of its state
+        # (torch.distributed.checkpoint) would first initialise it with a step of zero gradients, and the next real
+        # step would then be AdamW's second, not its first (the same on every rank: each has taken the same steps)
+        optimizer = None if self.optimizer is None or not self.optimizer.state \
+            else self.trained.optimizer_state(self.optimizer)
         if not self.world.main:
             return
         blob = {"format": "attnlab-heal", "plan": asdict(self.plan), "state": dict(self.state),
@@ -297,8 +319,23 @@ class Healer:
                 "student": {k: v.cpu() for k, v in _attention_weights(self._attn).items()},
                 "optimizer": optimizer,
                 "windows": self.windows.cpu(),
-                "layer_start": None if self._start_weights is None else dict(self._start_weights)}
+                "layer_start": None if self._start_weights is None else dict(self._start_weights),
+                "distill_good": good}
         replace_with(self.checkpoint, lambda tmp: torch.save(blob, tmp))
+
+    def _good_weights(self) -> dict | None:
+        """The blow-up guard's copy of the last good end-to-end weights as the checkpoint holds weights ({"<layer>.
+        <name>": tensor} on the CPU), or None: put into the trained parameters for a moment (FSDP2: gathered into the
+        student's modules, a collective every rank runs), then the current ones back."""
+        if self._good is None or self.optimizer is None:
+            return None
+        current = [p.detach().clone() for p in self._trained_params()]
+        self._put(self._good)
+        self.trained.sync()
+        good = {k: v.cpu().clone() for k, v in _attention_weights(self._attn).items()} if self.world.main else None
+        self._put(current)
+        self.trained.sync()
+        return good
 
     @staticmethod
     def read(path) -> dict:
@@ -337,7 +374,16 @@ class Healer:
         _load_attention(self._attn, blob["student"])
         self.state = {"steps_done": 0, **guard.initial_state(), **_probe_state(False), **blob["state"]}
         self._start_weights = blob.get("layer_start")
+        good = None
+        if blob.get("distill_good") is not None and self.state["phase"] == "distill":
+            # the blow-up guard's copy, in the form of the trained parameters (FSDP2: this rank's shards of them)
+            _load_attention(self._attn, blob["distill_good"])
+            self._make_optimizer()
+            good = [p.detach().clone() for p in self._trained_params()]
+            self.trained.release()
+            _load_attention(self._attn, blob["student"])
         self._make_optimizer()
+        self._good = good
         if blob["optimizer"] is not None and self.optimizer is not None:
             self.trained.load_optimizer_state(self.optimizer, blob["optimizer"])
 
@@ -346,6 +392,8 @@ class Healer:
         """The optimizer of what the phase trains (a new one per layer and phase), wrapped first over N ranks
         (trained.py: DDP around the module itself, or FSDP2 around a twin of each attention module it holds)."""
         s = self.state
+        if s["phase"] != "distill":
+            self._good = None
         if s["phase"] not in ("layers", "distill"):
             self.trained.release()
             self.optimizer = None
@@ -353,6 +401,16 @@ class Healer:
         params = self.trained.wrap(s["phase"], s["layer"])
         lr = (self.plan.layer_lr if s["phase"] == "layers" else self.plan.lr) * s["lr_scale"]
         self.optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+
+    def _trained_params(self) -> list[torch.nn.Parameter]:
+        """What the optimizer steps, in its order (FSDP2: the twins' sharded parameters)."""
+        return [p for g in self.optimizer.param_groups for p in g["params"]]
+
+    def _put(self, values: list[torch.Tensor]) -> None:
+        """Copy `values` (from _trained_params, cloned) into the trained parameters, in place."""
+        with torch.no_grad():
+            for p, v in zip(self._trained_params(), values, strict=True):
+                p.copy_(v)
 
     def _agree(self, flag: bool) -> bool:
         return dd.agree(flag) if self.world.distributed else flag
@@ -476,12 +534,19 @@ class Healer:
             with torch.no_grad():
                 t_logits = self.teacher(mine).logits
             loss = kl_loss(t_logits, self.trained.part(mine).logits)
+        value = self._loss_value(loss)  # the whole batch's, the same on every rank: the ranks decide alike
+        self._rolled_back = self._good is not None and guard.blown_up(s, value)
+        if self._rolled_back:  # the weights the last steps left read badly: they do not stand
+            del loss, t_logits
+            self._roll_back(value)
+            return value
+        if guard.good(s, value):
+            self._keep_good()
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         # the global norm: DDP's gradients are the averaged ones on every rank; FSDP2's are DTensor shards
-        torch.nn.utils.clip_grad_norm_([p for g in self.optimizer.param_groups for p in g["params"]], 1.0)
+        torch.nn.utils.clip_grad_norm_(self._trained_params(), 1.0)
         self.optimizer.step()
-        value = self._loss_value(loss)
         s["step"] += 1
         s["tokens"] += ids.numel()
         s["distill_losses"].append(value)
@@ -489,6 +554,26 @@ class Healer:
             s["phase"] = "done"
             self._make_optimizer()  # none: the trained weights are the student's own again
         return value
+
+    def _keep_good(self) -> None:
+        """The blow-up guard's copy of the trained parameters as they are now (they just read no worse than the
+        phase's first step: guard.good), in place."""
+        params = self._trained_params()
+        if self._good is None:
+            self._good = [p.detach().clone() for p in params]
+        else:
+            with torch.no_grad():
+                for g, p in zip(self._good, params, strict=True):
+                    g.copy_(p)
+
+    def _roll_back(self, loss: float) -> None:
+        """The end-to-end step at state["step"] read `loss`, past guard.BLOW_UP times the phase's first: the trained
+        parameters of the last step that read well (guard.good) come back, the rates are divided by guard.GUARD_CUT,
+        and a new optimizer (and, over N ranks, a new wrapper) starts from them; the step is taken again, on its own
+        batch."""
+        guard.rolled_back(self.state, loss)
+        self._put(self._good)
+        self._make_optimizer()
 
     # -- the loop ------------------------------------------------------------------------------
     def run(self, minutes: float | None = None, *, reserve: float = 0.0) -> str:
@@ -549,7 +634,8 @@ class Healer:
                 # 30.53 at step 10); a phase too short for that has no probe (keep_better rules at its end)
                 s["probe_step"] = max(plan.warmup + 1, round(plan.probe * s["total_steps"]))
             if self.progress:
-                self.progress(self._info(phase, loss, step_time))
+                self.progress({**self._info(phase, loss, step_time),
+                               "rolled_back": phase == "distill" and self._rolled_back})
             if self._agree(clock() - last_save > self.checkpoint_seconds):
                 self.save()
                 last_save = clock()
@@ -585,8 +671,10 @@ class Healer:
 
     def settle_probe(self, harmful: bool, start_weights: dict | None = None) -> None:
         """The verdict on the end-to-end phase at its probe point (HealPlan.probe): kept, or, when `harmful` (the
-        held-out perplexity rose), the student's attention weights back to `start_weights` ({"<layer>.<name>": ...},
-        as the heal started) and the layer-wise phase for the rest, with no end-to-end phase after it."""
+        student moved away from the teacher on the held-out text: guard.worse), the student's attention weights back
+        to `start_weights` ({"<layer>.<name>": ...}, as the heal started) and the layer-wise phase for the rest, with
+        no end-to-end phase after it, at the plan's rates (the end-to-end phase's rollbacks cut its own rate, which
+        says nothing of the layer-wise one)."""
         s = self.state
         if not harmful:
             s["probe"] = "kept"
@@ -595,7 +683,7 @@ class Healer:
             raise ValueError("switching to the layer-wise phase needs the weights the heal started from")
         self.trained.release()
         _load_attention(self._attn, start_weights)
-        s.update(phase="layers", layer=self.layers[0], step=0, probe="switched")
+        s.update(phase="layers", layer=self.layers[0], step=0, probe="switched", lr_scale=1.0)
         self._make_optimizer()
 
     def finish(self) -> None:
@@ -619,35 +707,48 @@ def _probe_state(probing: bool) -> dict:
 _STATUSES = (None, "budget", "stopped")  # a run's end, by rank: the largest over the ranks wins
 
 
-def heal_model(teacher, student, windows: torch.Tensor, held_out: torch.Tensor, plan: HealPlan, *,
+def heal_model(teacher, student, windows: torch.Tensor, held_out, plan: HealPlan, *,
                minutes: float | None = None, budget: Budget | None = None, device="cpu", checkpoint=None,
                resume: bool = False, checkpoint_seconds: float = 300.0, progress=None, evaluate: bool = True,
                stop_hook=None, eval_share: float = 0.1, world: dd.World | None = None, shard: bool = False,
                keep_better: bool = True) -> dict:
     """Measure, heal (Healer), measure again, all inside one budget; returns the report. The student heals in place.
 
+    held_out: the held-out text the student is judged on: token ids (1, M), or a list or tuple of such tensors
+    (several texts, e.g. of different kinds: the decisions below then need the student no farther from the teacher on
+    every one). Each evaluation (evaluate.evaluate_texts) scores every text; report["before"], report["after"] (and
+    report["healed"], report["probe"]) hold the figures over all the texts' tokens under the keys of one text
+    ("kl": mean KL(teacher || student) per position, "top1_agreement", "perplexity", "tokens", "windows", ...) and
+    "texts": each text's own, in order; report["teacher"] holds the teacher's perplexity over all of them and "texts":
+    [{"perplexity"}] each text's. With one text the figures are that text's.
     budget: a runtime.Budget (or minutes: a new one). The evaluation before training gets at most
-    eval_share of what is left (it scores as many held-out windows as fit, at least one); training
-    then stops early enough to leave the time that evaluation took for the one after it. A stop
+    eval_share of what is left (it scores as many held-out windows as fit, at least one per text, each text an equal
+    part); training then stops early enough to leave the time that evaluation took for the one after it. A stop
     request (Ctrl-C, request_stop) is honoured at the next step or evaluation window: the checkpoint
     is written and the report's status is "stopped". report["trained_steps"] counts the steps of
     this call; 0 means nothing was trained (the budget was spent first).
-    resume: continue from `checkpoint` (its plan, student and teacher must be this run's).
+    resume: continue from `checkpoint` (its plan, student and teacher must be this run's, and the same number of
+    held-out texts).
     stop_hook(healer) is called once the Healer exists (e.g. to wire a signal to request_stop).
-    world, shard: data-parallel over a torchrun job (Healer). Every rank calls heal_model: rank 0
-    reads the checkpoint and sends it to the others; the evaluations split their windows and prompts over the ranks
-    (evaluate_pair's world), every rank gets the same figures, and a stop during the first one on any rank stops all.
+    world, shard: data-parallel over a torchrun job (Healer). Every rank calls heal_model with the same held-out
+    texts: rank 0 reads the checkpoint and sends it to the others; the evaluations split each text's windows and
+    prompts over the ranks (evaluate_pair's world), every rank gets the same figures and so the same decisions, and a
+    stop during the first one on any rank stops all.
     With shard the teacher is sharded in place for the training (Healer) and comes back whole: gathered on every
     rank, an FSDP2 module that runs without collectives.
-    keep_better: when the healed student's perplexity on the held-out windows is higher than the converted one's
-    before training (guard.worse), put the converted weights back (they are the better model): report["kept"] says so
-    and report["healed"] holds the healed student's figures; report["after"] is then the model returned.
+    keep_better: when the healed student is worse than the converted one before training (guard.worse: on any
+    held-out text its KL to the teacher rose, or its top-1 agreement fell by more than guard.TOP1_TOLERANCE;
+    perplexity alone never decides), put the converted weights back (they are the better model): report["kept"]
+    says why and report["healed"] holds the healed student's figures; report["after"] is then the model returned.
     The layer-wise guard (module docstring) acts within the heal; report["layers_restored"] names the layers it
-    gave their start weights back and report["lr_scale"] the factor it left on the learning rates.
+    gave their start weights back and report["lr_scale"] the factor it left on the learning rates;
+    report["rollbacks"] lists the end-to-end steps the blow-up guard rolled back ({"step", "loss", "start",
+    "lr_scale"} each).
     """
     from .data import check_pair
-    from .evaluate import evaluate_pair, public
+    from .evaluate import evaluate_texts, held_out_texts, public
 
+    texts = held_out_texts(held_out)
     if budget is None:
         budget = Budget(minutes)
     elif minutes is not None:
@@ -675,9 +776,10 @@ def heal_model(teacher, student, windows: torch.Tensor, held_out: torch.Tensor, 
         if evaluate and "before" not in report:
             t0 = budget.clock()
             with healer.teacher_whole():
-                before = evaluate_pair(teacher, student, held_out, budget=budget.share(eval_share), world=world)
+                before = evaluate_texts(teacher, student, texts, budget=budget.share(eval_share), world=world)
             report["teacher"] = {"perplexity": before.pop("teacher_perplexity"),
-                                 "kv_bytes_per_token": kv_bytes_per_token(teacher)}
+                                 "kv_bytes_per_token": kv_bytes_per_token(teacher),
+                                 "texts": [{"perplexity": t.pop("teacher_perplexity")} for t in before["texts"]]}
             report["before"] = public(before)
             report["evaluation_seconds"] = budget.clock() - t0
             healer.state["reference"] = before
@@ -690,7 +792,7 @@ def heal_model(teacher, student, windows: torch.Tensor, held_out: torch.Tensor, 
         reserve = report.get("evaluation_seconds", 0.0) if evaluate else 0.0
         status = healer.run(reserve=reserve)
         while status == "probe":
-            report["probe"] = _probe(healer, held_out, converted, world) if evaluate else {
+            report["probe"] = _probe(healer, texts, converted, world) if evaluate else {
                 "verdict": "kept the end-to-end phase (no held-out windows to judge it on)"}
             healer.state["report"] = report
             status = healer.run(reserve=reserve)
@@ -704,40 +806,45 @@ def heal_model(teacher, student, windows: torch.Tensor, held_out: torch.Tensor, 
                   distill_steps=s["step"] if s["phase"] != "layers" else 0, layer_losses=s["layer_losses"],
                   distill_loss_first=s["distill_losses"][:1], distill_loss_last=s["distill_losses"][-5:],
                   trained_steps=healer.steps_this_run, steps_done=s["steps_done"], layer_checks=s["layer_checks"],
-                  layers_restored=s["layers_restored"], lr_scale=s["lr_scale"], layers_trained=list(healer.layers))
+                  layers_restored=s["layers_restored"], lr_scale=s["lr_scale"], rollbacks=s["rollbacks"],
+                  layers_trained=list(healer.layers))
     if evaluate and status != "stopped" and s["steps_done"] and "reference" in s:
         try:
-            report["after"] = public(evaluate_pair(teacher, student, held_out, budget=budget.unbounded(),
-                                                   reference=s["reference"], world=world))
+            report["after"] = public(evaluate_texts(teacher, student, texts, budget=budget.unbounded(),
+                                                    reference=s["reference"], world=world))
         except Stopped:
             report["status"] = "stopped"
         if keep_better and converted is not None and guard.worse(report.get("before"), report.get("after")):
+            why = guard.reason(report["before"], report["after"]) or "judged worse than the converted student"
             _load_attention(_modules(student), converted)
-            report["healed"], report["after"] = report["after"], dict(report["before"])
-            b, h = report["before"], report["healed"]
-            report["kept"] = (f"the converted weights: healed, the held-out perplexity rose from {b['perplexity']:.3f} "
-                              f"to {h['perplexity']:.3f} (top-1 agreement with the teacher "
-                              f"{b['top1_agreement']:.4f} -> {h['top1_agreement']:.4f})")
+            report["healed"], report["after"] = report["after"], copy.deepcopy(report["before"])
+            report["kept"] = f"the converted weights: healed, {why}"
     return report
 
 
-def _probe(healer: Healer, held_out: torch.Tensor, converted: dict, world: dd.World) -> dict:
-    """Judge the end-to-end phase at its probe point on the held-out windows of the evaluation before training, and
-    settle it (Healer.settle_probe): the figures and the verdict, for the report. Every rank calls it (the
-    evaluation is split over the ranks and its figures reduced, so every rank reaches the same verdict)."""
-    from .evaluate import evaluate_pair, public
+def _probe(healer: Healer, texts: list[torch.Tensor], converted: dict, world: dd.World) -> dict:
+    """Judge the end-to-end phase at its probe point on the held-out texts of the evaluation before training
+    (guard.worse: the KL to the teacher, top-1 agreement; perplexity is reported, not judged), and settle it
+    (Healer.settle_probe): the figures and the verdict, for the report. Every rank calls it (the evaluation is split
+    over the ranks and its figures reduced, so every rank reaches the same verdict)."""
+    from .evaluate import evaluate_texts, public
 
     s = healer.state
     with healer.teacher_whole():
-        now = public(evaluate_pair(healer.teacher, healer.student, held_out, budget=healer.budget.unbounded(),
-                                   reference=s["reference"], world=world))
+        now = public(evaluate_texts(healer.teacher, healer.student, texts, budget=healer.budget.unbounded(),
+                                    reference=s["reference"], world=world))
     before, step = s["report"]["before"], s["step"]
     harmful = guard.worse(before, now)
+    why = guard.reason(before, now) if harmful else None
     healer.settle_probe(harmful, converted)
     verdict = ("the converted weights back and the layer-wise phase for the rest" if harmful
                else "kept the end-to-end phase")
-    return {"step": step, "perplexity": now["perplexity"],
-            "top1_agreement": now["top1_agreement"], "before": before["perplexity"], "verdict": verdict}
+    out = {"step": step, "perplexity": now["perplexity"], "top1_agreement": now["top1_agreement"], "kl": now.get("kl"),
+           "before": before["perplexity"], "top1_before": before["top1_agreement"], "kl_before": before.get("kl"),
+           "texts": now["texts"], "verdict": verdict}
+    if why:
+        out["reason"] = why
+    return out
 
 
 def _attention_weights(modules) -> dict:

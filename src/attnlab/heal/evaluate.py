@@ -1,14 +1,19 @@
-"""A student against its teacher on held-out text: perplexity, next-token and greedy agreement.
+"""A student against its teacher on held-out text: how close it stays to the teacher (KL, top-1 agreement), its
+perplexity, and greedy agreement.
 
-The report that heal and shrink print before and after training. One pass over the held-out
-windows scores both models (each window: the teacher's and the student's next-token loss and
-whether their most likely tokens agree); greedy agreement then runs both through attnlab's
-generation loop. With a budget, the "before" evaluation scores as many windows as the budget
-allows (at least one), and remembers how many, so the "after" evaluation scores the same text
-and costs about the same; the teacher's most likely tokens are kept, so after training only
-the student runs.
+The report that heal and shrink print before and after training, and what heal_model's decisions read (guard.worse:
+the mean KL(teacher || student) per position and top-1 agreement, never perplexity alone). One pass over the
+held-out windows scores both models (each window: the teacher's and the student's next-token loss, the KL between
+their next-token distributions at every position, summed in float64, and whether their most likely tokens agree);
+greedy agreement then runs both through attnlab's generation loop. With a budget, the "before" evaluation scores as
+many windows as the budget allows (at least one), and remembers how many, so the "after" evaluation scores the same
+text and costs about the same: the teacher runs again on each window (its full-vocabulary logits are not kept
+between evaluations: their memory would grow with the windows), its most likely tokens and greedy continuations are
+kept. evaluate_texts scores several held-out texts (of different kinds) and combines them over all their tokens.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -23,7 +28,7 @@ def greedy_agreement(teacher, student, prompts: torch.Tensor, new_tokens: int = 
     """Both models continue the same prompts (B, P) greedily for new_tokens; how alike are the continuations?
 
     "prefix": mean fraction of the new tokens before the first difference (strict: one
-    different token ends the agreement); "tokens": mean fraction of positions that are equal.
+    different token ends the agreement); "tokens": mean fraction of positions that are equal; "prompts": B.
     teacher_tokens: the teacher's continuations from an earlier call ("teacher_tokens" of its
     result), so that only the student generates. world (distributed.World of N > 1 ranks): each rank
     continues its share of the prompts (World.part) and the rows are gathered, so every rank returns the
@@ -46,7 +51,26 @@ def greedy_agreement(teacher, student, prompts: torch.Tensor, new_tokens: int = 
         a, equal = dd.gather_rows(a.long(), B), dd.gather_rows(equal, B)  # (B, new)
     prefix = equal.cumprod(-1).sum(-1).float() / new_tokens  # (B,)
     return {"prefix": float(prefix.mean()), "tokens": float(equal.float().mean()), "new_tokens": new_tokens,
-            "teacher_tokens": a}
+            "prompts": B, "teacher_tokens": a}
+
+
+KL_ROWS = 64  # positions per float64 block of kl_sum: a few (64, V) doubles (25 MB each at V = 49,152)
+
+
+def kl_sum(teacher_logits: torch.Tensor, student_logits: torch.Tensor, rows: int = KL_ROWS) -> float:
+    """The sum over positions of KL(teacher || student) of next-token distributions given as logits (..., V), in
+    nats, computed and summed in float64, `rows` positions at a time (the memory of a few blocks, not of the window).
+
+    A token the teacher gives probability 0 (a logit of -inf) adds nothing, as in the definition (0 log 0 = 0)."""
+    V = teacher_logits.shape[-1]
+    t_all, s_all = teacher_logits.reshape(-1, V), student_logits.reshape(-1, V)
+    total = torch.zeros((), dtype=torch.float64, device=t_all.device)
+    for i in range(0, t_all.shape[0], rows):
+        t = t_all[i:i + rows].double().log_softmax(-1)  # (r, V)
+        s = s_all[i:i + rows].to(t.device).double().log_softmax(-1)
+        p = t.exp()
+        total += torch.where(p > 0, p * (t - s), torch.zeros((), dtype=torch.float64, device=t.device)).sum()
+    return float(total)
 
 
 def _prompts(held_out: torch.Tensor, prompts: int, prompt_len: int) -> torch.Tensor | None:
@@ -60,14 +84,21 @@ def _prompts(held_out: torch.Tensor, prompts: int, prompt_len: int) -> torch.Ten
 def evaluate_pair(teacher, student, held_out: torch.Tensor, *, prompts: int = 8, prompt_len: int = 32,
                   new_tokens: int = 64, window: int | None = None, budget=None, reference: dict | None = None,
                   world=None) -> dict:
-    """The student against the teacher on held-out token ids (1, M): perplexity, top-1 and greedy agreement.
+    """The student against the teacher on held-out token ids (1, M): KL, top-1 agreement, perplexity, greedy agreement.
+
+    "kl": the mean over every scored position (each predicts the next token; the last of a window too) of
+    KL(teacher || student) of the two next-token distributions, in nats (float64 sums: kl_sum); "top1_agreement": the
+    share of those positions where both models' most likely tokens are equal; "perplexity": exp of the student's mean
+    next-token loss on the held-out tokens ("tokens" positions in "windows" windows; each window predicts all its
+    tokens but the first). The teacher runs on every window, also with a reference (the KL needs its distributions,
+    which are not cached: see the module docstring).
 
     budget (runtime.Budget): a window is scored if the last one's time still fits (the first always); greedy agreement
-    is left out if the budget runs out before it ends; a stop request raises runtime.Stopped. reference: the result of an earlier call (the
-    "before" evaluation): the same windows are scored, the teacher's cached answers are reused,
-    and greedy agreement runs if it ran then. The result holds the teacher's perplexity on the
-    scored windows and `tokens`, the held-out tokens scored. window: tokens per window, default 512 or the
-    model's context where that is shorter (models.evaluate.default_window).
+    is left out if the budget runs out before it ends; a stop request raises runtime.Stopped. reference: the result of
+    an earlier call (the "before" evaluation): the same windows are scored, the teacher's cached most likely tokens
+    and greedy continuations are reused, and greedy agreement runs if it ran then. The result holds the teacher's
+    perplexity on the scored windows (without a reference) and `tokens`, the held-out tokens scored. window: tokens
+    per window, default 512 or the model's context where that is shorter (models.evaluate.default_window).
 
     world (distributed.World of N > 1 ranks, every rank calling with the same arguments): the windows are scored in
     rounds of N, window i by rank i mod N, each round started only if every rank's last window still fits (the
@@ -83,7 +114,8 @@ def evaluate_pair(teacher, student, held_out: torch.Tensor, *, prompts: int = 8,
     if reference is not None:
         chunks = chunks[:reference["windows"]]
     teacher_top = {} if reference is None else dict(enumerate(reference["_teacher_top"]))
-    sums = torch.zeros(5, dtype=torch.float64)  # student's nll, its predictions, equal top-1, tokens, teacher's nll
+    # student's nll, its predictions, equal top-1, positions (tokens), teacher's nll, KL(teacher || student)
+    sums = torch.zeros(6, dtype=torch.float64)
     last = 0.0  # seconds this rank's last window took: a round starts only if one more still fits on every rank
     scored = len(chunks)
     with torch.no_grad():
@@ -101,10 +133,12 @@ def evaluate_pair(teacher, student, held_out: torch.Tensor, *, prompts: int = 8,
             started = None if budget is None else budget.clock()
             s_logits = student(chunk).logits
             nll, n = next_token_nll(s_logits, chunk)
+            t_logits = teacher(chunk).logits
             if reference is None:
-                t_logits = teacher(chunk).logits
                 sums[4] += next_token_nll(t_logits, chunk)[0]
                 teacher_top[i] = t_logits.argmax(-1)  # (1, n)
+            sums[5] += kl_sum(t_logits, s_logits)
+            del t_logits
             same = int((teacher_top[i].to(s_logits.device) == s_logits.argmax(-1)).sum())
             sums[:4] += torch.tensor([nll, n, same, chunk.numel()], dtype=torch.float64)
             if started is not None:
@@ -115,8 +149,9 @@ def evaluate_pair(teacher, student, held_out: torch.Tensor, *, prompts: int = 8,
         if reference is None:  # every rank keeps every window's answers: the reference travels in checkpoints
             mine = {i: top.cpu() for i, top in teacher_top.items()}  # CPU: another rank may have no such GPU
             teacher_top = {i: top for part in dd.gather_objects(mine) for i, top in part.items()}
-    s_nll, count, same, positions, t_nll = sums.tolist()
+    s_nll, count, same, positions, t_nll, kl = sums.tolist()
     out = {"perplexity": float(torch.exp(torch.tensor(s_nll / count))), "top1_agreement": same / positions,
+           "kl": kl / positions,
            "kv_bytes_per_token": kv_bytes_per_token(student), "tokens": sum(c.shape[1] for c in chunks),
            "windows": len(chunks), "_teacher_top": [teacher_top[i] for i in range(len(chunks))]}
     if reference is None:
@@ -135,9 +170,80 @@ def evaluate_pair(teacher, student, held_out: torch.Tensor, *, prompts: int = 8,
     return out
 
 
+def held_out_texts(held_out) -> list[torch.Tensor]:
+    """heal_model's held-out text as a list: one tensor (1, M), or a list or tuple of them (texts of other kinds);
+    a ValueError naming the problem otherwise."""
+    texts = [held_out] if isinstance(held_out, torch.Tensor) else list(held_out) \
+        if isinstance(held_out, (list, tuple)) else None
+    if not texts or not all(isinstance(t, torch.Tensor) and t.dim() == 2 and t.shape[0] == 1 for t in texts):
+        raise ValueError("held-out text must be token ids (1, M) or a non-empty list of such tensors, got "
+                         f"{type(held_out).__name__}")
+    return texts
+
+
+def evaluate_texts(teacher, student, texts, *, budget=None, reference: dict | None = None, world=None,
+                   **kw) -> dict:
+    """evaluate_pair on each held-out text (held_out_texts: one tensor or a list), and the figures over all of them.
+
+    The result has the keys of one evaluate_pair, each over every scored position (or predicted token, for perplexity)
+    of every text: "kl" and "top1_agreement" the means over all positions, "perplexity" exp of the mean loss over all
+    predicted tokens ("teacher_perplexity" alike), "tokens" and "windows" the sums, "greedy_agreement" the means over
+    the prompts of all texts (only when every text has one); and "texts", each text's own evaluate_pair result, in
+    order. With one text the figures are that text's. budget: each text gets an equal part of what is left when its
+    turn comes; reference: an earlier result of this function (each text is scored against its own part of it).
+    kw goes to evaluate_pair (window, prompts, prompt_len, new_tokens).
+    """
+    texts = held_out_texts(texts)
+    refs = None if reference is None else reference.get("texts") or [reference]  # an older, one-text reference
+    if refs is not None and len(refs) != len(texts):
+        raise ValueError(f"the evaluation to compare with scored {len(refs)} held-out text(s); this one has "
+                         f"{len(texts)} (resume with the same held-out texts)")
+    parts = []
+    for i, text in enumerate(texts):
+        mine = None if budget is None else budget if i == len(texts) - 1 or budget.deadline is None \
+            else budget.share(1.0 / (len(texts) - i))
+        parts.append(evaluate_pair(teacher, student, text, budget=mine, world=world,
+                                   reference=None if refs is None else refs[i], **kw))
+    return combine(parts)
+
+
+def combine(parts: list[dict]) -> dict:
+    """The figures of several evaluate_pair results over all their tokens (evaluate_texts), with "texts": the parts.
+    One part's figures are its own, unrounded."""
+    if len(parts) == 1:
+        return {**public(parts[0]), "texts": parts}
+    positions = sum(p["tokens"] for p in parts)
+    predicted = sum(p["tokens"] - p["windows"] for p in parts)  # a window of n tokens predicts n - 1
+
+    def over_positions(key):
+        return sum(p[key] * p["tokens"] for p in parts) / positions
+
+    def perplexity(key):
+        return math.exp(sum(math.log(p[key]) * (p["tokens"] - p["windows"]) for p in parts) / predicted)
+
+    out = {"perplexity": perplexity("perplexity"), "top1_agreement": over_positions("top1_agreement"),
+           "kv_bytes_per_token": parts[0]["kv_bytes_per_token"], "tokens": positions,
+           "windows": sum(p["windows"] for p in parts)}
+    if all("kl" in p for p in parts):
+        out["kl"] = over_positions("kl")
+    if all("teacher_perplexity" in p for p in parts):
+        out["teacher_perplexity"] = perplexity("teacher_perplexity")
+    greedy = [p.get("greedy_agreement") for p in parts]
+    if all(greedy):
+        prompts = sum(g.get("prompts", 1) for g in greedy)
+        out["greedy_agreement"] = {k: sum(g[k] * g.get("prompts", 1) for g in greedy) / prompts
+                                   for k in ("prefix", "tokens")} | {"new_tokens": greedy[0]["new_tokens"],
+                                                                     "prompts": prompts}
+    out["texts"] = parts
+    return out
+
+
 def public(result: dict) -> dict:
-    """An evaluation without the cached answers it keeps for the next one (what a report stores)."""
+    """An evaluation without the cached answers it keeps for the next one (what a report stores); a combined one's
+    texts alike."""
     out = {k: v for k, v in result.items() if not k.startswith("_")}
     if "greedy_agreement" in out:
         out["greedy_agreement"] = {k: v for k, v in out["greedy_agreement"].items() if k != "teacher_tokens"}
+    if "texts" in out:
+        out["texts"] = [public(t) for t in out["texts"]]
     return out

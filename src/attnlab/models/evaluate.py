@@ -1,5 +1,9 @@
-"""Measure whole models: perplexity, sentence embeddings, KV bytes per token, attention inputs."""
+"""Measure whole models: perplexity (one forward per window, or through the cache in chunks: CacheRunner), sentence
+embeddings, KV bytes per token, attention inputs."""
 from __future__ import annotations
+
+import math
+from typing import NamedTuple
 
 import torch
 
@@ -95,6 +99,145 @@ def perplexity(model, input_ids: torch.Tensor, window: int = 512, stride: int | 
     return float(torch.exp(torch.tensor(total / count)))
 
 
+CACHE_CHUNK = 512  # tokens per forward when scoring through the cache
+
+
+def _causal_parts(model):
+    """(embed_tokens, decoder layers, final norm, lm_head, attnlab modules, decoder block) of an attnlab'd
+    Llama-family causal LM (the parts generation.Generator drives), or a ValueError naming what is there."""
+    from .adapters import decoder_block, family
+
+    if getattr(model, "config", None) is None or family(model) != "llama":
+        raise ValueError(f"scoring through the cache needs a Llama-family causal LM; got a {type(model).__name__}")
+    base, lm_head = getattr(model, "model", None), getattr(model, "lm_head", None)
+    if lm_head is None or base is None or not hasattr(base, "embed_tokens"):
+        raise ValueError(f"scoring through the cache needs a causal LM with an lm_head (e.g. LlamaForCausalLM); "
+                         f"got a {type(model).__name__}")
+    modules = attnlab_modules(model)  # ValueError unless to_attnlab(model) was called
+    return base.embed_tokens, list(base.layers), base.norm, lm_head, modules, decoder_block(model)
+
+
+class CacheRunner:
+    """An attnlab'd Llama-family causal LM fed through its attnlab modules' own static caches, any number of
+    tokens per call, as decoding reads them.
+
+    Each layer's cache is its module's `init_cache(1, max_len, kv_dtype=...)` (the storage: kv_dtype, default
+    each module's own), written in place; `feed(ids)` runs the layers as generation.Generator does (the model's
+    decoder_block around each module, `attn(h, cache=cache, is_causal=True)`), so the tokens fed attend to every
+    earlier token as its cache stores it (quantised codes and scales where the storage says so) and to each
+    other causally. Feeding a prompt whole is the Generator's prefill; feeding one token, its decode step
+    (tests/test_eval_protocol.py checks both, to the bit); feeding chunks of a long text is how a long context
+    reaches the model in serving. Unlike the Generator it returns every position's logits (perplexity needs them).
+    Batch of one, no padding.
+    """
+
+    def __init__(self, model, max_len: int, *, kv_dtype: str | None = None):
+        from ..modules import checks
+        from ..modules.cache import check_kv_dtype
+
+        checks.positive_int("max_len", max_len)
+        check_kv_dtype(kv_dtype)
+        self.embed, self.layers, self.norm, self.lm_head, self.modules, self._block = _causal_parts(model)
+        limit = getattr(model.config, "max_position_embeddings", None)
+        if isinstance(limit, int) and max_len > limit:
+            raise ValueError(f"max_len {max_len} exceeds the model's context (max_position_embeddings {limit})")
+        weight = self.embed.weight
+        self.model, self.max_len, self.length = model, max_len, 0
+        self.caches = [m.init_cache(1, max_len, dtype=weight.dtype, device=weight.device, kv_dtype=kv_dtype)
+                       for m in self.modules]
+
+    def reset(self) -> None:
+        """Forget every cached token (the buffers stay allocated)."""
+        for c in self.caches:
+            c.reset()
+        self.length = 0
+
+    @torch.no_grad()
+    def feed(self, ids: torch.Tensor, *, last_only: bool = False) -> torch.Tensor:
+        """Append token ids (1, n) to the caches; logits (1, n, V) of every position fed (last_only: (1, 1, V))."""
+        if not isinstance(ids, torch.Tensor):
+            raise TypeError(f"ids must be a torch.Tensor of token ids, got {type(ids).__name__}")
+        if ids.dim() != 2 or ids.shape[0] != 1 or ids.shape[1] < 1 or ids.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"ids must be integer token ids of shape (1, n >= 1), got {ids.dtype} {tuple(ids.shape)}")
+        n = ids.shape[1]
+        if self.length + n > self.max_len:
+            raise ValueError(f"{self.length} cached + {n} new tokens = {self.length + n} exceed max_len "
+                             f"{self.max_len}")
+        x = self.embed(ids.to(self.embed.weight.device))  # (1, n, dim)
+        for layer, attn, cache in zip(self.layers, self.modules, self.caches):
+            x = self._block(layer, x, lambda h: attn(h, cache=cache, is_causal=True))  # (1, n, dim)
+        self.length += n
+        return self.lm_head(self.norm(x[:, -1:] if last_only else x))  # (1, n or 1, V)
+
+
+class TextScore(NamedTuple):
+    """What score_windows measured: summed next-token negative log-likelihood (nats), the predictions scored,
+    the tokens read, the windows."""
+    nll: float
+    scored: int
+    tokens: int
+    windows: int
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(self.nll / self.scored)
+
+
+def _nll(logits: torch.Tensor, targets: torch.Tensor) -> float:
+    """Summed cross-entropy of targets (n,) under logits (n, V): float32 at least (float64 stays float64), summed in
+    float64."""
+    x = logits if logits.dtype == torch.float64 else logits.float()
+    return float(torch.nn.functional.cross_entropy(x, targets.to(x.device), reduction="none").double().sum())
+
+
+def check_chunk(chunk) -> None:
+    """ValueError naming the value unless chunk is None (one forward per window) or an int >= 1."""
+    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+        raise ValueError(f"chunk must be None (one forward per window) or a positive int (tokens per forward "
+                         f"through the cache), got {chunk!r}")
+
+
+def score_windows(model, input_ids: torch.Tensor, window: int = EVAL_WINDOW, *, chunk: int | None = None,
+                  kv_dtype: str | None = None, budget=None, progress=None) -> TextScore:
+    """Next-token log-likelihood of token ids (1, N) over non-overlapping windows (models.evaluate.windows), each
+    window scored afresh (no context carried over): `TextScore(...).perplexity`.
+
+    chunk None: one forward per window (model(window)), each attnlab module passing its keys and values through
+    its kv_dtype's storage (quantised and read back) before attention. chunk n: through the cache, as decoding
+    reads it: each window fed in chunks of n tokens to a CacheRunner (every layer's own cache, its storage
+    kv_dtype, default each module's own), each chunk attending to the earlier chunks' keys and values as the
+    cache holds them. For a storage that keeps each token's row alone (plain, bf16, int8, fp8, q8_0 ... q4_1,
+    int4/g<N>) both give the same numbers up to rounding (float64: 1e-10 relative, tests/test_eval_protocol.py);
+    an MLA's "+c4" rope key differs as decoding does (the cache holds its newest group of tokens unquantised);
+    KIVI has no cache (a ValueError). budget (runtime.Budget): checked before every window after the first.
+    progress(i): called before window i.
+    """
+    check_window(window, input_ids, model)
+    check_chunk(chunk)
+    if chunk is None and kv_dtype is not None:
+        raise ValueError(f"kv_dtype {kv_dtype!r} is a cache's storage: pass chunk= to score through the cache, or "
+                         "set the modules' own kv_dtype (set_kv_dtype) for one forward per window")
+    parts = windows(input_ids, window)
+    runner = None if chunk is None else CacheRunner(model, max(w.shape[1] for w in parts), kv_dtype=kv_dtype)
+    total = 0.0
+    with torch.no_grad():
+        for i, w in enumerate(parts):
+            if budget is not None and i:
+                budget.check()
+            if progress is not None:
+                progress(i)
+            n = w.shape[1]
+            if runner is None:
+                total += _nll(model(w).logits[0, :-1], w[0, 1:])
+                continue
+            runner.reset()
+            for s in range(0, n - 1, chunk):  # the window's last token predicts nothing here: never fed alone
+                logits = runner.feed(w[:, s:s + chunk])[0]  # (c, V)
+                targets = w[0, s + 1:s + 1 + chunk]
+                total += _nll(logits[:targets.shape[0]], targets)
+    return TextScore(total, sum(w.shape[1] - 1 for w in parts), input_ids.shape[1], len(parts))
+
+
 def kv_bytes_per_token(model, dtype: torch.dtype | None = None, kv_dtype: str | None = None,
                        context: int | None = None):
     """KV-cache bytes per token for the whole model, read from caches the attnlab modules allocate
@@ -139,6 +282,7 @@ def set_kv_dtype(model, kv_dtype: str | None):
     for m in attnlab_modules(model):
         m.kv_dtype = kv_dtype
     return model
+
 
 def read_text_ids(tok, path, max_tokens: int | None = None, *, min_tokens: int = 1) -> torch.Tensor:
     """Token ids (1, N) of a text file: its first max_tokens tokens (None: all), at least min_tokens of them.

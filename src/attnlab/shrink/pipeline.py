@@ -3,10 +3,16 @@
 A thin pipeline over the library (the same functions the separate commands call):
     load -> data -> plan -> convert -> heal -> export
 - data: the user's text (calibration: its first CALIBRATION_TOKENS tokens; held out: --eval-text,
-  else its last tenth), or, without text, text the teacher writes itself (seeded, a bounded share
-  of the budget) for calibration and training, and other samples of it as held-out text;
+  else its last tenth), or, without text, text the teacher writes itself (seeded) for calibration and
+  training, and other samples of it as held-out text; the calibration, proxy and held-out windows are
+  written whatever the clock says (the same on any machine), further training windows within a
+  bounded share of the budget; beside them heal.data.judge_texts, held-out text of other kinds;
 - plan: shrink.plan.plan converts candidates calibrated on the calibration text and scores them
-  on the next windows of the training text (skipped when the sizes are given explicitly);
+  on the next windows of the training text (skipped when the sizes are given explicitly), at most
+  plan_count(--minutes) of them: a count, never the clock, so that a loaded machine makes the same plan
+  (it heals less, and the report's "work" says how much);
+- pinned work (--tokens and --layer-steps both given, pinned()): every window written, every step run,
+  the clock cuts nothing, so the same request and seed give the same weights under any load;
 - convert: models.convert_model, then (for DeepSeek and GGUF) a latent norm fitted on the
   calibration text (models.add_latent_norms) that the heal then trains;
 - heal: heal.heal_model (layer-wise, then end-to-end KL), its layer-wise steps sized to the time;
@@ -39,8 +45,8 @@ from .plan import (GGUF_STORAGES, LLAMA_CPP_CACHE, STORAGES, Candidate, check_fo
 
 CALIBRATION_TOKENS = 2048
 PROXY_TOKENS = 1024  # the planner's scoring windows, after the calibration's
-# planning's share of the time left after the data: a quarter, so that at 10 minutes the split round
-# is reached (each candidate takes about 10 s here; at 15% the first two rounds used it all)
+# planning's share of the time left after the data, before plan_count replaced it: the planner now measures a
+# number of candidates set by --minutes, never by the clock (a loaded machine chose other plans); kept for callers
 PLAN_SHARE = 0.25
 PHASES = ("data", "plan", "convert", "heal", "export")
 RUN_FORMAT = "attnlab-shrink-run"
@@ -204,23 +210,51 @@ class _Lines:
         self.lines.update(what, info["done"], info["total"], loss=info["loss"], tokens_per_s=info["tokens_per_s"])
 
 
+def pinned(req: ShrinkRequest) -> bool:
+    """Whether the request pins the heal's work (--tokens and --layer-steps both given): then the teacher writes
+    every window and the heal runs every step whatever the clock says, so the run gives the same weights under any
+    load; --minutes is then reported against, not enforced."""
+    return req.tokens is not None and req.layer_steps is not None
+
+
+def plan_count(minutes: float) -> int:
+    """The most candidates the planner measures for a run of `minutes`: a count, not a share of the clock, so that a
+    loaded machine plans as an idle one does (it plans more slowly, and heals less). About 10 s each on SmolLM2-135M
+    here: 20 at the default 10 minutes, which holds the whole search of a GQA model (13-20 candidates)."""
+    return max(3, int(2 * minutes))
+
+
 def _data(req: ShrinkRequest, teacher, tok, budget: Budget, show) -> dict[str, torch.Tensor]:
-    """train (N, T), held (1, M), calibration (1, C) token ids (module docstring)."""
-    from ..heal.data import training_data
+    """train (N, T), held (1, M), calibration (1, C), proxy (1, P) token ids, and judge_<i> (1, J): held-out texts of
+    other kinds (heal.data.judge_texts) that the heal's decisions read beside `held` (module docstring).
+
+    The calibration and proxy windows (what the plan reads) and the held-out windows are the same whatever the clock
+    says; only the number of further training windows depends on it (none when pinned(): every window is written)."""
+    from ..heal.data import judge_texts, training_data
 
     if req.text:
         show.phase("reading the training text")
     else:
         show.phase("the teacher writes its own training text")
-    train, held, _ = training_data(teacher, tok, req.seq_len, text=req.text, eval_text=req.eval_text,
-                                   windows=req.windows, seed=req.seed, budget=budget, share=0.3, batch_size=32,
-                                   progress=lambda i, n: show.count(i, n, "the teacher writes text"))
     n = max(1, CALIBRATION_TOKENS // req.seq_len)
+    proxy = max(1, PROXY_TOKENS // req.seq_len)
+    train, held, _ = training_data(teacher, tok, req.seq_len, text=req.text, eval_text=req.eval_text,
+                                   windows=req.windows, seed=req.seed, budget=None if pinned(req) else budget,
+                                   share=0.3, batch_size=32, fixed=min(req.windows, n + proxy),
+                                   progress=lambda i, k: show.count(i, k, "the teacher writes text"))
     calibration = train[:n].reshape(1, -1).clone()
     data = {"train": train, "held": held, "calibration": calibration}
     if train.shape[0] > n:  # the planner scores candidates on other windows than the calibration's
-        data["proxy"] = train[n: n + max(1, PROXY_TOKENS // req.seq_len)].reshape(1, -1).clone()
+        data["proxy"] = train[n: n + proxy].reshape(1, -1).clone()
+    for i, ids in enumerate(judge_texts(tok)):
+        data[f"judge_{i}"] = ids
     return data
+
+
+def held_texts(data: dict) -> list[torch.Tensor]:
+    """The held-out texts a heal is judged on: the run's held-out windows, then the judge texts (_data)."""
+    judges = sorted((k for k in data if k.startswith("judge_")), key=lambda k: int(k.split("_")[1]))
+    return [data["held"], *(data[k] for k in judges)]
 
 
 def _explicit(req: ShrinkRequest, whole: bool = False) -> Candidate:
@@ -255,18 +289,19 @@ def _heal_plan(req, teacher, student, train: torch.Tensor, seconds: float):
     """
     import time
 
-    from ..heal.distill import HealPlan
+    from ..heal.distill import EVERY_VALUE_LR, HealPlan
     from ..models.adapters import attnlab_modules
 
     plan = HealPlan(seq_len=req.seq_len, seed=req.seed, layer_windows=min(64, train.shape[0]), tokens=req.tokens)
-    if req.layer_steps is not None:
-        plan.layer_steps = req.layer_steps
-        return plan
     mods = attnlab_modules(student)
     codes_only = all(s.kv_values_per_token >= t.kv_values_per_token for s, t in zip(mods, attnlab_modules(teacher)))
     share = LAYER_SHARE  # the layer-wise phase, then the end-to-end phase
-    if codes_only:  # every value kept, none cut to low rank: end to end first, the layer-wise phase if it hurts
-        plan.probe, share = PROBE_SHARE, 1.0 - PROBE_SHARE
+    if codes_only:  # every value kept, none cut to low rank: end to end first, the layer-wise phase if it hurts;
+        # the student starts near the teacher, where 3e-4 doubled the end-to-end loss in 8 steps (issue hold)
+        plan.probe, share, plan.lr = PROBE_SHARE, 1.0 - PROBE_SHARE, EVERY_VALUE_LR
+    if req.layer_steps is not None:
+        plan.layer_steps = req.layer_steps
+        return plan
     m = copy.deepcopy(mods[0]).train()
 
     def timed(fn, n=2):
@@ -332,6 +367,8 @@ def _shrink(req: ShrinkRequest, resume: bool, force: bool, budget: Budget | None
 
     check_request(req)
     budget = budget if budget is not None else Budget(req.minutes)
+    if pinned(req):  # the work is pinned: the clock cuts nothing (stop requests still hold)
+        budget = budget.unbounded()
     show = display or _Lines(budget)
     out, folder = Path(req.out), run_folder(req.out)
     readers = [*hf.source_paths(req.source), *req.text, *req.eval_text]
@@ -374,6 +411,7 @@ def _shrink(req: ShrinkRequest, resume: bool, force: bool, budget: Budget | None
     else:
         t = clock()
         data = _data(req, teacher, tok, budget, show)
+        state.data["work"] = {"training_windows": int(data["train"].shape[0]), "windows_asked": req.windows}
         state.save_data(data)
         state.finish("data", phase_time(t))
     calibration = data["calibration"] if req.calibration else None
@@ -387,8 +425,11 @@ def _shrink(req: ShrinkRequest, resume: bool, force: bool, budget: Budget | None
             show.phase("planning: measuring candidate conversions on the calibration text")
             result = choose(teacher, data["calibration"], parse_budget(req.kv_budget), fmt=req.fmt,
                             storages=storage_choices(req.storage, req.fmt), calibrate=req.calibration,
-                            proxy_ids=data.get("proxy"), time_budget=budget.share(PLAN_SHARE), context=req.context,
+                            proxy_ids=data.get("proxy"), time_budget=budget.unbounded(), context=req.context,
+                            max_candidates=plan_count(req.minutes),
                             progress=lambda i, label: show.phase(f"planning: candidate {i + 1}: {label}"))
+            if budget.stop_requested:  # a search cut short is not the plan of this request: nothing saved
+                raise Stopped("stop")
             chosen = result.to_dict()
         state.data["plan"] = chosen
         state.finish("plan", phase_time(t))
@@ -427,7 +468,7 @@ def _shrink(req: ShrinkRequest, resume: bool, force: bool, budget: Budget | None
             hand_off(student_dir, data, {"heal_plan": state.data["heal_plan"], "resume": resume_heal,
                                          "reserve": reserve, "checkpoint": str(checkpoint)})
             handed["done"] = True
-        report = heal_model(teacher, student, data["train"], data["held"], plan,
+        report = heal_model(teacher, student, data["train"], held_texts(data), plan,
                             device=world.device if world is not None and world.distributed else req.device,
                             budget=_heal_budget(budget, reserve), checkpoint=checkpoint, resume=resume_heal,
                             progress=show.step, world=world, shard=shard, keep_better=not req.keep_worse)
@@ -493,7 +534,7 @@ def hand_off(student_dir: Path, data: dict, info: dict) -> None:
 
     files = {p.name: p.read_bytes() for p in sorted(student_dir.iterdir()) if p.is_file()}
     dd.broadcast_object(("ok", {**info, "files": files}))
-    dd.broadcast_tensors([data["train"], data["held"]])
+    dd.broadcast_tensors([data["train"], *held_texts(data)])
 
 
 def _follow(req: ShrinkRequest, world, shard: bool, budget: Budget) -> None:
@@ -504,6 +545,8 @@ def _follow(req: ShrinkRequest, world, shard: bool, budget: Budget) -> None:
     from ..heal import distributed as dd
     from ..heal.distill import HealPlan, heal_model
 
+    if pinned(req):
+        budget = budget.unbounded()
     teacher, _, _ = hf.load_model(req.source)
     got = dd.broadcast_object(None)  # patient: rank 0 writes text, plans and converts first
     if got[0] == "skip":
@@ -514,7 +557,7 @@ def _follow(req: ShrinkRequest, world, shard: bool, budget: Budget) -> None:
             raise Stopped(reason, text)
         raise dd.Relayed(text if kind == "error" else f"rank 0 failed before the heal ({text})")
     info = got[1]
-    train, held = dd.broadcast_tensors(None)
+    train, *held = dd.broadcast_tensors(None)
     with tempfile.TemporaryDirectory(prefix="attnlab-shrink-rank") as tmp:
         for name, blob in info["files"].items():
             (Path(tmp) / name).write_bytes(blob)
@@ -535,6 +578,8 @@ def _baselines(teacher, student, held, heal: dict, context: int | None = None) -
     from . import baselines
 
     after, teacher_eval = heal.get("after") or {}, heal.get("teacher") or {}
+    if after.get("texts"):  # several held-out texts: the baselines on the first, the run's own held-out windows
+        after, teacher_eval = after["texts"][0], (teacher_eval.get("texts") or [{}])[0]
     if after.get("perplexity") is None or teacher_eval.get("perplexity") is None:
         return {"note": "not scored: the heal has no final evaluation"}
     sizes = baselines.baseline_bytes(teacher, context=context)
@@ -587,4 +632,17 @@ def final_report(req: ShrinkRequest, state: RunState, teacher, student, meta) ->
             "data": {"text": req.identity()["text"], "eval_text": req.identity()["eval_text"],
                      "calibration": ("the first tokens of --text" if req.text else "text the teacher wrote (seeded)")
                      if req.calibration else "none (--no-calibration)"},
-            "minutes": dict(state.data["minutes"]), "base": meta.get("base")}
+            "work": work_done(req, state), "minutes": dict(state.data["minutes"]), "base": meta.get("base")}
+
+
+def work_done(req: ShrinkRequest, state: RunState) -> dict:
+    """How much work the run did (what a loaded machine does less of; the plan is the same either way): the training
+    windows written, the candidates measured, the heal's steps and tokens, and whether the work was pinned."""
+    heal = state.data["report"].get("heal", {})
+    plan = state.data["plan"] or {}
+    return {"pinned": pinned(req), **state.data.get("work", {}),
+            "candidates_measured": len(plan.get("candidates", [])) if not plan.get("explicit") else 0,
+            "candidates_allowed": plan_count(req.minutes),
+            "end_to_end_steps": heal.get("distill_steps"), "end_to_end_tokens": heal.get("distill_tokens"),
+            "heal_steps": heal.get("steps_done"), "layer_steps_per_layer": (state.data["heal_plan"] or {}).get(
+                "layer_steps")}

@@ -251,7 +251,7 @@ def feasible(teacher, budget: KVBudget, fmt: str = "attnlab", storages=STORAGES,
 def plan(teacher, calibration_ids: torch.Tensor, budget: KVBudget, *, fmt: str = "attnlab",
          storages=("bf16", "int8"), proxy_windows: int = 4, window: int = 256, time_budget=None,
          progress=None, calibrate: bool = True, proxy_ids: torch.Tensor | None = None,
-         context: int | None = None) -> PlanResult:
+         context: int | None = None, max_candidates: int | None = None) -> PlanResult:
     """Choose the conversion and storage that meet `budget` with the lowest proxy (module docstring).
 
     teacher: an attnlab'd Llama-family model (unconverted); it is converted and restored for
@@ -261,7 +261,10 @@ def plan(teacher, calibration_ids: torch.Tensor, budget: KVBudget, *, fmt: str =
     calibration text closely is favoured: on SmolLM2 at 50%, docs/real-models.md); None scores on
     the calibration text's first windows. storages: which cache
     storages may be chosen (8-bit only for fmt "attnlab"). time_budget (runtime.Budget): once
-    spent, no new candidate starts (the best so far wins; at least one is measured).
+    spent, no new candidate starts (the best so far wins; at least one is measured); a stop request ends the search
+    the same way. max_candidates: no more candidates than this, in the same order: a cut that does not depend on the
+    clock, so that the same request makes the same plan on a fast machine and a loaded one (what shrink uses: its
+    time_budget has no deadline).
     progress(i, label) is called before each candidate. calibrate=False converts every candidate on
     the weights alone (what --no-calibration will do), still ranking them on the calibration text.
     context: bytes per token are counted at that sequence length (a sliding layer's cache holds its window; None:
@@ -331,8 +334,16 @@ def plan(teacher, calibration_ids: torch.Tensor, budget: KVBudget, *, fmt: str =
         measured.append(cand)
         return cand
 
+    if max_candidates is not None and (isinstance(max_candidates, bool) or not isinstance(max_candidates, int) or
+                                       max_candidates < 1):
+        raise ValueError(f"max_candidates must be a positive integer, got {max_candidates!r}")
+
     def spent() -> bool:
-        return bool(measured) and time_budget is not None and (time_budget.expired() or time_budget.stop_requested)
+        if not measured:
+            return False
+        if max_candidates is not None and len(measured) >= max_candidates:
+            return True
+        return time_budget is not None and (time_budget.expired() or time_budget.stop_requested)
 
     whole = keys_whole(teacher)
     if whole is not None:  # per-head q/k norms: the keys whole in each storage and layout, nothing else to choose
@@ -345,7 +356,7 @@ def plan(teacher, calibration_ids: torch.Tensor, budget: KVBudget, *, fmt: str =
                                   layers=None if lay.layers is None else list(lay.layers), kept_dtype=lay.kept_dtype),
                         lay)
         best = min(measured, key=lambda c: c.proxy)
-        note = "" if len(measured) == len(todo) else "the time given to planning ended before every storage"
+        note = "" if len(measured) == len(todo) else "planning ended (its time or its count) before every storage"
         return PlanResult(best, measured, str(budget), original, budget_bytes,
                           note or "per-head q/k norms: the keys whole (rope key G x d), the latent holds the values",
                           context)

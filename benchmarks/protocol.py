@@ -1,0 +1,332 @@
+"""The evaluation protocol behind the README's table: each plain `attnlab shrink` command, run as a user runs it,
+scored on four held-out texts of different kinds, over three seeds, beside the original's cache quantized as
+llama.cpp and KIVI do it, at equal or more bytes.
+
+    python benchmarks/protocol.py baselines --model smollm2        # the original and its quantized caches, every text
+    python benchmarks/protocol.py run --case smollm2-25 --seed 0    # one plain command, then every evaluation
+    python benchmarks/protocol.py report                            # the table: median and worst over seeds and texts
+    python benchmarks/protocol.py plot                              # benchmarks/protocol.png, the README's picture
+
+Run it alone on the machine: it records the load average before and after each shrink and warns above 1.
+Rows go to benchmarks/protocol.json, merged by key.
+
+What each command is: exactly the argv recorded in its row ("argv"), which is the list handed to the child process
+(`attnlab shrink MODEL --kv-budget B --out OUT`, and `--seed S` for seeds other than the default 0). Nothing else is
+added: no --eval-text, no --minutes, no text. The report's `command` is that argv joined.
+
+The texts (TEXTS), chosen once for this protocol and never used to train, calibrate, plan, probe or pick a
+default: Python's reference prose (pydoc_data.topics), Debian's technical documentation (dpkg's triggers spec), the
+attention study's problem text (a maths/ML text, shared/study), and the GNU Free Documentation Licence 1.3.
+Without --text, shrink calibrates and trains on text the model writes itself and judges its heal on that text, on
+sentences shipped with attnlab and on attnlab's own source (heal.data.judge_texts), none of them these texts.
+Each is scored on its first 2,048 tokens in windows of 512, and with --long at long context on its first 4,096
+tokens in one window read through the cache in chunks of 512 (as decoding reads it), with a passkey check (a key
+hidden at depths 0.1, 0.5, 0.9 of 2,048 and 4,096 tokens of filler, greedy, exact match).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+HERE = Path(__file__).parent
+JSON = HERE / "protocol.json"
+ROOT = HERE.parent
+
+
+def _pydoc() -> str:
+    import pydoc_data.topics as topics
+
+    return topics.__file__
+
+
+TEXTS = {  # name: (path, kind)
+    "python-docs": (_pydoc(), "Python reference prose"),
+    "tech-docs": ("/usr/share/doc/dpkg/spec/triggers.txt", "technical documentation (Debian)"),
+    "study": (str(ROOT.parent / "shared" / "study" / "001_653f0055448b2b7d.txt"), "a maths/ML study text"),
+    "licence": ("/usr/share/common-licenses/GFDL-1.3", "a licence (GFDL 1.3)"),
+}
+TOKENS, WINDOW = 2048, 512
+LONG_TOKENS, LONG_CHUNK = 4096, 512
+SEEDS = (0, 1, 2)
+CASES = {  # name: (model, shrink arguments after the model, what it checks)
+    "smollm2-25": ("smollm2", ["--kv-budget", "25%"], "SmolLM2-135M at 25% of the bytes, the plain command"),
+    "smollm2-50": ("smollm2", ["--kv-budget", "50%"], "SmolLM2-135M at 50% of the bytes, the plain command"),
+    "gemma3-270m-25": ("gemma3-270m", ["--kv-budget", "25%"], "Gemma 3 270M at 25% of the bytes, the plain command"),
+}
+BASELINES = ("q8_0", "q5_0", "q4_1", "iq4_nl", "q4_0", "kivi4", "kivi2")
+
+
+def load() -> float:
+    return os.getloadavg()[0]
+
+
+def note_load(row: dict, key: str) -> None:
+    row[key] = load()
+    if row[key] > 1:
+        warnings.warn(f"load average {row[key]:.2f} > 1: something else runs; the figures are not alone")
+
+
+def rows() -> dict:
+    return json.loads(JSON.read_text()) if JSON.exists() else {}
+
+
+def save(key: str, row: dict) -> None:
+    data = rows()
+    data[key] = row
+    tmp = JSON.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(data, indent=2))
+    tmp.replace(JSON)
+
+
+def argv(case: str, seed: int, out: str) -> list[str]:
+    """The plain command of a case, as a user types it: the seed only where it is not the default."""
+    model, args, _ = CASES[case]
+    return ["attnlab", "shrink", model, *args, *(["--seed", str(seed)] if seed else []), "--out", out]
+
+
+def text_ids(tok, name: str, tokens: int):
+    from attnlab import models as hf
+
+    return hf.read_text_ids(tok, TEXTS[name][0], tokens)
+
+
+def score(model, tok, long: bool = False) -> dict:
+    """Perplexity on every text: the first TOKENS in windows of WINDOW; with `long` also LONG_TOKENS in one window
+    read through the cache in chunks of LONG_CHUNK (KIVI, which has no cache, in one forward)."""
+    from attnlab import models as hf
+    from attnlab.models.evaluate import score_windows
+
+    out = {}
+    for name in TEXTS:
+        row = {"perplexity": hf.perplexity(model, text_ids(tok, name, TOKENS), window=WINDOW)}
+        if long:
+            kivi = any(str(m.kv_dtype or "").startswith("kivi") for m in hf.attnlab_modules(model))
+            row["perplexity_4096"] = score_windows(model, text_ids(tok, name, LONG_TOKENS), window=LONG_TOKENS,
+                                                   chunk=None if kivi else LONG_CHUNK).perplexity
+        out[name] = row
+    return out
+
+
+PASSKEY_LENGTHS, PASSKEY_DEPTHS = (2048, 4096), (0.1, 0.5, 0.9)
+
+
+def passkey(model, tok) -> dict:
+    """Exact-match passkey accuracy at PASSKEY_LENGTHS x PASSKEY_DEPTHS, greedy through the model's cache with
+    attnlab's generation loop (what `attnlab eval --passkey` runs)."""
+    from attnlab.generation.loop import generate
+    from attnlab.models.passkey import run_passkey
+
+    def decode(ids, n):
+        return generate(model, ids, max_new_tokens=n)[0, ids.shape[1]:]
+
+    return run_passkey(model, tok, lengths=PASSKEY_LENGTHS, depths=PASSKEY_DEPTHS, decode=decode).to_dict()
+
+
+def part_baselines(model_name: str, redo: bool, long: bool) -> None:
+    """The original (its 16-bit cache) and each baseline cache of it, on every text; bytes per token of each; with
+    `long`, 4,096-token windows and the passkey check for the original and the 4- and 5-bit llama.cpp caches."""
+    from attnlab import models as hf
+    from attnlab.shrink import baselines
+
+    key = f"baselines/{model_name}"
+    if key in rows() and not redo:
+        print(f"{key} is in {JSON}; --redo to measure it again")
+        return
+    model, tok, _ = hf.load_model(model_name)
+    row = {"model": model_name, "texts": {n: {"path": p, "kind": k} for n, (p, k) in TEXTS.items()}}
+    note_load(row, "load_before")
+    sizes = baselines.baseline_bytes(model, [b for b in BASELINES if _known(b)])
+    row["original"] = {"kv_bytes_per_token": hf.kv_bytes_per_token(model, torch_bf16()), **score(model, tok, long)}
+    row["passkey"] = {"original": passkey(model, tok)} if long else {}
+    row["baselines"] = {}
+    for name, size in sizes.items():
+        hf.set_kv_dtype(model, name)
+        row["baselines"][name] = {"kv_bytes_per_token": size, **score(model, tok, long)}
+        if long and name in ("q4_0", "iq4_nl"):
+            row["passkey"][name] = passkey(model, tok)
+        hf.set_kv_dtype(model, None)
+        print(name, json.dumps(row["baselines"][name]))
+    note_load(row, "load_after")
+    save(key, row)
+
+
+def torch_bf16():
+    import torch
+
+    return torch.bfloat16
+
+
+def _known(kv_dtype: str) -> bool:
+    from attnlab.modules.storage import check_kv_dtype
+
+    try:
+        check_kv_dtype(kv_dtype)
+        return True
+    except ValueError:
+        return False
+
+
+def run_one(case: str, seed: int, work: Path) -> dict:
+    """The plain command in a child process; the row records exactly the argv it ran."""
+    out = str(work / f"{case}-seed{seed}")
+    command = argv(case, seed, out)
+    row = {"case": case, "seed": seed, "what": CASES[case][2], "argv": command, "command": " ".join(command)}
+    note_load(row, "load_before")
+    t0 = time.monotonic()
+    proc = subprocess.run(command, capture_output=True, text=True)
+    row["wall_minutes"] = (time.monotonic() - t0) / 60
+    note_load(row, "load_after")
+    row["returncode"] = proc.returncode
+    row["stdout_tail"] = proc.stdout[-3000:]
+    if proc.returncode:
+        row["stderr"] = proc.stderr[-2000:]
+    row["out"] = out
+    return row
+
+
+def part_run(case: str, seed: int, redo: bool, long: bool) -> None:
+    from attnlab import models as hf
+
+    key = f"run/{case}/seed{seed}"
+    if key in rows() and not redo:
+        print(f"{key} is in {JSON}; --redo to run it again")
+        return
+    work = Path(tempfile.mkdtemp(prefix="attnlab-protocol-"))
+    row = run_one(case, seed, work)
+    if row["returncode"]:
+        save(key, row)
+        raise SystemExit(f"shrink failed: {row.get('stderr', '')[-500:]}")
+    model, tok, meta = hf.load_model(row["out"])
+    report = meta.get("shrink") or {}
+    row["report"] = {k: report.get(k) for k in ("kv_bytes_per_token", "held_out", "minutes", "work", "heal_plan")}
+    row["report"]["heal"] = {k: (report.get("heal") or {}).get(k) for k in
+                             ("probe", "kept", "rollbacks", "layers_restored", "distill_steps", "steps_done")}
+    row["plan"] = (report.get("plan") or {}).get("chosen")
+    row["kv_bytes_per_token"] = hf.kv_bytes_per_token(model)
+    row["texts"] = score(model, tok, long)
+    if long:
+        row["passkey"] = passkey(model, tok)
+    save(key, row)
+    print(json.dumps({k: v for k, v in row.items() if k not in ("report", "stdout_tail")}, indent=2))
+
+
+def table(data: dict | None = None) -> list[dict]:
+    """One row per case: the median and the worst over seeds and texts of perplexity / the original's, beside each
+    text's best baseline at equal or more bytes (its median and worst over the texts), and the seeds' spread."""
+    data = rows() if data is None else data
+    out = []
+    for case, (model, _, what) in CASES.items():
+        runs = [data[k] for k in sorted(data) if k.startswith(f"run/{case}/") and not data[k].get("returncode")]
+        base = data.get(f"baselines/{model}")
+        if not runs or base is None:
+            continue
+        original = base["original"]
+        per_text = {n: [r["texts"][n]["perplexity"] / original[n]["perplexity"] for r in runs] for n in TEXTS}
+        by_seed = [[r["texts"][n]["perplexity"] / original[n]["perplexity"] for n in TEXTS] for r in runs]
+        reached = max(r["kv_bytes_per_token"] for r in runs)
+        fair = {b: v for b, v in base["baselines"].items() if v["kv_bytes_per_token"] >= reached}
+        best = {n: min(fair, key=lambda b: fair[b][n]["perplexity"]) for n in TEXTS} if fair else {}
+        base_ratio = {n: fair[best[n]][n]["perplexity"] / original[n]["perplexity"] for n in best}
+        medians = {n: statistics.median(v) for n, v in per_text.items()}
+        worst_text = max(medians, key=medians.get)
+        out.append({
+            "case": case, "what": what, "seeds": [r["seed"] for r in runs], "command": runs[0]["command"],
+            "kv_bytes_per_token": reached, "original_bytes": original["kv_bytes_per_token"],
+            "median": statistics.median(x for v in per_text.values() for x in v),
+            "worst": max(x for v in per_text.values() for x in v),
+            "per_text_median": medians, "worst_text": worst_text,
+            "seed_spread": max(max(s) - min(s) for s in zip(*by_seed)) if len(by_seed) > 1 else None,
+            "baseline": best, "baseline_ratio": base_ratio,
+            "baseline_median": statistics.median(base_ratio.values()) if base_ratio else None,
+            "baseline_worst": max(base_ratio.values()) if base_ratio else None,
+            "beats_baseline_on_every_text": all(medians[n] < base_ratio[n] for n in base_ratio) if base_ratio
+            else None,
+        })
+    return out
+
+
+def part_report() -> None:
+    t = table()
+    print("| command | KV bytes/token | median | worst (text) | seeds' spread | best baseline at >= bytes: median, "
+          "worst |")
+    print("|---|---|---|---|---|---|")
+    for r in t:
+        share = r["kv_bytes_per_token"] / r["original_bytes"]
+        names = sorted(set(r["baseline"].values()))
+        print(f"| `{r['command'].split(' --out')[0]} --out OUT` (seeds {', '.join(map(str, r['seeds']))}) | "
+              f"{r['kv_bytes_per_token']:,.0f} ({share:.0%}) | {r['median']:.3f}x | {r['worst']:.3f}x "
+              f"({r['worst_text']}) | {r['seed_spread'] or 0:.3f} | {'/'.join(names)}: "
+              f"{r['baseline_median'] or float('nan'):.3f}x, {r['baseline_worst'] or float('nan'):.3f}x |")
+    save("table", {"rows": t})
+
+
+def part_plot(path: Path = HERE / "protocol.png") -> None:
+    """One picture: per case and text, the shrunk model's perplexity over the original's (median of the seeds, the
+    bar; the worst seed, the tick) beside the best baseline at equal or more bytes on that text."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    data = rows()
+    t = table(data)
+    if not t:
+        raise SystemExit("no complete case in benchmarks/protocol.json to draw")
+    fig, axes = plt.subplots(1, len(t), figsize=(4.2 * len(t), 3.6), squeeze=False, sharey=True)
+    for ax, r in zip(axes[0], t):
+        model = CASES[r["case"]][0]
+        original = data[f"baselines/{model}"]["original"]
+        runs = [data[k] for k in sorted(data) if k.startswith(f"run/{r['case']}/") and not data[k].get("returncode")]
+        names = list(TEXTS)
+        xs = range(len(names))
+        ours = [[run["texts"][n]["perplexity"] / original[n]["perplexity"] for run in runs] for n in names]
+        ax.bar([x - 0.2 for x in xs], [statistics.median(v) - 1 for v in ours], 0.4, bottom=1, label="attnlab shrink")
+        ax.scatter([x - 0.2 for x in xs], [max(v) for v in ours], marker="_", color="k", s=200, label="worst seed")
+        ax.bar([x + 0.2 for x in xs], [r["baseline_ratio"].get(n, 1) - 1 for n in names], 0.4, bottom=1,
+               label="best baseline at >= bytes")
+        for x, n in zip(xs, names):
+            ax.text(x + 0.2, r["baseline_ratio"].get(n, 1), r["baseline"].get(n, ""), ha="center", va="bottom",
+                    fontsize=7)
+        ax.axhline(1, color="grey", lw=0.8)
+        ax.set_xticks(list(xs), names, rotation=20, fontsize=8)
+        ax.set_title(f"{r['command'].split(' --out')[0].replace('attnlab shrink ', '')}\n"
+                     f"{r['kv_bytes_per_token'] / r['original_bytes']:.0%} of the bytes", fontsize=9)
+    axes[0][0].set_ylabel("perplexity / the original's")
+    axes[0][0].legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("part", choices=("baselines", "run", "report", "plot"))
+    ap.add_argument("--case", choices=sorted(CASES))
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--redo", action="store_true")
+    ap.add_argument("--long", action="store_true", help="also 4,096-token windows through the cache and the passkey "
+                    "check (minutes per model)")
+    a = ap.parse_args()
+    if a.part == "baselines":
+        part_baselines(a.model, a.redo, a.long)
+    elif a.part == "run":
+        if a.case is None:
+            ap.error("run needs --case")
+        part_run(a.case, a.seed, a.redo, a.long)
+    elif a.part == "plot":
+        part_plot()
+    else:
+        part_report()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

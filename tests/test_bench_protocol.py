@@ -1,0 +1,60 @@
+"""benchmarks/protocol.py records exactly the argv it ran (no flag added behind the user's back), and its table takes
+the median and the worst over seeds and texts, beside each text's best baseline at equal or more bytes."""
+import importlib.util
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def protocol():
+    spec = importlib.util.spec_from_file_location("protocol_bench", ROOT / "benchmarks" / "protocol.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("seed", [0, 2])
+def test_the_recorded_argv_is_the_one_that_ran_and_adds_nothing(protocol, tmp_path, monkeypatch, seed):
+    ran = []
+
+    def fake_run(command, **kw):
+        ran.append(list(command))
+        return subprocess.CompletedProcess(command, 0, stdout="ok", stderr="")
+
+    monkeypatch.setattr(protocol.subprocess, "run", fake_run)
+    row = protocol.run_one("smollm2-25", seed, tmp_path)
+    assert ran == [row["argv"]] and row["command"] == " ".join(ran[0])
+    out = str(tmp_path / f"smollm2-25-seed{seed}")
+    plain = ["attnlab", "shrink", "smollm2", "--kv-budget", "25%"]
+    assert ran[0] == plain + (["--seed", str(seed)] if seed else []) + ["--out", out]
+    assert not {"--eval-text", "--text", "--minutes", "--tokens", "--kv-dtype"} & set(ran[0])
+
+
+def test_the_table_takes_the_median_and_the_worst_over_seeds_and_texts(protocol):
+    texts = list(protocol.TEXTS)
+
+    def ppl(values):
+        return {n: {"perplexity": v} for n, v in zip(texts, values)}
+
+    original = {"kv_bytes_per_token": 1000, **ppl([10.0, 20.0, 5.0, 8.0])}
+    data = {"baselines/smollm2": {
+        "original": original,
+        "baselines": {"q4_0": {"kv_bytes_per_token": 300, **ppl([10.5, 21.0, 5.1, 8.8])},
+                      "q5_0": {"kv_bytes_per_token": 340, **ppl([10.2, 20.6, 5.2, 8.1])},
+                      "kivi2": {"kv_bytes_per_token": 190, **ppl([1.0, 1.0, 1.0, 1.0])}}}}  # below the bytes
+    runs = {0: [10.1, 20.2, 5.05, 8.4], 1: [10.3, 20.4, 5.0, 8.2], 2: [10.2, 20.8, 5.1, 8.0]}
+    for seed, values in runs.items():
+        data[f"run/smollm2-25/seed{seed}"] = {"seed": seed, "command": "attnlab shrink smollm2 --kv-budget 25% --out X",
+                                              "kv_bytes_per_token": 250, "texts": ppl(values)}
+    row = next(r for r in protocol.table(data) if r["case"] == "smollm2-25")
+    # the twelve ratios sorted: 1.0, 1.0, 1.01, 1.01, 1.01, 1.02, 1.02, 1.02, 1.025, 1.03, 1.04, 1.05
+    assert row["median"] == pytest.approx(1.02) and row["worst"] == pytest.approx(1.05)
+    assert row["baseline"] == {"python-docs": "q5_0", "tech-docs": "q5_0", "study": "q4_0", "licence": "q5_0"}
+    assert row["baseline_ratio"]["licence"] == pytest.approx(8.1 / 8.0)
+    assert row["worst_text"] == "licence"  # median over seeds 8.2/8.0, the highest
+    assert row["beats_baseline_on_every_text"] is False  # licence: 1.025x against q5_0's 1.0125x
+    assert row["seed_spread"] == pytest.approx(0.05)  # licence: 1.05x (seed 0) to 1.0x (seed 2)
