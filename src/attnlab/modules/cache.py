@@ -16,7 +16,11 @@ twice and then never again. Its tensors never enter a module's state_dict.
 
 Storage (`kv_dtype`: plain, int8/fp8 with scales, few-bit codes) is modules/storage.py's; a cache
 writes each new token's codes and scales once (`extend`) and hands them back as stored (QuantisedKV)
-or dequantised. Its names are importable from here as before.
+or dequantised. Its names are importable from here as before. In llama.cpp's block formats a GQA's
+KVCache rotates its keys and values as llama.cpp does (storage.rotation; decided when the cache is made,
+LLAMA_ATTN_ROT_DISABLE included): rows are rotated before they are quantised and rotated back when read
+(QuantisedKV.rotation). A LatentCache, and the KVCache of a GQA-tiled MLA, are not rotated (llama.cpp's
+deepseek2 does not rotate an MLA's cache).
 
 Cross-attention: the first call with a context fills the cache and marks it
 `static`; later calls reuse it and append nothing.
@@ -46,7 +50,7 @@ from torch import nn
 from . import checks, lowbit
 from .key_groups import RopeKeyGroups
 from .storage import (KV_DTYPES, PLAIN, QMAX, SCALE_DTYPE, QuantisedKV, StorageFormat, check_kv_dtype,  # noqa: F401
-                      dense, dequantise, fp8_supported, num_scales, quantise, round_trip, with_row_scale)
+                      dense, dequantise, fp8_supported, num_scales, quantise, rotation, round_trip, with_row_scale)
 
 WINDOW_ROOM = 64  # rows a window cache allocates beyond its window (at most the window itself)
 
@@ -71,13 +75,15 @@ class _Cache:
     """Named buffers of shape (B, ..., S_max, width) that share a length; quantised ones with scales beside them.
 
     parts[name]: the widths each scale covers in a row of buffer `name` (see the module docstring).
+    roles[name]: "key" or "value" where buffer `name` holds a GQA's heads (llama.cpp's block formats rotate
+    them: storage.rotation), absent for rows that are not rotated.
     """
 
     key_start = 0  # position of the first row the last extend() returned (a window cache drops older ones)
 
     def __init__(self, owner: nn.Module, batch_size: int, max_len: int, buffers: dict[str, tuple[int, ...]],
                  dtype: torch.dtype, device, *, kv_dtype=None, parts: dict[str, tuple[int, ...]] | None = None,
-                 window: int | None = None):
+                 window: int | None = None, roles: dict[str, str] | None = None):
         checks.positive_int("batch_size", batch_size)
         checks.positive_int("max_len", max_len)
         if window is not None:
@@ -86,7 +92,7 @@ class _Cache:
         if fmt is not None and fmt.evaluation_only:
             raise ValueError(f"kv_dtype {kv_dtype!r} is KIVI, an evaluation baseline (keys quantised per channel "
                              "over whole groups of tokens, in a forward without a cache); attnlab's caches store "
-                             "q8_0, q5_0, q4_0, q4_1, int4/g<N>, int2/g<N>, int8 or fp8")
+                             "q8_0, q5_0, q4_0, q4_1, iq4_nl, int4/g<N>, int2/g<N>, int8 or fp8")
         if window is not None and fmt is not None and fmt.low is not None and fmt.low.rope_channel:
             raise ValueError(f"kv_dtype {kv_dtype!r} keeps the rope key per channel over groups of "
                              f"{lowbit.KEY_TOKENS} tokens, which a sliding-window cache (window {window}) cannot "
@@ -101,6 +107,8 @@ class _Cache:
         self._dtype, self.kv_dtype, self._format = dtype, kv_dtype, fmt
         stored = dtype if fmt is None else fmt.storage_dtype
         self._parts = {name: (parts or {}).get(name, (shape[-1],)) for name, shape in buffers.items()}
+        # llama.cpp's rotation of each buffer's rows (None: not rotated), decided once, as llama.cpp's context does
+        self._rotation = {name: rotation(fmt, (roles or {}).get(name), self._parts[name]) for name in buffers}
         self._names = list(buffers)
         self._scale_names = {}
         self._channel: dict[str, RopeKeyGroups] = {}  # "+c4": a rope key per channel over groups of tokens
@@ -249,7 +257,7 @@ class _Cache:
         buf = getattr(self, name)
         if name not in self._scale_names:
             return [(buf, t.to(buf.dtype))]
-        codes, scales = quantise(t, self._parts[name], self._format)
+        codes, scales = quantise(t, self._parts[name], self._format, self._rotation[name])
         return [(buf, codes), (getattr(self, self._scale_names[name]), scales)]
 
     def _room_for(self, n: int) -> None:
@@ -300,7 +308,8 @@ class _Cache:
     def _as_read(self, rows: torch.Tensor, scales: torch.Tensor | None, name: str):
         """Rows of buffer `name` as stored() gives them: QuantisedKV with their scales, or in the activation dtype."""
         if scales is not None:
-            return QuantisedKV(rows, scales, self._parts[name], self._format.group, self.dtype, self._format.low)
+            return QuantisedKV(rows, scales, self._parts[name], self._format.group, self.dtype, self._format.low,
+                               self._rotation[name])
         return rows if rows.dtype == self.dtype else rows.to(self.dtype)
 
     def _extend_window(self, new: dict[str, torch.Tensor], n: int) -> tuple:
@@ -376,14 +385,20 @@ class _Cache:
 
 
 class KVCache(_Cache):
-    """K (B, G, S_max, d) and V (B, G, S_max, dv); quantised: scales per token and KV head (or per group)."""
+    """K (B, G, S_max, d) and V (B, G, S_max, dv); quantised: scales per token and KV head (or per group).
+
+    rotate: whether llama.cpp's block formats rotate K and V here (storage.rotation); default: where the owner
+    keeps keys and values apart (a GQA: owner.separate_keys), not for a GQA-tiled MLA, whose GGUF llama.cpp runs
+    as deepseek2 with an unrotated latent cache."""
 
     def __init__(self, owner, batch_size: int, max_len: int, num_kv_heads: int, head_dim: int, v_head_dim: int,
-                 *, dtype, device=None, kv_dtype=None, window: int | None = None):
+                 *, dtype, device=None, kv_dtype=None, window: int | None = None, rotate: bool | None = None):
+        if rotate is None:
+            rotate = bool(getattr(owner, "separate_keys", True))
         super().__init__(owner, batch_size, max_len, {
             "k": (batch_size, num_kv_heads, max_len, head_dim),
             "v": (batch_size, num_kv_heads, max_len, v_head_dim),
-        }, dtype, device, kv_dtype=kv_dtype, window=window)
+        }, dtype, device, kv_dtype=kv_dtype, window=window, roles={"k": "key", "v": "value"} if rotate else None)
 
 
 class LatentCache(_Cache):

@@ -11,7 +11,34 @@ reference quantisers write them (ggml-quants.c, quantize_row_*_ref), bytes per 3
   x = (code - 8) * d.
 - q5_0 [22]: as q4_0 with d = m / -16, code = min(31, trunc(x / d + 16.5)); x = (code - 16) * d.
 - q4_1 [20]: d = (max - min) / 15, code = min(15, trunc((x - min) / d + 0.5)); x = code * d + min.
+- iq4_nl [18]: non-linear, x = d * IQ4_NL_VALUES[code], 16 levels from -127 to 113 (kvalues_iq4nl). As
+  quantize_row_iq4_nl_ref (what llama.cpp's CPU backend writes into a cache: from_float): m = the value of
+  largest magnitude (first on ties), d0 = m / -127, code = the level nearest x / d0 (best_index_int8: of the
+  two levels around it, the upper one on a tie), then the scale refitted to those codes by least squares
+  with weights x^2, d = sum(x^2 q x) / sum(x^2 q^2) (q the code's level; float32 sums in the block's order),
+  and no search over other scales (that is quantize_iq4_nl's, ntry = 7, which llama-quantize uses for
+  weights). A block with largest magnitude below 1e-15 stores d = 0.
 The codes are computed with the float32 d, the stored d (and min) are float16: what llama.cpp reads back.
+
+llama.cpp's rotation of a quantised K/V cache (since its PR #21038; src/llama-kv-cache.cpp, llama-graph.cpp):
+when the K cache type is quantised and the key head size a multiple of 64, each block of n consecutive values
+of every key head is multiplied by the n x n orthonormal Sylvester Walsh-Hadamard matrix H (entries
++-1/sqrt(n)), n the largest power of two dividing the head size; the query is rotated alike, so its scores
+are those of the keys H^T Q(H k) (H is symmetric and its own inverse). Values likewise when the V type is
+quantised and the value head size a multiple of 64, always with n = 64, and the attention output is
+rotated back: the values read are H^T Q(H v). LLAMA_ATTN_ROT_DISABLE set to a nonzero integer (C's atoi)
+turns both off. llama.cpp decides once per model (from its layers' one head size), attnlab per module: the
+same for models whose layers share a head size. hadamard_transform is that product, rotation_size the rule;
+modules/storage.py applies it by role ("key", "value") to a GQA's rows, and a cache rotates when it writes and
+rotates back when it reads. An MLA's row is never rotated: llama.cpp runs attnlab's GGUF export as deepseek2
+with MLA, whose cache holds K only (the latent and the rope key; V is a view of it) and whose attention
+(build_attn with the K-only input, llm_graph_input_attn_k) neither builds nor applies a rotation, whatever the
+row's width. What attnlab does not copy: llama.cpp's CPU flash attention rounds the (rotated) query to q8_0 for
+its dot products with quantised keys, and a Llama-family GGUF holds each key with its RoPE pairs side by side
+(its q/k weights are permuted for llama.cpp's interleaved RoPE) where attnlab holds transformers' halves, so
+llama.cpp's blocks of 32 group other channels of a key. Rotated, neither moves perplexity beyond the codes' own
+spread (tests/test_llama_cpp_cache.py); with LLAMA_ATTN_ROT_DISABLE=1 the channel order does (SmolLM2, q4_0
+keys: llama.cpp 4% above attnlab, level once attnlab's keys are permuted into llama.cpp's order).
 
 attnlab's own ("int4/g<N>", "int2/g<N>"; N = 32 when not given): asymmetric round-to-nearest over groups
 of N channels of each part of a row (the last group of a part may be short). For a range [lo, hi],
@@ -46,6 +73,8 @@ a value, as llama.cpp's q5_0); 3-bit codes likewise, their low 2 bits then their
 """
 from __future__ import annotations
 
+import math
+import os
 import re
 from typing import NamedTuple
 
@@ -80,9 +109,14 @@ class LowBit(NamedTuple):
 
 
 BLOCK_FORMATS = {"q8_0": LowBit("q8_0", 8, BLOCK, False, "block"), "q5_0": LowBit("q5_0", 5, BLOCK, False, "block"),
-                 "q4_0": LowBit("q4_0", 4, BLOCK, False, "block"), "q4_1": LowBit("q4_1", 4, BLOCK, True, "block")}
+                 "q4_0": LowBit("q4_0", 4, BLOCK, False, "block"), "q4_1": LowBit("q4_1", 4, BLOCK, True, "block"),
+                 "iq4_nl": LowBit("iq4_nl", 4, BLOCK, False, "block")}
 KIVI_FORMATS = {"kivi4": LowBit("kivi4", 4, BLOCK, True, "kivi"), "kivi2": LowBit("kivi2", 2, BLOCK, True, "kivi")}
-SPELLING = re.compile(r"(q8_0|q5_0|q4_0|q4_1|kivi4|kivi2)|int([432])(?:/g([1-9][0-9]*))?(?:\+(r8|c[234]))?")
+SPELLING = re.compile(r"(q8_0|q5_0|q4_0|q4_1|iq4_nl|kivi4|kivi2)|int([432])(?:/g([1-9][0-9]*))?(?:\+(r8|c[234]))?")
+IQ4_NL_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)  # ggml's kvalues_iq4nl
+IQ4_NL_TINY = 1e-15  # GROUP_MAX_EPS: a block whose largest magnitude is below it stores d = 0
+ROTATION_ENV = "LLAMA_ATTN_ROT_DISABLE"  # llama.cpp's switch: a nonzero integer turns the cache rotation off
+ROTATION_STEP = 64  # llama.cpp rotates a head whose size is a multiple of 64; V always in blocks of 64
 
 
 def parse(spelling: str) -> LowBit | None:
@@ -111,6 +145,66 @@ def part_formats(parts: tuple[int, ...], fmt: LowBit) -> list[LowBit]:
     if fmt.rope_channel:
         return [fmt, LowBit(f"int{fmt.rope_bits}", fmt.rope_bits, KEY_TOKENS, True, "channel", search=fmt.search)]
     return [fmt, LowBit(f"int{fmt.rope_bits}", fmt.rope_bits, parts[1], True, "asym", search=fmt.search)]
+
+
+# -- llama.cpp's Hadamard rotation of a quantised K/V cache ---------------------------------------------
+def hadamard_transform(x: torch.Tensor, n: int) -> torch.Tensor:
+    """x (..., W) with every block of n consecutive values (n a power of two dividing W) times the orthonormal
+    Sylvester Walsh-Hadamard matrix H_n (H_1 = 1, H_2m = [[H_m, H_m], [H_m, -H_m]] / sqrt(2)), computed as
+    log2(n) butterflies, H_2m [a; b] = [H_m (a + b); H_m (a - b)] / sqrt(2), with the 1/sqrt(n) applied once at
+    the end: elementwise operations only, so a row's result does not depend on how many rows come with it (a
+    cache's one-token write and a forward's whole window rotate a row alike). H_n is symmetric and its own
+    inverse, so hadamard_transform(hadamard_transform(x, n), n) is x (to rounding). In x's dtype."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1 or n & (n - 1):
+        raise ValueError(f"a Sylvester Hadamard matrix needs a power-of-two size, got {n!r}")
+    if x.shape[-1] % n:
+        raise ValueError(f"rows of width {x.shape[-1]} are not whole blocks of {n} values to rotate")
+    if n == 1:
+        return x
+    y = x.unflatten(-1, (-1, n))  # (..., W/n, n)
+    half = n // 2
+    while half:
+        pairs = y.unflatten(-1, (-1, 2, half))  # (..., W/n, n / 2half, 2, half)
+        a, b = pairs.unbind(-2)
+        y = torch.stack([a + b, a - b], -2).flatten(-3)  # (..., W/n, n)
+        half //= 2
+    return (y * (1 / math.sqrt(n))).flatten(-2)
+
+
+def hadamard(n: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """The orthonormal Sylvester Walsh-Hadamard matrix H_n (n a power of two), symmetric, H_n H_n = I: the matrix
+    hadamard_transform multiplies by (its rows, the transform of the identity's). llama.cpp's ggml_gen_hadamard
+    builds the same matrix."""
+    return hadamard_transform(torch.eye(n, dtype=dtype), n)
+
+
+def _atoi(text: str) -> int:
+    """C's atoi: leading blanks, an optional sign, then the digits up to the first other character (0 if none)."""
+    found = re.match(r"[ \t\n\v\f\r]*([+-]?[0-9]+)", text)
+    return int(found.group(1)) if found else 0
+
+
+def rotation_disabled() -> bool:
+    """Whether LLAMA_ATTN_ROT_DISABLE turns llama.cpp's rotation off now: set to a nonzero integer (as its atoi
+    reads it: "1", "2", " 1x"; not "0", "", "yes")."""
+    return _atoi(os.environ.get(ROTATION_ENV, "")) != 0
+
+
+def rotation_size(head_dim: int, role: str) -> int | None:
+    """The Hadamard size llama.cpp rotates a quantised cache's heads of `head_dim` values with, None for none:
+    a key head whose size is a multiple of 64 in blocks of the largest power of two dividing it (64 -> 64,
+    96 -> none, 128 -> 128, 192 -> 64, 256 -> 256), a value head whose size is a multiple of 64 in blocks of 64;
+    None whenever LLAMA_ATTN_ROT_DISABLE is set (rotation_disabled). ValueError naming a role other than "key"
+    or "value" or a head size that is not a positive int."""
+    if role not in ("key", "value"):
+        raise ValueError(f"llama.cpp rotates a cache's keys or values; role must be 'key' or 'value', got {role!r}")
+    if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 1:
+        raise ValueError(f"head_dim must be a positive int, got {head_dim!r}")
+    if head_dim % ROTATION_STEP or rotation_disabled():
+        return None
+    if role == "value":
+        return ROTATION_STEP
+    return head_dim & -head_dim  # the largest power of two dividing it (>= 64 here)
 
 
 # -- packing ------------------------------------------------------------------------------------------
@@ -213,6 +307,8 @@ def _codes_and_meta(xg: torch.Tensor, fmt: LowBit, width: int | None = None) -> 
     """Groups xg (..., n, g) float32 -> integer codes (..., n, g) uint8 and meta (..., n, k) float16; `width`, the
     part's channels before _grouped padded its last group (the padding counts in no group's error)."""
     top = (1 << fmt.bits) - 1
+    if fmt.code == "iq4_nl":
+        return _iq4_nl_codes(xg)
     if fmt.kind == "block" and not fmt.zero:
         if fmt.code == "q8_0":
             d = xg.abs().amax(-1, keepdim=True) / 127  # (..., n, 1)
@@ -253,6 +349,29 @@ def _codes_and_meta(xg: torch.Tensor, fmt: LowBit, width: int | None = None) -> 
     return codes, torch.cat([d, m], -1).to(META_DTYPE)
 
 
+def _iq4_nl_codes(xg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blocks xg (..., n, 32) float32 -> codes (..., n, 32) uint8 (indices into IQ4_NL_VALUES) and d (..., n, 1)
+    float16, as ggml's quantize_row_iq4_nl_ref writes them (module docstring), in float32 throughout."""
+    levels = torch.tensor(IQ4_NL_VALUES, dtype=torch.float32, device=xg.device)
+    imax = xg.abs().argmax(-1, keepdim=True)  # the first of the largest magnitudes
+    m = torch.take_along_dim(xg, imax, -1)  # (..., n, 1)
+    tiny = m.abs() < IQ4_NL_TINY
+    inv = torch.where(tiny, torch.zeros_like(m), 1 / (m / IQ4_NL_VALUES[0]))  # 1 / d0, d0 = m / -127
+    t = xg * inv  # (..., n, 32)
+    upper = torch.searchsorted(levels, t.contiguous(), right=True).clamp_(1, len(IQ4_NL_VALUES) - 1)
+    below, above = levels[upper - 1], levels[upper]
+    codes = torch.where(t - below < above - t, upper - 1, upper)  # best_index_int8: the upper level on a tie
+    q = levels[codes]
+    wq = xg * xg * q  # the weight x^2 times the level, as ggml multiplies them: (w * q) * x, (w * q) * q
+    sum_qx, sum_q2 = wq * xg, wq * q
+    sqx, sq2 = sum_qx[..., 0], sum_q2[..., 0]
+    for j in range(1, xg.shape[-1]):  # ggml's order of the float32 sums, one value after another
+        sqx, sq2 = sqx + sum_qx[..., j], sq2 + sum_q2[..., j]
+    d = torch.where(sq2 > 0, sqx / torch.where(sq2 > 0, sq2, torch.ones_like(sq2)), torch.zeros_like(sq2))[..., None]
+    d = torch.where(tiny, torch.zeros_like(d), d)
+    return codes.to(torch.uint8), d.to(META_DTYPE)
+
+
 def _range_meta(lo: torch.Tensor, hi: torch.Tensor, top: int) -> tuple[torch.Tensor, torch.Tensor]:
     """m and d of the range [lo, hi] as stored (float16 values, in float32)."""
     m = lo.to(META_DTYPE).float()
@@ -261,6 +380,8 @@ def _range_meta(lo: torch.Tensor, hi: torch.Tensor, top: int) -> tuple[torch.Ten
 
 def _values(codes: torch.Tensor, meta: torch.Tensor, fmt: LowBit, work: torch.dtype) -> torch.Tensor:
     """codes (..., n, g) and meta (..., n, k) -> values (..., n, g) in `work`."""
+    if fmt.code == "iq4_nl":
+        return torch.tensor(IQ4_NL_VALUES, dtype=work, device=codes.device)[codes.long()] * meta.to(work)
     c, meta = codes.to(work), meta.to(work)
     if fmt.zero:
         return c * meta[..., :1] + meta[..., 1:]

@@ -10,9 +10,16 @@ Storage (`kv_dtype`; `cache.dtype` stays the activation dtype the cache returns)
 - "fp8": torch.float8_e4m3fn codes of x / s with s = amax / 448 (its largest finite value),
   the same scales; where the torch build has no float8_e4m3fn it is refused.
 - "int8/g<N>", "fp8/g<N>": one scale per N channels of a part instead of one per part.
-- few-bit ("q4_0", "int4/g32", "int3/g64+c4", ...): packed codes and float16 meta (modules/lowbit.py); with
-  "+c4" an MLA's rope key is kept per channel over groups of 64 tokens, its newest, incomplete group
+- few-bit ("q4_0", "iq4_nl", "int4/g32", "int3/g64+c4", ...): packed codes and float16 meta (modules/lowbit.py);
+  with "+c4" an MLA's rope key is kept per channel over groups of 64 tokens, its newest, incomplete group
   unquantised (modules/key_groups.py); such a cache reads back dequantised rows and refuses fixed_slot.
+- llama.cpp's block formats (q8_0, q5_0, q4_1, q4_0, iq4_nl) of a GQA's keys and values are Hadamard-rotated as
+  llama.cpp rotates a quantised cache (modules/lowbit.py: rotation_size): the rows stored are H x, the rows read
+  back H^T Q(H x), which is what llama.cpp's attention computes with its rotated query and its output rotated
+  back. `rotation(fmt, role, parts)` decides it from the role ("key", "value": what a GQA passes; an MLA's
+  latent rows pass none and are never rotated, as llama.cpp's deepseek2 does not rotate them) and the head
+  size; round_trip reads LLAMA_ATTN_ROT_DISABLE on each call, a cache once when it is made (as llama.cpp
+  does when it makes its context). attnlab's own storages (int8, fp8, int4, ...) and KIVI are not rotated.
 Per part is the default because per-group scales did not measure clearly better on a real
 model (docs/generation.md, "Quantised KV caches"): on SmolLM2-135M, int8 per part costs at
 most 1.003x perplexity on the GQA and nothing measurable on its MLA at half the KV values
@@ -41,8 +48,8 @@ from torch import nn
 
 from . import lowbit
 
-KV_DTYPES = ("fp32", "bf16", "int8", "fp8", "q8_0", "q5_0", "q4_0", "q4_1", "int4", "int3", "int2", "kivi4",
-             "kivi2")
+KV_DTYPES = ("fp32", "bf16", "int8", "fp8", "q8_0", "q5_0", "q4_0", "q4_1", "iq4_nl", "int4", "int3", "int2",
+             "kivi4", "kivi2")
 PLAIN = {"fp32": torch.float32, "bf16": torch.bfloat16}
 QMAX = {"int8": 127.0, "fp8": 448.0}  # the largest code: int8 symmetric, float8_e4m3fn's largest finite value
 SCALE_DTYPE = torch.float32
@@ -86,13 +93,14 @@ class StorageFormat(NamedTuple):
 
 def check_kv_dtype(kv_dtype) -> StorageFormat | None:
     """Parse a kv_dtype ("fp32", "bf16", "int8", "fp8", "int8/g<N>", "fp8/g<N>", the few-bit ones of
-    modules/lowbit.py: "q8_0", "q5_0", "q4_0", "q4_1", "int4[/g<N>][+r8|+c4|+c3|+c2]", "int3...", "int2...", "kivi4",
-    "kivi2"; or None); one-line errors."""
+    modules/lowbit.py: "q8_0", "q5_0", "q4_0", "q4_1", "iq4_nl", "int4[/g<N>][+r8|+c4|+c3|+c2]", "int3...", "int2...",
+    "kivi4", "kivi2"; or None); one-line errors."""
     if kv_dtype is None:
         return None
     choices = ("'fp32', 'bf16', 'int8', 'fp8' (or 'int8/g<N>', 'fp8/g<N>': one scale per N channels), llama.cpp's "
-               "'q8_0', 'q5_0', 'q4_0', 'q4_1', 'int4', 'int3', 'int2' (or 'int4/g<N>', ..., and after any of them '+r8' "
-               "for an MLA's rope key in 8 bits or '+c4', '+c3', '+c2' for it in 4, 3, 2 bits per channel), 'kivi4', 'kivi2' or None")
+               "'q8_0', 'q5_0', 'q4_0', 'q4_1', 'iq4_nl', 'int4', 'int3', 'int2' (or 'int4/g<N>', ..., and after any "
+               "of them '+r8' for an MLA's rope key in 8 bits or '+c4', '+c3', '+c2' for it in 4, 3, 2 bits per "
+               "channel), 'kivi4', 'kivi2' or None")
     if not isinstance(kv_dtype, str):
         raise TypeError(f"kv_dtype must be one of {choices}, got {type(kv_dtype).__name__} ({kv_dtype!r})")
     low = lowbit.parse(kv_dtype)
@@ -106,6 +114,27 @@ def check_kv_dtype(kv_dtype) -> StorageFormat | None:
         raise ValueError(f"kv_dtype {kv_dtype!r} needs torch.float8_e4m3fn, which torch {torch.__version__} "
                          "does not support; use 'int8'")
     return StorageFormat(kv_dtype, code, int(found.group(3)) if found.group(3) else None)
+
+
+# -- llama.cpp's rotation -------------------------------------------------------------------------
+def rotation(fmt: StorageFormat | None, role: str | None, parts: tuple[int, ...]) -> int | None:
+    """The Hadamard size the rows (..., W) of this storage are rotated with, None for none: llama.cpp's block
+    formats of a GQA's heads, role "key" or "value" and parts the heads of a row (one part, or several of one
+    size), by lowbit.rotation_size; never for role None (an MLA's latent rows), plain, int8/fp8, attnlab's
+    few-bit groups or KIVI. ValueError naming the role or the parts otherwise."""
+    if fmt is None or fmt.low is None or fmt.low.kind != "block" or role is None:
+        return None
+    if role not in ("key", "value"):
+        raise ValueError(f"role must be 'key', 'value' or None (an MLA's latent rows), got {role!r}")
+    if not parts or len(set(parts)) != 1:
+        raise ValueError(f"llama.cpp rotates a GQA's {role} heads of one size; parts {tuple(parts)} are not heads of "
+                         "one size (an MLA's rows take role None)")
+    return lowbit.rotation_size(parts[0], role)
+
+
+def _rotated(x: torch.Tensor, n: int | None) -> torch.Tensor:
+    """x times H_n block by block (lowbit.hadamard_transform) in float32 (float64 for float64); x when n is None."""
+    return x if n is None else lowbit.hadamard_transform(x.to(torch.promote_types(x.dtype, SCALE_DTYPE)), n)
 
 
 # -- quantisation --------------------------------------------------------------------------------
@@ -130,9 +159,12 @@ def _each_scale(y: torch.Tensor, scales: torch.Tensor, parts: tuple[int, ...], g
     return y
 
 
-def quantise(x: torch.Tensor, parts: tuple[int, ...], fmt: StorageFormat) -> tuple[torch.Tensor, torch.Tensor]:
+def quantise(x: torch.Tensor, parts: tuple[int, ...], fmt: StorageFormat,
+             rotation: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x (..., W) -> codes (..., W) in fmt's storage dtype and float32 scales (..., n); see the module docstring.
-    Few-bit formats: packed uint8 codes and float16 scales (and minima), modules/lowbit.py."""
+    Few-bit formats: packed uint8 codes and float16 scales (and minima), modules/lowbit.py. rotation: the codes
+    are those of x rotated by H_n, n = rotation (see rotation(); dequantise with the same n rotates back)."""
+    x = _rotated(x, rotation)
     if fmt.low is not None:
         return lowbit.encode(x, parts, fmt.low)
     xf = x.to(torch.promote_types(x.dtype, SCALE_DTYPE))  # (..., W)
@@ -156,9 +188,14 @@ def quantise(x: torch.Tensor, parts: tuple[int, ...], fmt: StorageFormat) -> tup
 
 
 def dequantise(codes: torch.Tensor, scales: torch.Tensor, parts: tuple[int, ...], group: int | None,
-               dtype: torch.dtype, low: lowbit.LowBit | None = None) -> torch.Tensor:
+               dtype: torch.dtype, low: lowbit.LowBit | None = None, rotation: int | None = None) -> torch.Tensor:
     """codes (..., W), scales (..., n) -> (codes * scale) (..., W) in `dtype`, multiplied in float32
-    (float64 for float64); few-bit formats (low) through lowbit.decode."""
+    (float64 for float64); few-bit formats (low) through lowbit.decode; rotation: the rows rotated back by
+    H_n (H_n^T = H_n), n = rotation, before the cast to dtype."""
+    if rotation is not None:
+        work = torch.promote_types(dtype, SCALE_DTYPE)
+        out = _rotated(dequantise(codes, scales, parts, group, work, low), rotation)
+        return out if work == dtype else out.to(dtype)
     if low is not None:
         return lowbit.decode(codes, scales, parts, low, dtype)
     work = torch.promote_types(dtype, SCALE_DTYPE)
@@ -169,7 +206,9 @@ def dequantise(codes: torch.Tensor, scales: torch.Tensor, parts: tuple[int, ...]
 def round_trip(x: torch.Tensor, kv_dtype, parts: tuple[int, ...], role: str | None = None) -> torch.Tensor:
     """x as a cache with this kv_dtype (a spelling or a StorageFormat) returns it: quantised then
     dequantised, or rounded to a plain storage dtype. role ("key", "value"): what x (..., S, W) holds,
-    for KIVI, which quantises keys along the tokens (lowbit.kivi_round_trip)."""
+    for KIVI, which quantises keys along the tokens (lowbit.kivi_round_trip), and for llama.cpp's block
+    formats, which a GQA's cache rotates (rotation(): H^T Q(H x) block by block; role None, an MLA's rows:
+    Q(x))."""
     fmt = kv_dtype if isinstance(kv_dtype, StorageFormat) else check_kv_dtype(kv_dtype)
     if fmt is None:
         return x
@@ -178,7 +217,8 @@ def round_trip(x: torch.Tensor, kv_dtype, parts: tuple[int, ...], role: str | No
     elif not fmt.quantised:
         stored = x.to(fmt.storage_dtype).to(x.dtype)
     elif fmt.low is not None:
-        stored = lowbit.round_trip(x.detach(), parts, fmt.low)
+        n = rotation(fmt, role, parts)
+        stored = _rotated(lowbit.round_trip(_rotated(x.detach(), n), parts, fmt.low), n).to(x.dtype)
     else:
         codes, scales = quantise(x, parts, fmt)
         stored = dequantise(codes, scales, parts, fmt.group, x.dtype, fmt.low)
@@ -196,6 +236,7 @@ class QuantisedKV(NamedTuple):
     group: int | None
     dtype: torch.dtype
     low: lowbit.LowBit | None = None  # a few-bit format: data holds packed codes, scales float16 meta
+    rotation: int | None = None  # llama.cpp's rotation: the codes are of H_n x, n = rotation (read back rotated)
 
     @property
     def shape(self) -> torch.Size:
@@ -207,7 +248,7 @@ class QuantisedKV(NamedTuple):
         """Whether a reader may take the codes in the activation dtype and apply the scales per row of
         each part (one scale per part, a float32/float64 activation dtype: the same products in the same
         precision as dequantise(), in another order)."""
-        return (self.low is None and num_scales(self.parts, self.group) == len(self.parts)
+        return (self.low is None and self.rotation is None and num_scales(self.parts, self.group) == len(self.parts)
                 and self.dtype in (torch.float32, torch.float64))
 
     def codes(self) -> torch.Tensor:
@@ -215,7 +256,8 @@ class QuantisedKV(NamedTuple):
         return self.data.to(self.dtype)
 
     def dequantise(self) -> torch.Tensor:
-        return dequantise(self.data, self.scales, self.parts, self.group, self.dtype, self.low)  # (..., S, W)
+        return dequantise(self.data, self.scales, self.parts, self.group, self.dtype, self.low,
+                          self.rotation)  # (..., S, W)
 
 
 def dense(kv):

@@ -1,16 +1,18 @@
 """The training-free baselines: the original model's cache quantized the way users do it today.
 
 A shrunk model is worth its training only where it beats what one flag gives the untouched model:
-llama.cpp's cache types (q8_0, q5_0, q4_1, q4_0: `--cache-type-k/-v`) and KIVI-style 4- and 2-bit
-(modules/lowbit.py). Every shrink report names them at their bytes per token (scales and minima
-counted), scores those at the two smallest sizes at or above the bytes the shrink reached on the same held-out
-windows as the shrunk model, and says by how much the result beats the best of those, or loses.
+llama.cpp's cache types (q8_0, q5_0, q4_1, q4_0, iq4_nl: `--cache-type-k/-v`; a GQA's keys and values
+Hadamard-rotated as llama.cpp rotates a quantized cache, modules/lowbit.py, so that each scores what llama.cpp
+itself gives: tests/test_llama_cpp_cache.py) and KIVI-style 4- and 2-bit (modules/lowbit.py). Every shrink
+report names them at their bytes per token (scales and minima counted), scores those at the two smallest sizes
+at or above the bytes the shrink reached on the same held-out windows as the shrunk model, and says by how much
+the result beats the best of those, or loses.
 """
 from __future__ import annotations
 
 import math
 
-BASELINES = ("q8_0", "q5_0", "q4_1", "q4_0", "kivi4", "kivi2")
+BASELINES = ("q8_0", "q5_0", "q4_1", "q4_0", "iq4_nl", "kivi4", "kivi2")
 
 
 def baseline_bytes(teacher, names=BASELINES, context: int | None = None) -> dict[str, float]:

@@ -121,6 +121,8 @@ def check_request(req: ShrinkRequest) -> None:
         v = getattr(req, name)
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "layer_steps" else 1)):
             raise ValueError(f"{name} must be a positive integer, got {v!r}")
+    if isinstance(req.seed, bool) or not isinstance(req.seed, int) or not 0 <= req.seed < 2 ** 31:
+        raise ValueError(f"--seed must be an integer from 0 to {2 ** 31 - 1}, got {req.seed!r}")
     for p in [*req.text, *req.eval_text]:
         if not Path(p).is_file():
             raise ValueError(f"no such text file: {p}")
