@@ -40,17 +40,10 @@ from ..modules.cache import check_kv_dtype
 
 def _llama_parts(model):
     """(embed_tokens, layers, norm, lm_head, attnlab modules, the decoder block) of an attnlab'd Llama-family causal
-    LM, or a ValueError."""
-    from ..models.adapters import attnlab_modules, decoder_block, family
+    LM, or a ValueError (models.evaluate.causal_parts)."""
+    from ..models.evaluate import causal_parts
 
-    if getattr(model, "config", None) is None or family(model) != "llama":  # family() names other families
-        raise ValueError(f"generation needs a Llama-family causal LM; got a {type(model).__name__}")
-    base, lm_head = getattr(model, "model", None), getattr(model, "lm_head", None)
-    if lm_head is None or base is None or not hasattr(base, "embed_tokens"):
-        raise ValueError(f"generation needs a causal LM with an lm_head (e.g. LlamaForCausalLM); "
-                         f"got a {type(model).__name__}")
-    modules = attnlab_modules(model)  # ValueError unless to_attnlab(model) was called
-    return base.embed_tokens, list(base.layers), base.norm, lm_head, modules, decoder_block(model)
+    return causal_parts(model, "generation")
 
 
 class Generator:

@@ -102,19 +102,23 @@ def perplexity(model, input_ids: torch.Tensor, window: int = 512, stride: int | 
 CACHE_CHUNK = 512  # tokens per forward when scoring through the cache
 
 
-def _causal_parts(model):
+def causal_parts(model, what: str = "scoring through the cache"):
     """(embed_tokens, decoder layers, final norm, lm_head, attnlab modules, decoder block) of an attnlab'd
-    Llama-family causal LM (the parts generation.Generator drives), or a ValueError naming what is there."""
+    Llama-family causal LM (the parts generation.Generator and CacheRunner drive), or a ValueError naming what is
+    there (`what` needs it)."""
     from .adapters import decoder_block, family
 
-    if getattr(model, "config", None) is None or family(model) != "llama":
-        raise ValueError(f"scoring through the cache needs a Llama-family causal LM; got a {type(model).__name__}")
+    if getattr(model, "config", None) is None or family(model) != "llama":  # family() names other families
+        raise ValueError(f"{what} needs a Llama-family causal LM; got a {type(model).__name__}")
     base, lm_head = getattr(model, "model", None), getattr(model, "lm_head", None)
     if lm_head is None or base is None or not hasattr(base, "embed_tokens"):
-        raise ValueError(f"scoring through the cache needs a causal LM with an lm_head (e.g. LlamaForCausalLM); "
+        raise ValueError(f"{what} needs a causal LM with an lm_head (e.g. LlamaForCausalLM); "
                          f"got a {type(model).__name__}")
     modules = attnlab_modules(model)  # ValueError unless to_attnlab(model) was called
     return base.embed_tokens, list(base.layers), base.norm, lm_head, modules, decoder_block(model)
+
+
+_causal_parts = causal_parts
 
 
 class CacheRunner:
