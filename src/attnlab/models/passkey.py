@@ -153,7 +153,8 @@ def passkey_prompt(tok, length: int, depth: float, *, seed: int = 0, trial: int 
     ids = head + [t for p in filler[:cut] for t in p]
     position = len(ids) if with_key else None
     ids += (key_ids if with_key else []) + [t for p in filler[cut:] for t in p] + question
-    assert len(ids) == P, (len(ids), P)
+    if len(ids) != P:  # the pieces above add up to P by construction: a bug, not the caller's input
+        raise RuntimeError(f"passkey prompt bug: {len(ids)} tokens assembled for {P}")
     return PasskeyPrompt(torch.tensor([ids], dtype=torch.long), key, length, float(depth), position, answer_tokens)
 
 
