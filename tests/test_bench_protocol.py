@@ -58,3 +58,21 @@ def test_the_table_takes_the_median_and_the_worst_over_seeds_and_texts(protocol)
     assert row["worst_text"] == "licence"  # median over seeds 8.2/8.0, the highest
     assert row["beats_baseline_on_every_text"] is False  # licence: 1.025x against q5_0's 1.0125x
     assert row["seed_spread"] == pytest.approx(0.05)  # licence: 1.05x (seed 0) to 1.0x (seed 2)
+    # nearest in bytes: q4_0 (300) is the only one with the fewest bytes >= 250
+    assert row["nearest"] == {n: "q4_0" for n in texts} and row["nearest_ratio"]["licence"] == pytest.approx(1.1)
+    # q4_0 (1.05, 1.05, 1.02, 1.1) is beaten on every text by the medians (1.02, 1.02, 1.01, 1.025); q5_0 is not
+    assert row["beats_on_every_text"] == ["q4_0"] and row["fair_baselines"] == ["q4_0", "q5_0"]
+
+
+def test_a_repeat_compares_the_plan_and_each_texts_perplexity_with_the_first_run(protocol):
+    texts = list(protocol.TEXTS)
+    plan = {"rank": 272, "rope_dims": 112}
+    first = {"plan": plan, "texts": {n: {"perplexity": 10.0} for n in texts}}
+    again = {"plan": dict(plan), "texts": {n: {"perplexity": 10.0} for n in texts}}
+    again["texts"][texts[2]]["perplexity"] = 10.04  # one text 0.4% worse
+    c = protocol.compare_repeat(first, again)
+    assert c["same_plan"] is True
+    assert c["perplexity_ratio"][texts[2]] == pytest.approx(1.004)
+    assert c["largest_change"] == pytest.approx(0.004)
+    again["plan"] = {"rank": 256, "rope_dims": 112}
+    assert protocol.compare_repeat(first, again)["same_plan"] is False
