@@ -27,22 +27,20 @@ Core module: torch only.
 """
 from __future__ import annotations
 
-import math
-
 import torch
+
+from ..modules.lowbit import hadamard as lowbit_hadamard
 
 F64 = torch.float64
 ROTATIONS = ("random", "hadamard")
 
 
 def hadamard(n: int) -> torch.Tensor:
-    """Sylvester's Hadamard matrix of size n (a power of two), scaled to be orthogonal, float64."""
-    if n < 1 or n & (n - 1):
-        raise ValueError(f"a Sylvester Hadamard matrix needs a power-of-two size, got {n}; use rotation 'random'")
-    h = torch.ones(1, 1, dtype=F64)
-    while h.shape[0] < n:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return h / math.sqrt(n)
+    """Sylvester's Hadamard matrix of size n (a power of two), scaled to be orthogonal, float64: the one matrix
+    llama.cpp's cache rotation uses too (modules.lowbit.hadamard)."""
+    if isinstance(n, int) and not isinstance(n, bool) and n >= 1 and not n & (n - 1):
+        return lowbit_hadamard(n, F64)
+    raise ValueError(f"a Sylvester Hadamard matrix needs a power-of-two size, got {n!r}; use rotation 'random'")
 
 
 def random_orthogonal(n: int, seed: int = 0) -> torch.Tensor:

