@@ -356,7 +356,8 @@ def part_repeat(case: str, seed: int, redo: bool) -> None:
 
 def part_plot(path: Path = HERE / "protocol.png") -> None:
     """One picture: per case and text, the shrunk model's perplexity over the original's (median of the seeds, the
-    bar; the worst seed, the tick) beside the best baseline at equal or more bytes on that text."""
+    bar; the worst seed, the tick) beside the nearest baseline in bytes among those at equal or more bytes, and the
+    best of those, on that text."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -374,13 +375,16 @@ def part_plot(path: Path = HERE / "protocol.png") -> None:
         names = list(TEXTS)
         xs = range(len(names))
         ours = [[run["texts"][n]["perplexity"] / original[n]["perplexity"] for run in runs] for n in names]
-        ax.bar([x - 0.2 for x in xs], [statistics.median(v) - 1 for v in ours], 0.4, bottom=1, label="attnlab shrink")
-        ax.scatter([x - 0.2 for x in xs], [max(v) for v in ours], marker="_", color="k", s=200, label="worst seed")
-        ax.bar([x + 0.2 for x in xs], [r["baseline_ratio"].get(n, 1) - 1 for n in names], 0.4, bottom=1,
-               label="best baseline at >= bytes")
-        for x, n in zip(xs, names):
-            ax.text(x + 0.2, r["baseline_ratio"].get(n, 1), r["baseline"].get(n, ""), ha="center", va="bottom",
-                    fontsize=7)
+        w = 0.27
+        ax.bar([x - w for x in xs], [statistics.median(v) - 1 for v in ours], w, bottom=1, label="attnlab shrink")
+        ax.scatter([x - w for x in xs], [max(v) for v in ours], marker="_", color="k", s=120, label="worst seed")
+        for dx, which, label in ((0, "nearest", "nearest baseline at >= bytes"),
+                                 (w, "baseline", "best baseline at >= bytes")):
+            ratio = r[f"{which}_ratio"]
+            ax.bar([x + dx for x in xs], [ratio.get(n, 1) - 1 for n in names], w, bottom=1, label=label)
+            for x, n in zip(xs, names):
+                ax.text(x + dx, max(ratio.get(n, 1), 1), r[which].get(n, ""), ha="center", va="bottom", fontsize=6,
+                        rotation=90)
         ax.axhline(1, color="grey", lw=0.8)
         ax.set_xticks(list(xs), names, rotation=20, fontsize=8)
         ax.set_title(f"{r['command'].split(' --out')[0].replace('attnlab shrink ', '')}\n"

@@ -153,7 +153,7 @@ def load_gguf(path, dtype=None, overrides: dict | None = None):
     model = tok = None
     if folder is not None and (folder / MARK).exists():
         try:
-            model, tok = _read_copy(folder)
+            model, tok = _quiet(lambda: _read_copy(folder))
         except (OSError, ValueError, KeyError, SafetensorError) as e:  # damaged: read the GGUF again, rewrite it
             warnings.warn(f"the de-quantised copy {folder} of {path} is unreadable ({e}); reading the GGUF")
             shutil.rmtree(folder, ignore_errors=True)
