@@ -308,6 +308,11 @@ def part_long(case: str, seed: int, redo: bool) -> None:
     row = {"case": case, "seed": seed, "texts": list(TEXTS), "passkey_lengths": PASSKEY_LENGTHS,
            "passkey_depths": PASSKEY_DEPTHS}
     note_load(row, "load_before")
+    shrunk, tok, _ = hf.load_model(run["out"])
+    row["result"] = {"texts": score(shrunk, tok, long=True), "passkey": passkey(shrunk, tok)}
+    print("result", json.dumps(row["result"]["texts"]))
+    save(key + "/partial", row)
+    del shrunk
     model, tok, _ = hf.load_model(model_name)
     for name in (None, *LONG_BASELINES):
         hf.set_kv_dtype(model, name)
@@ -317,9 +322,6 @@ def part_long(case: str, seed: int, redo: bool) -> None:
         print(name or "original", json.dumps(row[name or "original"]["texts"]))
         save(key + "/partial", row)  # what is done survives a failure later in the part
     hf.set_kv_dtype(model, None)
-    shrunk, tok, _ = hf.load_model(run["out"])
-    row["result"] = {"texts": score(shrunk, tok, long=True), "passkey": passkey(shrunk, tok)}
-    print("result", json.dumps(row["result"]["texts"]))
     note_load(row, "load_after")
     save(key, row)
 
