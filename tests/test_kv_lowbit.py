@@ -82,7 +82,7 @@ def _asym_oracle(group: torch.Tensor, bits: int, search: bool = True) -> torch.T
     return best
 
 
-@pytest.mark.parametrize("bits", [4, 3, 2])
+@pytest.mark.parametrize("bits", [7, 6, 5, 4, 3, 2])
 def test_asymmetric_group_matches_the_formula_by_hand(bits):
     group = torch.tensor([-1.5, -0.2, 0.0, 0.3, 0.9, 2.25, 2.0, -0.7], dtype=F64)
     fmt = check_kv_dtype(f"int{bits}/g8").low
@@ -135,13 +135,30 @@ def test_kivi_keys_per_channel_over_tokens_values_per_token():
 
 
 # -- (c) packing ------------------------------------------------------------------------------------
-@pytest.mark.parametrize("bits", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 5, 6, 7, 8])
 @pytest.mark.parametrize("width", [1, 7, 8, 30, 64])
 def test_pack_unpack_is_the_identity(bits, width):
     codes = torch.randint(0, 2 ** bits, (3, 4, width), generator=torch.Generator().manual_seed(bits), dtype=torch.uint8)
     packed = lowbit.pack(codes, bits)
     assert packed.dtype == torch.uint8 and packed.shape[-1] == lowbit.packed_width(width, bits)
     assert torch.equal(lowbit.unpack(packed, bits, width), codes)
+
+
+@pytest.mark.parametrize("bits", [3, 5, 6, 7])
+def test_packing_of_other_bits_is_its_binary_digits_low_first(bits):
+    """The documented layout by hand: a b-bit code cut into the chunks of b's binary digits (4, 2, 1), low bits
+    first, each chunk 8 / w codes to a byte with the first code in the low bits."""
+    width = 16
+    codes = torch.randint(0, 2 ** bits, (width,), generator=torch.Generator().manual_seed(bits), dtype=torch.uint8)
+    want, shift = [], 0
+    for w in [c for c in (4, 2, 1) if bits & c]:
+        part = [(int(c) >> shift) & ((1 << w) - 1) for c in codes]
+        per = 8 // w
+        want += [sum(v << (w * j) for j, v in enumerate(part[i:i + per])) for i in range(0, width, per)]
+        shift += w
+    assert lowbit.pack(codes, bits).tolist() == want
+    with pytest.raises(ValueError, match="9 bits"):
+        lowbit.pack(codes, 9)
 
 
 # -- (d) caches ---------------------------------------------------------------------------------------
@@ -157,7 +174,8 @@ def _gqa(**kw):
 
 
 @pytest.mark.parametrize("make, parts", [(_mla, {"kv": (64, 32)}), (_gqa, {"k": (32,) * 2, "v": (32,) * 2})])
-@pytest.mark.parametrize("kv_dtype", ["q8_0", "q5_0", "q4_0", "q4_1", "int4", "int2/g16", "int4/g32+r8"])
+@pytest.mark.parametrize("kv_dtype", ["q8_0", "q5_0", "q4_0", "q4_1", "int4", "int2/g16", "int4/g32+r8", "int6/g32+r8",
+                                      "int7/g16", "int5"])
 def test_cache_allocates_the_documented_bytes(make, parts, kv_dtype):
     m = make()
     fmt = check_kv_dtype(kv_dtype).low
@@ -178,7 +196,7 @@ DECODERS = {"gqa": _gqa, "mla": _mla}
 
 
 @pytest.mark.parametrize("name, kv_dtype", [(n, k) for n in DECODERS for k in ("q4_0", "q8_0", "int4", "int2/g16")]
-                         + [("mla", "int4/g32+r8")])
+                         + [("mla", "int4/g32+r8"), ("mla", "int6/g32+r8"), ("gqa", "int5/g16")])
 def test_few_bit_decode_equals_full_forward_through_the_same_storage(name, kv_dtype):
     m = DECODERS[name]()
     x = torch.randn(2, 8, m.dim, dtype=F64, generator=torch.Generator().manual_seed(1))

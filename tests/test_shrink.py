@@ -182,6 +182,20 @@ def test_the_plan_tries_every_value_in_few_bits_where_the_budget_holds_it(tiny, 
         assert whole[0].round == 2 and whole[0].rotation == "random" and whole[0].bytes_per_token == 2 * per_layer
 
 
+@pytest.mark.parametrize("budget, fits", [("50%", True), ("45%", False)])
+def test_a_six_bit_latent_beside_an_eight_bit_key_holds_every_value_where_the_bytes_allow(tiny, budget, fits):
+    """int6/g32+r8, every value: 24 bytes of 6-bit latent codes and a scale and minimum for its group of 32, 32 bytes
+    of 8-bit key codes and a scale and minimum per token: 64 a layer, 128 of the tiny model's 256 (50%)."""
+    _, model, tok, text, _ = tiny
+    result = plan(model, _ids(tok, text, 256), parse_budget(budget), window=T, storages=("bf16", "int6/g32+r8"))
+    whole = [c for c in result.measured if (c.latent_dim, c.rope_dim, c.kv_dtype) == (32, 32, "int6/g32+r8")]
+    per_layer = 32 * 6 // 8 + 2 * 2 + 32 + 2 * 2
+    assert (2 * per_layer <= parse_budget(budget).bytes_for(bytes_per_token(64, "bf16", 2))) is fits
+    assert len(whole) == int(fits)
+    if fits:
+        assert whole[0].bytes_per_token == 2 * per_layer
+
+
 def test_a_budget_below_every_storage_names_the_smallest_that_can_be_met(tiny):
     _, model, tok, text, _ = tiny
     with pytest.raises(ValueError, match=r"the smallest these storages \(bf16, int2/g32\+r8\) can meet is \d+ "

@@ -81,8 +81,8 @@ def shrink(source: str = typer.Argument(..., help="The model: smollm2, a transfo
            fmt: str = typer.Option("attnlab", "--format", help="attnlab (attention layers beside the base), deepseek "
                                    "(a DeepseekV3 folder) or gguf (one file llama.cpp runs)."),
            kv_dtype: str = typer.Option("auto", "--kv-dtype", help="Cache storage: auto (attnlab's format may "
-                                        "choose 8-bit or 4/3/2-bit latents when they measure better; a GGUF llama.cpp's "
-                                        "f16, q8_0, q5_0 or q4_0 cache), bf16, int8, int4, int3, int2 (int4/g<N>: a "
+                                        "choose 8-bit or 2- to 6-bit latents when they measure better; a GGUF llama.cpp's "
+                                        "f16, q8_0, q5_0 or q4_0 cache), bf16, int8, int2 to int7 (int4/g<N>: a "
                                         "scale per N channels; +r8: the rope key in 8 bits; +c4: the rope key in 4 bits "
                                         "per channel over groups of 64 tokens, +c3, +c2 in 3, 2); for --format gguf bf16 (llama.cpp's "
                                         "f16) or a llama.cpp cache type, q8_0, q5_0, q4_1, q4_0."),

@@ -75,7 +75,7 @@ def kl_sum(teacher_logits: torch.Tensor, student_logits: torch.Tensor, rows: int
 
 def _prompts(held_out: torch.Tensor, prompts: int, prompt_len: int) -> torch.Tensor | None:
     M = held_out.shape[1]
-    if M < prompt_len:
+    if prompts < 1 or M < prompt_len:  # no prompts asked (no greedy agreement), or a text too short for one
         return None
     starts = torch.linspace(0, max(0, M - prompt_len), prompts).long().unique()
     return torch.stack([held_out[0, s:s + prompt_len] for s in starts.tolist()])  # (prompts, prompt_len)

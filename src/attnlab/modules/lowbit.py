@@ -40,7 +40,7 @@ llama.cpp's blocks of 32 group other channels of a key. Rotated, neither moves p
 spread (tests/test_llama_cpp_cache.py); with LLAMA_ATTN_ROT_DISABLE=1 the channel order does (SmolLM2, q4_0
 keys: llama.cpp 4% above attnlab, level once attnlab's keys are permuted into llama.cpp's order).
 
-attnlab's own ("int4/g<N>", "int2/g<N>"; N = 32 when not given): asymmetric round-to-nearest over groups
+attnlab's own ("int4/g<N>", "int2/g<N>", any of 2 to 7 bits; N = 32 when not given): asymmetric round-to-nearest over groups
 of N channels of each part of a row (the last group of a part may be short). For a range [lo, hi],
 m = float16(lo), d = float16((hi - m) / (2^b - 1)), code = clamp(round((x - m) / d), 0, 2^b - 1);
 x = code * d + m. The range is the group's [min, max] shrunk about its middle by the first ratio of
@@ -67,9 +67,11 @@ attnlab applies it as an evaluation baseline of a GQA cache (a forward without a
 tokens quantised, a trailing partial group kept as it is) and counts its bytes in the steady state,
 (b + 1) bits a value; its caches refuse it.
 
-Packing: codes of b in (2, 4, 8) bits sit 8/b to a byte, the first in the low bits; 5-bit codes are
-their low 4 bits packed as 4-bit codes, followed by their fifth bits packed 8 to a byte (5/8 of a byte
-a value, as llama.cpp's q5_0); 3-bit codes likewise, their low 2 bits then their third bits. A row whose width is not a multiple of 8 is padded with zero codes.
+Packing: codes of b in (1, 2, 4, 8) bits sit 8/b to a byte, the first in the low bits; a code of other b is cut
+into the binary digits of b, low bits first (chunks()), each chunk packed so: 5-bit codes are their low 4 bits
+packed as 4-bit codes, followed by their fifth bits packed 8 to a byte (5/8 of a byte a value, as llama.cpp's
+q5_0); 3-bit codes their low 2 bits then their third bits; 6-bit codes 4 + 2, 7-bit codes 4 + 2 + 1. A row
+whose width is not a multiple of 8 is padded with zero codes, so b-bit codes take exactly b/8 bytes a value.
 """
 from __future__ import annotations
 
@@ -112,7 +114,7 @@ BLOCK_FORMATS = {"q8_0": LowBit("q8_0", 8, BLOCK, False, "block"), "q5_0": LowBi
                  "q4_0": LowBit("q4_0", 4, BLOCK, False, "block"), "q4_1": LowBit("q4_1", 4, BLOCK, True, "block"),
                  "iq4_nl": LowBit("iq4_nl", 4, BLOCK, False, "block")}
 KIVI_FORMATS = {"kivi4": LowBit("kivi4", 4, BLOCK, True, "kivi"), "kivi2": LowBit("kivi2", 2, BLOCK, True, "kivi")}
-SPELLING = re.compile(r"(q8_0|q5_0|q4_0|q4_1|iq4_nl|kivi4|kivi2)|int([432])(?:/g([1-9][0-9]*))?(?:\+(r8|c[234]))?")
+SPELLING = re.compile(r"(q8_0|q5_0|q4_0|q4_1|iq4_nl|kivi4|kivi2)|int([2-7])(?:/g([1-9][0-9]*))?(?:\+(r8|c[234]))?")
 IQ4_NL_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)  # ggml's kvalues_iq4nl
 IQ4_NL_TINY = 1e-15  # GROUP_MAX_EPS: a block whose largest magnitude is below it stores d = 0
 ROTATION_ENV = "LLAMA_ATTN_ROT_DISABLE"  # llama.cpp's switch: a nonzero integer turns the cache rotation off
@@ -226,27 +228,41 @@ def _unpack_plain(packed: torch.Tensor, bits: int) -> torch.Tensor:
     return ((packed[..., None] >> shifts) & ((1 << bits) - 1)).flatten(-2)  # (..., W)
 
 
+def chunks(bits: int) -> tuple[int, ...]:
+    """The widths a b-bit code is packed in, low bits first: b's binary digits from the largest (5 -> 4, 1;
+    6 -> 4, 2; 7 -> 4, 2, 1; 3 -> 2, 1; 1, 2, 4, 8 -> themselves)."""
+    if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 8:
+        raise ValueError(f"codes of {bits!r} bits have no packing here (1 to 8)")
+    if bits == 8:
+        return (8,)
+    return tuple(w for w in (4, 2, 1) if bits & w)
+
+
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """codes (..., W) of values below 2^bits -> (..., packed_width(W, bits)) uint8."""
+    """codes (..., W) of values below 2^bits -> (..., packed_width(W, bits)) uint8: each chunk of bits (chunks())
+    packed as codes of its width, the lowest first (module docstring)."""
+    widths = chunks(bits)
     W = codes.shape[-1]
-    pad = packed_width(W, bits) * 8 // bits - W
+    pad = -W % 8
     if pad:
         codes = torch.cat([codes, codes.new_zeros(*codes.shape[:-1], pad)], -1)
-    if bits in (3, 5):  # the low bits as 2- or 4-bit codes, then the top bits 8 to a byte
-        low = bits - 1
-        return torch.cat([_pack_plain(codes & ((1 << low) - 1), low), _pack_plain(codes >> low, 1)], -1)
-    if bits not in (1, 2, 4, 8):
-        raise ValueError(f"codes of {bits} bits have no packing here (1, 2, 3, 4, 5, 8)")
-    return _pack_plain(codes, bits)
+    out, shift = [], 0
+    for w in widths:
+        out.append(_pack_plain((codes >> shift) & ((1 << w) - 1), w))
+        shift += w
+    return out[0] if len(out) == 1 else torch.cat(out, -1)
 
 
 def unpack(packed: torch.Tensor, bits: int, width: int) -> torch.Tensor:
     """(..., packed_width(width, bits)) uint8 -> the codes (..., width) as uint8."""
-    if bits in (3, 5):
-        n = packed.shape[-1] * (bits - 1) // bits  # bytes of the low bits
-        low, high = _unpack_plain(packed[..., :n], bits - 1), _unpack_plain(packed[..., n:], 1)
-        return (low | (high << (bits - 1)))[..., :width]
-    return _unpack_plain(packed, bits)[..., :width]
+    rows = packed.shape[-1] // bits  # bytes per bit of code: W / 8 (W padded to a multiple of 8)
+    codes, start, shift = None, 0, 0
+    for w in chunks(bits):
+        part = _unpack_plain(packed[..., start:start + rows * w], w) << shift
+        codes = part if codes is None else codes | part
+        start += rows * w
+        shift += w
+    return codes[..., :width]
 
 
 # -- groups ---------------------------------------------------------------------------------------------

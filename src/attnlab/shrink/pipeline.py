@@ -102,7 +102,7 @@ def check_request(req: ShrinkRequest) -> None:
     if req.storage != "auto" and req.fmt == "attnlab" and not storage_ok(req.storage):
         llama = f"; {req.storage} is a llama.cpp cache type: with --format gguf" if req.storage in LLAMA_CPP_CACHE \
             else ""
-        raise ValueError(f"--kv-dtype must be auto, bf16, int8, int4, int3 or int2 (int4/g<N>: a scale and minimum "
+        raise ValueError(f"--kv-dtype must be auto, bf16, int8, or int2 to int7 (int4/g<N>: a scale and minimum "
                          f"per N latent channels; '+r8': the rope key in 8 bits; '+c4', '+c3', '+c2': in 4, 3, 2 bits per channel), got "
                          f"{req.storage!r}{llama}")
     parse_budget(req.kv_budget)

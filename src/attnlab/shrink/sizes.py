@@ -16,8 +16,9 @@ import torch
 
 FORMATS = ("attnlab", "deepseek", "gguf")
 # latent in 4 or 2 bits (groups of 32) with the rope key in 8 bits per token; or latent in 3 or 4 bits with the rope
-# key in 4 bits per channel over groups of 64 tokens (KIVI's key layout; docs/real-models.md)
-FEW_BIT = ("int4/g32+r8", "int2/g32+r8", "int3/g64+c4", "int4/g32+c4")
+# key in 4 bits per channel over groups of 64 tokens (KIVI's key layout; docs/real-models.md); last, a 6-bit latent
+# beside the 8-bit rope key: what holds every value of a GQA between 4 bits (41% of SmolLM2's bytes) and 8 (51%)
+FEW_BIT = ("int4/g32+r8", "int2/g32+r8", "int3/g64+c4", "int4/g32+c4", "int6/g32+r8")
 STORAGES = ("bf16", "int8", *FEW_BIT)
 # a GGUF's cache is llama.cpp's: its f16 ("bf16" here: the same bytes) or a block type of --cache-type-k, which
 # quantises deepseek2's cached row [latent | rope key] in blocks of 32 (modules/lowbit.py computes it bit for bit)
@@ -26,7 +27,7 @@ GGUF_STORAGES = ("bf16", "q8_0", "q5_0", "q4_0")
 
 def storage_ok(storage: str, fmt: str = "attnlab") -> bool:
     """Whether the planner can store a latent cache so in that format: bf16 in every one; in attnlab's own also int8
-    and its int4/int3/int2 groups (any /g<N>, with or without +r8 or +c4); in a GGUF llama.cpp's cache types."""
+    and its int2 to int7 groups (any /g<N>, with or without +r8 or +c4); in a GGUF llama.cpp's cache types."""
     from ..modules.cache import check_kv_dtype
 
     if storage == "bf16":
@@ -42,8 +43,11 @@ def storage_ok(storage: str, fmt: str = "attnlab") -> bool:
     return fmt.low is not None and fmt.low.kind == "asym"
 
 
+FEW_BIT_SPELLING = re.compile(r"int[2-7](?:/|\+|$)")  # attnlab's own groups of 2 to 7 bits (modules/lowbit.py)
+
+
 def few_bit(storage: str) -> bool:
-    return storage.startswith(("int4", "int3", "int2"))
+    return FEW_BIT_SPELLING.match(storage) is not None
 
 
 def llama_cpp_type(storage: str) -> str:
