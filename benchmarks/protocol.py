@@ -282,10 +282,44 @@ def part_report() -> None:
               f"{r['nearest_worst'] or float('nan'):.3f}x | {', '.join(r['beats_on_every_text']) or 'none'} "
               f"(of {len(r['fair_baselines'])}) |")
     save("table", {"rows": t})
+    long_report()
     for key, row in sorted(rows().items()):
         if key.startswith("repeat/") and "compared" in row:
             c = row["compared"]
             print(f"{key}: same plan {c['same_plan']}, largest perplexity change {c['largest_change']:.2%}")
+
+
+def long_rows(data: dict | None = None) -> list[dict]:
+    """Each finished long part: for the result and each baseline, perplexity over the original's at 4,096 tokens and
+    at 512 on every text, and passkey accuracy (None for KIVI, which has no cache to decode through)."""
+    data = rows() if data is None else data
+    out = []
+    done = [k for k in data if k.startswith("long/") and not k.endswith("/partial")]
+    cut = [k for k in data if k.endswith("/partial") and k[:-len("/partial")] not in done]  # a part cut short
+    for key in sorted(done + cut):
+        row, orig = data[key], data[key]["original"]
+        for name in ("result", *LONG_BASELINES):
+            if name not in row:
+                continue
+            texts = row[name]["texts"]
+            out.append({"key": key, "model": name, "passkey": (row[name].get("passkey") or {}).get("accuracy"),
+                        "original_passkey": (orig.get("passkey") or {}).get("accuracy"),
+                        "at_4096": {n: texts[n]["perplexity_4096"] / orig["texts"][n]["perplexity_4096"] for n in texts},
+                        "at_512": {n: texts[n]["perplexity"] / orig["texts"][n]["perplexity"] for n in texts}})
+    return out
+
+
+def long_report() -> None:
+    """Print long_rows as a table: 4,096 (512) on each text, and passkey accuracy beside the original's."""
+    found = long_rows()
+    if not found:
+        return
+    print(f"\n| long part | cache | {' | '.join(TEXTS)} (at 4,096; at 512 in brackets) | passkey (original's) |")
+    print(f"|---|---|{'---|' * len(TEXTS)}---|")
+    for r in found:
+        cells = " | ".join(f"{r['at_4096'][n]:.3f} ({r['at_512'][n]:.3f})" for n in TEXTS)
+        key = "-" if r["passkey"] is None else f"{r['passkey']:.0%} ({r['original_passkey']:.0%})"
+        print(f"| {r['key']} | {r['model']} | {cells} | {key} |")
 
 
 LONG_BASELINES = ("q4_0", "iq4_nl", "kivi4")

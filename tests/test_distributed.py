@@ -404,6 +404,57 @@ def test_torchrun_shrink_plans_once_and_writes_what_one_process_writes(runs, tmp
         proc.stderr[-3000:]
 
 
+def test_torchrun_shrink_at_eight_processes_writes_what_one_process_writes(runs, tmp_path, capsys):
+    """Any number of processes that divides --batch-size: `torchrun --nproc-per-node 8 -m attnlab shrink --batch-size
+    8` (DDP, gloo) on the tiny Llama, the heal pinned (--tokens, --layer-steps), against one process with the same
+    arguments: the same heal plan (a layer-wise batch of whole end-to-end batches, so 8 divides it too), the same
+    losses and weights (to 1e-3/1e-4: float32 sums split 8 ways, as the two-process test)."""
+    from tiny_checkpoints import TEXT
+
+    from attnlab import models as hf
+    from attnlab.cli import main
+
+    work = runs[0]
+    text, held = tmp_path / "train.txt", tmp_path / "held.txt"
+    text.write_text(TEXT * 40)
+    held.write_text(TEXT[::-1] * 8)
+    args = ["shrink", str(work / "llama"), "--kv-budget", "25%", "--text", str(text), "--eval-text", str(held),
+            "--tokens", str(8 * T * 2), "--seq-len", str(T), "--layer-steps", "2", "--kv-dtype", "bf16",
+            "--batch-size", "8"]
+    assert main([*args, "--out", str(tmp_path / "one")]) == 0
+    capsys.readouterr()
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "8",
+                           "-m", "attnlab", *args, "--out", str(tmp_path / "eight")],
+                          env=_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    one, eight = (json.loads((tmp_path / d / "config.json").read_text())["shrink"] for d in ("one", "eight"))
+    assert eight["heal_plan"] == one["heal_plan"] and one["heal_plan"]["batch_size"] == 8
+    assert one["heal_plan"]["layer_batch"] % 8 == 0 and one["request"]["batch_size"] == 8
+    h1, h8 = one["heal"], eight["heal"]
+    assert h8["status"] == h1["status"] == "done" and h8["distill_tokens"] == h1["distill_tokens"] == 8 * T * 2
+    assert h8["layer_losses"] == pytest.approx(h1["layer_losses"], rel=1e-4)
+    assert h8["distill_loss_last"] == pytest.approx(h1["distill_loss_last"], rel=1e-4)
+    a, b = _weights(hf.load_model(str(tmp_path / "one"))[0]), _weights(hf.load_model(str(tmp_path / "eight"))[0])
+    assert _rel(b, a) <= 1e-3
+
+
+@pytest.mark.parametrize("size, batch, accepted, suggested", [(3, 4, "run 2, 4 of them", "--batch-size 6"),
+                                                              (8, 4, "run 2, 4 of them", "--batch-size 8"),
+                                                              (5, 6, "run 2, 3, 6 of them", "--batch-size 10")])
+def test_a_world_that_does_not_divide_the_batch_is_refused_in_one_line_naming_what_would_do(
+        runs, tmp_path, capsys, monkeypatch, size, batch, accepted, suggested):
+    """Before any work (no group is joined, nothing is loaded): one line on stderr, exit 2."""
+    from attnlab.cli import main
+
+    for k, v in {"WORLD_SIZE": str(size), "RANK": "0", "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(k, v)
+    code = main(["shrink", str(runs[0] / "llama"), "--kv-budget", "25%", "--batch-size", str(batch),
+                 "--out", str(tmp_path / "x")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and accepted in err and suggested in err and str(size) in err
+    assert not (tmp_path / "x").exists() and not (tmp_path / "x.shrink-run").exists()
+
+
 def _heal_ranks(work: Path, tmp_path: Path, timeout: int):
     """Two ranks of an endless `attnlab heal` started as torchrun starts them (RANK, WORLD_SIZE, a rendezvous; no
     agent that would stop a survivor itself), returned once rank 0 has written a checkpoint and taken a few more

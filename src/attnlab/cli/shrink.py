@@ -96,6 +96,9 @@ def shrink(source: str = typer.Argument(..., help="The model: smollm2, a transfo
                                                 "as the time allows). With --layer-steps it pins the work: the "
                                                 "same weights under any load, --minutes not enforced."),
            seq_len: int = typer.Option(256, "--seq-len", help="Tokens per training window."),
+           batch_size: int = typer.Option(4, "--batch-size", help="Windows per end-to-end heal step (the layer-wise "
+                                          "batch is a whole number of them); under torchrun the global batch, which "
+                                          "the number of processes must divide."),
            device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
            resume: bool = typer.Option(False, "--resume/--no-resume", help="Continue a stopped run (same arguments)."),
            force: bool = typer.Option(False, "--force/--no-force", help="Replace an existing --out (only one "
@@ -111,8 +114,8 @@ def shrink(source: str = typer.Argument(..., help="The model: smollm2, a transfo
 
     Example: attnlab shrink smollm2 --kv-budget 50% --out smol-half
     Example: attnlab shrink ~/Llama-3.2-1B --kv-budget 25% --text notes.txt --minutes 30 --format gguf --out small.gguf
-    Example: torchrun --standalone --nproc-per-node 4 -m attnlab shrink ~/Llama-3.2-1B --kv-budget 25% --device cuda
-    --minutes 60 --out small (rank 0 plans and converts once; the heal runs on every process)
+    Example: torchrun --standalone --nproc-per-node 8 -m attnlab shrink ~/Llama-3.2-1B --kv-budget 25% --device cuda
+    --batch-size 16 --minutes 60 --out small (rank 0 plans and converts once; the heal runs on every process)
     """
     from ..heal.guard import guard_line, probe_line
     from ..runtime.budget import Budget, Stopped, stop_on_signals
@@ -137,14 +140,19 @@ def shrink(source: str = typer.Argument(..., help="The model: smollm2, a transfo
             raise UsageProblem("--shard needs a process group: it shards the trained weights over the processes of "
                                "a torchrun job (torchrun --nproc-per-node N -m attnlab shrink ..., N >= 2); this is "
                                "one process")
-        if place.distributed and 4 % place.size:
-            raise UsageProblem(f"shrink's heal splits batches of 4 windows over the processes: run 2 or 4 of them, "
-                               f"not {place.size}")
+        positive("--batch-size", batch_size, integer=True)
+        if place.distributed and batch_size % place.size:
+            fits = [n for n in range(2, batch_size + 1) if batch_size % n == 0]
+            runs = f"run {', '.join(map(str, fits))} of them" if fits else "run one process"
+            bigger = place.size * -(-batch_size // place.size)  # the nearest batch that splits over these processes
+            raise UsageProblem(f"shrink's heal splits batches of --batch-size {batch_size} windows over the processes: "
+                               f"{place.size} processes do not divide it; {runs}, or give a --batch-size that "
+                               f"{place.size} divides (--batch-size {bigger})")
         req = ShrinkRequest(source=source, kv_budget=kv_budget, out=str(out), fmt=fmt, minutes=minutes,
                             text=[str(t) for t in text or []], eval_text=[str(t) for t in eval_text or []],
                             seed=seed, device=device, calibration=not no_calibration, storage=kv_dtype,
                             latent_dim=latent_dim, rope_dim=rope_dim, tokens=tokens, seq_len=seq_len,
-                            layer_steps=layer_steps, keep_worse=keep_worse, context=context)
+                            layer_steps=layer_steps, keep_worse=keep_worse, context=context, batch_size=batch_size)
         try:
             check_request(req)
         except ValueError as e:

@@ -78,12 +78,13 @@ class ShrinkRequest:
     seq_len: int = 256  # tokens per training window
     tokens: int | None = None  # end-to-end heal tokens (None: as many as the time allows)
     layer_steps: int | None = None  # layer-wise steps per layer (None: sized to the time)
+    batch_size: int = 4  # windows per end-to-end step, the global batch a torchrun job splits over its processes
     keep_worse: bool = False  # write the healed weights even when held-out perplexity rose (heal_model's keep_better)
     context: int | None = None  # the budget counts bytes per token at this sequence length (None: every token held)
 
     def identity(self) -> dict:
         keep = ("source", "kv_budget", "fmt", "text", "eval_text", "seed", "calibration", "storage", "latent_dim",
-                "rope_dim", "windows", "seq_len", "tokens", "layer_steps", "context")
+                "rope_dim", "windows", "seq_len", "tokens", "layer_steps", "context", "batch_size")
         return {k: [str(x) for x in v] if isinstance(v, list) else v for k, v in asdict(self).items() if k in keep}
 
 
@@ -117,7 +118,7 @@ def check_request(req: ShrinkRequest) -> None:
         raise ValueError(f"--format gguf writes one file: --out must end in .gguf, got {req.out}")
     if isinstance(req.minutes, bool) or not isinstance(req.minutes, (int, float)) or not req.minutes > 0:
         raise ValueError(f"--minutes must be a positive number, got {req.minutes!r}")
-    for name in ("windows", "seq_len", "tokens", "layer_steps"):
+    for name in ("windows", "seq_len", "tokens", "layer_steps", "batch_size"):
         v = getattr(req, name)
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "layer_steps" else 1)):
             raise ValueError(f"{name} must be a positive integer, got {v!r}")
@@ -287,14 +288,27 @@ def _heal_plan(req, teacher, student, train: torch.Tensor, seconds: float):
     A layer step is timed on layer 0 (forward and backward, twice), the teacher's hidden states on
     one window. Measured on SmolLM2 at a 50% cut (docs/real-models.md): with few steps per layer a
     lower rate and smaller batches do better at equal time (20 steps of 4 windows at lr 1e-3 beat 10
-    of 8), with 100 steps the defaults (8 windows, lr 3e-3) do best.
+    of 8), with 100 steps the defaults (8 windows, lr 3e-3) do best. The end-to-end batch is the request's
+    (--batch-size), and the layer-wise batch is rounded up to a whole number of them, so that any number of processes
+    that splits the one splits the other, and a torchrun job plans what one process plans.
     """
+    from ..heal.distill import HealPlan
+
+    plan = HealPlan(seq_len=req.seq_len, seed=req.seed, layer_windows=min(64, train.shape[0]), tokens=req.tokens,
+                    batch_size=req.batch_size)
+    plan = _sized(req, plan, teacher, student, train, seconds)
+    plan.layer_batch = -(-plan.layer_batch // req.batch_size) * req.batch_size  # whole end-to-end batches
+    return plan
+
+
+def _sized(req: ShrinkRequest, plan, teacher, student, train: torch.Tensor, seconds: float):
+    """heal_plan's choices from the request and the time: the probe and rate for a student that keeps every value,
+    and the layer-wise steps and batch."""
     import time
 
-    from ..heal.distill import EVERY_VALUE_LR, HealPlan
+    from ..heal.distill import EVERY_VALUE_LR
     from ..models.adapters import attnlab_modules
 
-    plan = HealPlan(seq_len=req.seq_len, seed=req.seed, layer_windows=min(64, train.shape[0]), tokens=req.tokens)
     mods = attnlab_modules(student)
     codes_only = all(s.kv_values_per_token >= t.kv_values_per_token for s, t in zip(mods, attnlab_modules(teacher)))
     share = LAYER_SHARE  # the layer-wise phase, then the end-to-end phase
