@@ -353,7 +353,7 @@ def test_cli_eval_refuses_a_text_shorter_than_a_window_before_any_scoring(folder
                            (["--text", str(short), "--chunk", "0"], "--chunk must be a positive integer, got 0"),
                            (["--passkey", "--reference", str(folder / "ck")], "--reference scores texts against"),
                            (["--passkey", "--kv-dtype", "kivi2"], "--passkey decodes through"),
-                           (["--text", str(short), "--kv-dtype", "int6"], "kv_dtype must be one of")):
+                           (["--text", str(short), "--kv-dtype", "int9"], "kv_dtype must be one of")):
         assert main(["eval", str(folder / "ck"), *argv]) == 2, argv
         assert fragment in _one_line_error(capsys), argv
 

@@ -498,17 +498,17 @@ def test_kv_dtype_is_saved_and_reloaded(tmp_path, make):
 
 
 # -- bad input ------------------------------------------------------------------------------------
-CHOICES = r"kv_dtype must be one of 'fp32', 'bf16', 'int8', 'fp8' .*got 'int6'"
+CHOICES = r"kv_dtype must be one of 'fp32', 'bf16', 'int8', 'fp8' .*got 'int9'"
 
 
 def test_unknown_kv_dtype_names_it_and_the_choices():
     with pytest.raises(ValueError, match=CHOICES):
-        GroupedQueryAttention(16, 4, 2, kv_dtype="int6")
+        GroupedQueryAttention(16, 4, 2, kv_dtype="int9")
     with pytest.raises(ValueError, match=CHOICES):
-        MultiHeadLatentAttention(16, 2, 6).init_cache(1, 4, kv_dtype="int6")
+        MultiHeadLatentAttention(16, 2, 6).init_cache(1, 4, kv_dtype="int9")
     m = MultiHeadLatentAttention(16, 2, 6)
     with pytest.raises(ValueError, match=CHOICES):
-        m.kv_dtype = "int6"
+        m.kv_dtype = "int9"
     with pytest.raises(ValueError, match=r"got 'int8/g0'"):
         m.kv_dtype = "int8/g0"
     with pytest.raises(TypeError, match=r"got int \(8\)"):
@@ -522,8 +522,8 @@ def test_unknown_kv_dtype_on_a_model_changes_nothing():
 
     model = _tiny_llama()
     set_kv_dtype(model, "int8")
-    for call in (lambda: set_kv_dtype(model, "int6"), lambda: kv_bytes_per_token(model, kv_dtype="int6"),
-                 lambda: Generator(model, 1, 4, kv_dtype="int6")):
+    for call in (lambda: set_kv_dtype(model, "int9"), lambda: kv_bytes_per_token(model, kv_dtype="int9"),
+                 lambda: Generator(model, 1, 4, kv_dtype="int9")):
         with pytest.raises(ValueError, match=CHOICES):
             call()
     assert [m.kv_dtype for m in attnlab_modules(model)] == ["int8", "int8"]
@@ -562,11 +562,11 @@ def test_cli_unknown_kv_dtype_is_one_line_with_status_2(capsys, tmp_path):
 
     text = tmp_path / "t.txt"
     text.write_text("some words")
-    for argv in (["eval", "smollm2", "--text", str(text), "--kv-dtype", "int6"],
-                 ["generate", "smollm2", "hello", "--kv-dtype", "int6"]):
+    for argv in (["eval", "smollm2", "--text", str(text), "--kv-dtype", "int9"],
+                 ["generate", "smollm2", "hello", "--kv-dtype", "int9"]):
         assert main(argv) == 2
         err = capsys.readouterr().err.strip().splitlines()
-        assert len(err) == 1 and err[0].startswith("attnlab: error: kv_dtype must be one of") and "'int6'" in err[0]
+        assert len(err) == 1 and err[0].startswith("attnlab: error: kv_dtype must be one of") and "'int9'" in err[0]
 
 
 def test_cli_eval_scores_and_counts_the_storage(capsys, tmp_path):
