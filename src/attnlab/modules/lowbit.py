@@ -233,9 +233,7 @@ def chunks(bits: int) -> tuple[int, ...]:
     6 -> 4, 2; 7 -> 4, 2, 1; 3 -> 2, 1; 1, 2, 4, 8 -> themselves)."""
     if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 8:
         raise ValueError(f"codes of {bits!r} bits have no packing here (1 to 8)")
-    if bits == 8:
-        return (8,)
-    return tuple(w for w in (4, 2, 1) if bits & w)
+    return tuple(w for w in (8, 4, 2, 1) if bits & w)
 
 
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -255,12 +253,12 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 def unpack(packed: torch.Tensor, bits: int, width: int) -> torch.Tensor:
     """(..., packed_width(width, bits)) uint8 -> the codes (..., width) as uint8."""
-    rows = packed.shape[-1] // bits  # bytes per bit of code: W / 8 (W padded to a multiple of 8)
+    per_bit = packed.shape[-1] // bits  # bytes each bit of the codes takes: W / 8 (W padded to a multiple of 8)
     codes, start, shift = None, 0, 0
     for w in chunks(bits):
-        part = _unpack_plain(packed[..., start:start + rows * w], w) << shift
+        part = _unpack_plain(packed[..., start:start + per_bit * w], w) << shift
         codes = part if codes is None else codes | part
-        start += rows * w
+        start += per_bit * w
         shift += w
     return codes[..., :width]
 

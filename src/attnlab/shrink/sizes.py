@@ -43,11 +43,12 @@ def storage_ok(storage: str, fmt: str = "attnlab") -> bool:
     return fmt.low is not None and fmt.low.kind == "asym"
 
 
-FEW_BIT_SPELLING = re.compile(r"int[2-7](?:/|\+|$)")  # attnlab's own groups of 2 to 7 bits (modules/lowbit.py)
-
-
 def few_bit(storage: str) -> bool:
-    return FEW_BIT_SPELLING.match(storage) is not None
+    """Whether a storage is one of attnlab's own few-bit groups (int2 to int7, modules/lowbit.py's spelling)."""
+    from ..modules import lowbit
+
+    low = lowbit.parse(storage)
+    return low is not None and low.kind == "asym"
 
 
 def llama_cpp_type(storage: str) -> str:
