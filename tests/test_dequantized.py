@@ -123,3 +123,29 @@ def test_the_bundled_smollm2_from_its_copy_tokenizes_and_predicts_as_from_its_gg
     assert tok2.decode(ids[0]) == tok.decode(ids[0])
     with torch.no_grad():
         assert torch.equal(again(ids).logits, model(ids).logits)
+
+
+def test_a_file_hashed_once_is_not_read_again_until_it_changes(tmp_path, cache, monkeypatch):
+    """file_digest is hashlib's sha256 of the bytes; a second call on the unchanged file answers from the record
+    (shown by planting another digest under the same size, time and inode), and a file written since (another
+    modification time) is hashed afresh. Without a cache folder nothing is recorded."""
+    import hashlib
+    import json
+    import os
+
+    path = tmp_path / "f.bin"
+    path.write_bytes(b"attnlab" * 1000)
+    assert dequantized.file_digest(path) == hashlib.sha256(path.read_bytes()).hexdigest()
+    record = cache / dequantized.DIGESTS
+    known = json.loads(record.read_text())
+    known[str(path.resolve())][3] = "planted"
+    record.write_text(json.dumps(known))
+    assert dequantized.file_digest(path) == "planted"
+    path.write_bytes(b"other" * 1000)
+    st = path.stat()
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10 ** 9))  # a coarse clock could leave the time unchanged
+    assert dequantized.file_digest(path) == hashlib.sha256(b"other" * 1000).hexdigest()
+    monkeypatch.setenv("ATTNLAB_CACHE", "off")
+    record.unlink()
+    assert dequantized.file_digest(path) == hashlib.sha256(b"other" * 1000).hexdigest()
+    assert not record.exists()

@@ -289,6 +289,7 @@ def test_shrink_end_to_end_for_each_format(tiny, tmp_path, fmt):
     assert kv["shrunk"] <= 0.5 * kv["original_16bit"] + (2 * 2 * 4 if kv["storage"] == "int8" else 0)
     assert report["held_out"]["after"]["perplexity"] > 0 and report["heal"]["steps_done"] > 0
     assert set(report["minutes"]) >= {"load", "data", "plan", "convert", "heal", "export", "total"}
+    assert report["runs_in"]["engine"] == {"attnlab": "attnlab", "deepseek": "transformers", "gguf": "llama.cpp"}[fmt]
     against = report["baselines"]["against"]  # the tiny model's head size (16) takes the KIVI baselines only
     scored = {r["kv_dtype"]: r for r in report["baselines"]["rows"] if r["perplexity"] is not None}
     assert set(scored) <= {"kivi4", "kivi2"} and all(r["kv_bytes_per_token"] >= kv["shrunk"] for r in scored.values())

@@ -79,7 +79,9 @@ def shrink(source: str = typer.Argument(..., help="The model: smollm2, a transfo
            eval_text: Optional[list[Path]] = typer.Option(None, "--eval-text", help="Held-out text for the report "
                                                           "(never trained or calibrated on)."),
            fmt: str = typer.Option("attnlab", "--format", help="attnlab (attention layers beside the base), deepseek "
-                                   "(a DeepseekV3 folder) or gguf (one file llama.cpp runs)."),
+                                   "(a DeepseekV3 folder) or gguf (one file llama.cpp runs: from a llama, qwen3 or "
+                                   "gemma3 GGUF, the original attention healed for a llama.cpp cache type, in its own "
+                                   "architecture, where that measures best; else deepseek2)."),
            kv_dtype: str = typer.Option("auto", "--kv-dtype", help="Cache storage: auto (attnlab's format may "
                                         "choose 8-bit or 2- to 6-bit latents when they measure better; a GGUF llama.cpp's "
                                         "f16, q8_0, q5_0 or q4_0 cache), bf16, int8, int2 to int7 (int4/g<N>: a "
@@ -187,7 +189,9 @@ def shrink(source: str = typer.Argument(..., help="The model: smollm2, a transfo
     if table is not None:
         console.print(table)
     console.print(_summary(report))
-    for line in (_against_baselines(report), (report.get("llama_cpp") or {}).get("note")):
+    where = report.get("runs_in") or {}
+    runs = f"runs in {where['engine']}: {where['how']}" if where else None
+    for line in (_against_baselines(report), (report.get("llama_cpp") or {}).get("note"), runs):
         if line:
             console.print(line)
     heal = report.get("heal") or {}

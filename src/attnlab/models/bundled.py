@@ -41,9 +41,18 @@ def load_gemma3_270m(dtype: torch.dtype = torch.float32):
     import importlib
 
     _package_dir(MODELS["gemma3-270m"])  # one line naming the package when it is missing
-    assemble = importlib.import_module(MODELS["gemma3-270m"]).assemble
+    package = importlib.import_module(MODELS["gemma3-270m"])
+    from .dequantized import file_digest
+
+    try:  # joined before and unchanged since (file_digest remembers a file it hashed): no chunk read again
+        target = Path(package.default_output_path())
+        ready = target.is_file() and file_digest(target) == package.EXPECTED_SHA256
+    except (AttributeError, OSError, TypeError):  # another package layout: its own check below
+        ready = False
+    if ready:
+        return _load_gguf(target, dtype)
     try:
-        path = assemble()  # the chunks joined once, checked against the package's sha256
+        path = package.assemble()  # the chunks joined once, checked against the package's sha256
     except (OSError, ValueError) as e:
         raise ValueError(f"the Gemma 3 270M package could not assemble its GGUF: {e}") from None
     return _load_gguf(Path(path), dtype)

@@ -10,6 +10,9 @@ version (its reader may change what it builds): a file rewritten in place is a n
 copy is written into a temporary folder beside its final name and renamed into place, so a crash or two processes
 loading the same file at once (torchrun's ranks) leave either nothing or a whole copy.
 
+The digest of a file already hashed is not recomputed while its size, modification time and inode are unchanged
+(file_digest; DIGESTS beside the copies), so a second load reads no GGUF bytes at all.
+
 Where: $ATTNLAB_CACHE/gguf (default ~/.cache/attnlab/gguf). ATTNLAB_CACHE=off reads the GGUF every time and writes
 nothing. A model over LARGEST bytes in float32 is not copied, and a copy that cannot be written (a full or read-only
 disk) is skipped; both say so in a warning and the load goes on.
@@ -36,13 +39,43 @@ def cache_root() -> Path | None:
     return (Path(where).expanduser() if where else Path.home() / ".cache" / "attnlab") / "gguf"
 
 
+DIGESTS = ".digests.json"  # beside the copies (hidden: not a copy): {resolved path: [size, mtime_ns, inode, sha256]}
+
+
 def file_digest(path: Path, chunk: int = 1 << 23) -> str:
-    """The sha256 of a file's bytes, read in chunks."""
+    """The sha256 of a file's bytes, read in chunks. With a cache folder (cache_root), a file whose size, modification
+    time (ns) and inode are those recorded when it was last hashed is not read again (a file written since has
+    another time); the record is kept in DIGESTS, rewritten whole (a failed write only costs the next load a read)."""
+    path = Path(path)
+    st = path.stat()
+    stamp = [st.st_size, st.st_mtime_ns, st.st_ino]
+    root = cache_root()
+    where = str(path.resolve())
+    known = {}
+    if root is not None:
+        try:
+            known = json.loads((root / DIGESTS).read_text())
+        except (OSError, ValueError):
+            known = {}
+        entry = known.get(where) if isinstance(known, dict) else None
+        if isinstance(entry, list) and len(entry) == 4 and entry[:3] == stamp and isinstance(entry[3], str):
+            return entry[3]
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while block := f.read(chunk):
             h.update(block)
-    return h.hexdigest()
+    digest = h.hexdigest()
+    if root is not None:
+        known = known if isinstance(known, dict) else {}
+        known[where] = [*stamp, digest]
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            tmp = root / f"{DIGESTS}.{os.getpid()}"
+            tmp.write_text(json.dumps(known))
+            tmp.replace(root / DIGESTS)
+        except OSError:
+            pass
+    return digest
 
 
 def copy_key(path: Path, overrides: dict) -> str:

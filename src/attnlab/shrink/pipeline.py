@@ -524,6 +524,11 @@ def _shrink(req: ShrinkRequest, resume: bool, force: bool, budget: Budget | None
         if req.fmt == "deepseek":
             hf.export_deepseek(student, out, tokenizer=None if Path(meta["base"]).is_dir() else tok,
                                force=force or resume)
+        elif best.native:  # the source's own architecture, the attention tensors the heal moved rewritten
+            from ..models.export_native import export_native
+
+            report["written"] = export_native(student, out, force=force or resume,
+                                              cache_types=(llama_cpp_type(best.kv_dtype),) * 2)
         else:
             hf.export_gguf(student, out, tokenizer=tok, force=force or resume)
         report["minutes"]["export"] = phase_time(t)
@@ -612,13 +617,37 @@ def _is_report(path: Path) -> bool:
         return False
 
 
-def llama_cpp_cache(storage: str) -> dict:
-    """How to run a GGUF shrink in llama.cpp with the cache it was planned and healed for."""
+def llama_cpp_cache(storage: str, native: bool = False) -> dict:
+    """How to run a GGUF shrink in llama.cpp with the cache it was planned and healed for; native: the file is in the
+    source's own architecture (the original attention, healed), else deepseek2 (MLA)."""
     kind = llama_cpp_type(storage)
     flags = "" if kind == "f16" else f" --cache-type-k {kind} --cache-type-v {kind} --flash-attn on"
-    return {"cache_type_k": kind, "flash_attn": kind != "f16",
-            "note": f"planned and healed for llama.cpp's {kind} KV cache: run it with{flags or ' the default cache'} "
-                    f"(llama-cpp-python: type_k/type_v {kind}{', flash_attn=True' if flags else ''})"}
+    what = "the original's architecture, its attention healed" if native else "deepseek2 (MLA)"
+    return {"cache_type_k": kind, "cache_type_v": kind, "flash_attn": kind != "f16",
+            "architecture": "source" if native else "deepseek2",
+            "flags": flags.strip(),
+            "note": f"{what}, planned and healed for llama.cpp's {kind} KV cache: run it with"
+                    f"{flags or ' the default cache'} (llama-cpp-python: type_k/type_v {kind}"
+                    f"{', flash_attn=True' if flags else ''})"}
+
+
+def runs_in(fmt: str, chosen: dict) -> dict:
+    """Where an output of this format runs, how, and what the report's perplexity was computed by."""
+    if fmt == "attnlab":
+        return {"engine": "attnlab", "how": "attnlab eval / attnlab generate OUT, or attnlab.models.load_model(OUT) "
+                "(attnlab's own loop; not llama.cpp or transformers' caches)",
+                "scored_by": "attnlab, through the planned cache storage"}
+    if fmt == "deepseek":
+        return {"engine": "transformers", "how": "AutoModelForCausalLM.from_pretrained(OUT) (DeepseekV3ForCausalLM, "
+                "no attnlab import; vLLM loads the same folder)",
+                "scored_by": "attnlab's MLA with a 16-bit cache (the same weights; tests/test_export.py compares them)"}
+    cache = llama_cpp_cache(chosen.get("kv_dtype") or "bf16", chosen.get("layers") == [])
+    kind, flags = cache["cache_type_k"], " " + cache["flags"] if cache["flags"] else ""
+    arch = "its source's architecture" if cache["architecture"] == "source" else "deepseek2"
+    return {"engine": "llama.cpp", "how": f"llama-cli -m OUT{flags} ({arch})",
+            "scored_by": f"attnlab's copy of llama.cpp's {kind} cache (rotation and block codes, checked against "
+                         "llama.cpp: tests/test_llama_cpp_cache.py); benchmarks/engines.py scores the file in "
+                         "llama.cpp itself"}
 
 
 def final_report(req: ShrinkRequest, state: RunState, teacher, student, meta) -> dict:
@@ -640,8 +669,9 @@ def final_report(req: ShrinkRequest, state: RunState, teacher, student, meta) ->
                                    "storage": chosen.get("kv_dtype"),
                                    "values_per_token_per_layer": [V, chosen.get("values_per_token_per_layer")],
                                    **at_context},
-            **({"llama_cpp": llama_cpp_cache(chosen.get("kv_dtype") or "bf16")} if req.fmt == "gguf" else {}),
-            "plan": plan, "heal_plan": state.data["heal_plan"],
+            **({"llama_cpp": llama_cpp_cache(chosen.get("kv_dtype") or "bf16", chosen.get("layers") == [])}
+               if req.fmt == "gguf" else {}),
+            "runs_in": runs_in(req.fmt, chosen), "plan": plan, "heal_plan": state.data["heal_plan"],
             "held_out": {"teacher": heal.get("teacher"), "before": heal.get("before"), "after": heal.get("after")},
             "baselines": state.data["report"].get("baselines"),
             "heal": {k: v for k, v in heal.items() if k not in ("teacher", "before", "after")},

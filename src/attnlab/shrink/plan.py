@@ -34,6 +34,12 @@ a latent norm (fitted here, trained by the heal), and its sizes are made multipl
 they allow it (llama.cpp's q8_0 KV cache stores rows in blocks of 32); attnlab's own format
 takes any of them.
 
+For a GGUF whose source is a GGUF llama.cpp runs in its own architecture (llama, qwen3, gemma3:
+models/export_native.py), the original attention itself, every value kept and only its cache coded, is a candidate
+in each of llama.cpp's cache types whose bytes fit (round 0, measured first; native_storages): the file is then the
+original's with the healed attention, run with `--cache-type-k/-v` of that type. A model with per-head q/k norms has
+no other GGUF plan.
+
 A model with per-head q/k norms (Qwen3, Gemma 3) has one layout only, its keys whole (convert/decoupled.py):
 the rope key is every KV head's whole key (rope_dim G d, pairs by frequency, no RoRoPE, no BKV) and the
 latent holds the values. Its candidates are that layout in each storage with the largest latent the bytes
@@ -77,7 +83,16 @@ class Candidate:
     def values(self) -> int:
         return self.latent_dim + self.extra + self.rope_dim
 
+    @property
+    def native(self) -> bool:
+        """The original's own attention in every layer, only its cache coded (layers == []: none converted): what a
+        GGUF in the source's own architecture holds (native_storages). Its latent_dim and rope_dim are then the values
+        and the keys it caches, as in the keys-whole layout."""
+        return self.layers == []
+
     def label(self) -> str:
+        if self.native:
+            return f"the original attention, its cache in llama.cpp's {self.kv_dtype}"
         n = 0 if self.layers is None else len(self.layers)
         kept = "" if self.layers is None else f" in {n} global layer{'s' * (n != 1)}, the sliding ones kept in " \
             f"{self.kept_dtype}"
@@ -132,6 +147,9 @@ def apply(model, cand: Candidate, calibration_ids: torch.Tensor | None, inputs=N
     from ..models.evaluate import set_kv_dtype
     from ..models.export import add_steady_channels
 
+    if cand.native:  # nothing converted: every layer the original's, its cache in the llama.cpp type
+        set_kv_dtype(model, cand.kv_dtype)
+        return
     convert_model(model, "mla", latent_dim=cand.latent_dim, rope_dim=cand.rope_dim, calibration_ids=calibration_ids,
                   pair_selection=cand.rope_select, balance=cand.balance, inputs=inputs, layers=cand.layers)
     if cand.latent_norm:
@@ -162,10 +180,34 @@ def keys_whole(teacher) -> int | None:
     return keys_whole_rope_dim(teacher)
 
 
+def writes_native(teacher) -> bool:
+    """Whether a GGUF of this model can be written in its source's own architecture (models/export_native.py)."""
+    from ..models.export_native import check_native
+
+    try:
+        check_native(teacher)
+    except ValueError:
+        return False
+    return True
+
+
+def native_storages(teacher, budget_bytes: float, fmt: str, storages, context: int | None = None) -> dict[str, int]:
+    """{llama.cpp cache type: the original's bytes per token in it}, largest first, for each of `storages` that is one
+    and fits budget_bytes, when fmt is gguf and the model can be written in its own architecture (writes_native);
+    else {}. The bytes are what attnlab's cache of that type allocates (shrink/baselines.py: scales counted)."""
+    if fmt != "gguf" or not writes_native(teacher):
+        return {}
+    from .baselines import baseline_bytes
+
+    sizes = baseline_bytes(teacher, [s for s in storages if s in LLAMA_CPP_CACHE], context)
+    return {s: b for s, b in sorted(sizes.items(), key=lambda kv: -kv[1]) if b <= budget_bytes}
+
+
 def check_format(teacher, fmt: str) -> None:
     """ValueError, one line, when the output format cannot hold the model's attention: DeepSeek's and llama.cpp's
-    (deepseek2) MLA have no per-head key norm, which the keys of a model with q/k norms need."""
-    if fmt != "attnlab" and keys_whole(teacher) is not None:
+    (deepseek2) MLA have no per-head key norm, which the keys of a model with q/k norms need; a GGUF in the source's
+    own architecture (writes_native) holds them, with only llama.cpp's cache types to plan."""
+    if fmt != "attnlab" and keys_whole(teacher) is not None and not (fmt == "gguf" and writes_native(teacher)):
         kind = getattr(getattr(teacher, "config", None), "model_type", "") or "this model"
         raise ValueError(f"--format {fmt} cannot hold {kind}: its attention normalises every key head (a per-head "
                          f"key norm, k_norm), which {'DeepSeek-V3' if fmt == 'deepseek' else 'llama.cpp deepseek2'}'s "
@@ -193,11 +235,11 @@ def feasible(teacher, budget: KVBudget, fmt: str = "attnlab", storages=STORAGES,
     are counted at that sequence length (sliding layers hold their windows; None: every token held), and a model
     with sliding and global layers may keep its sliding ones (layouts()). A model with per-head q/k norms: its keys
     whole in each storage (values: rope key + latent), only in attnlab's format. Other models plan every layer
-    converted."""
+    converted. For a GGUF the source's own architecture can hold (native_storages), the original attention with its
+    cache in a llama.cpp type is a plan too: where no converted layout fits but such one does, the layouts are []."""
     if context is not None:
         from ..modules.checks import positive_int
         positive_int("context", context)
-    L, G, d, V = original_sizes(teacher)
     original = original_bytes(teacher, context)
     budget_bytes = budget.bytes_for(original)
     at = "" if context is None else f" at a context of {context} tokens"
@@ -205,9 +247,34 @@ def feasible(teacher, budget: KVBudget, fmt: str = "attnlab", storages=STORAGES,
         raise ValueError(f"a KV budget of {budget} ({budget_bytes:.0f} bytes/token) is not below the original's "
                          f"{original:.0f} bytes/token (16-bit{at}): nothing to cut")
     storages = [s for s in storages if storage_ok(s, fmt)] or ["bf16"]
+    native = native_storages(teacher, budget_bytes, fmt, storages, context)
+    try:
+        return original, budget_bytes, _options(teacher, budget, budget_bytes, original, fmt, storages, context)
+    except ValueError as e:
+        if native:  # the original attention in a llama.cpp cache type fits: only those are planned
+            return original, budget_bytes, []
+        if fmt != "gguf" or not writes_native(teacher):
+            raise
+        from .baselines import baseline_bytes
+        sizes = baseline_bytes(teacher, [s for s in storages if s in LLAMA_CPP_CACHE], context)
+        least = min(sizes, key=sizes.get, default=None)
+        nor = "" if least is None else (f"; nor does the original attention in llama.cpp's cache types: the smallest, "
+                                        f"{least}, takes {sizes[least]:.0f} bytes/token ({sizes[least] / original:.1%})")
+        raise ValueError(f"{e}{nor}") from None
+
+
+def _options(teacher, budget: KVBudget, budget_bytes: float, original: float, fmt: str, storages,
+             context: int | None) -> list[tuple[Layout, dict]]:
+    """feasible()'s converted layouts and their storages; ValueError naming the budget when none fits."""
+    L, G, d, V = original_sizes(teacher)
+    at = "" if context is None else f" at a context of {context} tokens"
     whole = keys_whole(teacher)
     if whole is not None:
         check_format(teacher, fmt)
+        if fmt != "attnlab":  # a GGUF in the source's own architecture: no MLA can hold the key norms
+            kind = getattr(teacher.config, "model_type", "this model")
+            raise ValueError(f"no converted plan fits a GGUF of {kind}: its per-head key norms keep the original "
+                             "attention")
         options = []
         for lay in layouts(teacher, budget_bytes, context, fmt, [s for s in KEPT_STORAGES if s in storages]):
             per_storage = _keys_whole_storages(lambda s: lay.span(s, context), V, whole, lay.room, storages)
@@ -223,7 +290,7 @@ def feasible(teacher, budget: KVBudget, fmt: str = "attnlab", storages=STORAGES,
                              f"{L} layers) beside a latent of at least {MIN_WHOLE_LATENT} values; the smallest these "
                              f"storages ({', '.join(storages)}) can meet is {smallest:.0f} bytes/token "
                              f"({smallest / original:.1%}){hint}")
-        return original, budget_bytes, options
+        return options
     lay = layouts(teacher, budget_bytes, context, fmt, [])[0]
     per_storage = {s: values_for(budget_bytes, s, lay.span(s, context)) for s in storages}
     per_storage = {s: min(v, V - 2) for s, v in per_storage.items() if v >= 10}
@@ -245,7 +312,7 @@ def feasible(teacher, budget: KVBudget, fmt: str = "attnlab", storages=STORAGES,
                          f"fewer than 10 values per token in each of the {L} layers (one rope pair and a latent); "
                          f"the smallest these storages ({', '.join(storages)}) can meet is {smallest:.0f} bytes/token "
                          f"({smallest / original:.1%})")
-    return original, budget_bytes, [(lay, per_storage)]
+    return [(lay, per_storage)]
 
 
 def plan(teacher, calibration_ids: torch.Tensor, budget: KVBudget, *, fmt: str = "attnlab",
@@ -278,14 +345,10 @@ def plan(teacher, calibration_ids: torch.Tensor, budget: KVBudget, *, fmt: str =
         raise ValueError(f"format must be one of {', '.join(FORMATS)}, got {fmt!r}")
     L, G, d, V = original_sizes(teacher)
     original, budget_bytes, options = feasible(teacher, budget, fmt, storages, context)
-    every, per_storage = options[0]  # every layer converted (the only layout of a model that plans in rounds)
-    room = every.room
-
-    def span(storage: str, where: Layout = every) -> float:
-        return where.span(storage, context)
-
+    storages = [s for s in storages if storage_ok(s, fmt)] or ["bf16"]
+    native = native_storages(teacher, budget_bytes, fmt, storages, context)
     max_rope = G * d
-    if fmt == "gguf":
+    if fmt == "gguf" and options:
         from ..models.export_gguf import gguf_rope_limit
         max_rope = min(max_rope, gguf_rope_limit(teacher))
     selections = [("rorope", True), ("rorope", False)] if fmt == "gguf" else \
@@ -308,8 +371,11 @@ def plan(teacher, calibration_ids: torch.Tensor, budget: KVBudget, *, fmt: str =
     reference = teacher_log_probs(teacher, windows)
     measured: list[Candidate] = []
 
-    def measure(cand: Candidate, where: Layout = every) -> Candidate:
-        if few_bit(cand.kv_dtype):  # the latent a few-bit row can afford with this rope key; rotated for the codes
+    def measure(cand: Candidate, where: Layout | None = None) -> Candidate:
+        if cand.native:  # nothing converted: llama.cpp rotates its own cache
+            pass
+        elif few_bit(cand.kv_dtype):  # the latent a few-bit row can afford with this rope key; rotated for the codes
+            where = where or every
             cand.latent_dim = fit(cand.latent_dim, cand.rope_dim, cand.kv_dtype, span(cand.kv_dtype, where),
                                   where.room, cand.extra, ceiling=V - cand.rope_dim)  # no more than the values held
             cand.rotation = None if cand.latent_norm else "random"
@@ -338,12 +404,31 @@ def plan(teacher, calibration_ids: torch.Tensor, budget: KVBudget, *, fmt: str =
                                        max_candidates < 1):
         raise ValueError(f"max_candidates must be a positive integer, got {max_candidates!r}")
 
+    def converted() -> list[Candidate]:  # what the rounds after round 0 build on
+        return [c for c in measured if not c.native]
+
     def spent() -> bool:
         if not measured:
             return False
         if max_candidates is not None and len(measured) >= max_candidates:
             return True
         return time_budget is not None and (time_budget.expired() or time_budget.stop_requested)
+
+    # 0. the original attention in each llama.cpp cache type that fits (a GGUF in the source's own architecture)
+    for storage in native:
+        if not spent():
+            measure(Candidate(G * d, G * d, "original", False, storage, False, round=0, layers=[], kept_dtype=storage))
+    if not options:
+        best = min(measured, key=lambda c: c.proxy)
+        note = "" if len(measured) == len(native) else "planning ended (its time or its count) before every storage"
+        return PlanResult(best, measured, str(budget), original, budget_bytes,
+                          note or "no converted layout fits: the original attention, its cache in llama.cpp's types",
+                          context)
+    every, per_storage = options[0]  # every layer converted (the only layout of a model that plans in rounds)
+    room = every.room
+
+    def span(storage: str, where: Layout = every) -> float:
+        return where.span(storage, context)
 
     whole = keys_whole(teacher)
     if whole is not None:  # per-head q/k norms: the keys whole in each storage and layout, nothing else to choose
@@ -369,7 +454,10 @@ def plan(teacher, calibration_ids: torch.Tensor, budget: KVBudget, *, fmt: str =
             break
         for r, p in split(v0, (0.3,), first)[:1]:
             measure(Candidate(r, p, sel, bkv, first, norm, extra=extra, round=1))
-    best = min(measured, key=lambda c: c.proxy)
+    if not converted():  # round 0 took every candidate allowed
+        return PlanResult(min(measured, key=lambda c: c.proxy), measured, str(budget), original, budget_bytes,
+                          "planning ended (its time or its count) after the original's cache types", context)
+    best = min(converted(), key=lambda c: c.proxy)
     # 2. storage: the winner in the other storage, at its own number of values (before the split: 8 bits can
     # nearly double the values in the same bytes, which matters more than the split, and must not be cut by time)
     share = best.rope_dim / best.values
@@ -387,12 +475,12 @@ def plan(teacher, calibration_ids: torch.Tensor, budget: KVBudget, *, fmt: str =
                 all((c.latent_dim, c.rope_dim, c.kv_dtype) != (V - whole_key, whole_key, storage) for c in measured):
             measure(Candidate(V - whole_key, whole_key, best.rope_select, best.balance, storage, norm, extra=extra,
                               round=2))
-    best = min(measured, key=lambda c: c.proxy)
+    best = min(converted(), key=lambda c: c.proxy)
     # 3. the split, for the winner's selection and its two best storages (a few-bit row spends its bytes
     # differently from an 8-bit one: the best split of one says little of the other's), interleaved so
     # that a short planning time cuts both alike, and the likelier winners first
     by_storage: dict[str, Candidate] = {}
-    for c in sorted(measured, key=lambda c: c.proxy):
+    for c in sorted(converted(), key=lambda c: c.proxy):
         by_storage.setdefault(c.kv_dtype, c)
     tops = list(by_storage)[:2]
     pairs = {s: split(per_storage[s], SPLIT_SHARES, s) for s in tops}
