@@ -40,6 +40,7 @@ JSON = HERE / "engines.json"
 sys.path.insert(0, str(HERE))
 
 from llama_cpp_cache import f32_copy, llama_cpp_windows, perplexity_of  # noqa: E402
+import protocol  # noqa: E402
 from protocol import TEXTS, TOKENS, WINDOW, note_load, text_ids  # noqa: E402
 
 CASES = {  # name: (model, shrink arguments after the model, llama.cpp cache type, what it checks)
@@ -51,15 +52,11 @@ CASES = {  # name: (model, shrink arguments after the model, llama.cpp cache typ
 
 
 def rows() -> dict:
-    return json.loads(JSON.read_text()) if JSON.exists() else {}
+    return protocol.rows(JSON)
 
 
 def save(key: str, row: dict) -> None:
-    data = rows()
-    data[key] = row
-    tmp = JSON.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(data, indent=2))
-    tmp.replace(JSON)
+    protocol.save(key, row, JSON)
 
 
 def argv(case: str, seed: int, out: str) -> list[str]:

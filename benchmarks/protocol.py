@@ -76,16 +76,17 @@ def note_load(row: dict, key: str) -> None:
         warnings.warn(f"load average {row[key]:.2f} > 1: something else runs; the figures are not alone")
 
 
-def rows() -> dict:
-    return json.loads(JSON.read_text()) if JSON.exists() else {}
+def rows(path: Path = JSON) -> dict:
+    return json.loads(path.read_text()) if path.exists() else {}
 
 
-def save(key: str, row: dict) -> None:
-    data = rows()
+def save(key: str, row: dict, path: Path = JSON) -> None:
+    """Merge one row into the JSON file by key (written whole under another name, then renamed)."""
+    data = rows(path)
     data[key] = row
-    tmp = JSON.with_suffix(".json.tmp")
+    tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(data, indent=2))
-    tmp.replace(JSON)
+    tmp.replace(path)
 
 
 def argv(case: str, seed: int, out: str) -> list[str]:

@@ -76,3 +76,43 @@ def test_a_repeat_compares_the_plan_and_each_texts_perplexity_with_the_first_run
     assert c["largest_change"] == pytest.approx(0.004)
     again["plan"] = {"rank": 256, "rope_dims": 112}
     assert protocol.compare_repeat(first, again)["same_plan"] is False
+
+
+@pytest.fixture(scope="module")
+def engines():
+    import sys
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))  # engines.py imports protocol.py and llama_cpp_cache.py beside it
+    spec = importlib.util.spec_from_file_location("engines_bench", ROOT / "benchmarks" / "engines.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_engine_commands_are_the_plain_gguf_command_and_the_engines_flag(engines, seed):
+    """The argv of benchmarks/engines.py: the plain command, the output format and the cache type the user serves
+    with (the one flag the engine needs), and nothing else."""
+    argv = engines.argv("smollm2-q4_0", seed, "OUT.gguf")
+    assert argv == ["attnlab", "shrink", "smollm2", "--kv-budget", "30%", "--kv-dtype", "q4_0", "--format", "gguf",
+                    *(["--seed", "1"] if seed else []), "--out", "OUT.gguf"]
+
+
+def test_the_engine_table_is_the_median_and_the_worst_of_each_ratio(engines):
+    """Two seeds, each text: ratios over the reference computed by hand (1.1, 1.2 / 1.0, 1.3 ...)."""
+    texts = list(engines.TEXTS)
+
+    def run(seed, shrunk):
+        return {"seed": seed, "command": "attnlab shrink smollm2 --out X", "argv": ["X"], "texts": {
+            t: {"reference": 10.0, "untouched": 11.0, "shrunk": shrunk[i], "shrunk_q8_0": shrunk[i] * 1.01,
+                "untouched_q8_0": 11.0} for i, t in enumerate(texts)},
+            "report": {"kv_bytes_per_token": {}, "heal": {"kept": None if seed else "the converted weights"},
+                       "written": {"rewritten": ["a"] if seed else []}}}
+    data = {"run/smollm2-q4_0/seed0": run(0, [11.0, 11.0, 11.0, 11.0]),
+            "run/smollm2-q4_0/seed1": run(1, [10.5, 12.0, 10.0, 11.0])}
+    [row] = engines.table(data)
+    assert row["untouched"] == {"median": pytest.approx(1.1), "worst": pytest.approx(1.1)}
+    # the eight shrunk ratios: 1.1 x 5, 1.05, 1.2, 1.0 -> median 1.1, worst 1.2
+    assert row["shrunk"] == {"median": pytest.approx(1.1), "worst": pytest.approx(1.2)}
+    assert row["shrunk_q8_0_over_shrunk"]["worst"] == pytest.approx(1.01)
+    assert row["heal_stood"] == [False, True] and row["rewritten"] == [0, 1] and row["seeds"] == [0, 1]
