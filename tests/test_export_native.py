@@ -16,6 +16,7 @@ from test_gguf_families import _model, _write
 from tiny_checkpoints import TEXT
 
 from attnlab import models as hf
+from attnlab.models.export_gguf import copy_gguf_fields
 from attnlab.models.export_native import check_native, export_native, permute_rows
 from attnlab.models.load import gguf_name
 from attnlab.shrink import ShrinkRequest, parse_budget, plan, shrink
@@ -58,11 +59,7 @@ def _write_llama(path, vocab: int, tokenizer_from=None):
                        "vocab_size": vocab}.items():
         (w.add_float32 if isinstance(value, float) else w.add_uint32)(f"llama.{key}", value)
     if tokenizer_from is not None:
-        for key, field in gguf.GGUFReader(str(tokenizer_from)).fields.items():
-            if key.startswith("tokenizer."):
-                vtype = field.types[0]
-                w.add_key_value(key, field.contents(), vtype,
-                                field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None)
+        copy_gguf_fields(w, gguf.GGUFReader(str(tokenizer_from)), lambda key: key.startswith("tokenizer."))
     for name, t in model.state_dict().items():
         if name == "lm_head.weight":
             continue

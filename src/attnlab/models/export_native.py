@@ -102,9 +102,7 @@ def export_native(model, path, *, force: bool = False, cache_types: tuple[str, s
 
     cache_types: (K, V) llama.cpp cache types the model was healed for, recorded in the metadata. Returns
     {"path", "architecture", "rewritten": [GGUF names written from the model], "copied": count}."""
-    import gguf
-
-    from .export_gguf import WRITTEN_BY, write_gguf
+    from .export_gguf import WRITTEN_BY, copy_gguf_fields, write_gguf
     from .load import read_gguf
     from .store import sources_of
 
@@ -130,25 +128,21 @@ def export_native(model, path, *, force: bool = False, cache_types: tuple[str, s
         if not torch.equal(old, value):
             rewritten.append(name)
     skip = {"general.architecture", WRITTEN_BY, *CACHE_KEYS}
+    changed = set(rewritten)
 
     def build(writer) -> None:
         if "general.alignment" in reader.fields:  # copied below; the tensors are padded to it
             writer.data_alignment = int(reader.fields["general.alignment"].contents())
-        for key, field in reader.fields.items():
-            if key.startswith("GGUF.") or key in skip:
-                continue
-            vtype = field.types[0]
-            writer.add_key_value(key, field.contents(), vtype,
-                                 field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None)
+        copy_gguf_fields(writer, reader, lambda key: not key.startswith("GGUF.") and key not in skip)
         writer.add_string(WRITTEN_BY, "attnlab")
         if cache_types is not None:
             for key, kind in zip(CACHE_KEYS, cache_types):
                 writer.add_string(key, kind)
         for t in reader.tensors:
-            if t.name in rewritten:
+            if t.name in changed:
                 writer.add_tensor(t.name, np.ascontiguousarray(ours[t.name].numpy()))
             else:
-                writer.add_tensor(t.name, t.data, raw_shape=None, raw_dtype=t.tensor_type)
+                writer.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
 
     out = write_gguf(Path(path), arch, build, force=force, sources=sources_of(model))
     return {"path": str(out), "architecture": arch, "rewritten": rewritten,
