@@ -68,3 +68,40 @@ def test_cuda_bfloat16_mla_absorbed():
         outs = [gpu(x[:, :8].cuda(), cache=cache, is_causal=True)]
         outs += [gpu(x[:, t:t + 1].cuda(), cache=cache, is_causal=True, absorbed=True) for t in range(8, 16)]
     assert rel_err(torch.cat(outs, 1).cpu(), exact) <= 4 * torch.finfo(torch.bfloat16).eps
+
+
+@pytest.mark.parametrize("variant", ["gqa", "mla-exact", "mla-compressed"])
+def test_cuda_graph_generation_equals_the_eager_loop(variant):
+    """The decode step captured as a CUDA graph (Generator's default on CUDA: fixed shape, torch.compile
+    reduce-overhead) gives the eager loop's logits on the same GPU, replayed over several steps and after a
+    second prefill. Tolerance: float32 with TF32 off, the eager step's own difference from the fixed-shape
+    eager step (more keys, masked) times 10, floored at 1e-5 (as tests/test_generate.py's FIXED_TOL)."""
+    transformers = pytest.importorskip("transformers")
+    from attnlab.generation.generator import Generator
+    from attnlab.models import convert_model, to_attnlab
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                      pad_token_id=0, bos_token_id=1, eos_token_id=2, initializer_range=0.1)
+    model = to_attnlab(transformers.LlamaForCausalLM(config).eval())
+    if variant != "gqa":
+        convert_model(model, "mla", **({"latent_dim": 40, "rope_dim": 8} if variant == "mla-compressed" else {}))
+    model = model.cuda()
+    ids = torch.randint(3, 100, (3, 9), device="cuda")
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    mask[2, :6] = 0
+    eager = Generator(model, 3, 24, fixed_shape=False, compile=False)
+    fixed = Generator(model, 3, 24, fixed_shape=True, compile=False)
+    graph = Generator(model, 3, 24)
+    assert graph.fixed_shape and graph.compiled
+    with torch.no_grad():
+        for rows in (slice(0, 3), slice(0, 3)):  # the second prefill replays the captured graph
+            a, f, g = (gen.prefill(ids[rows], mask[rows]) for gen in (eager, fixed, graph))
+            for _ in range(8):
+                nxt = a.argmax(-1)
+                a, f, g = eager.step(nxt), fixed.step(nxt), graph.step(nxt)
+                tol = 10 * max(((a - f).norm() / a.norm()).item(), 1e-6)
+                assert ((g - a).norm() / a.norm()).item() <= max(tol, 1e-5)
+                assert torch.equal(g.argmax(-1), a.argmax(-1))

@@ -111,7 +111,9 @@ class GQATiling:
         if cache is None:
             return tiled
         holder = getattr(cache, "hf_cache", cache)  # a TransformersCache is made anew for every call
-        layouts = holder.__dict__.setdefault("_attnlab_tiled", {})
+        layouts = getattr(holder, "_attnlab_tiled", None)  # not __dict__.setdefault: torch 2.11's dynamo cannot trace it
+        if layouts is None:
+            layouts = holder._attnlab_tiled = {}
         slot = getattr(cache, "layer_idx", None)
         if cache.length == 0:
             layouts[slot] = tiled
