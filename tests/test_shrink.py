@@ -278,6 +278,70 @@ def test_a_gguf_budget_below_one_row_of_blocks_names_the_smallest(wide, tiny):
         plan(small, _ids(tok, text, 64), parse_budget("40%"), fmt="gguf", storages=("q4_0",), window=T)
 
 
+def test_transformers_plans_the_original_attention_in_quantized_cache_codes(wide):
+    """--format transformers: only the original attention, in each QuantizedCache code that fits (quanto4 takes 4 bits
+    and 2 x 16 bits per 64 values: 144 of 512 bytes here, 28.1%; quanto2 80, 15.6%); below both, one line naming the
+    smallest."""
+    _, model, tok = wide
+    cal = tok(TEXT * 10, return_tensors="pt").input_ids[:, :256]
+    result = plan(model, cal, parse_budget("30%"), fmt="transformers", storages=("quanto4", "quanto2"), window=T)
+    assert {c.kv_dtype: c.bytes_per_token for c in result.measured} == {"quanto4": 144, "quanto2": 80}
+    assert all(c.native for c in result.measured) and "QuantizedCache" in result.best.label()
+    only = plan(model, cal, parse_budget("20%"), fmt="transformers", storages=("quanto4", "quanto2"), window=T)
+    assert [c.kv_dtype for c in only.measured] == ["quanto2"]
+    with pytest.raises(ValueError, match=r"nor does the original attention in transformers' QuantizedCache codes: the "
+                                         r"smallest, quanto2, takes 80 bytes/token \(15.6%\)"):
+        plan(model, cal, parse_budget("10%"), fmt="transformers", storages=("quanto4", "quanto2"), window=T)
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(storage="q4_0"), r"--kv-dtype for --format transformers is the QuantizedCache code the model is healed for: "
+                           r"auto, quanto4, quanto2 \(quanto backend, 4 or 2 bits\); got 'q4_0'$"),
+    (dict(storage="hqq4"), r"got 'hqq4'; transformers' hqq and fp8 backends are not healed for yet"),
+    (dict(latent_dim=8, rope_dim=8), r"keeps the original attention: --latent-dim/--rope-dim do not apply"),
+    (dict(out="x.gguf"), r"--format transformers writes a folder: --out x.gguf ends in .gguf")])
+def test_transformers_requests_that_cannot_be_met_are_refused_before_any_work(tiny, tmp_path, kw, message):
+    req = _req(tiny[0], tmp_path / "o", fmt="transformers")
+    for k, v in kw.items():
+        setattr(req, k, v)
+    with pytest.raises(ValueError, match=message):
+        check_request(req)
+
+
+def test_transformers_folder_loads_without_attnlab_and_names_its_cache(wide, tiny, tmp_path):
+    """The shrink's folder is the source's class (save_pretrained): transformers alone loads it, in a process that
+    never imports attnlab, and computes what attnlab computes from it; generation_config.json asks for the
+    QuantizedCache the heal went through, as the report says."""
+    folder = wide[0]
+    _, _, _, text, held = tiny
+    out = tmp_path / "tf"
+    report = shrink(_req(folder, out, kv_budget="30%", fmt="transformers", text=[str(text)], eval_text=[str(held)]))
+    assert report["plan"]["chosen"]["kv_dtype"] == "quanto4" and report["runs_in"]["engine"] == "transformers"
+    cache = report["transformers_cache"]["cache_config"]
+    assert cache == {"backend": "quanto", "nbits": 4, "axis_key": 0, "axis_value": 0, "q_group_size": 64,
+                     "residual_length": 128}
+    assert json.loads((out / "generation_config.json").read_text())["cache_config"] == cache
+    scored = {r["kv_dtype"] for r in report["baselines"]["rows"] if r["perplexity"] is not None}
+    assert "quanto4" in scored  # the untouched model with the same cache: the baseline the report compares with
+    assert json.loads((tmp_path / "tf.shrink.json").read_text())["transformers_cache"] == report["transformers_cache"]
+    ids = torch.arange(3, 40)[None]
+    torch.save(ids, tmp_path / "ids.pt")
+    code = ("import sys, torch; from transformers import AutoModelForCausalLM; "
+            f"m = AutoModelForCausalLM.from_pretrained({str(out)!r}); "
+            f"torch.save(m(torch.load({str(tmp_path / 'ids.pt')!r})).logits.detach(), {str(tmp_path / 'tf.pt')!r}); "
+            "print(type(m).__name__, 'attnlab' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.split() == ["LlamaForCausalLM", "False"], done.stderr[-2000:]
+    ours, _, _ = hf.load_model(str(out))
+    with torch.no_grad():
+        expected = ours(ids).logits
+    got = torch.load(tmp_path / "tf.pt")
+    assert (got - expected).norm() <= 1e-5 * expected.norm()  # float32, the same model by two code paths
+    source, _, _ = hf.load_model(str(folder))
+    moved = [n for n, p in ours.state_dict().items() if not torch.equal(p, source.state_dict()[n])]
+    assert moved and all(".attn." in n for n in moved)  # the heal moved attention weights and nothing else
+
+
 # -- the pipeline ------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("fmt", ["attnlab", "deepseek", "gguf"])
 def test_shrink_end_to_end_for_each_format(tiny, tmp_path, fmt):

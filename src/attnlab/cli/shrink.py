@@ -81,13 +81,15 @@ def shrink(source: str = typer.Argument(..., help="The model: smollm2, a transfo
            fmt: str = typer.Option("attnlab", "--format", help="attnlab (attention layers beside the base), deepseek "
                                    "(a DeepseekV3 folder) or gguf (one file llama.cpp runs: from a llama, qwen3 or "
                                    "gemma3 GGUF, the original attention healed for a llama.cpp cache type, in its own "
-                                   "architecture, where that measures best; else deepseek2)."),
+                                   "architecture, where that measures best; else deepseek2) or transformers (the "
+                                   "source's own class, save_pretrained, healed for transformers' QuantizedCache)."),
            kv_dtype: str = typer.Option("auto", "--kv-dtype", help="Cache storage: auto (attnlab's format may "
                                         "choose 8-bit or 2- to 6-bit latents when they measure better; a GGUF llama.cpp's "
                                         "f16, q8_0, q5_0 or q4_0 cache), bf16, int8, int2 to int7 (int4/g<N>: a "
                                         "scale per N channels; +r8: the rope key in 8 bits; +c4: the rope key in 4 bits "
                                         "per channel over groups of 64 tokens, +c3, +c2 in 3, 2); for --format gguf bf16 (llama.cpp's "
-                                        "f16) or a llama.cpp cache type, q8_0, q5_0, q4_1, q4_0."),
+                                        "f16) or a llama.cpp cache type, q8_0, q5_0, q4_1, q4_0; for --format "
+                                        "transformers quanto4 or quanto2 (QuantizedCache, quanto backend)."),
            latent_dim: Optional[int] = typer.Option(None, "--latent-dim", help="Skip the planner: this latent size "
                                                     "(with --rope-dim)."),
            rope_dim: Optional[int] = typer.Option(None, "--rope-dim", help="Skip the planner: this rope size."),

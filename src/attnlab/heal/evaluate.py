@@ -23,6 +23,14 @@ from ..runtime.budget import Stopped
 from . import distributed as dd
 
 
+def decodes(model) -> bool:
+    """Whether attnlab's loop can decode the model through its caches: not where a layer's storage is one an engine
+    applies (KIVI, transformers' quanto codes: evaluation_only), which no attnlab cache holds."""
+    from ..models.adapters import attnlab_modules
+
+    return not any(m._kv_format is not None and m._kv_format.evaluation_only for m in attnlab_modules(model))
+
+
 def greedy_agreement(teacher, student, prompts: torch.Tensor, new_tokens: int = 64, *, budget=None,
                      teacher_tokens: torch.Tensor | None = None, world=None) -> dict:
     """Both models continue the same prompts (B, P) greedily for new_tokens; how alike are the continuations?
@@ -157,7 +165,7 @@ def evaluate_pair(teacher, student, held_out: torch.Tensor, *, prompts: int = 8,
     if reference is None:
         out["teacher_perplexity"] = float(torch.exp(torch.tensor(t_nll / count)))
     p = _prompts(held_out, prompts, prompt_len)
-    wants_greedy = p is not None and (reference is None or "greedy_agreement" in reference)
+    wants_greedy = p is not None and (reference is None or "greedy_agreement" in reference) and decodes(student)
     if wants_greedy and (budget is None or reference is not None or not dd.agree(budget.expired(last))):
         cached = None if reference is None else reference["greedy_agreement"]["teacher_tokens"]
         try:  # before training it must fit what is left of the share; after, it runs to its end

@@ -257,8 +257,8 @@ def kv_bytes_per_token(model, dtype: torch.dtype | None = None, kv_dtype: str | 
     total = 0
     for m in attnlab_modules(model):
         fmt = asked or m._kv_format
-        if fmt is not None and fmt.evaluation_only:  # KIVI has no cache here: its steady-state bytes
-            kivi = lowbit.kivi_bytes(m.kv_values_per_token, fmt.low)
+        if fmt is not None and fmt.evaluation_only:  # KIVI, quanto: no cache here, their steady-state bytes
+            kivi = lowbit.engine_bytes(m.kv_values_per_token, fmt.low)
             slides = context is not None and m.sliding_window is not None
             total += kivi * window_rows(m.sliding_window, context) / context if slides else kivi
             continue

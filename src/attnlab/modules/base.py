@@ -33,8 +33,10 @@ class AttentionModule(nn.Module):
     def kv_dtype(self, value) -> None:
         fmt = check_kv_dtype(value)
         if fmt is not None and fmt.evaluation_only and not self.separate_keys:
-            raise ValueError(f"kv_dtype {value!r} (KIVI) quantises separate keys per channel and values per token; "
-                             f"a {type(self).__name__} caches one latent row: use int4/g<N>, int2/g<N> or q4_0")
+            what = "KIVI) quantises separate keys per channel and values per token" if fmt.low.kind == "kivi" else \
+                "transformers' QuantizedCache) codes a GQA's separate keys and values"
+            raise ValueError(f"kv_dtype {value!r} ({what}; a {type(self).__name__} caches one latent row: use "
+                             "int4/g<N>, int2/g<N> or q4_0")
         self._kv_format = fmt
 
     separate_keys = True  # whether the cache holds keys and values apart (KIVI treats them differently)

@@ -90,8 +90,10 @@ class _Cache:
             checks.positive_int("window", window)
         fmt = check_kv_dtype(kv_dtype)
         if fmt is not None and fmt.evaluation_only:
-            raise ValueError(f"kv_dtype {kv_dtype!r} is KIVI, an evaluation baseline (keys quantised per channel "
-                             "over whole groups of tokens, in a forward without a cache); attnlab's caches store "
+            what = ("KIVI, an evaluation baseline (keys quantised per channel over whole groups of tokens, in a "
+                    "forward without a cache)") if fmt.low.kind == "kivi" else \
+                "transformers' QuantizedCache code (applied in a forward without a cache; served by transformers)"
+            raise ValueError(f"kv_dtype {kv_dtype!r} is {what}; attnlab's caches store "
                              "q8_0, q5_0, q4_0, q4_1, iq4_nl, int4/g<N>, int2/g<N>, int8 or fp8")
         if window is not None and fmt is not None and fmt.low is not None and fmt.low.rope_channel:
             raise ValueError(f"kv_dtype {kv_dtype!r} keeps the rope key per channel over groups of "

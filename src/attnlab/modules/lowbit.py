@@ -67,6 +67,18 @@ attnlab applies it as an evaluation baseline of a GQA cache (a forward without a
 tokens quantised, a trailing partial group kept as it is) and counts its bytes in the steady state,
 (b + 1) bits a value; its caches refuse it.
 
+transformers' QuantizedCache with its quanto backend ("quanto4", "quanto2"; optimum-quanto's MaxOptimizer and
+quantize_weight, as transformers' QuantoQuantizedLayer calls them with its defaults axis 0, q_group_size 64):
+keys and values alike, the (B, H, S, D) tensor read in order as groups of 64 consecutive values (for a head
+size that is a multiple of 64, 64 channels of one token and head), min-max with no range search, in the
+tensor's own dtype: scale = (max - min) / (2^b - 1), code = clamp(round((x - min) / scale), 0, 2^b - 1),
+read back as scale * code + min. transformers keeps the newest tokens (up to residual_length, 128) and a
+prefill's own attention unquantised; attnlab applies the codes to every key and value of a forward without a
+cache (the tokens older than that window, which is where the codes cost), counts the steady state, b bits a
+value and a 16-bit scale and minimum per group (transformers stores them in the model's dtype: bfloat16 or
+float16 when served so), and its caches refuse it: it is a storage to heal for and to score, not one of
+attnlab's caches. tests/test_transformers_cache.py compares it with optimum-quanto's own.
+
 Packing: codes of b in (1, 2, 4, 8) bits sit 8/b to a byte, the first in the low bits; a code of other b is cut
 into the binary digits of b, low bits first (chunks()), each chunk packed so: 5-bit codes are their low 4 bits
 packed as 4-bit codes, followed by their fifth bits packed 8 to a byte (5/8 of a byte a value, as llama.cpp's
@@ -114,7 +126,11 @@ BLOCK_FORMATS = {"q8_0": LowBit("q8_0", 8, BLOCK, False, "block"), "q5_0": LowBi
                  "q4_0": LowBit("q4_0", 4, BLOCK, False, "block"), "q4_1": LowBit("q4_1", 4, BLOCK, True, "block"),
                  "iq4_nl": LowBit("iq4_nl", 4, BLOCK, False, "block")}
 KIVI_FORMATS = {"kivi4": LowBit("kivi4", 4, BLOCK, True, "kivi"), "kivi2": LowBit("kivi2", 2, BLOCK, True, "kivi")}
-SPELLING = re.compile(r"(q8_0|q5_0|q4_0|q4_1|iq4_nl|kivi4|kivi2)|int([2-7])(?:/g([1-9][0-9]*))?(?:\+(r8|c[234]))?")
+QUANTO_GROUP = 64  # transformers' QuantizedCache default q_group_size
+QUANTO_FORMATS = {"quanto4": LowBit("quanto4", 4, QUANTO_GROUP, True, "quanto"),
+                  "quanto2": LowBit("quanto2", 2, QUANTO_GROUP, True, "quanto")}
+ENGINE_FORMATS = {**KIVI_FORMATS, **QUANTO_FORMATS}  # applied in a forward without a cache; attnlab's caches refuse them
+SPELLING = re.compile(r"(q8_0|q5_0|q4_0|q4_1|iq4_nl|kivi4|kivi2|quanto4|quanto2)|int([2-7])(?:/g([1-9][0-9]*))?(?:\+(r8|c[234]))?")
 IQ4_NL_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)  # ggml's kvalues_iq4nl
 IQ4_NL_TINY = 1e-15  # GROUP_MAX_EPS: a block whose largest magnitude is below it stores d = 0
 ROTATION_ENV = "LLAMA_ATTN_ROT_DISABLE"  # llama.cpp's switch: a nonzero integer turns the cache rotation off
@@ -128,7 +144,7 @@ def parse(spelling: str) -> LowBit | None:
     if found is None:
         return None
     if found.group(1):
-        return BLOCK_FORMATS.get(found.group(1)) or KIVI_FORMATS[found.group(1)]
+        return BLOCK_FORMATS.get(found.group(1)) or ENGINE_FORMATS[found.group(1)]
     bits = int(found.group(2))
     rope = found.group(4)
     return LowBit(f"int{bits}", bits, int(found.group(3)) if found.group(3) else BLOCK, True, "asym",
@@ -505,3 +521,28 @@ def kivi_bytes(values_per_token: int, fmt: LowBit) -> int:
     """Steady-state bytes per token of `values_per_token` keys and values in KIVI: (b + 1) bits a value
     (a float16 scale and zero per 32 values, along tokens for keys, along channels for values)."""
     return values_per_token * (fmt.bits + 1) // 8
+
+
+# -- transformers' QuantizedCache, quanto backend -----------------------------------------------------------
+def quanto_round_trip(x: torch.Tensor, fmt: LowBit, role: str | None = None) -> torch.Tensor:
+    """x (B, H, S, D) as transformers' quanto QuantizedCache stores it (module docstring): groups of fmt.group
+    consecutive values in x's order, min-max codes in x's dtype, read back in x's dtype. role: keys and values
+    are stored alike (accepted for round_trip's call)."""
+    if x.numel() % fmt.group:
+        raise ValueError(f"{fmt.code} stores groups of {fmt.group} values: a tensor of shape {tuple(x.shape)} "
+                         f"({x.numel()} values) does not divide into them")
+    g = x.reshape(-1, fmt.group)
+    lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
+    scale = (hi - lo) / ((1 << fmt.bits) - 1)
+    shift = -lo
+    codes = torch.round((g + shift) / torch.where(scale == 0, torch.ones_like(scale), scale))
+    codes = torch.where(scale == 0, torch.zeros_like(codes), codes).clamp(0, (1 << fmt.bits) - 1)
+    return (scale * codes - shift).reshape(x.shape)
+
+
+def engine_bytes(values_per_token: int, fmt: LowBit) -> float:
+    """Steady-state bytes per token of `values_per_token` keys and values in an evaluation-only storage: KIVI
+    (b + 1) bits a value; quanto b bits and a 16-bit scale and minimum per group of fmt.group values."""
+    if fmt.kind == "kivi":
+        return kivi_bytes(values_per_token, fmt)
+    return values_per_token * (fmt.bits + 32 / fmt.group) / 8

@@ -49,7 +49,7 @@ from torch import nn
 from . import lowbit
 
 KV_DTYPES = ("fp32", "bf16", "int8", "fp8", "q8_0", "q5_0", "q4_0", "q4_1", "iq4_nl", "int7", "int6", "int5", "int4",
-             "int3", "int2", "kivi4", "kivi2")
+             "int3", "int2", "kivi4", "kivi2", "quanto4", "quanto2")
 PLAIN = {"fp32": torch.float32, "bf16": torch.bfloat16}
 QMAX = {"int8": 127.0, "fp8": 448.0}  # the largest code: int8 symmetric, float8_e4m3fn's largest finite value
 SCALE_DTYPE = torch.float32
@@ -81,8 +81,9 @@ class StorageFormat(NamedTuple):
 
     @property
     def evaluation_only(self) -> bool:
-        """KIVI: applied to keys and values of a forward without a cache, never stored by a cache."""
-        return self.low is not None and self.low.kind == "kivi"
+        """KIVI and transformers' quanto codes: applied to keys and values of a forward without a cache, never
+        stored by a cache."""
+        return self.low is not None and self.low.kind in ("kivi", "quanto")
 
     @property
     def storage_dtype(self) -> torch.dtype:
@@ -94,13 +95,13 @@ class StorageFormat(NamedTuple):
 def check_kv_dtype(kv_dtype) -> StorageFormat | None:
     """Parse a kv_dtype ("fp32", "bf16", "int8", "fp8", "int8/g<N>", "fp8/g<N>", the few-bit ones of
     modules/lowbit.py: "q8_0", "q5_0", "q4_0", "q4_1", "iq4_nl", "int4[/g<N>][+r8|+c4|+c3|+c2]" and likewise int2 to int7,
-    "kivi4", "kivi2"; or None); one-line errors."""
+    "kivi4", "kivi2", transformers' quanto "quanto4", "quanto2"; or None); one-line errors."""
     if kv_dtype is None:
         return None
     choices = ("'fp32', 'bf16', 'int8', 'fp8' (or 'int8/g<N>', 'fp8/g<N>': one scale per N channels), llama.cpp's "
                "'q8_0', 'q5_0', 'q4_0', 'q4_1', 'iq4_nl', 'int2' to 'int7' (or 'int4/g<N>', ..., and after any "
                "of them '+r8' for an MLA's rope key in 8 bits or '+c4', '+c3', '+c2' for it in 4, 3, 2 bits per "
-               "channel), 'kivi4', 'kivi2' or None")
+               "channel), 'kivi4', 'kivi2', 'quanto4', 'quanto2' or None")
     if not isinstance(kv_dtype, str):
         raise TypeError(f"kv_dtype must be one of {choices}, got {type(kv_dtype).__name__} ({kv_dtype!r})")
     low = lowbit.parse(kv_dtype)
@@ -213,7 +214,8 @@ def round_trip(x: torch.Tensor, kv_dtype, parts: tuple[int, ...], role: str | No
     if fmt is None:
         return x
     if fmt.evaluation_only:
-        stored = lowbit.kivi_round_trip(x.detach(), fmt.low, role)
+        engine = lowbit.kivi_round_trip if fmt.low.kind == "kivi" else lowbit.quanto_round_trip
+        stored = engine(x.detach(), fmt.low, role)
     elif not fmt.quantised:
         stored = x.to(fmt.storage_dtype).to(x.dtype)
     elif fmt.low is not None:

@@ -40,8 +40,8 @@ from pathlib import Path
 import torch
 
 from ..runtime.budget import Budget, Stopped
-from .plan import (GGUF_STORAGES, LLAMA_CPP_CACHE, STORAGES, Candidate, check_format, feasible, few_bit, keys_whole,
-                   llama_cpp_type, parse_budget, storage_ok)
+from .plan import (GGUF_STORAGES, LLAMA_CPP_CACHE, STORAGES, TRANSFORMERS_CACHE, Candidate, check_format, feasible,
+                   few_bit, keys_whole, llama_cpp_type, parse_budget, storage_ok)
 
 CALIBRATION_TOKENS = 2048
 PROXY_TOKENS = 1024  # the planner's scoring windows, after the calibration's
@@ -50,7 +50,7 @@ PROXY_TOKENS = 1024  # the planner's scoring windows, after the calibration's
 PLAN_SHARE = 0.25
 PHASES = ("data", "plan", "convert", "heal", "export")
 RUN_FORMAT = "attnlab-shrink-run"
-AUTO_STORAGES = {"attnlab": STORAGES, "gguf": GGUF_STORAGES, "deepseek": ("bf16",)}
+AUTO_STORAGES = {"attnlab": STORAGES, "gguf": GGUF_STORAGES, "deepseek": ("bf16",), "transformers": TRANSFORMERS_CACHE}
 
 
 def storage_choices(storage: str, fmt: str = "attnlab") -> tuple[str, ...]:
@@ -97,6 +97,17 @@ def check_request(req: ShrinkRequest) -> None:
     if req.storage != "auto" and req.fmt == "gguf" and not storage_ok(req.storage, "gguf"):
         raise ValueError(f"--kv-dtype for --format gguf is the llama.cpp cache type the model is planned and healed "
                          f"for: auto, bf16 (llama.cpp's f16 cache), {', '.join(LLAMA_CPP_CACHE)}; got {req.storage!r}")
+    if req.storage not in ("auto", *TRANSFORMERS_CACHE) and req.fmt == "transformers":
+        hqq = "; transformers' hqq and fp8 backends are not healed for yet" if req.storage.startswith(("hqq", "fp8")) \
+            else ""
+        raise ValueError(f"--kv-dtype for --format transformers is the QuantizedCache code the model is healed for: "
+                         f"auto, {', '.join(TRANSFORMERS_CACHE)} (quanto backend, 4 or 2 bits); got "
+                         f"{req.storage!r}{hqq}")
+    if req.fmt == "transformers" and req.latent_dim is not None:
+        raise ValueError("--format transformers keeps the original attention: --latent-dim/--rope-dim do not apply")
+    if req.fmt == "transformers" and str(req.out).endswith(".gguf"):
+        raise ValueError(f"--format transformers writes a folder: --out {req.out} ends in .gguf (that is --format "
+                         "gguf)")
     if req.storage not in ("auto", "bf16") and req.fmt == "deepseek":
         raise ValueError(f"--kv-dtype {req.storage} is not a DeepSeek folder's: its cache type is the engine's "
                          "choice (vLLM: kv_cache_dtype fp8); use auto or bf16")
@@ -507,7 +518,8 @@ def _shrink(req: ShrinkRequest, resume: bool, force: bool, budget: Budget | None
     if "baselines" not in state.data["report"]:
         show.phase("scoring the original with its cache quantized (llama.cpp types, KIVI), no training")
         state.data["report"]["baselines"] = _baselines(teacher, student, data["held"],
-                                                       state.data["report"].get("heal", {}), req.context)
+                                                       state.data["report"].get("heal", {}), req.context,
+                                                       TRANSFORMERS_CACHE if req.fmt == "transformers" else ())
         state.save()
 
     # export
@@ -524,6 +536,10 @@ def _shrink(req: ShrinkRequest, resume: bool, force: bool, budget: Budget | None
         if req.fmt == "deepseek":
             hf.export_deepseek(student, out, tokenizer=None if Path(meta["base"]).is_dir() else tok,
                                force=force or resume)
+        elif req.fmt == "transformers":  # the source's own class, save_pretrained, healed for its QuantizedCache
+            from ..models.export_transformers import export_transformers
+
+            report["written"] = export_transformers(student, out, tok, force=force or resume, storage=best.kv_dtype)
         elif best.native:  # the source's own architecture, the attention tensors the heal moved rewritten
             from ..models.export_native import export_native
 
@@ -591,10 +607,11 @@ def _follow(req: ShrinkRequest, world, shard: bool, budget: Budget) -> None:
     return None
 
 
-def _baselines(teacher, student, held, heal: dict, context: int | None = None) -> dict:
+def _baselines(teacher, student, held, heal: dict, context: int | None = None, extra: tuple = ()) -> dict:
     """shrink.baselines for the report: every baseline's bytes (at `context`, when the budget was counted there), the
     two cheapest at or above the student's scored on the held-out tokens the heal's final evaluation read (with its
-    window)."""
+    window). extra: storages besides shrink.baselines.BASELINES (a transformers folder: QuantizedCache's codes, the
+    untouched model with the same cache)."""
     from ..models.evaluate import kv_bytes_per_token
     from . import baselines
 
@@ -603,7 +620,7 @@ def _baselines(teacher, student, held, heal: dict, context: int | None = None) -
         after, teacher_eval = after["texts"][0], (teacher_eval.get("texts") or [{}])[0]
     if after.get("perplexity") is None or teacher_eval.get("perplexity") is None:
         return {"note": "not scored: the heal has no final evaluation"}
-    sizes = baselines.baseline_bytes(teacher, context=context)
+    sizes = baselines.baseline_bytes(teacher, (*baselines.BASELINES, *extra), context=context)
     reached = kv_bytes_per_token(student, context=context)
     names = baselines.at_or_above(sizes, reached)
     scored = baselines.score(teacher, held, names, tokens=after.get("tokens"))
@@ -631,6 +648,17 @@ def llama_cpp_cache(storage: str, native: bool = False) -> dict:
                     f"{', flash_attn=True' if flags else ''})"}
 
 
+def transformers_cache(storage: str | None) -> dict:
+    """How to run a --format transformers folder with the QuantizedCache it was healed for."""
+    from ..models.export_transformers import quantized_cache_config
+
+    config = quantized_cache_config(storage)
+    return {"cache_implementation": "quantized", "cache_config": config,
+            "note": "AutoModelForCausalLM.from_pretrained(OUT) (no attnlab import; needs optimum-quanto); its "
+                    "generation_config already asks generate() for QuantizedCache(" +
+                    ", ".join(f"{k}={v!r}" for k, v in config.items()) + ")"}
+
+
 def runs_in(fmt: str, chosen: dict) -> dict:
     """Where an output of this format runs, how, and what the report's perplexity was computed by."""
     if fmt == "attnlab":
@@ -641,6 +669,12 @@ def runs_in(fmt: str, chosen: dict) -> dict:
         return {"engine": "transformers", "how": "AutoModelForCausalLM.from_pretrained(OUT) (DeepseekV3ForCausalLM, "
                 "no attnlab import; vLLM loads the same folder)",
                 "scored_by": "attnlab's MLA with a 16-bit cache (the same weights; tests/test_export.py compares them)"}
+    if fmt == "transformers":
+        cache = transformers_cache(chosen.get("kv_dtype"))
+        return {"engine": "transformers", "how": cache["note"],
+                "scored_by": "attnlab's copy of transformers' QuantizedCache codes (quanto, checked against "
+                             "optimum-quanto and QuantizedCache: tests/test_transformers_cache.py) on every key and "
+                             "value; benchmarks/engines.py scores the folder in transformers itself"}
     cache = llama_cpp_cache(chosen.get("kv_dtype") or "bf16", chosen.get("layers") == [])
     kind, flags = cache["cache_type_k"], " " + cache["flags"] if cache["flags"] else ""
     arch = "its source's architecture" if cache["architecture"] == "source" else "deepseek2"
@@ -671,6 +705,7 @@ def final_report(req: ShrinkRequest, state: RunState, teacher, student, meta) ->
                                    **at_context},
             **({"llama_cpp": llama_cpp_cache(chosen.get("kv_dtype") or "bf16", chosen.get("layers") == [])}
                if req.fmt == "gguf" else {}),
+            **({"transformers_cache": transformers_cache(chosen.get("kv_dtype"))} if req.fmt == "transformers" else {}),
             "runs_in": runs_in(req.fmt, chosen), "plan": plan, "heal_plan": state.data["heal_plan"],
             "held_out": {"teacher": heal.get("teacher"), "before": heal.get("before"), "after": heal.get("after")},
             "baselines": state.data["report"].get("baselines"),

@@ -38,7 +38,8 @@ For a GGUF whose source is a GGUF llama.cpp runs in its own architecture (llama,
 models/export_native.py), the original attention itself, every value kept and only its cache coded, is a candidate
 in each of llama.cpp's cache types whose bytes fit (round 0, measured first; native_storages): the file is then the
 original's with the healed attention, run with `--cache-type-k/-v` of that type. A model with per-head q/k norms has
-no other GGUF plan.
+no other GGUF plan. A transformers folder (`--format transformers`: models/export_transformers.py) holds only such
+plans, the original attention in each of transformers' QuantizedCache codes that fits (quanto4, quanto2).
 
 A model with per-head q/k norms (Qwen3, Gemma 3) has one layout only, its keys whole (convert/decoupled.py):
 the rope key is every KV head's whole key (rope_dim G d, pairs by frequency, no RoRoPE, no BKV) and the
@@ -52,7 +53,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from .sizes import (FEW_BIT, FORMATS, GGUF_STORAGES, KEPT_STORAGES, LLAMA_CPP_CACHE, STORAGES,  # noqa: F401
+from .sizes import (FEW_BIT, FORMATS, GGUF_STORAGES, KEPT_STORAGES, LLAMA_CPP_CACHE, NATIVE_CACHE,  # noqa: F401
+                    STORAGES, TRANSFORMERS_CACHE,
                     KVBudget, Layout, bytes_per_token, few_bit, fit, held_share, layer_bytes, layouts, llama_cpp_type,
                     original_bytes, original_sizes, parse_budget, splits, storage_ok, values_for)
 
@@ -92,7 +94,8 @@ class Candidate:
 
     def label(self) -> str:
         if self.native:
-            return f"the original attention, its cache in llama.cpp's {self.kv_dtype}"
+            engine = "transformers' QuantizedCache (quanto)" if self.kv_dtype in TRANSFORMERS_CACHE else "llama.cpp's"
+            return f"the original attention, its cache in {engine} {self.kv_dtype}"
         n = 0 if self.layers is None else len(self.layers)
         kept = "" if self.layers is None else f" in {n} global layer{'s' * (n != 1)}, the sliding ones kept in " \
             f"{self.kept_dtype}"
@@ -191,15 +194,26 @@ def writes_native(teacher) -> bool:
     return True
 
 
-def native_storages(teacher, budget_bytes: float, fmt: str, storages, context: int | None = None) -> dict[str, int]:
-    """{llama.cpp cache type: the original's bytes per token in it}, largest first, for each of `storages` that is one
-    and fits budget_bytes, when fmt is gguf and the model can be written in its own architecture (writes_native);
-    else {}. The bytes are what attnlab's cache of that type allocates (shrink/baselines.py: scales counted)."""
-    if fmt != "gguf" or not writes_native(teacher):
+def holds_native(teacher, fmt: str) -> bool:
+    """Whether an output of this format can hold the original attention with the engine's own cache codes: a GGUF
+    in the source's own architecture (writes_native), or a transformers folder (any model from_attnlab restores)."""
+    return fmt == "transformers" or (fmt == "gguf" and writes_native(teacher))
+
+
+def native_sizes(teacher, fmt: str, storages, context: int | None = None) -> dict[str, float]:
+    """{engine cache code: the original's bytes per token in it} for each of `storages` that is one of the format's
+    (NATIVE_CACHE), when holds_native; else {}. The bytes are what attnlab's cache of that type allocates, or for
+    transformers' codes their steady state (shrink/baselines.py: scales counted)."""
+    if not holds_native(teacher, fmt):
         return {}
     from .baselines import baseline_bytes
 
-    sizes = baseline_bytes(teacher, [s for s in storages if s in LLAMA_CPP_CACHE], context)
+    return baseline_bytes(teacher, [s for s in storages if s in NATIVE_CACHE[fmt]], context)
+
+
+def native_storages(teacher, budget_bytes: float, fmt: str, storages, context: int | None = None) -> dict[str, int]:
+    """native_sizes that fit budget_bytes, largest first."""
+    sizes = native_sizes(teacher, fmt, storages, context)
     return {s: b for s, b in sorted(sizes.items(), key=lambda kv: -kv[1]) if b <= budget_bytes}
 
 
@@ -207,7 +221,7 @@ def check_format(teacher, fmt: str) -> None:
     """ValueError, one line, when the output format cannot hold the model's attention: DeepSeek's and llama.cpp's
     (deepseek2) MLA have no per-head key norm, which the keys of a model with q/k norms need; a GGUF in the source's
     own architecture (writes_native) holds them, with only llama.cpp's cache types to plan."""
-    if fmt != "attnlab" and keys_whole(teacher) is not None and not (fmt == "gguf" and writes_native(teacher)):
+    if fmt != "attnlab" and keys_whole(teacher) is not None and not holds_native(teacher, fmt):
         kind = getattr(getattr(teacher, "config", None), "model_type", "") or "this model"
         raise ValueError(f"--format {fmt} cannot hold {kind}: its attention normalises every key head (a per-head "
                          f"key norm, k_norm), which {'DeepSeek-V3' if fmt == 'deepseek' else 'llama.cpp deepseek2'}'s "
@@ -248,17 +262,22 @@ def feasible(teacher, budget: KVBudget, fmt: str = "attnlab", storages=STORAGES,
                          f"{original:.0f} bytes/token (16-bit{at}): nothing to cut")
     storages = [s for s in storages if storage_ok(s, fmt)] or ["bf16"]
     native = native_storages(teacher, budget_bytes, fmt, storages, context)
+    if fmt == "transformers" and native:  # a transformers folder holds the original attention only
+        return original, budget_bytes, []
     try:
+        if fmt == "transformers":
+            raise ValueError(f"a KV budget of {budget} ({budget_bytes:.0f} bytes/token{at}) is below what "
+                             f"--format transformers can hold")
         return original, budget_bytes, _options(teacher, budget, budget_bytes, original, fmt, storages, context)
     except ValueError as e:
         if native:  # the original attention in a llama.cpp cache type fits: only those are planned
             return original, budget_bytes, []
-        if fmt != "gguf" or not writes_native(teacher):
+        if not holds_native(teacher, fmt):
             raise
-        from .baselines import baseline_bytes
-        sizes = baseline_bytes(teacher, [s for s in storages if s in LLAMA_CPP_CACHE], context)
+        sizes = native_sizes(teacher, fmt, storages, context)
         least = min(sizes, key=sizes.get, default=None)
-        nor = "" if least is None else (f"; nor does the original attention in llama.cpp's cache types: the smallest, "
+        engine = "transformers' QuantizedCache codes" if fmt == "transformers" else "llama.cpp's cache types"
+        nor = "" if least is None else (f"; nor does the original attention in {engine}: the smallest, "
                                         f"{least}, takes {sizes[least]:.0f} bytes/token ({sizes[least] / original:.1%})")
         raise ValueError(f"{e}{nor}") from None
 
@@ -414,7 +433,8 @@ def plan(teacher, calibration_ids: torch.Tensor, budget: KVBudget, *, fmt: str =
             return True
         return time_budget is not None and (time_budget.expired() or time_budget.stop_requested)
 
-    # 0. the original attention in each llama.cpp cache type that fits (a GGUF in the source's own architecture)
+    # 0. the original attention in each engine cache code that fits (a GGUF in the source's own architecture, a
+    # transformers folder)
     for storage in native:
         if not spent():
             measure(Candidate(G * d, G * d, "original", False, storage, False, round=0, layers=[], kept_dtype=storage))

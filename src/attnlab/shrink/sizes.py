@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-FORMATS = ("attnlab", "deepseek", "gguf")
+FORMATS = ("attnlab", "deepseek", "gguf", "transformers")
 # latent in 4 or 2 bits (groups of 32) with the rope key in 8 bits per token; or latent in 3 or 4 bits with the rope
 # key in 4 bits per channel over groups of 64 tokens (KIVI's key layout; docs/real-models.md); last, a 6-bit latent
 # beside the 8-bit rope key: what holds every value of a GQA between 4 bits (41% of SmolLM2's bytes) and 8 (51%)
@@ -24,16 +24,21 @@ STORAGES = ("bf16", "int8", *FEW_BIT)
 # quantises deepseek2's cached row [latent | rope key] in blocks of 32 (modules/lowbit.py computes it bit for bit)
 LLAMA_CPP_CACHE = ("q8_0", "q5_0", "q4_1", "q4_0")
 GGUF_STORAGES = ("bf16", "q8_0", "q5_0", "q4_0")
+# a transformers folder's cache is transformers' QuantizedCache (quanto backend, modules/lowbit.py: its codes bit for
+# bit); the folder keeps the original attention, so these are the only storages --format transformers plans
+TRANSFORMERS_CACHE = ("quanto4", "quanto2")
+NATIVE_CACHE = {"gguf": LLAMA_CPP_CACHE, "transformers": TRANSFORMERS_CACHE}  # the engine's own codes, per format
 
 def storage_ok(storage: str, fmt: str = "attnlab") -> bool:
     """Whether the planner can store a latent cache so in that format: bf16 in every one; in attnlab's own also int8
-    and its int2 to int7 groups (any /g<N>, with or without +r8 or +c4); in a GGUF llama.cpp's cache types."""
+    and its int2 to int7 groups (any /g<N>, with or without +r8 or +c4); in a GGUF llama.cpp's cache types; in a
+    transformers folder transformers' QuantizedCache codes (TRANSFORMERS_CACHE)."""
     from ..modules.cache import check_kv_dtype
 
     if storage == "bf16":
         return True
     if fmt != "attnlab":
-        return fmt == "gguf" and storage in LLAMA_CPP_CACHE
+        return storage in NATIVE_CACHE.get(fmt, ())
     if storage == "int8":
         return True
     try:
