@@ -1,6 +1,6 @@
 """Perplexity in plain transformers, through its own QuantizedCache, of a model folder or GGUF: no attnlab import.
 
-    python benchmarks/hf_cache_ppl.py --model OUT --ids ids.json --json s.json --cache '{"backend": "quanto", "nbits": 4}'
+    python benchmarks/hf_cache_ppl.py --model OUT --ids ids.json --json s.json --cache '{"backend":"quanto","nbits":4}'
     python benchmarks/hf_cache_ppl.py --model DIR --gguf-file F.gguf --ids ids.json --json scores.json   # no cache
 
 ids.json: {text name: [token ids]}, scored in windows of --window tokens. With --cache, each window is decoded

@@ -284,13 +284,16 @@ def test_transformers_plans_the_original_attention_in_quantized_cache_codes(wide
     smallest."""
     _, model, tok = wide
     cal = tok(TEXT * 10, return_tensors="pt").input_ids[:, :256]
+    before = {k: v.clone() for k, v in model.state_dict().items()}
     result = plan(model, cal, parse_budget("30%"), fmt="transformers", storages=("quanto4", "quanto2"), window=T)
     assert {c.kv_dtype: c.bytes_per_token for c in result.measured} == {"quanto4": 144, "quanto2": 80}
     assert all(c.native for c in result.measured) and "QuantizedCache" in result.best.label()
     only = plan(model, cal, parse_budget("20%"), fmt="transformers", storages=("quanto4", "quanto2"), window=T)
     assert [c.kv_dtype for c in only.measured] == ["quanto2"]
-    with pytest.raises(ValueError, match=r"nor does the original attention in transformers' QuantizedCache codes: the "
-                                         r"smallest, quanto2, takes 80 bytes/token \(15.6%\)"):
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # the teacher came back as it was
+    with pytest.raises(ValueError, match=r"below what --format transformers can hold: the original attention in "
+                                         r"transformers' QuantizedCache codes: the smallest, quanto2, takes 80 "
+                                         r"bytes/token \(15.6%\)"):
         plan(model, cal, parse_budget("10%"), fmt="transformers", storages=("quanto4", "quanto2"), window=T)
 
 

@@ -2,6 +2,8 @@
 
 - plan.py      the planner: candidates measured on calibration text, the best within the budget and format
 - pipeline.py  the one-command run over the library's convert, heal and export; one budget, one resumable state
+- engines.py   where each output runs: the engine, its flags or cache, what scored the report
+- sizes.py, baselines.py  what a cache costs; the original's cache quantized without training, scored beside a run
 """
 from .pipeline import ShrinkRequest, check_request, shrink
 from .plan import Candidate, KVBudget, PlanResult, parse_budget, plan

@@ -16,7 +16,8 @@ A thin pipeline over the library (the same functions the separate commands call)
 - convert: models.convert_model, then (for DeepSeek and GGUF) a latent norm fitted on the
   calibration text (models.add_latent_norms) that the heal then trains;
 - heal: heal.heal_model (layer-wise, then end-to-end KL), its layer-wise steps sized to the time;
-- export: models.save_model, export_deepseek or export_gguf.
+- export: models.save_model, export_deepseek, export_gguf, export_native or export_transformers; where each
+  output runs (shrink/engines.py) goes into the report.
 One budget (runtime.Budget) covers every phase from the start, loading included; each phase gets
 a bounded share and the heal keeps back what the final evaluation and the export need. One
 resumable state: a run folder beside the output (OUT.shrink-run) holds state.json (the request,
@@ -40,6 +41,7 @@ from pathlib import Path
 import torch
 
 from ..runtime.budget import Budget, Stopped
+from .engines import llama_cpp_cache, runs_in, transformers_cache  # noqa: F401 (re-exported: their old home)
 from .plan import (GGUF_STORAGES, LLAMA_CPP_CACHE, STORAGES, TRANSFORMERS_CACHE, Candidate, check_format, feasible,
                    few_bit, keys_whole, llama_cpp_type, parse_budget, storage_ok)
 
@@ -632,56 +634,6 @@ def _is_report(path: Path) -> bool:
         return json.loads(path.read_text()).get("format") == "attnlab-shrink-report"
     except (OSError, ValueError, AttributeError):
         return False
-
-
-def llama_cpp_cache(storage: str, native: bool = False) -> dict:
-    """How to run a GGUF shrink in llama.cpp with the cache it was planned and healed for; native: the file is in the
-    source's own architecture (the original attention, healed), else deepseek2 (MLA)."""
-    kind = llama_cpp_type(storage)
-    flags = "" if kind == "f16" else f" --cache-type-k {kind} --cache-type-v {kind} --flash-attn on"
-    what = "the original's architecture, its attention healed" if native else "deepseek2 (MLA)"
-    return {"cache_type_k": kind, "cache_type_v": kind, "flash_attn": kind != "f16",
-            "architecture": "source" if native else "deepseek2",
-            "flags": flags.strip(),
-            "note": f"{what}, planned and healed for llama.cpp's {kind} KV cache: run it with"
-                    f"{flags or ' the default cache'} (llama-cpp-python: type_k/type_v {kind}"
-                    f"{', flash_attn=True' if flags else ''})"}
-
-
-def transformers_cache(storage: str | None) -> dict:
-    """How to run a --format transformers folder with the QuantizedCache it was healed for."""
-    from ..models.export_transformers import quantized_cache_config
-
-    config = quantized_cache_config(storage)
-    return {"cache_implementation": "quantized", "cache_config": config,
-            "note": "AutoModelForCausalLM.from_pretrained(OUT) (no attnlab import; needs optimum-quanto); its "
-                    "generation_config already asks generate() for QuantizedCache(" +
-                    ", ".join(f"{k}={v!r}" for k, v in config.items()) + ")"}
-
-
-def runs_in(fmt: str, chosen: dict) -> dict:
-    """Where an output of this format runs, how, and what the report's perplexity was computed by."""
-    if fmt == "attnlab":
-        return {"engine": "attnlab", "how": "attnlab eval / attnlab generate OUT, or attnlab.models.load_model(OUT) "
-                "(attnlab's own loop; not llama.cpp or transformers' caches)",
-                "scored_by": "attnlab, through the planned cache storage"}
-    if fmt == "deepseek":
-        return {"engine": "transformers", "how": "AutoModelForCausalLM.from_pretrained(OUT) (DeepseekV3ForCausalLM, "
-                "no attnlab import; vLLM loads the same folder)",
-                "scored_by": "attnlab's MLA with a 16-bit cache (the same weights; tests/test_export.py compares them)"}
-    if fmt == "transformers":
-        cache = transformers_cache(chosen.get("kv_dtype"))
-        return {"engine": "transformers", "how": cache["note"],
-                "scored_by": "attnlab's copy of transformers' QuantizedCache codes (quanto, checked against "
-                             "optimum-quanto and QuantizedCache: tests/test_transformers_cache.py) on every key and "
-                             "value; benchmarks/engines.py scores the folder in transformers itself"}
-    cache = llama_cpp_cache(chosen.get("kv_dtype") or "bf16", chosen.get("layers") == [])
-    kind, flags = cache["cache_type_k"], " " + cache["flags"] if cache["flags"] else ""
-    arch = "its source's architecture" if cache["architecture"] == "source" else "deepseek2"
-    return {"engine": "llama.cpp", "how": f"llama-cli -m OUT{flags} ({arch})",
-            "scored_by": f"attnlab's copy of llama.cpp's {kind} cache (rotation and block codes, checked against "
-                         "llama.cpp: tests/test_llama_cpp_cache.py); benchmarks/engines.py scores the file in "
-                         "llama.cpp itself"}
 
 
 def final_report(req: ShrinkRequest, state: RunState, teacher, student, meta) -> dict:

@@ -150,7 +150,7 @@ def apply(model, cand: Candidate, calibration_ids: torch.Tensor | None, inputs=N
     from ..models.evaluate import set_kv_dtype
     from ..models.export import add_steady_channels
 
-    if cand.native:  # nothing converted: every layer the original's, its cache in the llama.cpp type
+    if cand.native:  # nothing converted: every layer the original's, its cache in the engine's code
         set_kv_dtype(model, cand.kv_dtype)
         return
     convert_model(model, "mla", latent_dim=cand.latent_dim, rope_dim=cand.rope_dim, calibration_ids=calibration_ids,
@@ -262,24 +262,31 @@ def feasible(teacher, budget: KVBudget, fmt: str = "attnlab", storages=STORAGES,
                          f"{original:.0f} bytes/token (16-bit{at}): nothing to cut")
     storages = [s for s in storages if storage_ok(s, fmt)] or ["bf16"]
     native = native_storages(teacher, budget_bytes, fmt, storages, context)
-    if fmt == "transformers" and native:  # a transformers folder holds the original attention only
-        return original, budget_bytes, []
+    if fmt == "transformers":  # a transformers folder holds the original attention only
+        if native:
+            return original, budget_bytes, []
+        raise ValueError(f"a KV budget of {budget} ({budget_bytes:.0f} bytes/token{at}) is below what --format "
+                         f"transformers can hold: {_smallest_native(teacher, fmt, storages, context, original)}")
     try:
-        if fmt == "transformers":
-            raise ValueError(f"a KV budget of {budget} ({budget_bytes:.0f} bytes/token{at}) is below what "
-                             f"--format transformers can hold")
         return original, budget_bytes, _options(teacher, budget, budget_bytes, original, fmt, storages, context)
     except ValueError as e:
         if native:  # the original attention in a llama.cpp cache type fits: only those are planned
             return original, budget_bytes, []
         if not holds_native(teacher, fmt):
             raise
-        sizes = native_sizes(teacher, fmt, storages, context)
-        least = min(sizes, key=sizes.get, default=None)
-        engine = "transformers' QuantizedCache codes" if fmt == "transformers" else "llama.cpp's cache types"
-        nor = "" if least is None else (f"; nor does the original attention in {engine}: the smallest, "
-                                        f"{least}, takes {sizes[least]:.0f} bytes/token ({sizes[least] / original:.1%})")
-        raise ValueError(f"{e}{nor}") from None
+        smallest = _smallest_native(teacher, fmt, storages, context, original)
+        raise ValueError(f"{e}; nor does {smallest}" if smallest else str(e)) from None
+
+
+def _smallest_native(teacher, fmt: str, storages, context: int | None, original: float) -> str:
+    """'the original attention in <the engine's codes>: the smallest, T, takes N bytes/token (P%)', or '' if none."""
+    sizes = native_sizes(teacher, fmt, storages, context)
+    least = min(sizes, key=sizes.get, default=None)
+    if least is None:
+        return ""
+    engine = "transformers' QuantizedCache codes" if fmt == "transformers" else "llama.cpp's cache types"
+    return (f"the original attention in {engine}: the smallest, {least}, takes {sizes[least]:.0f} bytes/token "
+            f"({sizes[least] / original:.1%})")
 
 
 def _options(teacher, budget: KVBudget, budget_bytes: float, original: float, fmt: str, storages,
@@ -442,7 +449,7 @@ def plan(teacher, calibration_ids: torch.Tensor, budget: KVBudget, *, fmt: str =
         best = min(measured, key=lambda c: c.proxy)
         note = "" if len(measured) == len(native) else "planning ended (its time or its count) before every storage"
         return PlanResult(best, measured, str(budget), original, budget_bytes,
-                          note or "no converted layout fits: the original attention, its cache in llama.cpp's types",
+                          note or "no converted layout fits: the original attention, its cache in the engine's codes",
                           context)
     every, per_storage = options[0]  # every layer converted (the only layout of a model that plans in rounds)
     room = every.room

@@ -1,0 +1,56 @@
+"""Where each shrink output runs: the engine, the flags or cache it was healed for, and what computed the report's
+perplexity (docs/engines.md). The report's `runs_in`, `llama_cpp` and `transformers_cache` entries come from here.
+"""
+from __future__ import annotations
+
+from .sizes import llama_cpp_type
+
+
+def llama_cpp_cache(storage: str, native: bool = False) -> dict:
+    """How to run a GGUF shrink in llama.cpp with the cache it was planned and healed for; native: the file is in the
+    source's own architecture (the original attention, healed), else deepseek2 (MLA)."""
+    kind = llama_cpp_type(storage)
+    flags = "" if kind == "f16" else f" --cache-type-k {kind} --cache-type-v {kind} --flash-attn on"
+    what = "the original's architecture, its attention healed" if native else "deepseek2 (MLA)"
+    return {"cache_type_k": kind, "cache_type_v": kind, "flash_attn": kind != "f16",
+            "architecture": "source" if native else "deepseek2",
+            "flags": flags.strip(),
+            "note": f"{what}, planned and healed for llama.cpp's {kind} KV cache: run it with"
+                    f"{flags or ' the default cache'} (llama-cpp-python: type_k/type_v {kind}"
+                    f"{', flash_attn=True' if flags else ''})"}
+
+
+def transformers_cache(storage: str | None) -> dict:
+    """How to run a --format transformers folder with the QuantizedCache it was healed for."""
+    from ..models.export_transformers import quantized_cache_config
+
+    config = quantized_cache_config(storage)
+    return {"cache_implementation": "quantized", "cache_config": config,
+            "note": "AutoModelForCausalLM.from_pretrained(OUT) (no attnlab import; needs optimum-quanto); its "
+                    "generation_config already asks generate() for QuantizedCache(" +
+                    ", ".join(f"{k}={v!r}" for k, v in config.items()) + ")"}
+
+
+def runs_in(fmt: str, chosen: dict) -> dict:
+    """Where an output of this format runs, how, and what the report's perplexity was computed by."""
+    if fmt == "attnlab":
+        return {"engine": "attnlab", "how": "attnlab eval / attnlab generate OUT, or attnlab.models.load_model(OUT) "
+                "(attnlab's own loop; not llama.cpp or transformers' caches)",
+                "scored_by": "attnlab, through the planned cache storage"}
+    if fmt == "deepseek":
+        return {"engine": "transformers", "how": "AutoModelForCausalLM.from_pretrained(OUT) (DeepseekV3ForCausalLM, "
+                "no attnlab import; vLLM loads the same folder)",
+                "scored_by": "attnlab's MLA with a 16-bit cache (the same weights; tests/test_export.py compares them)"}
+    if fmt == "transformers":
+        cache = transformers_cache(chosen.get("kv_dtype"))
+        return {"engine": "transformers", "how": cache["note"],
+                "scored_by": "attnlab's copy of transformers' QuantizedCache codes (quanto, checked against "
+                             "optimum-quanto and QuantizedCache: tests/test_transformers_cache.py) on every key and "
+                             "value; benchmarks/engines.py scores the folder in transformers itself"}
+    cache = llama_cpp_cache(chosen.get("kv_dtype") or "bf16", chosen.get("layers") == [])
+    kind, flags = cache["cache_type_k"], " " + cache["flags"] if cache["flags"] else ""
+    arch = "its source's architecture" if cache["architecture"] == "source" else "deepseek2"
+    return {"engine": "llama.cpp", "how": f"llama-cli -m OUT{flags} ({arch})",
+            "scored_by": f"attnlab's copy of llama.cpp's {kind} cache (rotation and block codes, checked against "
+                         "llama.cpp: tests/test_llama_cpp_cache.py); benchmarks/engines.py scores the file in "
+                         "llama.cpp itself"}
