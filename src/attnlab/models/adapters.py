@@ -239,6 +239,18 @@ def to_attnlab(model):
     return model
 
 
+def check_own_attention(model, converted: str) -> None:
+    """ValueError, one line, unless every attention layer is a GQA with the config's own query and KV heads (what the
+    source's class and file hold); `converted` ends the line: where a converted model is written instead."""
+    cfg = model.config
+    for i, m in enumerate(attnlab_modules(model)):
+        heads = (getattr(m, "num_heads", None), getattr(m, "num_kv_heads", None))
+        if not isinstance(m, GroupedQueryAttention) or heads != (cfg.num_attention_heads, cfg.num_key_value_heads):
+            raise ValueError(f"layer {i} is a {type(m).__name__} with {heads[0]} query and {heads[1]} KV heads, not "
+                             f"the source's attention ({cfg.num_attention_heads} and {cfg.num_key_value_heads}): "
+                             f"{converted}")
+
+
 def replace_attention(model, modules: list[nn.Module]):
     """Put the given attnlab modules (one per layer, e.g. converted ones) into an attnlab'd model, in place."""
     fam = family(model)

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .adapters import attnlab_modules
+from .adapters import attnlab_modules, check_own_attention
 
 NATIVE = ("llama", "qwen3", "gemma3")  # what llama.cpp runs that attnlab loads from a GGUF
 ARCHITECTURE = {"llama": "llama", "qwen3": "qwen3", "gemma3_text": "gemma3"}  # transformers' model_type -> GGUF's
@@ -76,8 +76,6 @@ def check_native(model) -> tuple[Path, str]:
     """(the source GGUF, its architecture) when export_native can write this model; ValueError saying why not. From
     the model alone (its source's name, its config, its modules): the file itself is read by export_native, which
     checks that it holds that architecture (a GGUF's metadata with a large vocabulary takes seconds to parse)."""
-    from ..modules.gqa import GroupedQueryAttention
-
     source = getattr(model, "attnlab_source", None)
     if source is None or Path(source).suffix != ".gguf":
         raise ValueError("a GGUF in the model's own architecture is written by copying the GGUF it was loaded from; "
@@ -88,12 +86,7 @@ def check_native(model) -> tuple[Path, str]:
     if arch is None:
         raise ValueError(f"{source} holds a {getattr(cfg, 'model_type', '?')} model; attnlab writes "
                          f"{', '.join(NATIVE)} GGUFs back in their own architecture")
-    for i, m in enumerate(attnlab_modules(model)):
-        if not isinstance(m, GroupedQueryAttention) or m.num_kv_heads != cfg.num_key_value_heads \
-                or m.num_heads != cfg.num_attention_heads:
-            raise ValueError(f"layer {i} is a {type(m).__name__} with {getattr(m, 'num_kv_heads', '?')} KV heads, not "
-                             f"the source's attention ({cfg.num_key_value_heads} KV heads): a model converted to MLA "
-                             "is written as deepseek2 (export_gguf)")
+    check_own_attention(model, "a model converted to MLA is written as deepseek2 (export_gguf)")
     return source, arch
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
-from .adapters import attnlab_modules, family, from_attnlab
+from .adapters import check_own_attention, family, from_attnlab
 
 RESIDUAL_LENGTH = 128  # transformers' QuantizedCache default: the newest tokens it keeps unquantised
 
@@ -37,13 +37,7 @@ def check_transformers_export(model) -> None:
     class holds)."""
     if family(model) != "llama":
         raise ValueError("--format transformers writes a causal language model (Llama, Qwen3, Gemma 3, ...)")
-    cfg = model.config
-    for i, m in enumerate(attnlab_modules(model)):
-        heads = (getattr(m, "num_heads", None), getattr(m, "num_kv_heads", None))
-        if type(m).__name__ != "GroupedQueryAttention" or heads != (cfg.num_attention_heads, cfg.num_key_value_heads):
-            raise ValueError(f"layer {i} is a {type(m).__name__} with heads {heads}; --format transformers writes "
-                             f"the source's own attention ({cfg.num_attention_heads} query and "
-                             f"{cfg.num_key_value_heads} KV heads): a converted model goes out with --format deepseek")
+    check_own_attention(model, "--format transformers writes that; a converted model goes out with --format deepseek")
 
 
 def export_transformers(model, folder, tokenizer=None, *, force: bool = False, storage: str | None = None) -> dict:

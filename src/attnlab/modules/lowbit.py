@@ -130,7 +130,8 @@ QUANTO_GROUP = 64  # transformers' QuantizedCache default q_group_size
 QUANTO_FORMATS = {"quanto4": LowBit("quanto4", 4, QUANTO_GROUP, True, "quanto"),
                   "quanto2": LowBit("quanto2", 2, QUANTO_GROUP, True, "quanto")}
 ENGINE_FORMATS = {**KIVI_FORMATS, **QUANTO_FORMATS}  # applied in a forward without a cache; attnlab's caches refuse them
-SPELLING = re.compile(r"(q8_0|q5_0|q4_0|q4_1|iq4_nl|kivi4|kivi2|quanto4|quanto2)|int([2-7])(?:/g([1-9][0-9]*))?(?:\+(r8|c[234]))?")
+SPELLING = re.compile(r"(q8_0|q5_0|q4_0|q4_1|iq4_nl|kivi4|kivi2|quanto4|quanto2)"
+                      r"|int([2-7])(?:/g([1-9][0-9]*))?(?:\+(r8|c[234]))?")
 IQ4_NL_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)  # ggml's kvalues_iq4nl
 IQ4_NL_TINY = 1e-15  # GROUP_MAX_EPS: a block whose largest magnitude is below it stores d = 0
 ROTATION_ENV = "LLAMA_ATTN_ROT_DISABLE"  # llama.cpp's switch: a nonzero integer turns the cache rotation off
