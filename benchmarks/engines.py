@@ -11,7 +11,7 @@ Rows go to benchmarks/engines.json, merged by key.
 
 The command is exactly the argv in the row: `attnlab shrink MODEL --kv-budget B --kv-dtype T --format gguf --out
 OUT.gguf` (`--seed S` where S is not 0); --kv-dtype is the llama.cpp cache type the user serves with, the one flag
-the engine needs. Texts and windows are benchmarks/protocol.py's (the first 2,048 tokens of four texts of different
+the engine needs (K,V for --cache-type-k K --cache-type-v V: smollm2-q8_0-q4_0). Texts and windows are benchmarks/protocol.py's (the first 2,048 tokens of four texts of different
 kinds, windows of 512, the same token ids handed to llama.cpp), none of which the shrink reads.
 
 What llama.cpp runs, each with a fresh context per window and flash attention (what a quantized V cache needs):
@@ -53,6 +53,8 @@ from protocol import TEXTS, TOKENS, WINDOW, note_load, text_ids  # noqa: E402
 CASES = {  # name: (model, shrink arguments after the model, the engine's cache type, what it checks)
     "smollm2-q4_0": ("smollm2", ["--kv-budget", "30%", "--kv-dtype", "q4_0", "--format", "gguf"], "q4_0",
                      "SmolLM2-135M for llama.cpp's q4_0 K and V cache"),
+    "smollm2-q8_0-q4_0": ("smollm2", ["--kv-budget", "41%", "--kv-dtype", "q8_0,q4_0", "--format", "gguf"],
+                          "q8_0,q4_0", "SmolLM2-135M for llama.cpp's q8_0 K and q4_0 V cache"),
     "gemma3-270m-q4_0": ("gemma3-270m", ["--kv-budget", "30%", "--kv-dtype", "q4_0", "--format", "gguf"], "q4_0",
                          "Gemma 3 270M for llama.cpp's q4_0 K and V cache"),
     "smollm2-quanto2": ("smollm2", ["--kv-budget", "16%", "--kv-dtype", "quanto2", "--format", "transformers"],

@@ -37,9 +37,12 @@ WINDOW = 512
 
 def kv_dtype_of(cache_type: str) -> str | None:
     """attnlab's kv_dtype for a llama.cpp cache type: its own spelling, f16 plain (attnlab's float32 cache; f16's
-    rounding of K/V is far below what a perplexity shows: 1e-4 of it on SmolLM2)."""
-    if cache_type not in CACHE_TYPES:
-        raise ValueError(f"cache type must be one of {', '.join(CACHE_TYPES)}, got {cache_type!r}")
+    rounding of K/V is far below what a perplexity shows: 1e-4 of it on SmolLM2); "K,V" (K and V apart, two of the
+    quantized types) as it is."""
+    types = cache_type.split(",")
+    if len(types) > 2 or any(t not in CACHE_TYPES for t in types) or (len(types) == 2 and "f16" in types):
+        raise ValueError(f"cache type must be one of {', '.join(CACHE_TYPES)} or 'K,V' of two quantized ones, got "
+                         f"{cache_type!r}")
     return None if cache_type == "f16" else cache_type
 
 
@@ -63,16 +66,17 @@ def f32_copy(source: Path, out: Path, threads: int = 2) -> Path:
 def llama_cpp_windows(gguf: Path, ids: torch.Tensor, cache_type: str, window: int = WINDOW,
                       threads: int = 2) -> list[tuple[float, int]]:
     """(summed next-token NLL, count) of each window of the ids (1, N) as llama.cpp scores it with K and V in
-    `cache_type` (a fresh context, flash attention: what a quantized V needs; the context is reset per window)."""
+    `cache_type` ("K,V": type_k K, type_v V; a fresh context, flash attention: what a quantized V needs; the context
+    is reset per window)."""
     import llama_cpp
     import numpy as np
 
     from attnlab.models.evaluate import next_token_nll, windows
 
     kv_dtype_of(cache_type)
-    kind = getattr(llama_cpp, f"GGML_TYPE_{cache_type.upper()}")
+    k, v = (getattr(llama_cpp, f"GGML_TYPE_{t.upper()}") for t in (cache_type.split(",") * 2)[:2])
     llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=window, n_batch=window, n_ubatch=window, logits_all=True,
-                          type_k=kind, type_v=kind, flash_attn=True, n_threads=threads, n_threads_batch=threads,
+                          type_k=k, type_v=v, flash_attn=True, n_threads=threads, n_threads_batch=threads,
                           verbose=False)
     out = []
     try:

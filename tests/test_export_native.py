@@ -217,26 +217,49 @@ def test_a_gguf_plan_keeps_the_original_attention_where_a_llama_cpp_type_fits(ll
         plan(model, cal, parse_budget("10%"), fmt="gguf", storages=("q4_0",), window=32)
 
 
-def test_a_gguf_shrink_of_a_llama_gguf_writes_its_own_architecture(llama_gguf_tokenizer, tmp_path):
-    """shrink --format gguf --kv-dtype q4_0 on a llama GGUF at 30%: the original attention planned, healed through
-    q4_0, written as a llama GGUF whose untouched tensors are the source's; the report names llama.cpp's flags; where
-    llama-cpp-python is installed, llama.cpp runs the file with that cache."""
+def test_a_kv_pair_is_planned_for_the_original_attention_only(llama_gguf):
+    """K in q8_0 and V in q4_0 (llama.cpp's --cache-type-k q8_0 --cache-type-v q4_0): a round-0 plan of the original
+    attention at the bytes of half a row in each (by hand); no converted (deepseek2) layout is tried in it, and a
+    budget below it names its bytes."""
+    path, _ = llama_gguf
+    model, _ = hf.load_checkpoint(path)
+    hf.to_attnlab(model)
+    cal = _ids(128, 97)
+    pair = LAYERS * G * HEAD // 32 * (34 + 18)  # K: q8_0 blocks of 34 bytes, V: q4_0 blocks of 18, per 32 values
+    result = plan(model, cal, parse_budget("45%"), fmt="gguf", storages=("q8_0,q4_0", "q4_0"), window=32)
+    assert [(c.kv_dtype, c.round) for c in result.measured if c.native] == [("q8_0,q4_0", 0), ("q4_0", 0)]
+    assert [c.bytes_per_token for c in result.measured if c.native] == [pair, _q4_0_bytes()]
+    assert all(c.kv_dtype != "q8_0,q4_0" for c in result.measured if not c.native)
+    with pytest.raises(ValueError, match=rf"below what a K/V pair holds, which only the original attention can use: "
+                                         rf"q8_0,q4_0 takes {pair} bytes/token \(40.6%\)"):
+        plan(model, cal, parse_budget("35%"), fmt="gguf", storages=("q8_0,q4_0",), window=32)
+
+
+@pytest.mark.parametrize("storage, budget", [("q4_0", "30%"), ("q8_0,q4_0", "45%")])
+def test_a_gguf_shrink_of_a_llama_gguf_writes_its_own_architecture(llama_gguf_tokenizer, tmp_path, storage, budget):
+    """shrink --format gguf --kv-dtype q4_0 on a llama GGUF at 30% (and K in q8_0 with V in q4_0 at 45%): the original
+    attention planned, healed through that cache, written as a llama GGUF whose untouched tensors are the source's;
+    the report and the file's metadata name llama.cpp's flags; where llama-cpp-python is installed, llama.cpp runs
+    the file with that cache."""
     path, _ = llama_gguf_tokenizer
     out = tmp_path / "s.gguf"
     text = tmp_path / "t.txt"
     text.write_text(TEXT * 40)
-    report = shrink(ShrinkRequest(source=str(path), kv_budget="30%", out=str(out), fmt="gguf", storage="q4_0",
+    report = shrink(ShrinkRequest(source=str(path), kv_budget=budget, out=str(out), fmt="gguf", storage=storage,
                                   text=[str(text)], minutes=5, seq_len=32, tokens=4 * 32 * 4, layer_steps=2,
                                   windows=16))
-    assert report["plan"]["chosen"]["layers"] == [] and report["kv_bytes_per_token"]["shrunk"] == _q4_0_bytes()
+    k, v = (storage.split(",") * 2)[:2]
+    held = LAYERS * G * HEAD // 32 * {"q4_0": 18, "q8_0": 34}[k] + LAYERS * G * HEAD // 32 * 18
+    assert report["plan"]["chosen"]["layers"] == [] and report["kv_bytes_per_token"]["shrunk"] == held
     assert report["llama_cpp"]["architecture"] == "source" and \
-        report["llama_cpp"]["flags"] == "--cache-type-k q4_0 --cache-type-v q4_0 --flash-attn on"
+        report["llama_cpp"]["flags"] == f"--cache-type-k {k} --cache-type-v {v} --flash-attn on"
     assert report["runs_in"] == {**report["runs_in"], "engine": "llama.cpp",
-                                 "how": "llama-cli -m OUT --cache-type-k q4_0 --cache-type-v q4_0 --flash-attn on "
+                                 "how": f"llama-cli -m OUT --cache-type-k {k} --cache-type-v {v} --flash-attn on "
                                         "(its source's architecture)"}
     written = report["written"]
     src, new = gguf.GGUFReader(str(path)), gguf.GGUFReader(str(out))
     assert new.fields["general.architecture"].contents() == "llama"
+    assert [new.fields[key].contents() for key in ("attnlab.cache_type_k", "attnlab.cache_type_v")] == [k, v]
     assert all(_same_bytes(src, new, t.name) for t in src.tensors if t.name not in written["rewritten"])
     assert written["copied"] + len(written["rewritten"]) == len(src.tensors)
     assert json.loads((tmp_path / "s.gguf.shrink.json").read_text())["written"] == written
@@ -245,9 +268,10 @@ def test_a_gguf_shrink_of_a_llama_gguf_writes_its_own_architecture(llama_gguf_to
     model, _ = hf.load_checkpoint(out)  # transformers' reading of the file
     with torch.no_grad():
         want = model(ids).logits[0]
-    for kind in ("F16", "Q4_0"):  # llama.cpp's reading of it, its default cache and the one planned
-        llm = llama_cpp.Llama(model_path=str(out), n_ctx=64, type_k=getattr(llama_cpp, f"GGML_TYPE_{kind}"),
-                              type_v=getattr(llama_cpp, f"GGML_TYPE_{kind}"), flash_attn=True, logits_all=True,
+    for kind in ("F16", storage.upper()):  # llama.cpp's reading of it, its default cache and the one planned
+        kinds = (kind.split(",") * 2)[:2]
+        llm = llama_cpp.Llama(model_path=str(out), n_ctx=64, type_k=getattr(llama_cpp, f"GGML_TYPE_{kinds[0]}"),
+                              type_v=getattr(llama_cpp, f"GGML_TYPE_{kinds[1]}"), flash_attn=True, logits_all=True,
                               verbose=False)
         try:
             llm.eval(ids[0].tolist())

@@ -12,7 +12,11 @@ Oracles and invariants:
     against ggml's own C quantizer (llama-cpp-python's libggml-base, when installed; bit for bit), its read-back
     against gguf's dequantizer, its bytes, and everywhere q4_0 is accepted;
 (d) the oracle that matters: SmolLM2-135M's perplexity with each cache type (f16, q8_0, q5_0, q4_1, q4_0, iq4_nl,
-    K and V the same) in attnlab and in llama.cpp through llama-cpp-python, within 1% of each other.
+    K and V the same, and K in q8_0 with V in q4_0) in attnlab and in llama.cpp through llama-cpp-python, within 1%
+    of each other;
+(e) a K/V pair ("q8_0,q4_0", llama.cpp's --cache-type-k q8_0 --cache-type-v q4_0): its cache stores the keys as a
+    q8_0 cache does and the values as a q4_0 cache does, byte for byte; one that holds both in a row (an MLA) and
+    pairs llama.cpp does not have are refused.
 """
 import math
 import os
@@ -200,6 +204,47 @@ def test_a_gqa_cache_rotates_as_it_writes_and_reads_and_decodes_what_the_forward
         assert cache.view_stored()[0].rotation == head_dim  # decided when the cache was made, as llama.cpp's context
 
 
+def test_a_kv_pair_stores_keys_and_values_each_as_a_cache_of_its_own_type_does():
+    m = _gqa(64)
+    x = torch.randn(2, 6, m.dim, dtype=F64, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        stored = {}
+        for kv_dtype in ("q8_0,q4_0", "q8_0", "q4_0"):
+            m.kv_dtype = kv_dtype
+            cache = m.init_cache(2, 6)
+            out = m(x, cache=cache, is_causal=True)
+            stored[kv_dtype] = cache.view_stored(), cache.bytes_per_token
+            if kv_dtype == "q8_0,q4_0":
+                assert rel_err(out, m(x, is_causal=True)) <= 1e-10  # the forward through the same storages
+                keys, values = m.project_kv(x, torch.arange(6))
+                assert torch.equal(round_trip(keys, kv_dtype, (64,), "key"), round_trip(keys, "q8_0", (64,), "key"))
+                assert torch.equal(round_trip(values, kv_dtype, (64,), "value"),
+                                   round_trip(values, "q4_0", (64,), "value"))
+    (k, v), pair_bytes = stored["q8_0,q4_0"]
+    (k8, _), bytes8 = stored["q8_0"]
+    (_, v4), bytes4 = stored["q4_0"]
+    assert torch.equal(k.data, k8.data) and torch.equal(k.scales, k8.scales) and k.rotation == k8.rotation
+    assert torch.equal(v.data, v4.data) and torch.equal(v.scales, v4.scales) and v.rotation == v4.rotation
+    assert 2 * pair_bytes == bytes8 + bytes4  # half the row in each type
+    assert pair_bytes == 2 * 2 * (34 + 18)  # 2 KV heads of 64 values: 2 blocks of q8_0 (34 B) and 2 of q4_0 (18 B)
+
+
+def test_a_kv_pair_is_refused_where_keys_and_values_share_a_row_and_where_llama_cpp_has_no_such_pair():
+    from attnlab import MultiHeadLatentAttention
+
+    with pytest.raises(ValueError, match=r"'q8_0,q4_0' stores keys and values in different types, and a Multi"
+                                         r"HeadLatentAttention caches one latent row: use one type, e\.g\. 'q8_0'"):
+        MultiHeadLatentAttention(64, 4, 32, head_dim=16, rope_dim=16, kv_dtype="q8_0,q4_0")
+    tiled = MultiHeadLatentAttention(256, 4, 2 * (64 + 64), head_dim=64, v_head_dim=64, kv_tiling="blocked")
+    with pytest.raises(ValueError, match=r"rows of role None hold both"):
+        tiled.init_cache(1, 4, kv_dtype="q8_0,q4_0")  # a GQA-tiled MLA's one row of K and V heads
+    for bad, why in (("q4_0,q4_0", r"names one type twice: use 'q4_0'"),
+                     ("q8_0,int4", r"each one of llama.cpp's q8_0, q5_0, q4_1, q4_0, iq4_nl .* got 'q8_0,int4'"),
+                     ("q8_0,q4_0,q4_0", r"got 'q8_0,q4_0,q4_0'")):
+        with pytest.raises(ValueError, match=why):
+            check_kv_dtype(bad)
+
+
 def test_a_cache_keeps_the_rotation_it_was_made_with(monkeypatch):
     m = _gqa(64)
     m.kv_dtype = "q4_0"
@@ -379,7 +424,7 @@ def smollm2(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("cache_type", ["f16", "q8_0", "q5_0", "q4_1", "q4_0", "iq4_nl"])
+@pytest.mark.parametrize("cache_type", ["f16", "q8_0", "q5_0", "q4_1", "q4_0", "iq4_nl", "q8_0,q4_0"])
 def test_perplexity_with_each_cache_type_is_llama_cpps_own(smollm2, cache_type):
     """SmolLM2-135M on 8 windows of 512 tokens of GPL-3, K and V in `cache_type`: attnlab's perplexity (every
     attention module's kv_dtype; f16: attnlab's plain float32 cache) within 1% of llama.cpp's with that

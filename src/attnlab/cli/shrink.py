@@ -85,10 +85,12 @@ def shrink(source: str = typer.Argument(..., help="The model: smollm2, a transfo
                                    "source's own class, save_pretrained, healed for transformers' QuantizedCache)."),
            kv_dtype: str = typer.Option("auto", "--kv-dtype", help="Cache storage: auto (attnlab's format may "
                                         "choose 8-bit or 2- to 6-bit latents when they measure better; a GGUF llama.cpp's "
-                                        "f16, q8_0, q5_0 or q4_0 cache), bf16, int8, int2 to int7 (int4/g<N>: a "
-                                        "scale per N channels; +r8: the rope key in 8 bits; +c4: the rope key in 4 bits "
-                                        "per channel over groups of 64 tokens, +c3, +c2 in 3, 2); for --format gguf bf16 (llama.cpp's "
-                                        "f16) or a llama.cpp cache type, q8_0, q5_0, q4_1, q4_0; for --format "
+                                        "f16, q8_0, q8_0 K with q4_0 V, q5_0 or q4_0 cache), bf16, int8, int2 to int7 "
+                                        "(int4/g<N>: a scale per N channels; +r8: the rope key in 8 bits; +c4: the "
+                                        "rope key in 4 bits per channel over groups of 64 tokens, +c3, +c2 in 3, 2); "
+                                        "for --format gguf bf16 (llama.cpp's f16) or a llama.cpp cache type, q8_0, q5_0, "
+                                        "q4_1, q4_0, or K and V apart as K,V (q8_0,q4_0: --cache-type-k q8_0 "
+                                        "--cache-type-v q4_0; the original attention only); for --format "
                                         "transformers quanto4 or quanto2 (QuantizedCache, quanto backend)."),
            latent_dim: Optional[int] = typer.Option(None, "--latent-dim", help="Skip the planner: this latent size "
                                                     "(with --rope-dim)."),

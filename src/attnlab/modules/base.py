@@ -37,6 +37,10 @@ class AttentionModule(nn.Module):
                 "transformers' QuantizedCache) codes a GQA's separate keys and values"
             raise ValueError(f"kv_dtype {value!r} ({what}; a {type(self).__name__} caches one latent row: use "
                              "int4/g<N>, int2/g<N> or q4_0")
+        if fmt is not None and fmt.value is not None and not self.separate_keys:
+            key = fmt.for_role("key").name
+            raise ValueError(f"kv_dtype {value!r} stores keys and values in different types, and a "
+                             f"{type(self).__name__} caches one latent row: use one type, e.g. {key!r}")
         self._kv_format = fmt
 
     separate_keys = True  # whether the cache holds keys and values apart (KIVI treats them differently)

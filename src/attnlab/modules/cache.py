@@ -75,8 +75,9 @@ class _Cache:
     """Named buffers of shape (B, ..., S_max, width) that share a length; quantised ones with scales beside them.
 
     parts[name]: the widths each scale covers in a row of buffer `name` (see the module docstring).
-    roles[name]: "key" or "value" where buffer `name` holds a GQA's heads (llama.cpp's block formats rotate
-    them: storage.rotation), absent for rows that are not rotated.
+    roles[name]: "key" or "value" where buffer `name` holds a GQA's keys or values (llama.cpp's block formats rotate
+    them: storage.rotation; a K/V pair kv_dtype stores each in its own type: StorageFormat.for_role), absent for rows
+    that are not rotated (an MLA's, a GQA-tiled MLA's; a pair is refused for them).
     """
 
     key_start = 0  # position of the first row the last extend() returned (a window cache drops older ones)
@@ -106,16 +107,19 @@ class _Cache:
         self._length = 0
         self._start = 0  # tokens dropped from the front (a window cache): row 0 holds position _start
         self.static = False
-        self._dtype, self.kv_dtype, self._format = dtype, kv_dtype, fmt
-        stored = dtype if fmt is None else fmt.storage_dtype
+        self._dtype, self.kv_dtype = dtype, kv_dtype
+        roles = roles or {}
+        # each buffer's storage (a K/V pair: the key's or the value's), ValueError for a pair's rows of no role
+        self._formats = {name: None if fmt is None else fmt.for_role(roles.get(name)) for name in buffers}
         self._parts = {name: (parts or {}).get(name, (shape[-1],)) for name, shape in buffers.items()}
         # llama.cpp's rotation of each buffer's rows (None: not rotated), decided once, as llama.cpp's context does
-        self._rotation = {name: rotation(fmt, (roles or {}).get(name), self._parts[name]) for name in buffers}
+        self._rotation = {name: rotation(self._formats[name], roles.get(name), self._parts[name]) for name in buffers}
         self._names = list(buffers)
         self._scale_names = {}
         self._channel: dict[str, RopeKeyGroups] = {}  # "+c4": a rope key per channel over groups of tokens
         for name, shape in buffers.items():
-            parts_n = self._parts[name]
+            parts_n, fmt = self._parts[name], self._formats[name]
+            stored = dtype if fmt is None else fmt.storage_dtype
             if fmt is not None and fmt.quantised and sum(parts_n) != shape[-1]:
                 raise ValueError(f"scale parts {parts_n} of {name} do not add up to its width {shape[-1]}")
             if fmt is not None and fmt.low is not None:  # packed codes, float16 meta per group
@@ -259,7 +263,7 @@ class _Cache:
         buf = getattr(self, name)
         if name not in self._scale_names:
             return [(buf, t.to(buf.dtype))]
-        codes, scales = quantise(t, self._parts[name], self._format, self._rotation[name])
+        codes, scales = quantise(t, self._parts[name], self._formats[name], self._rotation[name])
         return [(buf, codes), (getattr(self, self._scale_names[name]), scales)]
 
     def _room_for(self, n: int) -> None:
@@ -310,8 +314,8 @@ class _Cache:
     def _as_read(self, rows: torch.Tensor, scales: torch.Tensor | None, name: str):
         """Rows of buffer `name` as stored() gives them: QuantisedKV with their scales, or in the activation dtype."""
         if scales is not None:
-            return QuantisedKV(rows, scales, self._parts[name], self._format.group, self.dtype, self._format.low,
-                               self._rotation[name])
+            fmt = self._formats[name]
+            return QuantisedKV(rows, scales, self._parts[name], fmt.group, self.dtype, fmt.low, self._rotation[name])
         return rows if rows.dtype == self.dtype else rows.to(self.dtype)
 
     def _extend_window(self, new: dict[str, torch.Tensor], n: int) -> tuple:
@@ -389,6 +393,7 @@ class _Cache:
 class KVCache(_Cache):
     """K (B, G, S_max, d) and V (B, G, S_max, dv); quantised: scales per token and KV head (or per group).
 
+    A K/V pair kv_dtype ("q8_0,q4_0") stores K in its first type and V in its second (where rotate).
     rotate: whether llama.cpp's block formats rotate K and V here (storage.rotation); default: where the owner
     keeps keys and values apart (a GQA: owner.separate_keys), not for a GQA-tiled MLA, whose GGUF llama.cpp runs
     as deepseek2 with an unrotated latent cache."""

@@ -13,6 +13,9 @@ Storage (`kv_dtype`; `cache.dtype` stays the activation dtype the cache returns)
 - few-bit ("q4_0", "iq4_nl", "int4/g32", "int3/g64+c4", ...): packed codes and float16 meta (modules/lowbit.py);
   with "+c4" an MLA's rope key is kept per channel over groups of 64 tokens, its newest, incomplete group
   unquantised (modules/key_groups.py); such a cache reads back dequantised rows and refuses fixed_slot.
+- a K/V pair "K,V" of llama.cpp's block formats ("q8_0,q4_0": its --cache-type-k q8_0 --cache-type-v q4_0): keys
+  in K, values in V, for a cache that holds them apart (a GQA's; an MLA's one row refuses it). Its StorageFormat is
+  the key's with `value` the value's; `for_role` gives the one a role's rows use.
 - llama.cpp's block formats (q8_0, q5_0, q4_1, q4_0, iq4_nl) of a GQA's keys and values are Hadamard-rotated as
   llama.cpp rotates a quantised cache (modules/lowbit.py: rotation_size): the rows stored are H x, the rows read
   back H^T Q(H x), which is what llama.cpp's attention computes with its rotated query and its output rotated
@@ -53,6 +56,7 @@ KV_DTYPES = ("fp32", "bf16", "int8", "fp8", "q8_0", "q5_0", "q4_0", "q4_1", "iq4
 PLAIN = {"fp32": torch.float32, "bf16": torch.bfloat16}
 QMAX = {"int8": 127.0, "fp8": 448.0}  # the largest code: int8 symmetric, float8_e4m3fn's largest finite value
 SCALE_DTYPE = torch.float32
+PAIR_CODES = ("q8_0", "q5_0", "q4_1", "q4_0", "iq4_nl")  # llama.cpp's types a "K,V" pair may name
 _SPELLING = re.compile(r"(fp32|bf16)|(int8|fp8)(?:/g([1-9][0-9]*))?")
 
 
@@ -74,6 +78,20 @@ class StorageFormat(NamedTuple):
     code: str
     group: int | None
     low: lowbit.LowBit | None = None
+    value: StorageFormat | None = None  # a K/V pair's value storage (this tuple then describes the key's)
+
+    def for_role(self, role: str | None) -> StorageFormat:
+        """The storage of rows of this role: for a K/V pair the key's ("key") or the value's ("value"); itself for one
+        storage of both. ValueError for a pair's rows of no role (an MLA's latent row holds keys and values in one)."""
+        if self.value is None:
+            return self
+        if role == "value":
+            return self.value
+        if role == "key":
+            return self._replace(name=self.name.split(",")[0], value=None)
+        raise ValueError(f"kv_dtype {self.name!r} stores keys and values apart (llama.cpp's --cache-type-k and "
+                         f"--cache-type-v); rows of role {role!r} hold both (an MLA's latent): use one type, e.g. "
+                         f"{self.name.split(',')[0]!r}")
 
     @property
     def quantised(self) -> bool:
@@ -95,15 +113,19 @@ class StorageFormat(NamedTuple):
 def check_kv_dtype(kv_dtype) -> StorageFormat | None:
     """Parse a kv_dtype ("fp32", "bf16", "int8", "fp8", "int8/g<N>", "fp8/g<N>", the few-bit ones of
     modules/lowbit.py: "q8_0", "q5_0", "q4_0", "q4_1", "iq4_nl", "int4[/g<N>][+r8|+c4|+c3|+c2]" and likewise int2 to int7,
-    "kivi4", "kivi2", transformers' quanto "quanto4", "quanto2"; or None); one-line errors."""
+    "kivi4", "kivi2", transformers' quanto "quanto4", "quanto2"; a K/V pair of llama.cpp's types such as
+    "q8_0,q4_0"; or None); one-line errors."""
     if kv_dtype is None:
         return None
     choices = ("'fp32', 'bf16', 'int8', 'fp8' (or 'int8/g<N>', 'fp8/g<N>': one scale per N channels), llama.cpp's "
                "'q8_0', 'q5_0', 'q4_0', 'q4_1', 'iq4_nl', 'int2' to 'int7' (or 'int4/g<N>', ..., and after any "
                "of them '+r8' for an MLA's rope key in 8 bits or '+c4', '+c3', '+c2' for it in 4, 3, 2 bits per "
-               "channel), 'kivi4', 'kivi2', 'quanto4', 'quanto2' or None")
+               "channel), 'kivi4', 'kivi2', 'quanto4', 'quanto2', a K/V pair of llama.cpp's types "
+               "such as 'q8_0,q4_0', or None")
     if not isinstance(kv_dtype, str):
         raise TypeError(f"kv_dtype must be one of {choices}, got {type(kv_dtype).__name__} ({kv_dtype!r})")
+    if "," in kv_dtype:
+        return _pair(kv_dtype)
     low = lowbit.parse(kv_dtype)
     if low is not None:
         return StorageFormat(kv_dtype, low.code, low.group, low)
@@ -115,6 +137,18 @@ def check_kv_dtype(kv_dtype) -> StorageFormat | None:
         raise ValueError(f"kv_dtype {kv_dtype!r} needs torch.float8_e4m3fn, which torch {torch.__version__} "
                          "does not support; use 'int8'")
     return StorageFormat(kv_dtype, code, int(found.group(3)) if found.group(3) else None)
+
+
+def _pair(kv_dtype: str) -> StorageFormat:
+    """A K/V pair "K,V" of two different llama.cpp block formats (PAIR_CODES); one-line errors naming them."""
+    names = kv_dtype.split(",")
+    if len(names) != 2 or any(n not in PAIR_CODES for n in names):
+        raise ValueError(f"a K/V pair kv_dtype is 'K,V' with K and V each one of llama.cpp's {', '.join(PAIR_CODES)} "
+                         f"(as --cache-type-k K --cache-type-v V), got {kv_dtype!r}")
+    if names[0] == names[1]:
+        raise ValueError(f"kv_dtype {kv_dtype!r} names one type twice: use {names[0]!r}")
+    key, value = (check_kv_dtype(n) for n in names)
+    return key._replace(name=kv_dtype, value=value)
 
 
 # -- llama.cpp's rotation -------------------------------------------------------------------------
@@ -213,6 +247,7 @@ def round_trip(x: torch.Tensor, kv_dtype, parts: tuple[int, ...], role: str | No
     fmt = kv_dtype if isinstance(kv_dtype, StorageFormat) else check_kv_dtype(kv_dtype)
     if fmt is None:
         return x
+    fmt = fmt.for_role(role)
     if fmt.evaluation_only:
         engine = lowbit.kivi_round_trip if fmt.low.kind == "kivi" else lowbit.quanto_round_trip
         stored = engine(x.detach(), fmt.low, role)

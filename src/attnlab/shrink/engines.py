@@ -3,20 +3,23 @@ perplexity (docs/engines.md). The report's `runs_in`, `llama_cpp` and `transform
 """
 from __future__ import annotations
 
-from .sizes import llama_cpp_type
+from .sizes import llama_cpp_types
 
 
 def llama_cpp_cache(storage: str, native: bool = False) -> dict:
     """How to run a GGUF shrink in llama.cpp with the cache it was planned and healed for; native: the file is in the
     source's own architecture (the original attention, healed), else deepseek2 (MLA)."""
-    kind = llama_cpp_type(storage)
-    flags = "" if kind == "f16" else f" --cache-type-k {kind} --cache-type-v {kind} --flash-attn on"
+    k, v = llama_cpp_types(storage)
+    plain = k == v == "f16"
+    flags = "" if plain else f" --cache-type-k {k} --cache-type-v {v} --flash-attn on"
     what = "the original's architecture, its attention healed" if native else "deepseek2 (MLA)"
-    return {"cache_type_k": kind, "cache_type_v": kind, "flash_attn": kind != "f16",
+    kind = k if k == v else f"{k} K and {v} V"
+    types = f"type_k/type_v {k}" if k == v else f"type_k {k}, type_v {v}"
+    return {"cache_type_k": k, "cache_type_v": v, "flash_attn": not plain,
             "architecture": "source" if native else "deepseek2",
             "flags": flags.strip(),
             "note": f"{what}, planned and healed for llama.cpp's {kind} KV cache: run it with"
-                    f"{flags or ' the default cache'} (llama-cpp-python: type_k/type_v {kind}"
+                    f"{flags or ' the default cache'} (llama-cpp-python: {types}"
                     f"{', flash_attn=True' if flags else ''})"}
 
 
@@ -48,7 +51,8 @@ def runs_in(fmt: str, chosen: dict) -> dict:
                              "optimum-quanto and QuantizedCache: tests/test_transformers_cache.py) on every key and "
                              "value; benchmarks/engines.py scores the folder in transformers itself"}
     cache = llama_cpp_cache(chosen.get("kv_dtype") or "bf16", chosen.get("layers") == [])
-    kind, flags = cache["cache_type_k"], " " + cache["flags"] if cache["flags"] else ""
+    k, v = cache["cache_type_k"], cache["cache_type_v"]
+    kind, flags = k if k == v else f"{k} K / {v} V", " " + cache["flags"] if cache["flags"] else ""
     arch = "its source's architecture" if cache["architecture"] == "source" else "deepseek2"
     return {"engine": "llama.cpp", "how": f"llama-cli -m OUT{flags} ({arch})",
             "scored_by": f"attnlab's copy of llama.cpp's {kind} cache (rotation and block codes, checked against "

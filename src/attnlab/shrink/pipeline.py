@@ -43,7 +43,7 @@ import torch
 from ..runtime.budget import Budget, Stopped
 from .engines import llama_cpp_cache, runs_in, transformers_cache  # noqa: F401 (re-exported: their old home)
 from .plan import (GGUF_STORAGES, LLAMA_CPP_CACHE, STORAGES, TRANSFORMERS_CACHE, Candidate, check_format, feasible,
-                   few_bit, keys_whole, llama_cpp_type, parse_budget, storage_ok)
+                   few_bit, keys_whole, llama_cpp_pair, llama_cpp_types, parse_budget, storage_ok)
 
 CALIBRATION_TOKENS = 2048
 PROXY_TOKENS = 1024  # the planner's scoring windows, after the calibration's
@@ -98,7 +98,8 @@ def check_request(req: ShrinkRequest) -> None:
         raise ValueError(f"--format must be one of {', '.join(FORMATS)}, got {req.fmt!r}")
     if req.storage != "auto" and req.fmt == "gguf" and not storage_ok(req.storage, "gguf"):
         raise ValueError(f"--kv-dtype for --format gguf is the llama.cpp cache type the model is planned and healed "
-                         f"for: auto, bf16 (llama.cpp's f16 cache), {', '.join(LLAMA_CPP_CACHE)}; got {req.storage!r}")
+                         f"for: auto, bf16 (llama.cpp's f16 cache), {', '.join(LLAMA_CPP_CACHE)}, or K and V apart as "
+                         f"'q8_0,q4_0' (--cache-type-k q8_0 --cache-type-v q4_0); got {req.storage!r}")
     if req.storage not in ("auto", *TRANSFORMERS_CACHE) and req.fmt == "transformers":
         hqq = "; transformers' hqq and fp8 backends are not healed for yet" if req.storage.startswith(("hqq", "fp8")) \
             else ""
@@ -115,7 +116,7 @@ def check_request(req: ShrinkRequest) -> None:
                          "choice (vLLM: kv_cache_dtype fp8); use auto or bf16")
     if req.storage != "auto" and req.fmt == "attnlab" and not storage_ok(req.storage):
         llama = f"; {req.storage} is a llama.cpp cache type: with --format gguf" if req.storage in LLAMA_CPP_CACHE \
-            else ""
+            or llama_cpp_pair(req.storage) else ""
         raise ValueError(f"--kv-dtype must be auto, bf16, int8, or int2 to int7 (int4/g<N>: a scale and minimum "
                          f"per N latent channels; '+r8': the rope key in 8 bits; '+c4', '+c3', '+c2': in 4, 3, 2 bits per channel), got "
                          f"{req.storage!r}{llama}")
@@ -546,7 +547,7 @@ def _shrink(req: ShrinkRequest, resume: bool, force: bool, budget: Budget | None
             from ..models.export_native import export_native
 
             report["written"] = export_native(student, out, force=force or resume,
-                                              cache_types=(llama_cpp_type(best.kv_dtype),) * 2)
+                                              cache_types=llama_cpp_types(best.kv_dtype))
         else:
             hf.export_gguf(student, out, tokenizer=tok, force=force or resume)
         report["minutes"]["export"] = phase_time(t)

@@ -55,8 +55,9 @@ import torch
 
 from .sizes import (FEW_BIT, FORMATS, GGUF_STORAGES, KEPT_STORAGES, LLAMA_CPP_CACHE, NATIVE_CACHE,  # noqa: F401
                     STORAGES, TRANSFORMERS_CACHE,
-                    KVBudget, Layout, bytes_per_token, few_bit, fit, held_share, layer_bytes, layouts, llama_cpp_type,
-                    original_bytes, original_sizes, parse_budget, splits, storage_ok, values_for)
+                    KVBudget, Layout, bytes_per_token, few_bit, fit, held_share, layer_bytes, layouts, llama_cpp_pair,
+                    llama_cpp_types, native_code, original_bytes, original_sizes, parse_budget, splits, storage_ok,
+                    values_for)
 
 # rope shares of the values tried by the split round, in this order so that a planning time that
 # runs out keeps the likelier winners (measured on SmolLM2: benchmarks/shrink.py --part proxy)
@@ -208,7 +209,7 @@ def native_sizes(teacher, fmt: str, storages, context: int | None = None) -> dic
         return {}
     from .baselines import baseline_bytes
 
-    return baseline_bytes(teacher, [s for s in storages if s in NATIVE_CACHE[fmt]], context)
+    return baseline_bytes(teacher, [s for s in storages if native_code(s, fmt)], context)
 
 
 def native_storages(teacher, budget_bytes: float, fmt: str, storages, context: int | None = None) -> dict[str, int]:
@@ -267,8 +268,16 @@ def feasible(teacher, budget: KVBudget, fmt: str = "attnlab", storages=STORAGES,
             return original, budget_bytes, []
         raise ValueError(f"a KV budget of {budget} ({budget_bytes:.0f} bytes/token{at}) is below what --format "
                          f"transformers can hold: {_smallest_native(teacher, fmt, storages, context, original)}")
+    converted = [s for s in storages if not llama_cpp_pair(s)]  # a K/V pair: the original attention only
+    if not converted:
+        if native:
+            return original, budget_bytes, []
+        sizes = native_sizes(teacher, fmt, storages, context)
+        held = ", ".join(f"{s} takes {b:.0f} bytes/token ({b / original:.1%})" for s, b in sizes.items())
+        raise ValueError(f"a KV budget of {budget} ({budget_bytes:.0f} bytes/token{at}) is below what a K/V pair "
+                         f"holds, which only the original attention can use: {held or 'not this model'}")
     try:
-        return original, budget_bytes, _options(teacher, budget, budget_bytes, original, fmt, storages, context)
+        return original, budget_bytes, _options(teacher, budget, budget_bytes, original, fmt, converted, context)
     except ValueError as e:
         if native:  # the original attention in a llama.cpp cache type fits: only those are planned
             return original, budget_bytes, []

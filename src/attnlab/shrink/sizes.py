@@ -23,7 +23,9 @@ STORAGES = ("bf16", "int8", *FEW_BIT)
 # a GGUF's cache is llama.cpp's: its f16 ("bf16" here: the same bytes) or a block type of --cache-type-k, which
 # quantises deepseek2's cached row [latent | rope key] in blocks of 32 (modules/lowbit.py computes it bit for bit)
 LLAMA_CPP_CACHE = ("q8_0", "q5_0", "q4_1", "q4_0")
-GGUF_STORAGES = ("bf16", "q8_0", "q5_0", "q4_0")
+# llama.cpp also takes K and V in different types (--cache-type-k q8_0 --cache-type-v q4_0: "q8_0,q4_0" here), for the
+# original attention only (deepseek2's one latent row lives in its K cache); auto plans the pair users most often pick
+GGUF_STORAGES = ("bf16", "q8_0", "q8_0,q4_0", "q5_0", "q4_0")
 # a transformers folder's cache is transformers' QuantizedCache (quanto backend, modules/lowbit.py: its codes bit for
 # bit); the folder keeps the original attention, so these are the only storages --format transformers plans
 TRANSFORMERS_CACHE = ("quanto4", "quanto2")
@@ -38,7 +40,7 @@ def storage_ok(storage: str, fmt: str = "attnlab") -> bool:
     if storage == "bf16":
         return True
     if fmt != "attnlab":
-        return storage in NATIVE_CACHE.get(fmt, ())
+        return native_code(storage, fmt)
     if storage == "int8":
         return True
     try:
@@ -46,6 +48,18 @@ def storage_ok(storage: str, fmt: str = "attnlab") -> bool:
     except ValueError:
         return False
     return fmt.low is not None and fmt.low.kind == "asym"
+
+
+def llama_cpp_pair(storage: str) -> bool:
+    """Whether a storage is a K/V pair of two of llama.cpp's cache types ("q8_0,q4_0"; modules/storage.py)."""
+    names = storage.split(",")
+    return len(names) == 2 and names[0] != names[1] and all(n in LLAMA_CPP_CACHE for n in names)
+
+
+def native_code(storage: str, fmt: str) -> bool:
+    """Whether a storage is one of the engine's own cache codes for that format (NATIVE_CACHE; for a GGUF also a K/V
+    pair of llama.cpp's types), which the original attention can be planned in."""
+    return storage in NATIVE_CACHE.get(fmt, ()) or (fmt == "gguf" and llama_cpp_pair(storage))
 
 
 def few_bit(storage: str) -> bool:
@@ -56,9 +70,14 @@ def few_bit(storage: str) -> bool:
     return low is not None and low.kind == "asym"
 
 
-def llama_cpp_type(storage: str) -> str:
-    """The llama.cpp cache type (--cache-type-k) a GGUF storage is planned for: f16 for the 16-bit cache."""
-    return "f16" if storage == "bf16" else storage
+def llama_cpp_types(storage: str) -> tuple[str, str]:
+    """The llama.cpp cache types (--cache-type-k, --cache-type-v) a GGUF storage is planned for: f16 for the 16-bit
+    cache, the two of a K/V pair ("q8_0,q4_0"), else the one type twice."""
+    if llama_cpp_pair(storage):
+        k, v = storage.split(",")
+        return k, v
+    kind = "f16" if storage == "bf16" else storage
+    return kind, kind
 
 
 @dataclass(frozen=True)
