@@ -50,7 +50,7 @@ class RopeKeyGroups:
         return part
 
     def _latent_width(self) -> int:
-        return lowbit.packed_width(self.parts[0], lowbit.per_token(self.low).bits)
+        return lowbit.packed_row(self.parts[:1], lowbit.per_token(self.low))
 
     def write(self, buf: torch.Tensor, scales: torch.Tensor, held: int, t: torch.Tensor) -> None:
         """New rows t (..., n, r + p) after the `held` tokens: the latent's codes and meta per token into buf and

@@ -51,6 +51,13 @@ float32): with 2-4 bits one outlier otherwise spends the few levels on the space
 returns the nearest level the storage holds (a value outside the range, its end). Only how a group's range
 is chosen differs from plain min-max; the stored bytes and their reading are the same.
 
+Transform coding of an MLA's latent ("tc4x40-3x56-2x16+c4": issue `eighth`): the latent's channels in runs (segments)
+of their own bits, here 40 channels in 4 bits, 56 in 3, 16 in 2, each run stored as attnlab's asymmetric groups of
+that many bits (groups of N = 32 channels within a run, /g<N> to change it), the runs' codes packed one after another,
+and the rope key by its suffix (required for a row with a rope key). The runs are the latent's components in order
+of decreasing variance (convert/transform_code.py rotates the latent so and chooses the bits: more where the
+variance is, none for a component cut); the storage only reads the widths and bits from the spelling.
+
 An MLA's rope key per channel ("+c4", e.g. "int3/g64+c4"): the latent as above, per token, and the rope
 key k_R in 4 asymmetric bits per channel over groups of KEY_TOKENS (64) tokens, KIVI's layout for keys. A
 RoPE'd key has outlier channels that keep their size from token to token, so one scale per channel and group
@@ -116,6 +123,7 @@ class LowBit(NamedTuple):
     rope_bits: int | None = None
     rope_channel: bool = False
     search: bool = False
+    segments: tuple[tuple[int, int], ...] = ()  # transform coding: (bits, channels) runs of the latent, in order
 
     @property
     def meta_per_group(self) -> int:
@@ -132,6 +140,7 @@ QUANTO_FORMATS = {"quanto4": LowBit("quanto4", 4, QUANTO_GROUP, True, "quanto"),
 ENGINE_FORMATS = {**KIVI_FORMATS, **QUANTO_FORMATS}  # applied in a forward without a cache; attnlab's caches refuse them
 SPELLING = re.compile(r"(q8_0|q5_0|q4_0|q4_1|iq4_nl|kivi4|kivi2|quanto4|quanto2)"
                       r"|int([2-7])(?:/g([1-9][0-9]*))?(?:\+(r8|c[234]))?")
+TC_SPELLING = re.compile(r"tc([2-8]x[1-9][0-9]*(?:-[2-8]x[1-9][0-9]*)*)(?:/g([1-9][0-9]*))?(?:\+(r8|c[234]))?")
 IQ4_NL_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)  # ggml's kvalues_iq4nl
 IQ4_NL_TINY = 1e-15  # GROUP_MAX_EPS: a block whose largest magnitude is below it stores d = 0
 ROTATION_ENV = "LLAMA_ATTN_ROT_DISABLE"  # llama.cpp's switch: a nonzero integer turns the cache rotation off
@@ -139,8 +148,14 @@ ROTATION_STEP = 64  # llama.cpp rotates a head whose size is a multiple of 64; V
 
 
 def parse(spelling: str) -> LowBit | None:
-    """The LowBit of a spelling ("q4_0", "int4", "int2/g64", "int4/g32+r8", "int3/g64+c4", "kivi2", ...), None
-    for any other."""
+    """The LowBit of a spelling ("q4_0", "int4", "int2/g64", "int4/g32+r8", "int3/g64+c4", "kivi2",
+    "tc4x40-3x56+c4", ...), None for any other."""
+    coded = TC_SPELLING.fullmatch(spelling)
+    if coded is not None:
+        runs = tuple((int(b), int(n)) for b, n in (run.split("x") for run in coded.group(1).split("-")))
+        rope = coded.group(3)
+        return LowBit(f"tc{coded.group(1)}", max(b for b, _ in runs), int(coded.group(2) or BLOCK), True, "asym",
+                      int(rope[1:]) if rope else None, bool(rope) and rope[0] == "c", True, runs)
     found = SPELLING.fullmatch(spelling)
     if found is None:
         return None
@@ -150,6 +165,26 @@ def parse(spelling: str) -> LowBit | None:
     rope = found.group(4)
     return LowBit(f"int{bits}", bits, int(found.group(3)) if found.group(3) else BLOCK, True, "asym",
                   int(rope[1:]) if rope else None, bool(rope) and rope[0] == "c", True)
+
+
+def pieces(parts: tuple[int, ...], fmt: LowBit) -> list[tuple[int, LowBit]]:
+    """(width, storage) of each piece of a row, in order: its parts (part_formats), a transform-coded latent cut into
+    its runs, each asymmetric groups of its own bits. ValueError naming the widths where the runs do not make up the
+    latent, or a transform-coded row with a rope key and no storage for it."""
+    out = []
+    for i, (w, f) in enumerate(zip(parts, part_formats(parts, fmt))):
+        if not f.segments:
+            out.append((w, f))
+            continue
+        if i:
+            raise ValueError(f"{f.code} codes an MLA's latent (the first part); rows of parts {parts} have a rope key "
+                             f"too: add its storage, {f.code}+r8 (8 bits per token) or {f.code}+c4 (4 bits per channel)")
+        total = sum(n for _, n in f.segments)
+        if total != w:
+            raise ValueError(f"{f.code} codes {total} latent channels ({' + '.join(str(n) for _, n in f.segments)}); "
+                             f"this row's latent has {w}")
+        out.extend((n, f._replace(code=f"int{b}", bits=b, segments=())) for b, n in f.segments)
+    return out
 
 
 def part_formats(parts: tuple[int, ...], fmt: LowBit) -> list[LowBit]:
@@ -287,24 +322,24 @@ def _groups(w: int, fmt: LowBit) -> int:
 
 def num_groups(parts: tuple[int, ...], fmt: LowBit) -> int:
     """Groups of channels per row: ceil(width / group) for each part stored per token."""
-    return sum(_groups(w, f) for w, f in zip(parts, part_formats(parts, fmt)) if f.kind != "channel")
+    return sum(_groups(w, f) for w, f in pieces(parts, fmt) if f.kind != "channel")
 
 
 def packed_row(parts: tuple[int, ...], fmt: LowBit) -> int:
     """Bytes of a row's packed codes (each part packed on its own)."""
-    return sum(packed_width(w, f.bits) for w, f in zip(parts, part_formats(parts, fmt)))
+    return sum(packed_width(w, f.bits) for w, f in pieces(parts, fmt))
 
 
 def meta_row(parts: tuple[int, ...], fmt: LowBit) -> int:
     """float16 numbers of a row's own meta: a scale (and a minimum) per group of channels (a part stored per
     channel keeps its meta per group of tokens instead: channel_meta)."""
-    return sum(_groups(w, f) * f.meta_per_group for w, f in zip(parts, part_formats(parts, fmt)) if f.kind != "channel")
+    return sum(_groups(w, f) * f.meta_per_group for w, f in pieces(parts, fmt) if f.kind != "channel")
 
 
 def channel_meta(parts: tuple[int, ...], fmt: LowBit) -> int:
     """float16 numbers of meta per group of KEY_TOKENS tokens: a scale and a minimum per channel of a part
     stored per channel (0 for every other storage)."""
-    return sum(w * f.meta_per_group for w, f in zip(parts, part_formats(parts, fmt)) if f.kind == "channel")
+    return sum(w * f.meta_per_group for w, f in pieces(parts, fmt) if f.kind == "channel")
 
 
 def row_bytes(parts: tuple[int, ...], fmt: LowBit) -> int:
@@ -318,7 +353,7 @@ def check_parts(parts: tuple[int, ...], fmt: LowBit) -> None:
     if fmt.kind == "block" and any(w % BLOCK for w in parts):
         raise ValueError(f"{fmt.code} stores rows in blocks of {BLOCK} values; parts of widths {parts} are not all "
                          f"multiples of {BLOCK} (llama.cpp refuses such rows too): use int4/g<N> or int8")
-    part_formats(parts, fmt)
+    pieces(parts, fmt)
 
 
 def _grouped(part: torch.Tensor, g: int) -> torch.Tensor:
@@ -436,7 +471,7 @@ def encode(x: torch.Tensor, parts: tuple[int, ...], fmt: LowBit) -> tuple[torch.
     check_parts(parts, fmt)
     _row_wise(fmt)
     packed, meta, start = [], [], 0
-    for w, f in zip(parts, part_formats(parts, fmt)):
+    for w, f in pieces(parts, fmt):
         codes, m = _codes_and_meta(_grouped(x[..., start:start + w].float(), f.group), f, w)  # (..., n, g), (..., n, k)
         packed.append(pack(codes.flatten(-2)[..., :w], f.bits))
         meta.append(m.flatten(-2))
@@ -450,7 +485,7 @@ def decode(packed: torch.Tensor, meta: torch.Tensor, parts: tuple[int, ...], fmt
     _row_wise(fmt)
     work = torch.promote_types(dtype, torch.float32)
     out, byte, col = [], 0, 0
-    for w, f in zip(parts, part_formats(parts, fmt)):
+    for w, f in pieces(parts, fmt):
         nb, nm = packed_width(w, f.bits), _groups(w, f) * f.meta_per_group
         codes = _grouped(unpack(packed[..., byte:byte + nb], f.bits, w), f.group)  # (..., n, g)
         m = meta[..., col:col + nm].unflatten(-1, (-1, f.meta_per_group))  # (..., n, k)
@@ -465,7 +500,7 @@ def round_trip(x: torch.Tensor, parts: tuple[int, ...], fmt: LowBit) -> torch.Te
     check_parts(parts, fmt)
     work = torch.promote_types(x.dtype, torch.float32)
     out, start = [], 0
-    for w, f in zip(parts, part_formats(parts, fmt)):
+    for w, f in pieces(parts, fmt):
         if f.kind == "channel":  # x (..., S, W): the part's whole groups of tokens per channel
             out.append(channel_round_trip(x[..., start:start + w], f).to(work))
         else:

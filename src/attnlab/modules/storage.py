@@ -10,7 +10,8 @@ Storage (`kv_dtype`; `cache.dtype` stays the activation dtype the cache returns)
 - "fp8": torch.float8_e4m3fn codes of x / s with s = amax / 448 (its largest finite value),
   the same scales; where the torch build has no float8_e4m3fn it is refused.
 - "int8/g<N>", "fp8/g<N>": one scale per N channels of a part instead of one per part.
-- few-bit ("q4_0", "iq4_nl", "int4/g32", "int3/g64+c4", ...): packed codes and float16 meta (modules/lowbit.py);
+- few-bit ("q4_0", "iq4_nl", "int4/g32", "int3/g64+c4", transform-coded runs "tc4x40-3x56+c4", ...): packed codes
+  and float16 meta (modules/lowbit.py);
   with "+c4" an MLA's rope key is kept per channel over groups of 64 tokens, its newest, incomplete group
   unquantised (modules/key_groups.py); such a cache reads back dequantised rows and refuses fixed_slot.
 - a K/V pair "K,V" of llama.cpp's block formats ("q8_0,q4_0": its --cache-type-k q8_0 --cache-type-v q4_0): keys
@@ -120,8 +121,8 @@ def check_kv_dtype(kv_dtype) -> StorageFormat | None:
     choices = ("'fp32', 'bf16', 'int8', 'fp8' (or 'int8/g<N>', 'fp8/g<N>': one scale per N channels), llama.cpp's "
                "'q8_0', 'q5_0', 'q4_0', 'q4_1', 'iq4_nl', 'int2' to 'int7' (or 'int4/g<N>', ..., and after any "
                "of them '+r8' for an MLA's rope key in 8 bits or '+c4', '+c3', '+c2' for it in 4, 3, 2 bits per "
-               "channel), 'kivi4', 'kivi2', 'quanto4', 'quanto2', a K/V pair of llama.cpp's types "
-               "such as 'q8_0,q4_0', or None")
+               "channel), runs of a transform-coded latent as 'tc4x40-3x56+c4', 'kivi4', 'kivi2', 'quanto4', "
+               "'quanto2', a K/V pair of llama.cpp's types such as 'q8_0,q4_0', or None")
     if not isinstance(kv_dtype, str):
         raise TypeError(f"kv_dtype must be one of {choices}, got {type(kv_dtype).__name__} ({kv_dtype!r})")
     if "," in kv_dtype:

@@ -47,7 +47,7 @@ def storage_ok(storage: str, fmt: str = "attnlab") -> bool:
         fmt = check_kv_dtype(storage)
     except ValueError:
         return False
-    return fmt.low is not None and fmt.low.kind == "asym"
+    return fmt.low is not None and fmt.low.kind == "asym" and not fmt.low.segments  # runs: chosen per layer, not asked
 
 
 def llama_cpp_pair(storage: str) -> bool:

@@ -1,0 +1,107 @@
+"""Transform coding of the latent (issue `eighth`, part 1) against the uniform latent the planner picks at 12.5%,
+before any heal: SmolLM2-135M, every layer converted, the same bytes.
+
+    python benchmarks/transform_code.py            # prints a table, writes benchmarks/transform_code.json
+
+Variants (each with rotation seeds 0, 1, 2; 2,880 bytes/token is 12.5% of the original's 23,040):
+- `uniform`: the planner's 12.5% plan (docs/real-models.md): latent 112 and rope key 76 (RoRoPE by frequency, BKV),
+  the latent rotated by a seeded random orthogonal matrix and stored in 3 bits (int3/g64+c4: groups of 64 channels,
+  the rope key in 4 bits per channel over 64 tokens);
+- `tc-latent`, `tc-kv`: the same conversion with every value the row can hold in its latent (308 + 76), then
+  convert/transform_code.py per layer at 96 bytes a token: the latent's principal components on the calibration text
+  (metric latent, or the keys' and values' error: kv), bits by variance (2-8, 0 = cut, groups of 64), each run of
+  equal bits mixed by an orthogonal matrix (the seed), the rope key as above;
+- `tc-latent-n0.1`: as tc-latent with quantisation noise counted at a tenth of a cut's error (noise averages over
+  the tokens a head reads, a cut does not), which keeps more components.
+Calibration: the first 2,048 tokens of Apache-2.0 (not a protocol text). Scored on the protocol's four texts
+(benchmarks/protocol.py; first 2,048 tokens, windows of 512), perplexity over the original's. No training: this
+measures the coding alone. Run it alone (the load average before and after is recorded).
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))
+
+from protocol import TEXTS, TOKENS, WINDOW, load, text_ids  # noqa: E402
+
+CALIBRATION = "/usr/share/common-licenses/Apache-2.0"
+BUDGET, ROPE, LATENT, SEEDS = 2880, 76, 112, (0, 1, 2)
+VARIANTS = {"uniform": None, "tc-latent": dict(metric="latent"), "tc-kv": dict(metric="kv"),
+            "tc-latent-n0.1": dict(metric="latent", noise_weight=0.1)}
+
+
+def main() -> None:
+    from attnlab import models as hf
+    from attnlab.convert.rotate import rotate_latent
+    from attnlab.convert.transform_code import transform_code
+    from attnlab.models.adapters import attnlab_modules, replace_attention
+    from attnlab.models.evaluate import attention_inputs, kv_bytes_per_token, perplexity
+    from attnlab.shrink.plan import Candidate, apply
+
+    out = {"load_before": load(), "budget_bytes": BUDGET, "calibration": CALIBRATION, "tokens": TOKENS,
+           "window": WINDOW, "runs": {}}
+    teacher, tok, _ = hf.load_model("smollm2")
+    cal = hf.read_text_ids(tok, CALIBRATION, 2048)
+    texts = {name: text_ids(tok, name, TOKENS) for name in TEXTS}
+    base = {name: perplexity(teacher, ids, window=WINDOW) for name, ids in texts.items()}
+    inputs = attention_inputs(teacher, cal)
+    originals = list(attnlab_modules(teacher))
+    L = len(originals)
+    for variant, options in VARIANTS.items():
+        for seed in SEEDS:
+            t0 = time.monotonic()
+            if options is None:
+                apply(teacher, Candidate(LATENT, ROPE, "rorope", True, "int3/g64+c4", False), cal, inputs=inputs)
+                for m in attnlab_modules(teacher):
+                    rotate_latent(m, "random", seed=seed)
+                storages = ["int3/g64+c4"]
+            else:
+                apply(teacher, Candidate(2 * 3 * 64 - ROPE, ROPE, "rorope", True, "bf16", False), cal, inputs=inputs)
+                coded = [transform_code(m, x, BUDGET / L, group=64, seed=seed, **options)[0]
+                         for m, x in zip(attnlab_modules(teacher), inputs)]
+                replace_attention(teacher, coded)
+                storages = [m.kv_dtype for m in coded]
+            row = {"variant": variant, "seed": seed, "kv_bytes_per_token": kv_bytes_per_token(teacher),
+                   "latent_dims": [m.latent_dim for m in attnlab_modules(teacher)], "storages": storages,
+                   "ratio": {name: perplexity(teacher, ids, window=WINDOW) / base[name] for name, ids in
+                             texts.items()}}
+            row["seconds"] = time.monotonic() - t0
+            out["runs"][f"{variant}/seed{seed}"] = row
+            print(f"{variant:<15} seed {seed}  {row['kv_bytes_per_token']} B  " +
+                  "  ".join(f"{k} {v:.3f}" for k, v in row["ratio"].items()), flush=True)
+            replace_attention(teacher, originals)
+            for m in originals:
+                m.kv_dtype = None
+    out["load_after"] = load()
+    out["table"] = table(out["runs"])
+    (HERE / "transform_code.json").write_text(json.dumps(out, indent=1))
+    print(f"load {out['load_before']:.2f} -> {out['load_after']:.2f}")
+
+
+def table(runs: dict) -> list[dict]:
+    """Per variant: the median over seeds on each text, the median text and the worst text of those medians, and the
+    seeds' spread (the largest max - min over seeds on one text)."""
+    rows = []
+    print("| variant | " + " | ".join(TEXTS) + " | median | worst | seeds' spread |")
+    print("|---" * (len(TEXTS) + 4) + "|")
+    for variant in VARIANTS:
+        runs_v = [r for r in runs.values() if r["variant"] == variant]
+        per_text = {t: statistics.median(r["ratio"][t] for r in runs_v) for t in TEXTS}
+        spread = max(max(r["ratio"][t] for r in runs_v) - min(r["ratio"][t] for r in runs_v) for t in TEXTS)
+        worst = max(per_text, key=per_text.get)
+        row = {"variant": variant, "per_text": per_text, "median": statistics.median(per_text.values()),
+               "worst": per_text[worst], "worst_text": worst, "spread": spread}
+        rows.append(row)
+        print(f"| {variant} | " + " | ".join(f"{v:.3f}x" for v in per_text.values()) +
+              f" | {row['median']:.3f}x | {row['worst']:.3f}x ({worst}) | {spread:.3f} |")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
