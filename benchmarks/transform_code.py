@@ -2,6 +2,7 @@
 before any heal: SmolLM2-135M, every layer converted, the same bytes.
 
     python benchmarks/transform_code.py            # prints a table, writes benchmarks/transform_code.json
+    python benchmarks/transform_code.py --variants uniform+refit   # some variants again (rows merged by key)
 
 Variants (each with rotation seeds 0, 1, 2; 2,880 bytes/token is 12.5% of the original's 23,040):
 - `uniform`: the planner's 12.5% plan (docs/real-models.md): latent 112 and rope key 76 (RoRoPE by frequency, BKV),
@@ -12,7 +13,9 @@ Variants (each with rotation seeds 0, 1, 2; 2,880 bytes/token is 12.5% of the or
   (metric latent, or the keys' and values' error: kv), bits by variance (2-8, 0 = cut, groups of 64), each run of
   equal bits mixed by an orthogonal matrix (the seed), the rope key as above;
 - `tc-latent-n0.1`: as tc-latent with quantisation noise counted at a tenth of a cut's error (noise averages over
-  the tokens a head reads, a cut does not), which keeps more components.
+  the tokens a head reads, a cut does not), which keeps more components;
+- `uniform+refit`: the uniform plan, then each layer's up-projections refitted in closed form against its 3-bit
+  latent on the calibration text (convert/refit.py, issue `eighth` part 4); `uniform+refit-v` the values' alone.
 Calibration: the first 2,048 tokens of Apache-2.0 (not a protocol text). Scored on the protocol's four texts
 (benchmarks/protocol.py; first 2,048 tokens, windows of 512), perplexity over the original's. No training: this
 measures the coding alone. Run it alone (the load average before and after is recorded).
@@ -33,19 +36,30 @@ from protocol import TEXTS, TOKENS, WINDOW, load, text_ids  # noqa: E402
 CALIBRATION = "/usr/share/common-licenses/Apache-2.0"
 BUDGET, ROPE, LATENT, SEEDS = 2880, 76, 112, (0, 1, 2)
 VARIANTS = {"uniform": None, "tc-latent": dict(metric="latent"), "tc-kv": dict(metric="kv"),
-            "tc-latent-n0.1": dict(metric="latent", noise_weight=0.1)}
+            "tc-latent-n0.1": dict(metric="latent", noise_weight=0.1), "uniform+refit": None, "uniform+refit-v": None}
 
 
 def main() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, of " + ", ".join(VARIANTS))
+    asked = parser.parse_args().variants.split(",")
+    unknown = [v for v in asked if v not in VARIANTS]
+    if unknown:
+        parser.error(f"unknown variants {unknown}: choose from {', '.join(VARIANTS)}")
     from attnlab import models as hf
+    from attnlab.convert.refit import refit_up
     from attnlab.convert.rotate import rotate_latent
     from attnlab.convert.transform_code import transform_code
     from attnlab.models.adapters import attnlab_modules, replace_attention
     from attnlab.models.evaluate import attention_inputs, kv_bytes_per_token, perplexity
     from attnlab.shrink.plan import Candidate, apply
 
+    path = HERE / "transform_code.json"
+    before = json.loads(path.read_text())["runs"] if path.exists() else {}
     out = {"load_before": load(), "budget_bytes": BUDGET, "calibration": CALIBRATION, "tokens": TOKENS,
-           "window": WINDOW, "runs": {}}
+           "window": WINDOW, "runs": before}
     teacher, tok, _ = hf.load_model("smollm2")
     cal = hf.read_text_ids(tok, CALIBRATION, 2048)
     texts = {name: text_ids(tok, name, TOKENS) for name in TEXTS}
@@ -53,13 +67,16 @@ def main() -> None:
     inputs = attention_inputs(teacher, cal)
     originals = list(attnlab_modules(teacher))
     L = len(originals)
-    for variant, options in VARIANTS.items():
+    for variant in asked:
+        options = VARIANTS[variant]
         for seed in SEEDS:
             t0 = time.monotonic()
             if options is None:
                 apply(teacher, Candidate(LATENT, ROPE, "rorope", True, "int3/g64+c4", False), cal, inputs=inputs)
-                for m in attnlab_modules(teacher):
+                for m, x in zip(attnlab_modules(teacher), inputs):
                     rotate_latent(m, "random", seed=seed)
+                    if variant.startswith("uniform+refit"):
+                        refit_up(m, x, "v" if variant.endswith("-v") else "kv")
                 storages = ["int3/g64+c4"]
             else:
                 apply(teacher, Candidate(2 * 3 * 64 - ROPE, ROPE, "rorope", True, "bf16", False), cal, inputs=inputs)
@@ -80,7 +97,7 @@ def main() -> None:
                 m.kv_dtype = None
     out["load_after"] = load()
     out["table"] = table(out["runs"])
-    (HERE / "transform_code.json").write_text(json.dumps(out, indent=1))
+    path.write_text(json.dumps(out, indent=1))
     print(f"load {out['load_before']:.2f} -> {out['load_after']:.2f}")
 
 
@@ -92,6 +109,8 @@ def table(runs: dict) -> list[dict]:
     print("|---" * (len(TEXTS) + 4) + "|")
     for variant in VARIANTS:
         runs_v = [r for r in runs.values() if r["variant"] == variant]
+        if not runs_v:
+            continue
         per_text = {t: statistics.median(r["ratio"][t] for r in runs_v) for t in TEXTS}
         spread = max(max(r["ratio"][t] for r in runs_v) - min(r["ratio"][t] for r in runs_v) for t in TEXTS)
         worst = max(per_text, key=per_text.get)
