@@ -178,6 +178,9 @@ def test_what_cannot_be_written_natively_is_refused_in_one_line(llama_gguf, tmp_
     folder = tmp_path / "llama"
     make_checkpoint("llama", folder)
     model, _, _ = hf.load_model(str(folder))
+    with pytest.raises(ValueError, match=r"a K/V pair \(q8_0,q4_0\) is planned only for the original attention in "
+                                         r"its own architecture.* written as deepseek2"):
+        plan(model, _ids(128, 97), parse_budget("45%"), fmt="gguf", storages=("q8_0,q4_0",), window=32)
     with pytest.raises(ValueError, match=r"this model came from .*llama: load a \.gguf"):
         check_native(model)
     model, _ = hf.load_checkpoint(llama_gguf[0])

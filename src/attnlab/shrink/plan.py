@@ -272,10 +272,14 @@ def feasible(teacher, budget: KVBudget, fmt: str = "attnlab", storages=STORAGES,
     if not converted:
         if native:
             return original, budget_bytes, []
+        if not holds_native(teacher, fmt):
+            raise ValueError(f"a K/V pair ({', '.join(storages)}) is planned only for the original attention in its "
+                             "own architecture, which --format gguf writes from a llama, qwen3 or gemma3 GGUF; this "
+                             "model would be written as deepseek2, whose one latent row takes one type: use one")
         sizes = native_sizes(teacher, fmt, storages, context)
         held = ", ".join(f"{s} takes {b:.0f} bytes/token ({b / original:.1%})" for s, b in sizes.items())
         raise ValueError(f"a KV budget of {budget} ({budget_bytes:.0f} bytes/token{at}) is below what a K/V pair "
-                         f"holds, which only the original attention can use: {held or 'not this model'}")
+                         f"holds, which only the original attention can use: {held}")
     try:
         return original, budget_bytes, _options(teacher, budget, budget_bytes, original, fmt, converted, context)
     except ValueError as e:
