@@ -15,7 +15,10 @@ Variants (each with rotation seeds 0, 1, 2; 2,880 bytes/token is 12.5% of the or
 - `tc-latent-n0.1`: as tc-latent with quantisation noise counted at a tenth of a cut's error (noise averages over
   the tokens a head reads, a cut does not), which keeps more components;
 - `uniform+refit`: the uniform plan, then each layer's up-projections refitted in closed form against its 3-bit
-  latent on the calibration text (convert/refit.py, issue `eighth` part 4); `uniform+refit-v` the values' alone.
+  latent on the calibration text (convert/refit.py, issue `eighth` part 4); `uniform+refit-v` the values' alone;
+- `per-layer`: each layer its own latent size and bits (PER_LAYER: 48 to 232 values in 3 bits, or 144 in 4), chosen
+  by shrink/per_layer.py to minimise the summed KL to the original of each layer changed alone (measured on the first
+  1,024 tokens of GPL-2, rotation seed 0) within the same 2,880 bytes (issue `eighth` part 2).
 Calibration: the first 2,048 tokens of Apache-2.0 (not a protocol text). Scored on the protocol's four texts
 (benchmarks/protocol.py; first 2,048 tokens, windows of 512), perplexity over the original's. No training: this
 measures the coding alone. Run it alone (the load average before and after is recorded).
@@ -36,7 +39,11 @@ from protocol import TEXTS, TOKENS, WINDOW, load, text_ids  # noqa: E402
 CALIBRATION = "/usr/share/common-licenses/Apache-2.0"
 BUDGET, ROPE, LATENT, SEEDS = 2880, 76, 112, (0, 1, 2)
 VARIANTS = {"uniform": None, "tc-latent": dict(metric="latent"), "tc-kv": dict(metric="kv"),
-            "tc-latent-n0.1": dict(metric="latent", noise_weight=0.1), "uniform+refit": None, "uniform+refit-v": None}
+            "tc-latent-n0.1": dict(metric="latent", noise_weight=0.1), "uniform+refit": None, "uniform+refit-v": None,
+            "per-layer": None}
+PER_LAYER = ((48, "int3/g64+c4"), (80, "int3/g64+c4"), (112, "int3/g64+c4"), (160, "int3/g64+c4"),
+             (144, "int4/g64+c4"), (232, "int3/g64+c4"))  # (latent, storage) options a layer may take
+PROXY = "/usr/share/common-licenses/GPL-2"  # the per-layer costs' windows: neither calibration nor a protocol text
 
 
 def main() -> None:
@@ -55,6 +62,22 @@ def main() -> None:
     from attnlab.models.adapters import attnlab_modules, replace_attention
     from attnlab.models.evaluate import attention_inputs, kv_bytes_per_token, perplexity
     from attnlab.shrink.plan import Candidate, apply
+    from attnlab.shrink.per_layer import choose_per_layer
+    from attnlab.shrink.plan import proxy_kl, teacher_log_probs
+    from attnlab.shrink.sizes import layer_bytes
+    from attnlab.models.convert import convert_model
+
+    def convert_layer(layer: int, latent: int, storage: str, seed: int) -> None:
+        convert_model(teacher, "mla", latent_dim=latent, rope_dim=ROPE, calibration_ids=cal, pair_selection="rorope",
+                      balance=True, inputs=inputs, layers=[layer])
+        m = attnlab_modules(teacher)[layer]
+        rotate_latent(m, "random", seed=seed)
+        m.kv_dtype = storage
+
+    def restore() -> None:
+        replace_attention(teacher, originals)
+        for m in originals:
+            m.kv_dtype = None
 
     path = HERE / "transform_code.json"
     before = json.loads(path.read_text())["runs"] if path.exists() else {}
@@ -67,11 +90,35 @@ def main() -> None:
     inputs = attention_inputs(teacher, cal)
     originals = list(attnlab_modules(teacher))
     L = len(originals)
+    picks = None
+    if "per-layer" in asked:  # each layer alone in each option: its KL to the original on the proxy windows
+        windows = hf.read_text_ids(tok, PROXY, 1024)[0].reshape(-1, WINDOW)
+        reference = teacher_log_probs(teacher, windows)
+        costs, sizes = [], []
+        for layer in range(L):
+            row = []
+            for latent, storage in PER_LAYER:
+                convert_layer(layer, latent, storage, 0)
+                row.append(proxy_kl(teacher, windows, reference))
+                restore()
+            costs.append(row)
+            sizes.append([layer_bytes(latent, ROPE, storage) for latent, storage in PER_LAYER])
+            print(f"layer {layer}: " + " ".join(f"{c:.4f}" for c in row), flush=True)
+        picks = choose_per_layer(costs, sizes, BUDGET)
+        out["per_layer"] = {"options": PER_LAYER, "costs": costs, "picks": picks}
     for variant in asked:
         options = VARIANTS[variant]
         for seed in SEEDS:
             t0 = time.monotonic()
-            if options is None:
+            if variant == "per-layer":  # each layer converted alone (convert_model takes a model not yet converted)
+                chosen = []
+                for layer, o in enumerate(picks):
+                    convert_layer(layer, *PER_LAYER[o], seed)
+                    chosen.append(attnlab_modules(teacher)[layer])
+                    restore()
+                replace_attention(teacher, chosen)
+                storages = [f"{PER_LAYER[o][0]} {PER_LAYER[o][1]}" for o in picks]
+            elif options is None:
                 apply(teacher, Candidate(LATENT, ROPE, "rorope", True, "int3/g64+c4", False), cal, inputs=inputs)
                 for m, x in zip(attnlab_modules(teacher), inputs):
                     rotate_latent(m, "random", seed=seed)
@@ -92,9 +139,7 @@ def main() -> None:
             out["runs"][f"{variant}/seed{seed}"] = row
             print(f"{variant:<15} seed {seed}  {row['kv_bytes_per_token']} B  " +
                   "  ".join(f"{k} {v:.3f}" for k, v in row["ratio"].items()), flush=True)
-            replace_attention(teacher, originals)
-            for m in originals:
-                m.kv_dtype = None
+            restore()
     out["load_after"] = load()
     out["table"] = table(out["runs"])
     path.write_text(json.dumps(out, indent=1))
