@@ -18,7 +18,9 @@ Variants (each with rotation seeds 0, 1, 2; 2,880 bytes/token is 12.5% of the or
   latent on the calibration text (convert/refit.py, issue `eighth` part 4); `uniform+refit-v` the values' alone;
 - `per-layer`: each layer its own latent size and bits (PER_LAYER: 48 to 232 values in 3 bits, or 144 in 4), chosen
   by shrink/per_layer.py to minimise the summed KL to the original of each layer changed alone (measured on the first
-  1,024 tokens of GPL-2, rotation seed 0) within the same 2,880 bytes (issue `eighth` part 2).
+  1,024 tokens of GPL-2, rotation seed 0) within the same 2,880 bytes (issue `eighth` part 2); `per-layer-judge` the
+  same with the costs measured on the heal's judge texts instead (heal.data.judge_texts: everyday sentences and
+  Python source, 512 tokens of each), two kinds the shrink itself judges on.
 Calibration: the first 2,048 tokens of Apache-2.0 (not a protocol text). Scored on the protocol's four texts
 (benchmarks/protocol.py; first 2,048 tokens, windows of 512), perplexity over the original's. No training: this
 measures the coding alone. Run it alone (the load average before and after is recorded).
@@ -40,7 +42,7 @@ CALIBRATION = "/usr/share/common-licenses/Apache-2.0"
 BUDGET, ROPE, LATENT, SEEDS = 2880, 76, 112, (0, 1, 2)
 VARIANTS = {"uniform": None, "tc-latent": dict(metric="latent"), "tc-kv": dict(metric="kv"),
             "tc-latent-n0.1": dict(metric="latent", noise_weight=0.1), "uniform+refit": None, "uniform+refit-v": None,
-            "per-layer": None}
+            "per-layer": None, "per-layer-judge": None}
 PER_LAYER = ((48, "int3/g64+c4"), (80, "int3/g64+c4"), (112, "int3/g64+c4"), (160, "int3/g64+c4"),
              (144, "int4/g64+c4"), (232, "int3/g64+c4"))  # (latent, storage) options a layer may take
 PROXY = "/usr/share/common-licenses/GPL-2"  # the per-layer costs' windows: neither calibration nor a protocol text
@@ -79,10 +81,12 @@ def main() -> None:
         for m in originals:
             m.kv_dtype = None
 
+    import torch
+
     path = HERE / "transform_code.json"
-    before = json.loads(path.read_text())["runs"] if path.exists() else {}
-    out = {"load_before": load(), "budget_bytes": BUDGET, "calibration": CALIBRATION, "tokens": TOKENS,
-           "window": WINDOW, "runs": before}
+    before = json.loads(path.read_text()) if path.exists() else {"runs": {}}  # earlier variants' rows are kept
+    out = {**before, "load_before": load(), "budget_bytes": BUDGET, "calibration": CALIBRATION, "tokens": TOKENS,
+           "window": WINDOW}
     teacher, tok, _ = hf.load_model("smollm2")
     cal = hf.read_text_ids(tok, CALIBRATION, 2048)
     texts = {name: text_ids(tok, name, TOKENS) for name in TEXTS}
@@ -90,9 +94,13 @@ def main() -> None:
     inputs = attention_inputs(teacher, cal)
     originals = list(attnlab_modules(teacher))
     L = len(originals)
-    picks = None
-    if "per-layer" in asked:  # each layer alone in each option: its KL to the original on the proxy windows
-        windows = hf.read_text_ids(tok, PROXY, 1024)[0].reshape(-1, WINDOW)
+    picks = {}
+    for variant in [v for v in asked if v.startswith("per-layer")]:  # each layer alone in each option: its KL
+        if variant == "per-layer":
+            windows = hf.read_text_ids(tok, PROXY, 1024)[0].reshape(-1, WINDOW)
+        else:
+            from attnlab.heal.data import judge_texts
+            windows = torch.cat([t[:, :WINDOW] for t in judge_texts(tok, WINDOW)])
         reference = teacher_log_probs(teacher, windows)
         costs, sizes = [], []
         for layer in range(L):
@@ -104,20 +112,20 @@ def main() -> None:
             costs.append(row)
             sizes.append([layer_bytes(latent, ROPE, storage) for latent, storage in PER_LAYER])
             print(f"layer {layer}: " + " ".join(f"{c:.4f}" for c in row), flush=True)
-        picks = choose_per_layer(costs, sizes, BUDGET)
-        out["per_layer"] = {"options": PER_LAYER, "costs": costs, "picks": picks}
+        picks[variant] = choose_per_layer(costs, sizes, BUDGET)
+        out[variant] = {"options": PER_LAYER, "costs": costs, "picks": picks[variant]}
     for variant in asked:
         options = VARIANTS[variant]
         for seed in SEEDS:
             t0 = time.monotonic()
-            if variant == "per-layer":  # each layer converted alone (convert_model takes a model not yet converted)
+            if variant in picks:  # each layer converted alone (convert_model takes a model not yet converted)
                 chosen = []
-                for layer, o in enumerate(picks):
+                for layer, o in enumerate(picks[variant]):
                     convert_layer(layer, *PER_LAYER[o], seed)
                     chosen.append(attnlab_modules(teacher)[layer])
                     restore()
                 replace_attention(teacher, chosen)
-                storages = [f"{PER_LAYER[o][0]} {PER_LAYER[o][1]}" for o in picks]
+                storages = [f"{PER_LAYER[o][0]} {PER_LAYER[o][1]}" for o in picks[variant]]
             elif options is None:
                 apply(teacher, Candidate(LATENT, ROPE, "rorope", True, "int3/g64+c4", False), cal, inputs=inputs)
                 for m, x in zip(attnlab_modules(teacher), inputs):
