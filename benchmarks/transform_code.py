@@ -20,7 +20,8 @@ Variants (each with rotation seeds 0, 1, 2; 2,880 bytes/token is 12.5% of the or
   by shrink/per_layer.py to minimise the summed KL to the original of each layer changed alone (measured on the first
   1,024 tokens of GPL-2, rotation seed 0) within the same 2,880 bytes (issue `eighth` part 2); `per-layer-judge` the
   same with the costs measured on the heal's judge texts instead (heal.data.judge_texts: everyday sentences and
-  Python source, 512 tokens of each), two kinds the shrink itself judges on.
+  Python source, 512 tokens of each), two kinds the shrink itself judges on; `per-layer-judge-3` with three options
+  only (latent 80, 112, 160 in 3 bits: half the single-layer conversions, what a planner's time allows).
 Calibration: the first 2,048 tokens of Apache-2.0 (not a protocol text). Scored on the protocol's four texts
 (benchmarks/protocol.py; first 2,048 tokens, windows of 512), perplexity over the original's. No training: this
 measures the coding alone. Run it alone (the load average before and after is recorded).
@@ -42,7 +43,7 @@ CALIBRATION = "/usr/share/common-licenses/Apache-2.0"
 BUDGET, ROPE, LATENT, SEEDS = 2880, 76, 112, (0, 1, 2)
 VARIANTS = {"uniform": None, "tc-latent": dict(metric="latent"), "tc-kv": dict(metric="kv"),
             "tc-latent-n0.1": dict(metric="latent", noise_weight=0.1), "uniform+refit": None, "uniform+refit-v": None,
-            "per-layer": None, "per-layer-judge": None}
+            "per-layer": None, "per-layer-judge": None, "per-layer-judge-3": None}
 PER_LAYER = ((48, "int3/g64+c4"), (80, "int3/g64+c4"), (112, "int3/g64+c4"), (160, "int3/g64+c4"),
              (144, "int4/g64+c4"), (232, "int3/g64+c4"))  # (latent, storage) options a layer may take
 PROXY = "/usr/share/common-licenses/GPL-2"  # the per-layer costs' windows: neither calibration nor a protocol text
@@ -96,24 +97,25 @@ def main() -> None:
     L = len(originals)
     picks = {}
     for variant in [v for v in asked if v.startswith("per-layer")]:  # each layer alone in each option: its KL
+        options = PER_LAYER[1:4] if variant.endswith("-3") else PER_LAYER
         if variant == "per-layer":
             windows = hf.read_text_ids(tok, PROXY, 1024)[0].reshape(-1, WINDOW)
         else:
             from attnlab.heal.data import judge_texts
             windows = torch.cat([t[:, :WINDOW] for t in judge_texts(tok, WINDOW)])
         reference = teacher_log_probs(teacher, windows)
-        costs, sizes = [], []
+        costs, sizes, t0 = [], [], time.monotonic()
         for layer in range(L):
             row = []
-            for latent, storage in PER_LAYER:
+            for latent, storage in options:
                 convert_layer(layer, latent, storage, 0)
                 row.append(proxy_kl(teacher, windows, reference))
                 restore()
             costs.append(row)
-            sizes.append([layer_bytes(latent, ROPE, storage) for latent, storage in PER_LAYER])
+            sizes.append([layer_bytes(latent, ROPE, storage) for latent, storage in options])
             print(f"layer {layer}: " + " ".join(f"{c:.4f}" for c in row), flush=True)
-        picks[variant] = choose_per_layer(costs, sizes, BUDGET)
-        out[variant] = {"options": PER_LAYER, "costs": costs, "picks": picks[variant]}
+        picks[variant] = [PER_LAYER.index(options[o]) for o in choose_per_layer(costs, sizes, BUDGET)]
+        out[variant] = {"options": options, "costs": costs, "picks": picks[variant], "seconds": time.monotonic() - t0}
     for variant in asked:
         options = VARIANTS[variant]
         for seed in SEEDS:
