@@ -60,6 +60,18 @@ def rotation_matrix(kind: str, n: int, seed: int = 0) -> torch.Tensor:
     raise ValueError(f"rotation must be one of {', '.join(ROTATIONS)}, got {kind!r}")
 
 
+def fold_latent(mla, T: torch.Tensor, T_inv: torch.Tensor) -> None:
+    """Cache T c instead of c, for any invertible T (float64): W_DKV <- T W_DKV (its bias T b), W_UK, W_UV <- W_U T^-1;
+    computed in float64 and written back in the weights' dtype. rotate_latent is the orthogonal case (T^-1 = T^T)."""
+    with torch.no_grad():
+        down = mla.W_DKV
+        down.weight.copy_((T @ down.weight.to(F64)).to(down.weight.dtype))
+        if down.bias is not None:
+            down.bias.copy_((T @ down.bias.to(F64)).to(down.bias.dtype))
+        for up in (mla.W_UK, mla.W_UV):
+            up.weight.copy_((up.weight.to(F64) @ T_inv).to(up.weight.dtype))
+
+
 def rotate_latent(mla, rotation="random", *, seed: int = 0):
     """Rotate `mla`'s latent in place (module docstring); returns the latent_dim x latent_dim float64 rotation applied
     (the identity on channels whose norm weight is 0).
@@ -86,12 +98,7 @@ def rotate_latent(mla, rotation="random", *, seed: int = 0):
             for up in (mla.W_UK, mla.W_UV):
                 up.weight.copy_((up.weight.to(F64) * w[None, :]).to(up.weight.dtype))
             weight[moved] = 1.0
-        down = mla.W_DKV
-        down.weight.copy_((R @ down.weight.to(F64)).to(down.weight.dtype))
-        if down.bias is not None:
-            down.bias.copy_((R @ down.bias.to(F64)).to(down.bias.dtype))
-        for up in (mla.W_UK, mla.W_UV):
-            up.weight.copy_((up.weight.to(F64) @ R.T).to(up.weight.dtype))
+    fold_latent(mla, R, R.T)
     if mla.kv_tiling is not None:
         mla.detect_kv_tiling()
     return R

@@ -35,7 +35,7 @@ import heapq
 import torch
 
 from ..modules import lowbit
-from .rotate import hadamard, random_orthogonal, rotate_latent
+from .rotate import fold_latent, hadamard, random_orthogonal, rotate_latent
 
 METRICS = ("kv", "latent")
 
@@ -145,6 +145,13 @@ def latent_moment(mla, inputs: torch.Tensor) -> torch.Tensor:
     return c.T @ c / max(1, c.shape[0])
 
 
+def _descending_eigh(M: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(eigenvalues in decreasing order, clamped at 0; their eigenvectors as columns) of a symmetric M."""
+    lam, Q = torch.linalg.eigh(M)
+    order = torch.argsort(lam, descending=True)
+    return lam[order].clamp_min(0), Q[:, order]
+
+
 def principal_transform(mla, inputs: torch.Tensor, metric: str = "latent", key_weight: float = 1.0
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(lambda (r,) decreasing, T (r, r), T^-1 (r, r)), float64: the components' mean squares and the map from the
@@ -153,36 +160,22 @@ def principal_transform(mla, inputs: torch.Tensor, metric: str = "latent", key_w
         raise ValueError(f"metric must be one of {', '.join(METRICS)}, got {metric!r}")
     M = latent_moment(mla, inputs)
     if metric == "latent":
-        lam, Q = torch.linalg.eigh(M)
-        order = torch.argsort(lam, descending=True)
-        T = Q[:, order].T.contiguous()
-        return lam[order].clamp_min(0), T, T.T.contiguous()
+        lam, Q = _descending_eigh(M)
+        T = Q.T.contiguous()
+        return lam, T, T.T.contiguous()
     W = torch.cat([mla.W_UK.weight.detach().to(F64) * key_weight ** 0.5,
                    mla.W_UV.weight.detach().to(F64)])  # (H (d + dv), r): the keys' error counted key_weight times
     g, P = torch.linalg.eigh(W.T @ W)
     live = g > g.max() * 1e-12  # directions some head reads
     root = (P[:, live] * g[live].sqrt()) @ P[:, live].T  # G^1/2
     inv_root = (P[:, live] / g[live].sqrt()) @ P[:, live].T  # its pseudo-inverse
-    lam, Q = torch.linalg.eigh(root @ M @ root)
-    order = torch.argsort(lam, descending=True)
-    Q = Q[:, order]
+    lam, Q = _descending_eigh(root @ M @ root)
     T, T_inv = Q.T @ root, inv_root @ Q
     if not bool(live.all()):  # the unread directions: kept apart so that T stays invertible (they get variance 0)
         dead = P[:, ~live]  # (r, n0)
         n0 = dead.shape[1]
         T[-n0:], T_inv[:, -n0:] = dead.T, dead
-    return lam[order].clamp_min(0), T, T_inv
-
-
-def fold_latent(mla, T: torch.Tensor, T_inv: torch.Tensor) -> None:
-    """Cache T c instead of c: W_DKV <- T W_DKV (its bias T b), W_UK, W_UV <- W_U T^-1, in float64 and back."""
-    with torch.no_grad():
-        down = mla.W_DKV
-        down.weight.copy_((T @ down.weight.to(F64)).to(down.weight.dtype))
-        if down.bias is not None:
-            down.bias.copy_((T @ down.bias.to(F64)).to(down.bias.dtype))
-        for up in (mla.W_UK, mla.W_UV):
-            up.weight.copy_((up.weight.to(F64) @ T_inv).to(up.weight.dtype))
+    return lam, T, T_inv
 
 
 def _keep(mla, k: int):
