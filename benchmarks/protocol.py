@@ -10,7 +10,9 @@ llama.cpp and KIVI do it, at equal or more bytes.
     python benchmarks/protocol.py plot                              # benchmarks/protocol.png, the README's picture
 
 Run it alone on the machine: it records the load average before and after each shrink and warns above 1.
-Rows go to benchmarks/protocol.json, merged by key.
+Rows go to benchmarks/protocol.json, merged by key. A row kept under before/<case>@<commit>/seed<S> is the same plain
+command run by an earlier commit (a worktree of it, its own src on PYTHONPATH): the report shows it as its own row,
+the figure a change is compared against.
 
 What each command is: exactly the argv recorded in its row ("argv"), which is the list handed to the child process
 (`attnlab shrink MODEL --kv-budget B --out OUT`, and `--seed S` for seeds other than the default 0). Nothing else is
@@ -61,6 +63,7 @@ SEEDS = (0, 1, 2)
 CASES = {  # name: (model, shrink arguments after the model, what it checks)
     "smollm2-25": ("smollm2", ["--kv-budget", "25%"], "SmolLM2-135M at 25% of the bytes, the plain command"),
     "smollm2-50": ("smollm2", ["--kv-budget", "50%"], "SmolLM2-135M at 50% of the bytes, the plain command"),
+    "smollm2-12": ("smollm2", ["--kv-budget", "12.5%"], "SmolLM2-135M at 12.5% of the bytes, the plain command"),
     "gemma3-270m-25": ("gemma3-270m", ["--kv-budget", "25%"], "Gemma 3 270M at 25% of the bytes, the plain command"),
 }
 BASELINES = ("q8_0", "q5_0", "q4_1", "iq4_nl", "q4_0", "kivi4", "kivi2")
@@ -226,8 +229,15 @@ def table(data: dict | None = None) -> list[dict]:
     text's best baseline at equal or more bytes (its median and worst over the texts), and the seeds' spread."""
     data = rows() if data is None else data
     out = []
-    for case, (model, _, what) in CASES.items():
-        runs = [data[k] for k in sorted(data) if k.startswith(f"run/{case}/") and not data[k].get("returncode")]
+    groups = {case: [k for k in sorted(data) if k.startswith(f"run/{case}/")] for case in CASES}
+    for k in sorted(data):  # the same plain command run by an earlier commit (before/<case>@<rev>/seed<S>)
+        if k.startswith("before/"):
+            groups.setdefault(k.split("/")[1], []).append(k)
+    for case, keys in groups.items():
+        name, _, rev = case.partition("@")
+        model, _, what = CASES[name]
+        what = f"{what}, as commit {rev} ran it" if rev else what
+        runs = [data[k] for k in keys if not data[k].get("returncode")]
         base = data.get(f"baselines/{model}")
         if not runs or base is None:
             continue
@@ -275,7 +285,8 @@ def part_report() -> None:
     for r in t:
         share = r["kv_bytes_per_token"] / r["original_bytes"]
         names = sorted(set(r["baseline"].values()))
-        print(f"| `{r['command'].split(' --out')[0]} --out OUT` (seeds {', '.join(map(str, r['seeds']))}) | "
+        rev = f" on {r['case'].partition('@')[2]}" if "@" in r["case"] else ""
+        print(f"| `{r['command'].split(' --out')[0]} --out OUT` (seeds {', '.join(map(str, r['seeds']))}{rev}) | "
               f"{r['kv_bytes_per_token']:,.0f} ({share:.0%}) | {r['median']:.3f}x | {r['worst']:.3f}x "
               f"({r['worst_text']}) | {r['seed_spread'] or 0:.3f} | {'/'.join(names)}: "
               f"{r['baseline_median'] or float('nan'):.3f}x, {r['baseline_worst'] or float('nan'):.3f}x | "

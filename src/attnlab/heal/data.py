@@ -10,7 +10,8 @@ Notation: N windows, T tokens per window (seq_len), V vocabulary.
   a seeded generator), and each prompt + continuation is one training window.
 - `training_data`: one of the two for a heal (or shrink) run, inside a time budget: the
   teacher's writing gets a bounded share of it, past the windows a plan reads, which are the same on any machine.
-- `judge_texts`: held-out text of other kinds (shipped sentences, Python source) that a heal is judged on too.
+- `judge_texts`: held-out text of other kinds (shipped sentences, Python source) that a heal is judged on too;
+  `planning_texts`: the same files' next tokens, which a shrink plan's per-layer costs read (never the judge's).
 - `check_pair`: the teacher and the student must be the same network around their attention.
 """
 from __future__ import annotations
@@ -40,17 +41,31 @@ HELD_OUT_PROMPTS = 4  # the last prompts write held-out text only (training_data
 JUDGE_TOKENS = 512  # tokens of each text of judge_texts
 
 
+def _judge_files() -> list:
+    """The files judge_texts and planning_texts read: everyday sentences shipped here, attnlab's attention core."""
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent
+    return [here / "judge_sentences.txt", here.parent / "modules" / "attention.py"]
+
+
 def judge_texts(tok, tokens: int = JUDGE_TOKENS) -> list[torch.Tensor]:
     """Held-out texts of other kinds than a heal's training text, for its keep-or-give-back decisions: everyday
     English sentences written for this repo (judge_sentences.txt, shipped with the package) and Python source with
     its documentation (attnlab's own attention core), each its first `tokens` token ids (1, M). Without them a heal
     on text the teacher writes would be judged on the distribution it trained on alone, which flatters a heal that
     drifts from the teacher on other text."""
-    from pathlib import Path
+    return [tok(f.read_text(encoding="utf-8"), return_tensors="pt").input_ids[:, :tokens] for f in _judge_files()]
 
-    here = Path(__file__).resolve().parent
-    files = [here / "judge_sentences.txt", here.parent / "modules" / "attention.py"]
-    return [tok(f.read_text(encoding="utf-8"), return_tensors="pt").input_ids[:, :tokens] for f in files]
+
+def planning_texts(tok, tokens: int) -> list[torch.Tensor]:
+    """Text of the judge texts' kinds that the judge does not read: each file's next `tokens` token ids after the
+    JUDGE_TOKENS judge_texts takes, (1, <= tokens) each (fewer where a file ends sooner; a file with none left is
+    left out). What a shrink plan's per-layer costs are measured on beside its own text (shrink/plan.py), so that
+    a plan does not fit one kind of text, while the heal's judge reads other tokens."""
+    ids = [tok(f.read_text(encoding="utf-8"), return_tensors="pt").input_ids[:, JUDGE_TOKENS:JUDGE_TOKENS + tokens]
+           for f in _judge_files()]
+    return [t for t in ids if t.numel()]
 
 
 def _windows(ids: torch.Tensor, seq_len: int) -> torch.Tensor:

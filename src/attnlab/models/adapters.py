@@ -48,6 +48,11 @@ def _layers(model):
     return list(base.encoder.layer)
 
 
+def decoder_layers(model) -> list[nn.Module]:
+    """The model's transformer layers (a causal LM's decoder layers, BERT's encoder layers), in order."""
+    return _layers(model)
+
+
 def cache_keyword(forward) -> str:
     """The keyword a transformers forward takes its Cache under: `cache` from transformers 5.24 on (the old
     `past_key_values` still works there, with a FutureWarning, until 5.40), `past_key_values` before."""

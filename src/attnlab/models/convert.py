@@ -166,7 +166,21 @@ def check_convertible(model, exact: bool = False, *, rope_dim: int | None = None
                          "without --latent-dim, carries it too)")
 
 
-def convert_model(model, to: str, *, latent_dim: int | None = None, rope_dim: int | None = None,
+def layer_latents(latent_dim, count: int) -> list | None:
+    """Each layer's latent size from convert_model's latent_dim: None (the exact conversion), one size for every
+    layer, or a list of `count` sizes (a per-layer plan, shrink/plan.py); TypeError/ValueError naming the value."""
+    if latent_dim is None:
+        return None
+    sizes = [latent_dim] * count if isinstance(latent_dim, int) and not isinstance(latent_dim, bool) else latent_dim
+    if isinstance(sizes, (str, bytes)) or not isinstance(sizes, (list, tuple)):
+        raise TypeError(f"latent_dim must be a whole number or a list of one per layer, got {latent_dim!r}")
+    if len(sizes) != count or any(isinstance(r, bool) or not isinstance(r, int) or r < 1 for r in sizes):
+        raise ValueError(f"latent_dim must be a positive whole number, or {count} of them (one per layer), got "
+                         f"{latent_dim!r}")
+    return list(sizes)
+
+
+def convert_model(model, to: str, *, latent_dim: int | list[int] | None = None, rope_dim: int | None = None,
                   num_kv_heads: int | None = None, method: str | None = None,
                   calibration_ids: torch.Tensor | None = None, pair_selection: str = "frequency",
                   balance: bool = False, shared_planes: bool = True, progress=None, inputs: list | None = None,
@@ -176,7 +190,8 @@ def convert_model(model, to: str, *, latent_dim: int | None = None, rope_dim: in
     Llama (RoPE GQA) -> "mla": without latent_dim, the exact gqa_to_mla (the latent holds
     pre-RoPE K and V); with latent_dim, gqa_to_mla_decoupled with rope_dim decoupled rotary dims
     (default 2 G * 16, half the pairs). BERT (MHA) -> "gqa" (num_kv_heads, method)
-    or "mla" (latent_dim). calibration_ids: token ids whose attention inputs whiten the SVDs;
+    or "mla" (latent_dim; one size, or a list of one per layer: a per-layer plan). calibration_ids: token ids
+    whose attention inputs whiten the SVDs;
     pair_selection: what keeps rotating in a compressed Llama MLA, one of convert.ROPE_SELECTIONS
     (frequency, norm: rope_dim a multiple of 2 G; rorope, rorope-score: any even rope_dim); a model with
     per-head q/k norms (Qwen3, Gemma 3) takes only its keys whole: rope_dim G x d (its default), frequency;
@@ -205,6 +220,8 @@ def convert_model(model, to: str, *, latent_dim: int | None = None, rope_dim: in
     check_convertible(model, exact=fam == "llama" and to == "mla" and latent_dim is None, rope_dim=rope_dim,
                       pair_selection=pair_selection, balance=balance)
     chosen = check_layers(layers, len(modules))
+    sizes = layer_latents(latent_dim, len(modules))
+    latent = {} if sizes is None else {id(m): r for m, r in zip(modules, sizes)}  # module -> its latent size
     for i, m in enumerate(modules):
         if i in chosen:
             check_finite(i, _attention_weights(m))
@@ -223,7 +240,7 @@ def convert_model(model, to: str, *, latent_dim: int | None = None, rope_dim: in
         count = check_rope_dim(rope_dim, G, d, pair_selection)
         options = selection_options(pair_selection, balance)
         if pair_selection not in ROROPE_SELECTIONS:
-            return convert_layers(model, lambda m, x: gqa_to_mla_decoupled(m, latent_dim, count, calibration=x,
+            return convert_layers(model, lambda m, x: gqa_to_mla_decoupled(m, latent[id(m)], count, calibration=x,
                                                                            **options),
                                   calibration_ids=calibration_ids, progress=progress, inputs=inputs, layers=layers)
         if inputs is None:
@@ -232,15 +249,15 @@ def convert_model(model, to: str, *, latent_dim: int | None = None, rope_dim: in
             picked = [(m, x) for i, (m, x) in enumerate(zip(modules, inputs)) if i in chosen]
             planes = plane_choice([rorope_plane_scores(m, x) for m, x in picked], count)
             by_layer = {id(m): p for (m, _), p in zip(picked, planes)}
-            return convert_layers(model, lambda m, x: gqa_to_mla_decoupled(m, latent_dim, None, calibration=x,
+            return convert_layers(model, lambda m, x: gqa_to_mla_decoupled(m, latent[id(m)], None, calibration=x,
                                                                            planes=by_layer[id(m)], **options),
                                   inputs=inputs, progress=progress, layers=layers)
-        return convert_layers(model, lambda m, x: gqa_to_mla_decoupled(m, latent_dim, None, calibration=x,
+        return convert_layers(model, lambda m, x: gqa_to_mla_decoupled(m, latent[id(m)], None, calibration=x,
                                                                        rope_planes=count, **options),
                               inputs=inputs, progress=progress, layers=layers)
     if rope_dim is not None:
         raise ValueError("rope_dim applies to RoPE models (Llama); BERT has no RoPE")
     return convert_layers(model, lambda m, x: convert_module(m, to, num_kv_heads=num_kv_heads, method=method,
-                                                              latent_dim=latent_dim, calibration=x),
+                                                              latent_dim=latent.get(id(m)), calibration=x),
                           calibration_ids=calibration_ids, progress=progress, inputs=inputs, layers=layers)
 

@@ -10,7 +10,8 @@ A thin pipeline over the library (the same functions the separate commands call)
 - plan: shrink.plan.plan converts candidates calibrated on the calibration text and scores them
   on the next windows of the training text (skipped when the sizes are given explicitly), at most
   plan_count(--minutes) of them: a count, never the clock, so that a loaded machine makes the same plan
-  (it heals less, and the report's "work" says how much);
+  (it heals less, and the report's "work" says how much); a per-layer plan's costs (plan round 4) read one
+  window of that text and heal.data.planning_texts, text of other kinds whose tokens the judge does not read;
 - pinned work (--tokens and --layer-steps both given, pinned()): every window written, every step run,
   the clock cuts nothing, so the same request and seed give the same weights under any load;
 - convert: models.convert_model, then (for DeepSeek and GGUF) a latent norm fitted on the
@@ -237,7 +238,9 @@ def pinned(req: ShrinkRequest) -> bool:
 def plan_count(minutes: float) -> int:
     """The most candidates the planner measures for a run of `minutes`: a count, not a share of the clock, so that a
     loaded machine plans as an idle one does (it plans more slowly, and heals less). About 10 s each on SmolLM2-135M
-    here: 20 at the default 10 minutes, which holds the whole search of a GQA model (13-20 candidates)."""
+    here: 20 at the default 10 minutes, which holds the whole search of a GQA model (13-20 candidates). A plan's round
+    4 (a latent size per layer) comes on top: one candidate more and L x 3 single-layer conversions, about 2 minutes
+    on SmolLM2 here."""
     return max(3, int(2 * minutes))
 
 
@@ -266,6 +269,20 @@ def _data(req: ShrinkRequest, teacher, tok, budget: Budget, show) -> dict[str, t
     for i, ids in enumerate(judge_texts(tok)):
         data[f"judge_{i}"] = ids
     return data
+
+
+LAYER_WINDOW = 256  # the planner's window (plan()'s default): its per-layer costs read one of the run's own text
+# and one made of the kinds of heal.data.planning_texts, half a window of each (two windows: 1.6 minutes on SmolLM2)
+
+
+def _layer_text(data: dict, tok) -> torch.Tensor:
+    """(1, K) the text the plan's per-layer costs are measured on (plan(layer_ids=)): the first window of the text it
+    ranks candidates on (the proxy windows, else the calibration's), then heal.data.planning_texts, text of other
+    kinds than the run's (sentences, Python source) whose tokens the heal's judge does not read."""
+    from ..heal.data import planning_texts
+
+    own = data.get("proxy", data["calibration"])[:, :LAYER_WINDOW]
+    return torch.cat([own, *planning_texts(tok, LAYER_WINDOW // 2)], dim=1)
 
 
 def held_texts(data: dict) -> list[torch.Tensor]:
@@ -456,7 +473,7 @@ def _shrink(req: ShrinkRequest, resume: bool, force: bool, budget: Budget | None
             result = choose(teacher, data["calibration"], parse_budget(req.kv_budget), fmt=req.fmt,
                             storages=storage_choices(req.storage, req.fmt), calibrate=req.calibration,
                             proxy_ids=data.get("proxy"), time_budget=budget.unbounded(), context=req.context,
-                            max_candidates=plan_count(req.minutes),
+                            max_candidates=plan_count(req.minutes), layer_ids=_layer_text(data, tok),
                             progress=lambda i, label: show.phase(f"planning: candidate {i + 1}: {label}"))
             if budget.stop_requested:  # a search cut short is not the plan of this request: nothing saved
                 raise Stopped("stop")

@@ -1,0 +1,79 @@
+"""What changing one layer alone costs the model: the KL to the original's next-token distributions on a few
+windows, for every layer and option of a per-layer plan (issue `eighth`, part 2; the choice: shrink/per_layer.py).
+
+A per-layer plan needs L x O single-layer measurements. Each runs the model on the same windows, but the layers
+before the changed one are the original's, so their outputs on each window are recorded once (Prefix) and played
+back: a change at layer i runs layers i..L-1, the final norm and the head. Nothing is approximated (a layer's output
+depends only on the layers before it); on average half the layers' work is saved.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def kl_sum(teacher: torch.Tensor, student: torch.Tensor) -> float:
+    """sum over positions of KL(teacher || student), both next-token log-probabilities (..., V)."""
+    return float((teacher.exp() * (teacher - student)).sum())
+
+
+class Prefix:
+    """The original model's layer outputs and next-token log-probabilities on each window (W, T), recorded once,
+    for measuring changes that leave the layers before some index as they are (kl)."""
+
+    def __init__(self, model, windows: torch.Tensor):
+        from ..models.adapters import decoder_layers
+
+        self.model, self.windows = model, windows
+        self.layers = decoder_layers(model)
+        self.outputs: list[list] = []  # [window][layer]: what the layer returned
+        self.reference: list[torch.Tensor] = []
+        for w in windows:
+            seen: list = []
+            hooks = [layer.register_forward_hook(lambda mod, args, out: seen.append(out)) for layer in self.layers]
+            try:
+                with torch.no_grad():
+                    self.reference.append(model(w[None]).logits.float().log_softmax(-1))
+            finally:
+                for h in hooks:
+                    h.remove()
+            self.outputs.append(seen)
+
+    def kl(self, start: int) -> float:
+        """Mean KL(original || model as it is now) per position over the windows, the layers before `start` played
+        back from the original's outputs (the caller changed none of them); ValueError naming `start` outside
+        0..L-1."""
+        if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start < len(self.layers):
+            raise ValueError(f"start must be a layer index in 0..{len(self.layers) - 1}, got {start!r}")
+        total, count = 0.0, 0
+        for w, ref, outs in zip(self.windows, self.reference, self.outputs):
+            for layer, out in zip(self.layers[:start], outs):
+                layer.forward = (lambda out: lambda *args, **kwargs: out)(out)  # the original's output, not run
+            try:
+                with torch.no_grad():
+                    student = self.model(w[None]).logits.float().log_softmax(-1)
+            finally:
+                for layer in self.layers[:start]:
+                    del layer.forward  # the class's forward again
+            total += kl_sum(ref, student)
+            count += w.numel()
+        return total / count
+
+
+def layer_costs(prefix: Prefix, count: int, options, change, restore, progress=None) -> list[list[float]]:
+    """costs[l][o]: prefix.kl(l) with layer l alone changed to option o. change(l, o) changes the model in place,
+    restore() undoes it (called after each, also when the change or the measurement fails); progress(done, total)
+    after each measurement."""
+    options = list(options)
+    costs = []
+    for layer in range(count):
+        row = []
+        for o in options:
+            try:
+                change(layer, o)
+                row.append(prefix.kl(layer))
+            finally:
+                restore()
+            if progress:
+                progress(layer * len(options) + len(row), count * len(options))
+        costs.append(row)
+    return costs
