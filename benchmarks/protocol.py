@@ -10,9 +10,9 @@ llama.cpp and KIVI do it, at equal or more bytes.
     python benchmarks/protocol.py plot                              # benchmarks/protocol.png, the README's picture
 
 Run it alone on the machine: it records the load average before and after each shrink and warns above 1.
-Rows go to benchmarks/protocol.json, merged by key. A row kept under before/<case>@<commit>/seed<S> is the same plain
-command run by an earlier commit (a worktree of it, its own src on PYTHONPATH): the report shows it as its own row,
-the figure a change is compared against.
+Rows go to benchmarks/protocol.json, merged by key. A row kept under at/<case>@<commit>/seed<S> is the same plain
+command run by another commit (a worktree of it, its own src on PYTHONPATH), a design measured and not kept: the
+report shows it as its own row beside the case's.
 
 What each command is: exactly the argv recorded in its row ("argv"), which is the list handed to the child process
 (`attnlab shrink MODEL --kv-budget B --out OUT`, and `--seed S` for seeds other than the default 0). Nothing else is
@@ -230,8 +230,8 @@ def table(data: dict | None = None) -> list[dict]:
     data = rows() if data is None else data
     out = []
     groups = {case: [k for k in sorted(data) if k.startswith(f"run/{case}/")] for case in CASES}
-    for k in sorted(data):  # the same plain command run by an earlier commit (before/<case>@<rev>/seed<S>)
-        if k.startswith("before/"):
+    for k in sorted(data):  # the same plain command run by another commit (at/<case>@<rev>/seed<S>)
+        if k.startswith("at/"):
             groups.setdefault(k.split("/")[1], []).append(k)
     for case, keys in groups.items():
         name, _, rev = case.partition("@")

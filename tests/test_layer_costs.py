@@ -20,11 +20,17 @@ from attnlab.shrink.sizes import layer_bytes
 
 
 @pytest.fixture(scope="module")
-def four(tmp_path_factory):
-    """(model, calibration ids (1, 256), windows (2, 64)): a 4-layer tiny Llama (64 KV values per token and layer)."""
+def four_folder(tmp_path_factory):
+    """A 4-layer tiny Llama checkpoint (64 KV values per token and layer) with its tokenizer."""
     folder = tmp_path_factory.mktemp("per_layer") / "llama"
     make_checkpoint("llama", folder, initializer_range=0.3, max_position_embeddings=512, num_hidden_layers=4)
-    model, _, _ = hf.load_model(str(folder))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def four(four_folder):
+    """(model, calibration ids (1, 256), windows (2, 64)) of four_folder's model."""
+    model, _, _ = hf.load_model(str(four_folder))
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, model.config.vocab_size, (1, 256), generator=g)
     windows = torch.randint(0, model.config.vocab_size, (2, 64), generator=g)
@@ -136,7 +142,7 @@ def test_round_4_chooses_by_the_whole_models_costs_within_the_bytes(four, monkey
         return real(best, values)
 
     monkeypatch.setattr(planning, "per_layer_sizes", spy)
-    result = plan(model, ids, parse_budget("50%"), storages=("bf16",), window=64, proxy_windows=2,
+    result = plan(model, ids, parse_budget("50%"), storages=("bf16",), window=64, proxy_windows=2, per_layer=True,
                   layer_ids=windows.reshape(1, -1))
     best = seen["best"]
     sizes = real(best, 64)
@@ -180,10 +186,82 @@ def test_round_4_measures_a_mixed_plan_as_a_candidate(four, monkeypatch):
 
     monkeypatch.setattr(lc, "layer_costs", costs)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    result = plan(model, ids, parse_budget("50%"), storages=("bf16",), window=64, proxy_windows=2)
+    result = plan(model, ids, parse_budget("50%"), storages=("bf16",), window=64, proxy_windows=2, per_layer=True)
     (cand,) = [c for c in result.measured if c.round == 4]
     assert cand.latent_dims[0] == max(cand.latent_dims) > min(cand.latent_dims)  # the dear layer gets the most
     assert cand.proxy is not None and cand.bytes_per_token <= result.budget_bytes
     after = model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
     assert all(type(m).__name__ == "GroupedQueryAttention" for m in attnlab_modules(model))
+
+
+def test_the_per_layer_costs_read_the_judge_files_next_tokens_never_the_judges(tmp_path):
+    """heal.data.planning_texts takes each judge file's tokens right after judge_texts' (together: the file's first
+    tokens, none read twice); shrink's cost text is the proxy's first window, then those."""
+    from tiny_checkpoints import make_tokenizer
+
+    from attnlab.heal.data import JUDGE_TOKENS, _judge_files, judge_texts, planning_texts
+    from attnlab.shrink.pipeline import LAYER_WINDOW, _layer_text
+
+    tok = make_tokenizer(tmp_path)
+    judges, plans = judge_texts(tok), planning_texts(tok, 40)
+    for f, j, p in zip(_judge_files(), judges, plans):
+        whole = tok(f.read_text(encoding="utf-8"), return_tensors="pt").input_ids
+        assert j.shape[1] == JUDGE_TOKENS and p.shape[1] == 40
+        assert torch.equal(torch.cat([j, p], dim=1), whole[:, :JUDGE_TOKENS + 40])
+    proxy = torch.arange(2 * LAYER_WINDOW)[None]
+    text = _layer_text({"proxy": proxy, "calibration": proxy + 1}, tok)
+    half = planning_texts(tok, LAYER_WINDOW // 2)
+    assert torch.equal(text, torch.cat([proxy[:, :LAYER_WINDOW], *half], dim=1))
+
+
+def test_round_4_runs_only_when_asked_and_only_for_attnlabs_format(four, tmp_path, monkeypatch):
+    """plan() without per_layer (what shrink does unless --per-layer) never measures round 4; --per-layer with another
+    format, or with explicit sizes, is refused before any work, naming why."""
+    from attnlab.shrink import ShrinkRequest
+    from attnlab.shrink.pipeline import check_request
+
+    model, ids, _ = four
+    result = plan(model, ids, parse_budget("50%"), storages=("bf16",), window=64, proxy_windows=2)
+    assert all(c.round < 4 and c.latent_dims is None for c in result.measured)
+    for kw, why in ((dict(fmt="gguf", out="o.gguf"), "--format gguf holds one latent size for every layer"),
+                    (dict(fmt="deepseek"), "--format deepseek holds one latent size for every layer"),
+                    (dict(latent_dim=32, rope_dim=16), "--latent-dim gives the sizes itself")):
+        req = ShrinkRequest(**{"source": "x", "kv_budget": "25%", "out": "o", "per_layer": True, **kw})
+        with pytest.raises(ValueError, match=re.escape(f"only the planner's --format attnlab plans: {why}")):
+            check_request(req)
+
+
+def test_a_per_layer_shrink_writes_layers_of_their_own_sizes(four_folder, tmp_path, monkeypatch):
+    """shrink --per-layer end to end (costs replaced so that the plan mixes sizes): the written model holds each
+    layer at the size the plan chose, within the budget, and the report names them."""
+    import attnlab.shrink.layer_costs as lc
+    from tiny_checkpoints import TEXT
+
+    from attnlab.shrink import ShrinkRequest, shrink
+
+    monkeypatch.setattr(lc, "layer_costs", lambda prefix, count, options, change, restore, progress=None:
+                        [[10.0 / r for r in options]] + [[1.0 / r for r in options]] * (count - 1))
+    text = tmp_path / "train.txt"
+    text.write_text(TEXT * 40)
+    out = tmp_path / "out"
+    report = shrink(ShrinkRequest(source=str(four_folder), kv_budget="50%", out=str(out), minutes=5, seq_len=16,
+                                  tokens=256, layer_steps=2, windows=16, text=[str(text)], storage="bf16",
+                                  per_layer=True))
+    chosen = report["plan"]["chosen"]
+    assert chosen["round"] == 4 and len(set(chosen["latent_dims"])) > 1
+    model, _, meta = hf.load_model(str(out))
+    assert [m.latent_dim for m in attnlab_modules(model)] == chosen["latent_dims"]
+    assert report["kv_bytes_per_token"]["shrunk"] == hf.kv_bytes_per_token(model) <= 0.5 * report[
+        "kv_bytes_per_token"]["original_16bit"]
+    assert meta["shrink"]["request"]["per_layer"] is True
+
+
+def test_cli_per_layer_for_a_gguf_is_one_line_and_exit_2(tmp_path, capsys):
+    from attnlab.cli import main
+
+    code = main(["shrink", "smollm2", "--kv-budget", "12.5%", "--per-layer", "--format", "gguf",
+                 "--out", str(tmp_path / "o.gguf")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1
+    assert "--per-layer plans a latent size per layer" in err and "--format gguf holds one latent size" in err

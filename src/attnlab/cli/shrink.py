@@ -115,6 +115,10 @@ def shrink(source: str = typer.Argument(..., help="The model: smollm2, a transfo
            keep_worse: bool = typer.Option(False, "--keep-worse", help="Write the healed weights even when they "
                                            "moved away from the original on a held-out text (by default the "
                                            "converted ones are written then, and the report says so)."),
+           per_layer: bool = typer.Option(False, "--per-layer", help="Also plan a latent size per layer (each "
+                                          "layer alone at three sizes, about 1.5 minutes on SmolLM2-135M, taken from "
+                                          "the heal; --format attnlab). Measured at 12.5% in 10 minutes it did not "
+                                          "beat one size for all (docs/real-models.md)."),
            shard: bool = SHARD, collective_timeout: float = COLLECTIVE_TIMEOUT):
     """Shrink a model's KV cache to a budget: plan, convert, heal and export in one run.
 
@@ -158,7 +162,8 @@ def shrink(source: str = typer.Argument(..., help="The model: smollm2, a transfo
                             text=[str(t) for t in text or []], eval_text=[str(t) for t in eval_text or []],
                             seed=seed, device=device, calibration=not no_calibration, storage=kv_dtype,
                             latent_dim=latent_dim, rope_dim=rope_dim, tokens=tokens, seq_len=seq_len,
-                            layer_steps=layer_steps, keep_worse=keep_worse, context=context, batch_size=batch_size)
+                            layer_steps=layer_steps, keep_worse=keep_worse, context=context, batch_size=batch_size,
+                            per_layer=per_layer)
         try:
             check_request(req)
         except ValueError as e:

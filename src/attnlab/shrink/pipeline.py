@@ -10,8 +10,7 @@ A thin pipeline over the library (the same functions the separate commands call)
 - plan: shrink.plan.plan converts candidates calibrated on the calibration text and scores them
   on the next windows of the training text (skipped when the sizes are given explicitly), at most
   plan_count(--minutes) of them: a count, never the clock, so that a loaded machine makes the same plan
-  (it heals less, and the report's "work" says how much); a per-layer plan's costs (plan round 4) read one
-  window of that text and heal.data.planning_texts, text of other kinds whose tokens the judge does not read;
+  (it heals less, and the report's "work" says how much);
 - pinned work (--tokens and --layer-steps both given, pinned()): every window written, every step run,
   the clock cuts nothing, so the same request and seed give the same weights under any load;
 - convert: models.convert_model, then (for DeepSeek and GGUF) a latent norm fitted on the
@@ -84,10 +83,11 @@ class ShrinkRequest:
     batch_size: int = 4  # windows per end-to-end step, the global batch a torchrun job splits over its processes
     keep_worse: bool = False  # write the healed weights even when held-out perplexity rose (heal_model's keep_better)
     context: int | None = None  # the budget counts bytes per token at this sequence length (None: every token held)
+    per_layer: bool = False  # also plan a latent size per layer (plan round 4; not measured better: docs)
 
     def identity(self) -> dict:
         keep = ("source", "kv_budget", "fmt", "text", "eval_text", "seed", "calibration", "storage", "latent_dim",
-                "rope_dim", "windows", "seq_len", "tokens", "layer_steps", "context", "batch_size")
+                "rope_dim", "windows", "seq_len", "tokens", "layer_steps", "context", "batch_size", "per_layer")
         return {k: [str(x) for x in v] if isinstance(v, list) else v for k, v in asdict(self).items() if k in keep}
 
 
@@ -127,6 +127,11 @@ def check_request(req: ShrinkRequest) -> None:
         raise ValueError(f"--context must be a positive number of tokens, got {req.context!r}")
     if (req.latent_dim is None) != (req.rope_dim is None):
         raise ValueError("give --latent-dim and --rope-dim together (or neither: the planner chooses)")
+    if req.per_layer and (req.fmt != "attnlab" or req.latent_dim is not None):
+        why = f"--format {req.fmt} holds one latent size for every layer" if req.fmt != "attnlab" else \
+            "--latent-dim gives the sizes itself"
+        raise ValueError(f"--per-layer plans a latent size per layer, which only the planner's --format attnlab "
+                         f"plans: {why}")
     if req.fmt == "gguf" and not req.calibration:
         raise ValueError("--format gguf fits its latent norm on text: it cannot run with --no-calibration")
     if req.fmt == "gguf" and not str(req.out).endswith(".gguf"):
@@ -238,9 +243,7 @@ def pinned(req: ShrinkRequest) -> bool:
 def plan_count(minutes: float) -> int:
     """The most candidates the planner measures for a run of `minutes`: a count, not a share of the clock, so that a
     loaded machine plans as an idle one does (it plans more slowly, and heals less). About 10 s each on SmolLM2-135M
-    here: 20 at the default 10 minutes, which holds the whole search of a GQA model (13-20 candidates). A plan's round
-    4 (a latent size per layer) comes on top: one candidate more and L x 3 single-layer conversions, about 2 minutes
-    on SmolLM2 here."""
+    here: 20 at the default 10 minutes, which holds the whole search of a GQA model (13-20 candidates)."""
     return max(3, int(2 * minutes))
 
 
@@ -271,12 +274,12 @@ def _data(req: ShrinkRequest, teacher, tok, budget: Budget, show) -> dict[str, t
     return data
 
 
-LAYER_WINDOW = 256  # the planner's window (plan()'s default): its per-layer costs read one of the run's own text
+LAYER_WINDOW = 256  # the planner's window (plan()'s default): --per-layer's costs read one of the run's own text
 # and one made of the kinds of heal.data.planning_texts, half a window of each (two windows: 1.6 minutes on SmolLM2)
 
 
 def _layer_text(data: dict, tok) -> torch.Tensor:
-    """(1, K) the text the plan's per-layer costs are measured on (plan(layer_ids=)): the first window of the text it
+    """(1, K) the text --per-layer's costs are measured on (plan(layer_ids=)): the first window of the text the plan
     ranks candidates on (the proxy windows, else the calibration's), then heal.data.planning_texts, text of other
     kinds than the run's (sentences, Python source) whose tokens the heal's judge does not read."""
     from ..heal.data import planning_texts
@@ -473,7 +476,8 @@ def _shrink(req: ShrinkRequest, resume: bool, force: bool, budget: Budget | None
             result = choose(teacher, data["calibration"], parse_budget(req.kv_budget), fmt=req.fmt,
                             storages=storage_choices(req.storage, req.fmt), calibrate=req.calibration,
                             proxy_ids=data.get("proxy"), time_budget=budget.unbounded(), context=req.context,
-                            max_candidates=plan_count(req.minutes), layer_ids=_layer_text(data, tok),
+                            max_candidates=plan_count(req.minutes), per_layer=req.per_layer,
+                            layer_ids=_layer_text(data, tok) if req.per_layer else None,
                             progress=lambda i, label: show.phase(f"planning: candidate {i + 1}: {label}"))
             if budget.stop_requested:  # a search cut short is not the plan of this request: nothing saved
                 raise Stopped("stop")

@@ -27,11 +27,13 @@ fits a few minutes on a CPU:
 3. the split between latent and rope key, for the winner's selection and its two best storages,
    the larger rope shares first (they won in every storage at 50% and 25% of the bytes on
    SmolLM2: keys lose more to few bits and to low rank than values do);
-4. where the winner cuts rank in attnlab's format, a latent size per layer (issue `eighth`, part 2): each layer
-   alone converted to a few sizes around the winner's (per_layer_sizes), the KL each costs measured from that layer
-   on (shrink/layer_costs.py; shrink gives text of several kinds for it), the sizes of least summed KL within the
-   bytes chosen (shrink/per_layer.py) and measured as one more candidate: before any heal on SmolLM2 at 12.5% such
-   a plan beat the uniform one on every protocol text (docs/real-models.md).
+4. asked for (per_layer=True), where the winner cuts rank in attnlab's format: a latent size per layer (issue
+   `eighth`, part 2): each layer alone converted to a few sizes around the winner's (per_layer_sizes), the KL each
+   costs measured from that layer on (shrink/layer_costs.py), the sizes of least summed KL within the bytes chosen
+   (shrink/per_layer.py) and measured as one more candidate. Before any heal on SmolLM2 at 12.5% such a plan beat
+   the uniform one on every protocol text; in the plain 10-minute shrink, with the heal after it and 1.4-1.8 of the
+   run's 10 minutes spent on it, it did not beat it by more than the seeds' spread (docs/real-models.md), so shrink
+   does not ask for it.
 Within the constraints of the output format: a DeepSeek export needs the same frequencies in
 every layer (RoRoPE by score is chosen for all layers at once); a GGUF needs distinct kept
 frequencies that llama.cpp can turn (RoRoPE by frequency, rope_dim within gguf_rope_limit) and
@@ -368,7 +370,7 @@ def _options(teacher, budget: KVBudget, budget_bytes: float, original: float, fm
 def plan(teacher, calibration_ids: torch.Tensor, budget: KVBudget, *, fmt: str = "attnlab",
          storages=("bf16", "int8"), proxy_windows: int = 4, window: int = 256, time_budget=None,
          progress=None, calibrate: bool = True, proxy_ids: torch.Tensor | None = None,
-         context: int | None = None, max_candidates: int | None = None,
+         context: int | None = None, max_candidates: int | None = None, per_layer: bool = False,
          layer_ids: torch.Tensor | None = None) -> PlanResult:
     """Choose the conversion and storage that meet `budget` with the lowest proxy (module docstring).
 
@@ -388,9 +390,9 @@ def plan(teacher, calibration_ids: torch.Tensor, budget: KVBudget, *, fmt: str =
     the weights alone (what --no-calibration will do), still ranking them on the calibration text.
     context: bytes per token are counted at that sequence length (a sliding layer's cache holds its window; None:
     every token held, the cache a fixed-shape engine allocates); a model with sliding and global layers then also
-    tries its global layers converted and its sliding ones kept (layouts()). layer_ids (1, K): the text round 4's
-    per-layer costs are measured on, in windows of `window` (shrink gives its proxy window and text of other kinds,
-    heal.data.planning_texts); None: the proxy windows.
+    tries its global layers converted and its sliding ones kept (layouts()). per_layer: run round 4 (off by default,
+    and shrink leaves it off: measured with the heal after it, it did not beat the uniform plan, docs/real-models.md);
+    layer_ids (1, K): the text its per-layer costs are measured on, in windows of `window` (None: the proxy windows).
     """
     from ..models.adapters import attnlab_modules, replace_attention
     from ..models.evaluate import attention_inputs, kv_bytes_per_token
@@ -424,7 +426,7 @@ def plan(teacher, calibration_ids: torch.Tensor, budget: KVBudget, *, fmt: str =
     measured: list[Candidate] = []
 
     def measure(cand: Candidate, where: Layout | None = None) -> Candidate:
-        if cand.native or cand.latent_dims:  # nothing converted: llama.cpp rotates its own cache; round 4's sizes fit
+        if cand.native or cand.latent_dims:  # native: llama.cpp rotates its own cache; round 4: sizes fit, rotation set
             pass
         elif few_bit(cand.kv_dtype):  # the latent a few-bit row can afford with this rope key; rotated for the codes
             where = where or every
@@ -553,7 +555,7 @@ def plan(teacher, calibration_ids: torch.Tensor, budget: KVBudget, *, fmt: str =
     # on (shrink/layer_costs.py), the sizes of least summed KL within the bytes chosen (shrink/per_layer.py), and
     # that plan measured as a candidate like any other
     best = min(converted(), key=lambda c: c.proxy)
-    sizes = per_layer_sizes(best, V) if fmt == "attnlab" else []
+    sizes = per_layer_sizes(best, V) if per_layer and fmt == "attnlab" else []
     if len(sizes) > 1 and not stopped():  # beyond max_candidates: one candidate more, its costs bounded (L x sizes)
         from .layer_costs import Prefix, layer_costs
         from .per_layer import choose_per_layer
