@@ -20,7 +20,8 @@ import torch
 from heal import EVALUATION, Smol, _training_text
 
 from attnlab import models as hf
-from attnlab.heal.distill import HealPlan, Healer, _cosine, normalised_mse, warmup_steps
+from attnlab.heal.distill import HealPlan, Healer
+from attnlab.heal.losses import cosine, normalised_mse, warmup_steps
 from attnlab.heal.data import text_windows
 from attnlab.models.evaluate import attention_inputs
 
@@ -54,7 +55,7 @@ def layer_probe(smol, layer: int) -> None:
             with torch.no_grad():
                 t = teacher_m(x, is_causal=True)
             for group in opt.param_groups:
-                group["lr"] = lr * _cosine(s, steps, warmup_steps(steps))
+                group["lr"] = lr * cosine(s, steps, warmup_steps(steps))
             loss = normalised_mse(m(x, is_causal=True), t)
             opt.zero_grad()
             loss.backward()

@@ -1,6 +1,8 @@
 """Healing: distil a converted model back towards the original (the teacher), which stays frozen.
 
 - distill.py   HealPlan, Healer (layer-wise then end-to-end KL; resumable, time-budgeted), heal_model
+- losses.py    what a step lowers (KL, normalised MSE) and the rate schedule (warm-up, cosine)
+- trainable.py what trains: the attention's own weights, or LoRA adapters on them
 - data.py      what healing trains on: the user's text, or text the teacher writes itself
 - evaluate.py  the student against the teacher: KL, top-1 and greedy agreement, perplexity (one or several texts)
 - encoder.py   healing an encoder (BERT) with a cosine loss on sentence embeddings
@@ -9,18 +11,9 @@
 - guard.py     what keeps a heal from leaving the model worse: the layer-wise guard, the keep-better test
 """
 from .data import PROMPTS, check_pair, read_ids, teacher_windows, text_windows
-from .distill import (
-                      Healer,
-                      HealPlan,
-                      add_lora,
-                      distill_loss,
-                      freeze_all_but_attention,
-                      heal_model,
-                      kl_loss,
-                      merge_lora,
-                      normalised_mse,
-                      warmup_steps,
-)
+from .distill import Healer, HealPlan, heal_model
+from .losses import distill_loss, kl_loss, normalised_mse, warmup_steps
+from .trainable import add_lora, freeze_all_but_attention, merge_lora
 from .evaluate import evaluate_pair, greedy_agreement
 
 __all__ = ["PROMPTS", "check_pair", "read_ids", "teacher_windows", "text_windows", "HealPlan", "Healer", "add_lora",

@@ -53,6 +53,8 @@ evaluations and leaves it whole for the caller. The work that is not a batch is 
 share of the teacher's layer inputs for the layer-wise phase and of the evaluations' windows, and the shares are
 gathered (distributed.gather_rows), so no rank repeats another's.
 Without a world (or with one process) nothing of this runs: the one-process path is unchanged.
+The losses and the rate schedule are in losses.py, what trains (and LoRA) in trainable.py; their names are
+importable from here as before.
 """
 from __future__ import annotations
 
@@ -63,7 +65,6 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from ..io.fingerprint import fingerprint
 from ..io.folders import replace_with
@@ -72,9 +73,11 @@ from ..runtime.budget import Budget, Stopped
 from . import distributed as dd
 from . import guard
 from .data import converted_layers
+from .losses import cosine, distill_loss, kl_loss, normalised_mse, warmup_steps  # noqa: F401 (re-exported)
+from .trainable import LORA_TARGETS, add_lora, freeze_all_but_attention, merge_lora  # noqa: F401 (re-exported)
+from .trainable import attention_modules as _modules
 from .trained import TrainedPart
 
-LORA_TARGETS = ("W_Q", "W_DQ", "W_UQ", "W_K", "W_V", "W_DKV", "W_KR", "W_UK", "W_UV", "W_O")
 # The end-to-end rate for a plan that keeps every value (HealPlan.lr; shrink sets it where it sets the probe). Such a
 # student starts next to the teacher (only its cache codes differ), and AdamW moves every weight by about the rate
 # per step whatever the gradient's size: on SmolLM2-135M at the default 3e-4 the end-to-end loss rose from 0.05 to
@@ -115,102 +118,8 @@ class HealPlan:
             raise ValueError(f"heal plan: probe is a share of the end-to-end steps, below 1, got {self.probe!r}")
 
 
-def _modules(model):
-    from ..models.adapters import attnlab_modules
-    return attnlab_modules(model)
-
-
-def freeze_all_but_attention(student, layers=None) -> list[torch.nn.Parameter]:
-    """requires_grad only on the attnlab attention modules' parameters (of the layers in `layers`, default all);
-    returns them."""
-    for p in student.parameters():
-        p.requires_grad_(False)
-    params = [p for i, m in enumerate(_modules(student)) if layers is None or i in layers for p in m.parameters()]
-    for p in params:
-        p.requires_grad_(True)
-    return params
-
-
-def _wide(t: torch.Tensor) -> torch.Tensor:
-    """At least float32 for a loss (bf16/half go up; float32 is t itself; float64 keeps its precision)."""
-    return t if t.dtype == torch.float64 else t.float()
-
-
-def kl_loss(teacher_logits: torch.Tensor, student_logits: torch.Tensor) -> torch.Tensor:
-    """Mean over positions of KL(teacher || student), logits (..., V).
-
-    Over N ranks with equal rows each, the mean of the ranks' losses is the whole batch's loss,
-    so DDP's averaged gradient is the one-process gradient.
-    """
-    t = _wide(teacher_logits).log_softmax(-1).flatten(0, -2)  # (n, V)
-    s = _wide(student_logits).log_softmax(-1).flatten(0, -2)
-    return F.kl_div(s, t, log_target=True, reduction="batchmean")
-
-
-def normalised_mse(out: torch.Tensor, target: torch.Tensor, *, world: dd.World | None = None) -> torch.Tensor:
-    """mean((out - target)^2) / mean(target^2): the layer-wise phase's loss, comparable across layers.
-
-    world (N > 1 ranks, each with its equal share of the batch): the denominator is the whole
-    batch's mean(target^2) (an all_reduce of the detached sum and count), so the mean over ranks
-    of this rank's loss, and DDP's averaged gradient, are the one-process ones.
-    """
-    o, t = _wide(out), _wide(target)
-    if world is None or not world.distributed:
-        power = t.pow(2).mean()
-    else:
-        total = dd.all_sum(torch.stack([t.pow(2).sum(), t.new_tensor(float(t.numel()))]))  # (2,): sum, count
-        power = total[0] / total[1]
-    return (o - t).pow(2).mean() / power.clamp_min(1e-30)
-
-
-def distill_loss(teacher, student, ids: torch.Tensor) -> float:
-    """KL(teacher || student) on a batch of windows (B, T), no gradients: the quantity phase 2 lowers."""
-    with torch.no_grad():
-        return float(kl_loss(teacher(ids).logits, student(ids).logits))
-
-
-def _cosine(step: int, total: int, warmup: int, floor: float = 0.1) -> float:
-    if step < warmup:
-        return (step + 1) / warmup
-    t = min(1.0, (step - warmup) / max(1, total - warmup))
-    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * t))
-
-
-def warmup_steps(steps: int) -> int:
-    """Warm-up of a schedule of `steps` steps (5%, at least 1): a layer cut off by the budget after a step or two
-    stays near its start."""
-    return max(1, steps // 20)
-
-
 def _generator(*key: int) -> torch.Generator:
     return torch.Generator().manual_seed(hash(key) & 0x7FFF_FFFF_FFFF)
-
-
-def add_lora(student, rank: int, layers=None) -> None:
-    """LoRA adapters (peft) on every linear map of the attention modules (of the layers in `layers`, default all);
-    only those train."""
-    from peft import LoraConfig, inject_adapter_in_model
-
-    for m in (m for i, m in enumerate(_modules(student)) if layers is None or i in layers):
-        names = [n for n in LORA_TARGETS if getattr(m, n, None) is not None]
-        inject_adapter_in_model(LoraConfig(r=rank, lora_alpha=rank, target_modules=names), m)
-    for p in student.parameters():
-        p.requires_grad_(False)
-    for m in _modules(student):
-        for n, p in m.named_parameters():
-            p.requires_grad_("lora_" in n)
-
-
-def merge_lora(student) -> None:
-    """Fold the LoRA adapters into the weights and put plain nn.Linear layers back."""
-    from peft.tuners.lora import LoraLayer
-
-    for m in _modules(student):
-        for name in LORA_TARGETS:
-            layer = getattr(m, name, None)
-            if isinstance(layer, LoraLayer):
-                layer.merge()
-                setattr(m, name, layer.get_base_layer())
 
 
 def _check_split(world: dd.World, plan: HealPlan, windows: torch.Tensor) -> None:
@@ -475,7 +384,8 @@ class Healer:
         with torch.no_grad():
             target = _modules(self.teacher)[layer](x, is_causal=True)  # (b, T, dim)
         for g in self.optimizer.param_groups:
-            g["lr"] = plan.layer_lr * s["lr_scale"] * _cosine(s["step"], plan.layer_steps, warmup_steps(plan.layer_steps))
+            g["lr"] = plan.layer_lr * s["lr_scale"] * cosine(s["step"], plan.layer_steps,
+                                                             warmup_steps(plan.layer_steps))
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
             out = self.trained.part(x, is_causal=True)
         loss = normalised_mse(out, target, world=self.world)
@@ -529,7 +439,7 @@ class Healer:
         ids = self._batch(s["step"])  # (B, T): the whole batch
         mine = ids[self.world.rows(ids.shape[0])] if self.world.distributed else ids  # this rank's rows
         for g in self.optimizer.param_groups:
-            g["lr"] = plan.lr * s["lr_scale"] * _cosine(s["step"], s["total_steps"] or 10 ** 9, plan.warmup)
+            g["lr"] = plan.lr * s["lr_scale"] * cosine(s["step"], s["total_steps"] or 10 ** 9, plan.warmup)
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
             with torch.no_grad():
                 t_logits = self.teacher(mine).logits

@@ -11,7 +11,9 @@ import re
 
 import torch
 
-from .distill import _cosine, _generator, freeze_all_but_attention, warmup_steps
+from .distill import _generator
+from .losses import cosine, warmup_steps
+from .trainable import freeze_all_but_attention
 
 
 def sentences_of(path, min_chars: int = 30, max_chars: int = 300) -> list[str]:
@@ -43,7 +45,7 @@ def heal_encoder(teacher, student, tok, sentences: list[str], *, steps: int = 20
         emb = mean_pooled(student(**enc).last_hidden_state, enc["attention_mask"])  # (B, dim)
         loss = 1 - (emb * target).sum(-1).mean()
         for g in opt.param_groups:
-            g["lr"] = lr * _cosine(step, steps, warmup_steps(steps))
+            g["lr"] = lr * cosine(step, steps, warmup_steps(steps))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
