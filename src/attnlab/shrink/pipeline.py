@@ -20,7 +20,7 @@ A thin pipeline over the library (the same functions the separate commands call)
   output runs (shrink/engines.py) goes into the report.
 One budget (runtime.Budget) covers every phase from the start, loading included; each phase gets
 a bounded share and the heal keeps back what the final evaluation and the export need. One
-resumable state: a run folder beside the output (OUT.shrink-run) holds state.json (the request,
+resumable state (shrink/state.py): a run folder beside the output (OUT.shrink-run) holds state.json (the request,
 the phase reached, the plan, minutes per phase), the data, the converted student (student/), the heal's
 checkpoint and the healed student (healed/), each written atomically when its phase ends; `resume=True` continues from the last
 phase that ended (a request with other arguments is refused), and the folder is deleted once the
@@ -44,6 +44,7 @@ from ..runtime.budget import Budget, Stopped
 from .engines import llama_cpp_cache, runs_in, transformers_cache  # noqa: F401 (re-exported: their old home)
 from .plan import (GGUF_STORAGES, LLAMA_CPP_CACHE, STORAGES, TRANSFORMERS_CACHE, Candidate, check_format, feasible,
                    few_bit, keys_whole, llama_cpp_pair, llama_cpp_types, parse_budget, storage_ok)
+from .state import RUN_FORMAT, RunState, run_folder  # noqa: F401 (re-exported: their old home)
 
 CALIBRATION_TOKENS = 2048
 PROXY_TOKENS = 1024  # the planner's scoring windows, after the calibration's
@@ -51,7 +52,6 @@ PROXY_TOKENS = 1024  # the planner's scoring windows, after the calibration's
 # number of candidates set by --minutes, never by the clock (a loaded machine chose other plans); kept for callers
 PLAN_SHARE = 0.25
 PHASES = ("data", "plan", "convert", "heal", "export")
-RUN_FORMAT = "attnlab-shrink-run"
 AUTO_STORAGES = {"attnlab": STORAGES, "gguf": GGUF_STORAGES, "deepseek": ("bf16",), "transformers": TRANSFORMERS_CACHE}
 
 
@@ -147,70 +147,6 @@ def check_request(req: ShrinkRequest) -> None:
     for p in [*req.text, *req.eval_text]:
         if not Path(p).is_file():
             raise ValueError(f"no such text file: {p}")
-
-
-def run_folder(out) -> Path:
-    out = Path(out)
-    return out.with_name(out.name + ".shrink-run")
-
-
-# -- the state on disk --------------------------------------------------------------------------------
-class RunState:
-    """The run folder: state.json, data.safetensors, student/ (a converted model), heal.pt."""
-
-    def __init__(self, folder: Path, request: ShrinkRequest):
-        self.folder, self.request = folder, request
-        self.data: dict = {"format": RUN_FORMAT, "request": request.identity(), "done": [], "minutes": {},
-                           "plan": None, "heal_plan": None, "report": {}}
-
-    @property
-    def path(self) -> Path:
-        return self.folder / "state.json"
-
-    def load(self) -> None:
-        from ..io.readers import read_json
-
-        if not self.path.is_file():
-            raise ValueError(f"no shrink run to resume at {self.folder} (nothing to resume)")
-        data = read_json(self.path)
-        if data.get("format") != RUN_FORMAT:
-            raise ValueError(f"{self.path} is not the state of an attnlab shrink run")
-        theirs, mine = data.get("request", {}), self.request.identity()
-        differ = sorted(k for k in set(theirs) | set(mine) if theirs.get(k) != mine.get(k))
-        if differ:
-            raise ValueError(f"--resume: this run's arguments differ from the run in {self.folder} "
-                             f"({', '.join(f'{k}: {theirs.get(k)!r} -> {mine.get(k)!r}' for k in differ)}); "
-                             "resume with the same ones, or start afresh with --force")
-        self.data = data
-
-    def save(self) -> None:
-        from ..io.folders import replace_file
-
-        self.folder.mkdir(parents=True, exist_ok=True)
-        replace_file(self.path, json.dumps(self.data, indent=2).encode())
-
-    def done(self, phase: str) -> bool:
-        return phase in self.data["done"]
-
-    def finish(self, phase: str, minutes: float) -> None:
-        if phase not in self.data["done"]:
-            self.data["done"].append(phase)
-        self.data["minutes"][phase] = self.data["minutes"].get(phase, 0.0) + minutes
-        self.save()
-
-    def save_data(self, tensors: dict[str, torch.Tensor]) -> None:
-        from safetensors.torch import save_file
-
-        from ..io.folders import replace_with
-
-        self.folder.mkdir(parents=True, exist_ok=True)
-        replace_with(self.folder / "data.safetensors",
-                     lambda tmp: save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp)))
-
-    def load_data(self) -> dict[str, torch.Tensor]:
-        from ..io.readers import read_tensors
-
-        return read_tensors(self.folder / "data.safetensors")
 
 
 # -- the phases ------------------------------------------------------------------------------------------
