@@ -49,13 +49,18 @@ def _judge_files() -> list:
     return [here / "judge_sentences.txt", here.parent / "modules" / "attention.py"]
 
 
+def _judge_ids(tok) -> list[torch.Tensor]:
+    """Each of _judge_files() whole as token ids (1, M): what judge_texts and planning_texts cut their parts from."""
+    return [tok(f.read_text(encoding="utf-8"), return_tensors="pt").input_ids for f in _judge_files()]
+
+
 def judge_texts(tok, tokens: int = JUDGE_TOKENS) -> list[torch.Tensor]:
     """Held-out texts of other kinds than a heal's training text, for its keep-or-give-back decisions: everyday
     English sentences written for this repo (judge_sentences.txt, shipped with the package) and Python source with
     its documentation (attnlab's own attention core), each its first `tokens` token ids (1, M). Without them a heal
     on text the teacher writes would be judged on the distribution it trained on alone, which flatters a heal that
     drifts from the teacher on other text."""
-    return [tok(f.read_text(encoding="utf-8"), return_tensors="pt").input_ids[:, :tokens] for f in _judge_files()]
+    return [ids[:, :tokens] for ids in _judge_ids(tok)]
 
 
 def planning_texts(tok, tokens: int) -> list[torch.Tensor]:
@@ -63,8 +68,7 @@ def planning_texts(tok, tokens: int) -> list[torch.Tensor]:
     JUDGE_TOKENS judge_texts takes, (1, <= tokens) each (fewer where a file ends sooner; a file with none left is
     left out). What a shrink plan's per-layer costs are measured on beside its own text (shrink/plan.py), so that
     a plan does not fit one kind of text, while the heal's judge reads other tokens."""
-    ids = [tok(f.read_text(encoding="utf-8"), return_tensors="pt").input_ids[:, JUDGE_TOKENS:JUDGE_TOKENS + tokens]
-           for f in _judge_files()]
+    ids = [ids[:, JUDGE_TOKENS:JUDGE_TOKENS + tokens] for ids in _judge_ids(tok)]
     return [t for t in ids if t.numel()]
 
 

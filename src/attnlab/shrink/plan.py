@@ -425,6 +425,11 @@ def plan(teacher, calibration_ids: torch.Tensor, budget: KVBudget, *, fmt: str =
     reference = teacher_log_probs(teacher, windows)
     measured: list[Candidate] = []
 
+    def restore() -> None:  # the teacher as it came, after a candidate or a single-layer change
+        replace_attention(teacher, originals)
+        for m, k in zip(originals, storages_before):  # a kept layer is the teacher's own module
+            m.kv_dtype = k
+
     def measure(cand: Candidate, where: Layout | None = None) -> Candidate:
         if cand.native or cand.latent_dims:  # native: llama.cpp rotates its own cache; round 4: sizes fit, rotation set
             pass
@@ -448,9 +453,7 @@ def plan(teacher, calibration_ids: torch.Tensor, budget: KVBudget, *, fmt: str =
                                      f"budget's {budget_bytes:.0f}")
             cand.proxy = proxy_kl(teacher, windows, reference)
         finally:
-            replace_attention(teacher, originals)
-            for m, k in zip(originals, storages_before):  # a kept layer is the teacher's own module
-                m.kv_dtype = k
+            restore()
         measured.append(cand)
         return cand
 
@@ -568,11 +571,6 @@ def plan(teacher, calibration_ids: torch.Tensor, budget: KVBudget, *, fmt: str =
             apply(teacher, Candidate(r, best.rope_dim, best.rope_select, best.balance, best.kv_dtype, False,
                                      rotation=best.rotation, layers=[layer], kept_dtype=None),
                   calibration_ids if calibrate else None, inputs=inputs if calibrate else None)
-
-        def restore() -> None:
-            replace_attention(teacher, originals)
-            for m, k in zip(originals, storages_before):
-                m.kv_dtype = k
 
         def counted(done: int, total: int) -> None:
             if progress and done % len(sizes) == 0:
