@@ -8,6 +8,7 @@ llama.cpp and KIVI do it, at equal or more bytes.
     python benchmarks/protocol.py long --case smollm2-25 --seed 0    # 4,096-token windows and the passkey check
     python benchmarks/protocol.py report                            # the table: median and worst over seeds and texts
     python benchmarks/protocol.py plot                              # benchmarks/protocol.png, the README's picture
+    python benchmarks/protocol.py bytes                             # each run's bytes at 512 and 2,048 tokens
 
 Run it alone on the machine: it records the load average before and after each shrink and warns above 1.
 Rows go to benchmarks/protocol.json, merged by key. A row kept under at/<case>@<commit>/seed<S> is the same plain
@@ -447,9 +448,44 @@ def part_plot(path: Path = HERE / "protocol.png") -> None:
     print(f"wrote {path}")
 
 
+def part_bytes(contexts=(512, 2048)) -> None:
+    """The bytes each run's cache holds at a context: per token held (the figure the budget counts without --context)
+    plus what a sequence holds whatever its length (a "+c4" rope key's newest 64 tokens, unquantised), in bfloat16
+    as a served model holds them, spread over the context; as a share of the original's 16-bit cache."""
+    import torch
+
+    from attnlab import models as hf
+    from attnlab.modules.mla import MultiHeadLatentAttention
+
+    data = rows()
+    layers: dict[str, int] = {}
+    out = {}
+    print("| run | storage | bytes/token held | fixed bytes a sequence (bf16) | "
+          + " | ".join(f"at {c:,} tokens" for c in contexts) + " |")
+    print("|---|---|---|---|" + "---|" * len(contexts))
+    for key, row in sorted(data.items()):
+        if not key.startswith(("run/", "at/")) or not row.get("plan"):
+            continue
+        case = key.split("/")[1].split("@")[0]
+        model_name = CASES[case][0]
+        if model_name not in layers:
+            layers[model_name] = len(hf.attnlab_modules(hf.load_model(model_name)[0]))
+        plan = row["plan"]
+        m = MultiHeadLatentAttention(8, 1, 8, head_dim=8, rope_dim=plan["rope_dim"], kv_dtype=plan["kv_dtype"],
+                                     device="meta")
+        fixed = layers[model_name] * m.init_cache(1, 1, dtype=torch.bfloat16, device="meta").fixed_bytes
+        held, original = row["kv_bytes_per_token"], data[f"baselines/{model_name}"]["original"]["kv_bytes_per_token"]
+        at = {c: held + fixed / c for c in contexts}
+        out[key] = {"storage": plan["kv_dtype"], "held": held, "fixed": fixed, "original": original,
+                    "at": {str(c): v for c, v in at.items()}}
+        print(f"| {key} | {plan['kv_dtype']} | {held:,} ({held / original:.1%}) | {fixed:,} | "
+              + " | ".join(f"{v:,.0f} ({v / original:.1%})" for v in at.values()) + " |")
+    save("bytes", out)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("part", choices=("baselines", "run", "repeat", "long", "report", "plot"))
+    ap.add_argument("part", choices=("baselines", "run", "repeat", "long", "report", "plot", "bytes"))
     ap.add_argument("--case", choices=sorted(CASES))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model", default="smollm2")
@@ -473,6 +509,8 @@ def main() -> None:
         part_long(a.case, a.seed, a.redo)
     elif a.part == "plot":
         part_plot()
+    elif a.part == "bytes":
+        part_bytes()
     else:
         part_report()
 

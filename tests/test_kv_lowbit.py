@@ -399,6 +399,19 @@ def test_rope_key_per_channel_cache_decodes_what_a_forward_of_each_prefix_comput
         assert rel_err(steps[:, 149], plain(x, is_causal=True)[:, -1]) > 1e-4  # it did go through the codes
 
 
+@pytest.mark.parametrize("kv_dtype, fixed", [("int3/g16+c4", 64 * 32 * 8), ("int3/g16+r8", 0), ("int8", 0)])
+def test_bytes_at_a_context_are_what_a_cache_made_for_it_allocates(kv_dtype, fixed):
+    """A "+c4" cache holds its newest group of 64 rope keys (32 values each) unquantised in the activation dtype
+    (float64 here) whatever the sequence's length: fixed bytes, not per token. bytes_at(T) spreads them over T, so
+    T bytes_at(T) is every byte a cache made for T tokens allocates (its tensors, per sequence)."""
+    m = _mla()  # latent 64, rope key 32, float64
+    for T in (64, 256, 4096):
+        cache = m.init_cache(2, T, kv_dtype=kv_dtype)
+        allocated = sum(t.numel() * t.element_size() for t in cache.tensors()) / 2
+        assert cache.fixed_bytes == fixed
+        assert cache.bytes_at(T) * T == allocated == cache.bytes_per_token * T + fixed
+
+
 def test_rope_key_per_channel_cache_bytes_and_refusals():
     m = _mla()  # latent 64, rope key 32
     cache = m.init_cache(2, 200, kv_dtype="int3/g16+c4")

@@ -182,6 +182,25 @@ def test_the_plan_tries_every_value_in_few_bits_where_the_budget_holds_it(tiny, 
         assert whole[0].round == 2 and whole[0].rotation == "random" and whole[0].bytes_per_token == 2 * per_layer
 
 
+def test_at_a_context_a_rope_key_per_channel_pays_for_its_newest_group(tiny):
+    """--context 256: the every-value row above also holds its newest 64 rope keys unquantised (32 values, float32
+    here: 8,192 bytes a layer and sequence), 32 bytes per token and layer at 256 tokens: 66 bytes a layer, over 30%
+    of 128 (38.4), so the plan that offered it without a context does not; every candidate fits at 256 tokens."""
+    _, model, tok, text, _ = tiny
+    budget = parse_budget("30%").bytes_for(bytes_per_token(64, "bf16", 2))
+    per_layer = 32 * 3 // 8 + 2 * 2 + 32 * 4 // 8 + 32 * 2 * 2 // 64 + 64 * 32 * 4 / 256
+    assert 2 * per_layer > budget
+    result = plan(model, _ids(tok, text, 256), parse_budget("30%"), window=T, storages=("bf16", "int3/g64+c4"),
+                  context=256)
+    assert not [c for c in result.measured if (c.latent_dim, c.rope_dim, c.kv_dtype) == (32, 32, "int3/g64+c4")]
+    assert result.measured and all(c.bytes_per_token <= budget for c in result.measured)
+    for c in result.measured:
+        probe = copy.deepcopy(model)
+        apply(probe, c, _ids(tok, text, 256))
+        assert c.bytes_per_token == hf.kv_bytes_per_token(probe, context=256) == \
+            (hf.kv_bytes_per_token(probe) * 256 + hf.kv_fixed_bytes(probe)) / 256
+
+
 @pytest.mark.parametrize("budget, fits", [("50%", True), ("45%", False)])
 def test_a_six_bit_latent_beside_an_eight_bit_key_holds_every_value_where_the_bytes_allow(tiny, budget, fits):
     """int6/g32+r8, every value: 24 bytes of 6-bit latent codes and a scale and minimum for its group of 32, 32 bytes
@@ -570,6 +589,18 @@ def test_a_shrink_of_a_model_with_sliding_layers_states_its_bytes_at_a_context(t
     assert at["original_16bit"] == hf.kv_bytes_per_token(teacher, torch.bfloat16, context=256) < kv["original_16bit"]
 
 
+def test_the_report_states_the_bytes_a_sequence_holds_whatever_its_length(tiny, tmp_path):
+    """A rope key per channel ("+c4") keeps its newest group of 64 tokens unquantised: the report states those
+    bytes beside the bytes per token, as the written model's caches allocate them (kv_fixed_bytes)."""
+    folder, _, _, text, _ = tiny
+    report = shrink(_req(folder, tmp_path / "out", text=[str(text)], kv_budget="40%", storage="int3/g64+c4"))
+    model, _, _ = hf.load_model(str(tmp_path / "out"))
+    kv = report["kv_bytes_per_token"]
+    assert kv["storage"] == "int3/g64+c4" and kv["shrunk"] == hf.kv_bytes_per_token(model)
+    p = report["plan"]["chosen"]["rope_dim"]
+    assert kv["fixed_per_sequence"] == hf.kv_fixed_bytes(model) == 2 * 64 * p * 4  # 2 layers, float32 rows
+
+
 @pytest.mark.parametrize("keep_worse", [False, True])
 def test_a_heal_judged_worse_is_given_back_unless_keep_worse(tiny, tmp_path, monkeypatch, keep_worse):
     """keep_better in a shrink: a heal judged worse (guard.worse made to say so) leaves the converted weights in the
@@ -595,12 +626,12 @@ def test_a_budget_at_a_context_is_met_there_and_the_kept_layers_are_the_teachers
     text = tmp_path / "train.txt"
     text.write_text(TEXT * 40)
     out = tmp_path / "out"
-    report = shrink(_req(folder, out, text=[str(text)], kv_budget="25%", context=256))
+    report = shrink(_req(folder, out, text=[str(text)], kv_budget="35%", context=256))
     at = report["kv_bytes_per_token"]["at_context"]
     model, _, _ = hf.load_model(str(out))
     teacher, _, _ = hf.load_model(str(folder))
     assert at["context"] == report["plan"]["context"] == 256
-    assert at["shrunk"] == hf.kv_bytes_per_token(model, context=256) <= 0.25 * at["original_16bit"]
+    assert at["shrunk"] == hf.kv_bytes_per_token(model, context=256) <= 0.35 * at["original_16bit"]
     for row in report["baselines"]["rows"]:  # the original's cache quantized, counted at the same context
         assert row["kv_bytes_per_token"] == hf.kv_bytes_per_token(teacher, kv_dtype=row["kv_dtype"], context=256)
     kept = [i for i in range(2) if i not in (report["plan"]["chosen"]["layers"] or range(2))]

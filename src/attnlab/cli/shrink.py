@@ -33,6 +33,8 @@ def _summary(report: dict) -> Table:
     greedy = lambda d: "-" if "greedy_agreement" not in d else f"{d['greedy_agreement']['prefix']:.4f}"  # noqa: E731
     table.add_row("greedy prefix (64)", "1", greedy(b), greedy(a))
     table.add_row("KV bytes/token", f"{kv['original_16bit']} (16-bit)", str(kv["shrunk"]), str(kv["shrunk"]))
+    if kv.get("fixed_per_sequence"):  # "+c4": the rope key's newest group of tokens, unquantised, in every sequence
+        table.add_row("KV bytes/sequence, fixed", "0", str(kv["fixed_per_sequence"]), str(kv["fixed_per_sequence"]))
     if kv.get("at_context"):  # sliding layers hold at most their window: the bytes of a long sequence are fewer
         at = kv["at_context"]
         table.add_row(f"at {at['context']} tokens", f"{at['original_16bit']:.0f}", f"{at['shrunk']:.0f}",
@@ -70,8 +72,10 @@ def shrink(source: str = typer.Argument(..., help="The model: smollm2, a transfo
                                          "16-bit cache (50%, 0.25) or bytes per token for the whole model (6000)."),
            context: Optional[int] = typer.Option(None, "--context", help="Count the budget's bytes per token at this "
                                                  "sequence length: a sliding-window layer holds only its window, and "
-                                                 "the planner may keep such layers unconverted (Gemma 3; default: "
-                                                 "every token held in every layer)."),
+                                                 "the planner may keep such layers unconverted (Gemma 3), and what a "
+                                                 "sequence holds whatever its length (a +c4 rope key's newest 64 "
+                                                 "tokens) is spread over it (default: bytes per token held, every "
+                                                 "token in every layer; the report states the fixed bytes)."),
            out: Path = typer.Option(..., "--out", help="Where to write: a folder (attnlab, deepseek) or a .gguf file."),
            minutes: float = typer.Option(10.0, "--minutes", help="Time budget for everything, from the start."),
            text: Optional[list[Path]] = typer.Option(None, "--text", help="Training and calibration text (repeat); "

@@ -17,7 +17,7 @@ from .adapters import (FAMILIES, BertAttentionAdapter, LlamaAttentionAdapter, Tr
 from .bundled import MODELS, load_gemma3_270m, load_minilm, load_smollm2
 from .convert import DEFAULT_ROPE_PAIRS, check_convertible, convert_layers, convert_model, keys_whole_rope_dim
 from .evaluate import (attention_inputs, kv_bytes_per_token, mean_pooled, perplexity, read_text_ids, sentence_embeddings,
-                       set_kv_dtype, sliding_context, top1_agreement, windows)
+                       kv_fixed_bytes, set_kv_dtype, sliding_context, top1_agreement, windows)
 from .export import add_latent_norm, add_latent_norms, check_deepseek_request, export_deepseek
 from .export_gguf import check_gguf_exportable, export_gguf, is_attnlab_gguf
 from .export_native import check_native, export_native
@@ -32,5 +32,5 @@ __all__ = ["check_convertible", "keys_whole_rope_dim", "FAMILIES", "BertAttentio
            "perplexity", "read_text_ids", "sentence_embeddings", "set_kv_dtype", "sliding_context", "mean_pooled", "top1_agreement", "windows",
            "LOADERS", "MODEL_FORMAT", "load_model", "source_paths", "sources_of",
            "save_model", "add_latent_norm", "add_latent_norms", "check_deepseek_request", "export_deepseek",
-           "check_gguf_exportable", "export_gguf", "is_attnlab_gguf", "check_native", "export_native", "export_transformers", "quantized_cache_config",
+           "check_gguf_exportable", "export_gguf", "is_attnlab_gguf", "kv_fixed_bytes", "check_native", "export_native", "export_transformers", "quantized_cache_config",
            "inspect_checkpoint", "is_checkpoint", "load_checkpoint", "convert_checkpoint"]

@@ -248,8 +248,9 @@ def kv_bytes_per_token(model, dtype: torch.dtype | None = None, kv_dtype: str | 
     (on the meta device). dtype: the activations' (default each module's weight dtype); kv_dtype: the
     storage ("fp32", "bf16", "int8", "fp8", ...: scales counted), default each module's own kv_dtype,
     else plain in dtype. context: None, bytes per token held (an int; a sliding layer counts as a
-    global one); or a sequence length, bytes per token of a sequence that long (a float: a sliding
-    layer's cache holds at most its window and some room, _Cache.bytes_at)."""
+    global one; what a sequence holds whatever its length is kv_fixed_bytes); or a sequence length, bytes
+    per token of a sequence that long (a float: a sliding layer's cache holds at most its window and some
+    room, and the fixed bytes are spread over the context, _Cache.bytes_at)."""
     from ..modules import lowbit
     from ..modules.cache import check_kv_dtype, window_rows
 
@@ -265,6 +266,14 @@ def kv_bytes_per_token(model, dtype: torch.dtype | None = None, kv_dtype: str | 
         cache = m.init_cache(1, 1, dtype=dtype or m._anchor.dtype, device="meta", kv_dtype=kv_dtype)
         total += cache.bytes_per_token if context is None else cache.bytes_at(context)
     return total
+
+
+def kv_fixed_bytes(model, dtype: torch.dtype | None = None) -> int:
+    """Bytes a sequence's caches hold whatever its length, beside kv_bytes_per_token's per token held: every layer's
+    _Cache.fixed_bytes (a "+c4" rope key's newest group of tokens, unquantised in the activation dtype: dtype, default
+    each module's weight dtype); kv_bytes_per_token(model, context=T) spreads them over T tokens."""
+    return sum(m.init_cache(1, 1, dtype=dtype or m._anchor.dtype, device="meta").fixed_bytes
+               for m in attnlab_modules(model) if m._kv_format is None or not m._kv_format.evaluation_only)
 
 
 def sliding_context(model) -> int | None:

@@ -179,19 +179,24 @@ class _Cache:
     def bytes_per_token(self) -> int:
         """Bytes stored per token held of one sequence (scales included), measured from the allocated tensors; a
         rope key per channel counts in the steady state (a share of its group's meta; its newest, incomplete
-        group is a fixed KEY_TOKENS rows a sequence, not a cost per token). A window cache holds at most
-        `capacity` tokens whatever the context (bytes_at)."""
+        group is a fixed KEY_TOKENS rows a sequence, not a cost per token: fixed_bytes). A window cache holds at
+        most `capacity` tokens whatever the context (bytes_at)."""
         rows = [getattr(self, n) for n in self._row_names()]
         per_row = sum(b.numel() * b.element_size() for b in rows) // (self.batch_size * self.capacity)
         return per_row + self._per_token_share(False)
 
+    @property
+    def fixed_bytes(self) -> int:
+        """Bytes a sequence holds whatever its length, not per token (bytes_per_token leaves them out): the rope key
+        per channel's newest group, KEY_TOKENS rows kept unquantised in the activation dtype ("+c4"); 0 for others."""
+        return sum(g.recent.numel() * g.recent.element_size() for g in self._channel.values()) // self.batch_size
+
     def bytes_at(self, context: int) -> float:
-        """Bytes per token of one sequence of `context` tokens: bytes_per_token, or for a window cache the rows a
-        cache made for that context allocates (window_rows) spread over the context."""
+        """Bytes per token of one sequence of `context` tokens: bytes_per_token (for a window cache the rows a cache
+        made for that context allocates, window_rows, spread over the context) plus fixed_bytes spread over it."""
         checks.positive_int("context", context)
-        if self.window is None:
-            return float(self.bytes_per_token)
-        return self.bytes_per_token * window_rows(self.window, context) / context
+        rows = context if self.window is None else window_rows(self.window, context)
+        return (self.bytes_per_token * rows + self.fixed_bytes) / context
 
     @property
     def held(self) -> int:

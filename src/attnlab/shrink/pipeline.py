@@ -597,7 +597,7 @@ def _is_report(path: Path) -> bool:
 def final_report(req: ShrinkRequest, state: RunState, teacher, student, meta) -> dict:
     """KV bytes per token before/after, held-out perplexity (teacher, student before/after), agreement, the plan,
     minutes per phase."""
-    from ..models.evaluate import kv_bytes_per_token, sliding_context
+    from ..models.evaluate import kv_bytes_per_token, kv_fixed_bytes, sliding_context
     from .plan import original_sizes
 
     L, _, _, V = original_sizes(teacher)
@@ -610,7 +610,7 @@ def final_report(req: ShrinkRequest, state: RunState, teacher, student, meta) ->
     chosen = plan.get("chosen", {})
     return {"format": "attnlab-shrink-report", "request": req.identity(),
             "kv_bytes_per_token": {"original_16bit": 2 * V * L, "shrunk": kv_bytes_per_token(student),
-                                   "storage": chosen.get("kv_dtype"),
+                                   "storage": chosen.get("kv_dtype"), "fixed_per_sequence": kv_fixed_bytes(student),
                                    "values_per_token_per_layer": [V, chosen.get("values_per_token_per_layer")],
                                    **at_context},
             **({"llama_cpp": llama_cpp_cache(chosen.get("kv_dtype") or "bf16", chosen.get("layers") == [])}

@@ -242,15 +242,15 @@ def check_format(teacher, fmt: str) -> None:
                          "MLA does not have; use --format attnlab")
 
 
-def _keys_whole_storages(span, V: int, whole: int, room: float, storages) -> dict:
+def _keys_whole_storages(span, V: int, whole: int, room: float, storages, context: int | None = None) -> dict:
     """{storage: values per token and layer} of the keys-whole layout: the rope key and the largest latent that fits
     (at least MIN_WHOLE_LATENT, at most V - whole), for each storage where one does. span(storage): the converted
-    layers as Layout.span counts them; room: their bytes per token."""
+    layers as Layout.span counts them; room: their bytes per token (at the context, fixed rows counted)."""
     out = {}
     for s in storages:
         L = span(s)
-        start = max(0, min(V - whole, values_for(room, s, L) - whole))
-        r = fit(start, whole, s, L, room, ceiling=V - whole)
+        start = max(0, min(V - whole, values_for(room, s, L, context) - whole))
+        r = fit(start, whole, s, L, room, ceiling=V - whole, context=context)
         if r >= MIN_WHOLE_LATENT:
             out[s] = r + whole
     return out
@@ -329,14 +329,14 @@ def _options(teacher, budget: KVBudget, budget_bytes: float, original: float, fm
                              "attention")
         options = []
         for lay in layouts(teacher, budget_bytes, context, fmt, [s for s in KEPT_STORAGES if s in storages]):
-            per_storage = _keys_whole_storages(lambda s: lay.span(s, context), V, whole, lay.room, storages)
+            per_storage = _keys_whole_storages(lambda s: lay.span(s, context), V, whole, lay.room, storages, context)
             if per_storage:
                 options.append((lay, per_storage))
         if not options:
             every = layouts(teacher, budget_bytes, context, fmt, [])[0]
             slides = any(w is not None for w in every.windows)
             hint = "; --context counts a sliding layer by its window" if context is None and slides else ""
-            smallest = min(every.span(s, context) * layer_bytes(MIN_WHOLE_LATENT, whole, s) for s in storages)
+            smallest = min(every.span(s, context) * layer_bytes(MIN_WHOLE_LATENT, whole, s, context) for s in storages)
             raise ValueError(f"no plan can meet a KV budget of {budget} ({budget_bytes:.0f} bytes/token{at}): this "
                              f"model's per-head q/k norms keep its keys whole ({whole} values per token in each of the "
                              f"{L} layers) beside a latent of at least {MIN_WHOLE_LATENT} values; the smallest these "
@@ -344,7 +344,7 @@ def _options(teacher, budget: KVBudget, budget_bytes: float, original: float, fm
                              f"({smallest / original:.1%}){hint}")
         return options
     lay = layouts(teacher, budget_bytes, context, fmt, [])[0]
-    per_storage = {s: values_for(budget_bytes, s, lay.span(s, context)) for s in storages}
+    per_storage = {s: values_for(budget_bytes, s, lay.span(s, context), context) for s in storages}
     per_storage = {s: min(v, V - 2) for s, v in per_storage.items() if v >= 10}
     blocks = [s for s in storages if s in LLAMA_CPP_CACHE]
     if blocks:  # llama.cpp's block types: a rope key of whole blocks it can turn, and a whole-block latent beside it
@@ -359,7 +359,7 @@ def _options(teacher, budget: KVBudget, budget_bytes: float, original: float, fm
             raise ValueError(f"no plan can meet a KV budget of {budget} ({budget_bytes:.0f} bytes/token) in llama.cpp's "
                              f"{', '.join(blocks)} cache, which stores rows in blocks of 32: {why}")
     if not per_storage:
-        smallest = min(lay.span(s, context) * layer_bytes(8, 2, s) for s in storages)
+        smallest = min(lay.span(s, context) * layer_bytes(8, 2, s, context) for s in storages)
         raise ValueError(f"no plan can meet a KV budget of {budget} ({budget_bytes:.0f} bytes/token{at}): it leaves "
                          f"fewer than 10 values per token in each of the {L} layers (one rope pair and a latent); "
                          f"the smallest these storages ({', '.join(storages)}) can meet is {smallest:.0f} bytes/token "
@@ -436,7 +436,9 @@ def plan(teacher, calibration_ids: torch.Tensor, budget: KVBudget, *, fmt: str =
         elif few_bit(cand.kv_dtype):  # the latent a few-bit row can afford with this rope key; rotated for the codes
             where = where or every
             cand.latent_dim = fit(cand.latent_dim, cand.rope_dim, cand.kv_dtype, span(cand.kv_dtype, where),
-                                  where.room, cand.extra, ceiling=V - cand.rope_dim)  # no more than the values held
+                                  where.room, cand.extra, ceiling=V - cand.rope_dim, context=context)  # <= V held
+            if cand.latent_dim < 1:  # this rope key alone takes the room (at a context: its fixed rows); not a plan
+                return cand
             cand.rotation = None if cand.latent_norm else "random"
         elif cand.kv_dtype in LLAMA_CPP_CACHE:  # llama.cpp's blocks too: rotated past the norm (convert/rotate.py)
             cand.rotation = "random"
@@ -530,7 +532,7 @@ def plan(teacher, calibration_ids: torch.Tensor, budget: KVBudget, *, fmt: str =
     whole_key = G * d
     for storage in per_storage:
         if few_bit(storage) and not spent() and whole_key <= max_rope and \
-                span(storage) * layer_bytes(V - whole_key + extra, whole_key, storage) <= room and \
+                span(storage) * layer_bytes(V - whole_key + extra, whole_key, storage, context) <= room and \
                 all((c.latent_dim, c.rope_dim, c.kv_dtype) != (V - whole_key, whole_key, storage) for c in measured):
             measure(Candidate(V - whole_key, whole_key, best.rope_select, best.balance, storage, norm, extra=extra,
                               round=2))
@@ -549,7 +551,7 @@ def plan(teacher, calibration_ids: torch.Tensor, budget: KVBudget, *, fmt: str =
                 continue
             r, p = pairs[storage][i]
             if few_bit(storage):
-                r = fit(r, p, storage, span(storage), room, extra, ceiling=V - p)
+                r = fit(r, p, storage, span(storage), room, extra, ceiling=V - p, context=context)
             if r >= 8 and all((c.latent_dim, c.rope_dim, c.rope_select, c.kv_dtype) != (r, p, best.rope_select,
                                                                                          storage) for c in measured):
                 measure(Candidate(r, p, best.rope_select, best.balance, storage, norm, extra=extra, round=3))
@@ -581,7 +583,7 @@ def plan(teacher, calibration_ids: torch.Tensor, budget: KVBudget, *, fmt: str =
             costs = layer_costs(prefix, L, sizes, change, restore, progress=counted)
         except _Cut:
             costs = None
-        row = [layer_bytes(r, best.rope_dim, best.kv_dtype) for r in sizes]
+        row = [math.ceil(layer_bytes(r, best.rope_dim, best.kv_dtype, context)) for r in sizes]  # whole bytes
         dims = [sizes[o] for o in choose_per_layer(costs, [row] * L, int(budget_bytes))] if costs else []
         if len(set(dims)) > 1:
             measure(Candidate(round(sum(dims) / L), best.rope_dim, best.rope_select, best.balance, best.kv_dtype,

@@ -126,30 +126,35 @@ def original_sizes(model) -> tuple[int, int, int, int]:
     return len(mods), m.num_kv_heads, m.head_dim, m.kv_values_per_token
 
 
-def layer_bytes(latent_dim: int, rope_dim: int, storage: str) -> int:
-    """Bytes one layer's latent cache allocates per token in that storage, scales included (a meta-device cache)."""
+def layer_bytes(latent_dim: int, rope_dim: int, storage: str, context: int | None = None) -> float:
+    """Bytes one layer's latent cache allocates per token in that storage, scales included (a meta-device cache): per
+    token held (an int), or at a context (`_Cache.bytes_at`: a sequence's fixed rows, the "+c4" rope key's newest
+    group, spread over its tokens)."""
     from ..modules.mla import MultiHeadLatentAttention
 
     width = max(8, latent_dim)  # wide enough that the latent is not above the layer's useful rank
     m = MultiHeadLatentAttention(width, 1, latent_dim, head_dim=width, rope_dim=rope_dim, kv_dtype=storage,
                                  device="meta")
-    return m.init_cache(1, 1, device="meta").bytes_per_token
+    cache = m.init_cache(1, 1 if context is None else context, device="meta")
+    return cache.bytes_per_token if context is None else cache.bytes_at(context)
 
 
-def bytes_per_token(values: int, storage: str, layers: int, rope_dim: int = 2) -> int:
-    """Whole-model cache bytes per token of `values` per layer (latent + rope key) in that storage."""
-    return layers * layer_bytes(values - rope_dim, rope_dim, storage)
+def bytes_per_token(values: int, storage: str, layers: int, rope_dim: int = 2, context: int | None = None) -> float:
+    """Whole-model cache bytes per token of `values` per layer (latent + rope key) in that storage (at a context:
+    layer_bytes)."""
+    return layers * layer_bytes(values - rope_dim, rope_dim, storage, context)
 
 
-def values_for(budget_bytes: float, storage: str, layers: int) -> int:
+def values_for(budget_bytes: float, storage: str, layers: int, context: int | None = None) -> int:
     """The most values per token and layer that fit the byte budget in that storage (even, for RoPE pairs);
-    for a few-bit storage an estimate from its mean cost per value (fit() makes each split fit)."""
+    for a few-bit storage an estimate from its mean cost per value (fit() makes each split fit), its fixed rows
+    counted at the context (layer_bytes)."""
     if storage in LLAMA_CPP_CACHE:  # whole blocks of 32 values only
         per_block = layer_bytes(32, 32, storage) // 2
         return int(budget_bytes / layers // per_block) * 32
     if few_bit(storage):
         per_value = (layer_bytes(258, 62, storage) - layer_bytes(2, 2, storage)) / 316
-        fixed = layer_bytes(2, 2, storage) - 4 * per_value
+        fixed = layer_bytes(2, 2, storage, context) - 4 * per_value
         v = int((budget_bytes / layers - fixed) // per_value)
         return v - v % 2
     per_value = layer_bytes(3, 2, storage) - layer_bytes(2, 2, storage)
@@ -159,12 +164,13 @@ def values_for(budget_bytes: float, storage: str, layers: int) -> int:
 
 
 def fit(latent: int, rope: int, storage: str, layers: int, budget_bytes: float, extra: int = 0,
-        ceiling: int | None = None) -> int:
+        ceiling: int | None = None, context: int | None = None) -> int:
     """The largest latent size (from `latent`, up to `ceiling` when given) whose layers fit the budget with
     this rope key (0 if none does): a few-bit row's bytes step with its groups and packing, not with each value,
-    so the estimate from values_for() is moved up or down until one value more would not fit."""
+    so the estimate from values_for() is moved up or down until one value more would not fit (at a context with
+    the fixed rows counted: layer_bytes)."""
     def fits(n: int) -> bool:
-        return layers * layer_bytes(n + extra, rope, storage) <= budget_bytes
+        return layers * layer_bytes(n + extra, rope, storage, context) <= budget_bytes
 
     while ceiling is not None and latent < ceiling and fits(latent + 1):
         latent += 1
