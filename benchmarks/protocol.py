@@ -455,7 +455,7 @@ def part_bytes(contexts=(512, 2048)) -> None:
     import torch
 
     from attnlab import models as hf
-    from attnlab.modules.mla import MultiHeadLatentAttention
+    from attnlab.shrink.sizes import layer_cache
 
     data = rows()
     layers: dict[str, int] = {}
@@ -471,9 +471,8 @@ def part_bytes(contexts=(512, 2048)) -> None:
         if model_name not in layers:
             layers[model_name] = len(hf.attnlab_modules(hf.load_model(model_name)[0]))
         plan = row["plan"]
-        m = MultiHeadLatentAttention(8, 1, 8, head_dim=8, rope_dim=plan["rope_dim"], kv_dtype=plan["kv_dtype"],
-                                     device="meta")
-        fixed = layers[model_name] * m.init_cache(1, 1, dtype=torch.bfloat16, device="meta").fixed_bytes
+        row_cache = layer_cache(8, plan["rope_dim"], plan["kv_dtype"], dtype=torch.bfloat16)  # one layer, served
+        fixed = layers[model_name] * row_cache.fixed_bytes
         held, original = row["kv_bytes_per_token"], data[f"baselines/{model_name}"]["original"]["kv_bytes_per_token"]
         at = {c: held + fixed / c for c in contexts}
         out[key] = {"storage": plan["kv_dtype"], "held": held, "fixed": fixed, "original": original,

@@ -126,17 +126,24 @@ def original_sizes(model) -> tuple[int, int, int, int]:
     return len(mods), m.num_kv_heads, m.head_dim, m.kv_values_per_token
 
 
-def layer_bytes(latent_dim: int, rope_dim: int, storage: str, context: int | None = None) -> float:
-    """Bytes one layer's latent cache allocates per token in that storage, scales included (a meta-device cache): per
-    token held (an int), or at a context (`_Cache.bytes_at`: a sequence's fixed rows, the "+c4" rope key's newest
-    group, spread over its tokens)."""
+def layer_cache(latent_dim: int, rope_dim: int, storage: str, max_len: int = 1, dtype: torch.dtype | None = None):
+    """The cache one layer's latent of that size allocates in that storage for one sequence of up to max_len tokens,
+    on the meta device (nothing allocated), its rows in dtype (default float32)."""
     from ..modules.mla import MultiHeadLatentAttention
 
     width = max(8, latent_dim)  # wide enough that the latent is not above the layer's useful rank
     m = MultiHeadLatentAttention(width, 1, latent_dim, head_dim=width, rope_dim=rope_dim, kv_dtype=storage,
                                  device="meta")
-    cache = m.init_cache(1, 1 if context is None else context, device="meta")
-    return cache.bytes_per_token if context is None else cache.bytes_at(context)
+    return m.init_cache(1, max_len, dtype=dtype, device="meta")
+
+
+def layer_bytes(latent_dim: int, rope_dim: int, storage: str, context: int | None = None) -> float:
+    """Bytes one layer's latent cache allocates per token in that storage, scales included (layer_cache): per token
+    held (an int), or at a context (`_Cache.bytes_at`: a sequence's fixed rows, the "+c4" rope key's newest group,
+    spread over its tokens)."""
+    if context is None:
+        return layer_cache(latent_dim, rope_dim, storage).bytes_per_token
+    return layer_cache(latent_dim, rope_dim, storage, context).bytes_at(context)
 
 
 def bytes_per_token(values: int, storage: str, layers: int, rope_dim: int = 2, context: int | None = None) -> float:
