@@ -41,6 +41,10 @@ class AttentionModule(nn.Module):
             key = fmt.for_role("key").name
             raise ValueError(f"kv_dtype {value!r} stores keys and values in different types, and a "
                              f"{type(self).__name__} caches one latent row: use one type, e.g. {key!r}")
+        if fmt is not None and fmt.recent and self.separate_keys:
+            raise ValueError(f"kv_dtype {value!r}: a recent window (+w{fmt.recent}) keeps an MLA's newest latent rows "
+                             f"plain; a {type(self).__name__} caches keys and values apart: use "
+                             f"{fmt.name.rsplit('+w', 1)[0]!r}")
         self._kv_format = fmt
 
     separate_keys = True  # whether the cache holds keys and values apart (KIVI treats them differently)

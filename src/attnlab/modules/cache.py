@@ -22,6 +22,11 @@ LLAMA_ATTN_ROT_DISABLE included): rows are rotated before they are quantised and
 (QuantisedKV.rotation). A LatentCache, and the KVCache of a GQA-tiled MLA, are not rotated (llama.cpp's
 deepseek2 does not rotate an MLA's cache).
 
+Recent window ("+w<N>" storages, LatentCache only): beside the codes the cache keeps its newest N
+rows plain (modules/recent.py: RecentRows), counted in fixed_bytes; extend_recent() returns the rows
+as stored and the plain rows the new queries read, which the module mixes (each query reads its newest
+N rows plain). truncate() takes the positions the ring no longer held from the stored rows.
+
 Cross-attention: the first call with a context fills the cache and marks it
 `static`; later calls reuse it and append nothing.
 
@@ -49,6 +54,7 @@ from torch import nn
 
 from . import checks, lowbit
 from .key_groups import RopeKeyGroups
+from .recent import RecentRows
 from .storage import (KV_DTYPES, PLAIN, QMAX, SCALE_DTYPE, QuantisedKV, StorageFormat, check_kv_dtype,  # noqa: F401
                       dense, dequantise, fp8_supported, num_scales, quantise, rotation, round_trip, with_row_scale)
 
@@ -81,6 +87,7 @@ class _Cache:
     """
 
     key_start = 0  # position of the first row the last extend() returned (a window cache drops older ones)
+    _recent: RecentRows | None = None  # "+w<N>": the newest N rows plain (LatentCache; modules/recent.py)
 
     def __init__(self, owner: nn.Module, batch_size: int, max_len: int, buffers: dict[str, tuple[int, ...]],
                  dtype: torch.dtype, device, *, kv_dtype=None, parts: dict[str, tuple[int, ...]] | None = None,
@@ -144,8 +151,9 @@ class _Cache:
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor the cache allocated: the buffers and, for quantised storage, their scales (and for a
-        rope key per channel its meta per group of tokens and its newest group, unquantised)."""
-        return [getattr(self, n) for n in self._row_names()] + [t for g in self._channel.values() for t in g.tensors()]
+        rope key per channel its meta per group of tokens and its newest group, unquantised; a recent window's rows)."""
+        return [getattr(self, n) for n in self._row_names()] + [t for g in self._channel.values() for t in g.tensors()] \
+            + ([self._recent.rows] if self._recent is not None else [])
 
     def _per_token_share(self, numbers: bool) -> int:
         """A rope key per channel: each token's share of its group's meta (rounded up), in numbers or bytes."""
@@ -188,8 +196,10 @@ class _Cache:
     @property
     def fixed_bytes(self) -> int:
         """Bytes a sequence holds whatever its length, not per token (bytes_per_token leaves them out): the rope key
-        per channel's newest group, KEY_TOKENS rows kept unquantised in the activation dtype ("+c4"); 0 for others."""
-        return sum(g.recent.numel() * g.recent.element_size() for g in self._channel.values()) // self.batch_size
+        per channel's newest group, KEY_TOKENS rows kept unquantised in the activation dtype ("+c4"), and a recent
+        window's N plain rows ("+w<N>"); 0 for others."""
+        fixed = [g.recent for g in self._channel.values()] + ([self._recent.rows] if self._recent is not None else [])
+        return sum(t.numel() * t.element_size() for t in fixed) // self.batch_size
 
     def bytes_at(self, context: int) -> float:
         """Bytes per token of one sequence of `context` tokens: bytes_per_token (for a window cache the rows a cache
@@ -225,6 +235,9 @@ class _Cache:
         if self._channel:
             raise ValueError(f"kv_dtype {self.kv_dtype!r} quantises the rope key a group of {lowbit.KEY_TOKENS} "
                              "tokens at a time, which a fixed-shape step cannot: decode without fixed_shape")
+        if self._recent is not None:
+            raise ValueError(f"kv_dtype {self.kv_dtype!r} keeps its newest {self._recent.size} rows plain beside the "
+                             "codes, which a fixed-shape step does not: decode without fixed_shape")
         if self.window is not None:
             raise ValueError(f"this cache keeps a sliding window of {self.window} tokens, and a fixed-shape step "
                              "needs every slot: make it with init_cache(..., sliding=False)")
@@ -249,6 +262,8 @@ class _Cache:
         if self.window is not None and self._start > max(0, length - self.window + 1):
             raise ValueError(f"this sliding-window cache dropped the tokens before {self._start}; going back to "
                              f"{length} needs them from {max(0, length - self.window + 1)}")
+        if self._recent is not None:  # positions the ring no longer held come back as stored
+            self._recent.truncate(length, self.length, dense(self.stored(self.held)[0]), self._start)
         for name, groups in self._channel.items():  # the kept tokens of a group now incomplete go back unquantised
             groups.truncate(getattr(self, name), getattr(self, self._scale_names[name]), self.length, length)
         self._length = length
@@ -289,6 +304,8 @@ class _Cache:
                     buf.index_copy_(buf.dim() - 2, self._slot, rows)
             return
         self._room_for(n)
+        if self._recent is not None:
+            self._recent.push(self.length, new[self._names[0]])
         if self.window is not None:
             self._extend_window(new, n)
             return
@@ -363,6 +380,8 @@ class _Cache:
         if self.window is not None and self._slot is None:
             n = next(iter(new.values())).shape[-2]
             self._room_for(n)
+            if self._recent is not None:
+                self._recent.push(self.length, new[self._names[0]])
             return self._extend_window(new, n)
         self.write(**new)
         return self.stored()
@@ -378,6 +397,7 @@ class _Cache:
         for name in self._row_names():
             setattr(part, name, getattr(self, name)[:batch_size])
         part._channel = {name: groups.rows_of(batch_size) for name, groups in self._channel.items()}
+        part._recent = None if self._recent is None else self._recent.rows_of(batch_size)
         part.batch_size = batch_size
         return part
 
@@ -405,6 +425,10 @@ class KVCache(_Cache):
 
     def __init__(self, owner, batch_size: int, max_len: int, num_kv_heads: int, head_dim: int, v_head_dim: int,
                  *, dtype, device=None, kv_dtype=None, window: int | None = None, rotate: bool | None = None):
+        fmt = check_kv_dtype(kv_dtype)
+        if fmt is not None and fmt.recent:
+            raise ValueError(f"kv_dtype {kv_dtype!r}: a recent window (+w{fmt.recent}) is an MLA latent cache's; "
+                             f"a KVCache stores {fmt.name.rsplit('+w', 1)[0]!r} without it")
         if rotate is None:
             rotate = bool(getattr(owner, "separate_keys", True))
         super().__init__(owner, batch_size, max_len, {
@@ -424,3 +448,19 @@ class LatentCache(_Cache):
         super().__init__(owner, batch_size, max_len, {"kv": (batch_size, max_len, latent_dim + rope_dim)},
                          dtype, device, kv_dtype=kv_dtype, parts={"kv": tuple(parts)}, window=window)
         self.latent_dim, self.rope_dim = latent_dim, rope_dim
+        fmt = check_kv_dtype(kv_dtype)
+        if fmt is not None and fmt.recent:  # a sliding window's queries see at most its rows: no more kept plain
+            size = fmt.recent if window is None else min(fmt.recent, window)
+            self._recent = RecentRows(batch_size, size, latent_dim + rope_dim, dtype, device)
+
+    def extend_recent(self, kv: torch.Tensor) -> tuple:
+        """For a "+w<N>" storage: write the new rows kv (B, n, r + p) as extend_stored does and return (the rows
+        it returns, as stored; the plain rows the new queries read (B, M, r + p); the index of the first of them
+        among the rows returned, which a window cache starts at key_start); the module mixes them
+        (modules/recent.py: mixed_keys)."""
+        if self._recent is None:
+            raise ValueError(f"kv_dtype {self.kv_dtype!r} keeps no recent window (a '+w<N>' storage does)")
+        self._room_for(kv.shape[-2])
+        plain, start = self._recent.tail(self.length)
+        (stored,) = self.extend_stored(kv=kv)
+        return stored, torch.cat([plain, kv.to(plain.dtype)], dim=1), start - self.key_start

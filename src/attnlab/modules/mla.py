@@ -76,8 +76,9 @@ from ..kernels import mla_decode
 from . import checks
 from .attention import attend
 from .base import AttentionModule
-from .cache import KVCache, LatentCache, QuantisedKV, dense, window_for
+from .cache import KVCache, LatentCache, QuantisedKV, check_kv_dtype, dense, window_for
 from .heads import check_grouping, kv_head_of
+from .recent import mixed_keys
 from .rope import RotaryEmbedding
 from .tiling import GQATiling, _weights_key
 
@@ -405,6 +406,8 @@ class MultiHeadLatentAttention(GQATiling, AttentionModule):
         heads = isinstance(cache, KVCache)  # a tiled module's cache: the GQA's K and V (module docstring)
         # kv below: a tensor (B, S, r+p) in x's dtype, or QuantisedKV rows of a quantised cache (read by dense()); or,
         # from a tiled module's KVCache, (K (B, G, S, d), V (B, G, S, dv)), tensors or QuantisedKV
+        recent = None if context is not None else self._recent_window(cache, ours)  # "+w<N>": N, else None
+        tail = tail_start = None  # with a recent window: the plain rows its queries read, from position tail_start
         if cache is not None and cache.static:
             kv = cache.view_stored() if heads else cache.view_stored()[0] if ours else cache.view()[0]
         else:
@@ -412,12 +415,19 @@ class MultiHeadLatentAttention(GQATiling, AttentionModule):
                 kv = self._tiled_kv(source, positions if context is None else None)  # (B, S_new, r)
             else:
                 kv = self.compress(source, positions if context is None else None)  # (B, S_new, r+p)
-            if not ours:  # no storage of ours: quantise and read back as our cache would
+            if recent and not ours:  # every row kept plain (transformers' cache holds them so) and read as stored too
+                if cache is not None:
+                    (kv,) = cache.extend(kv=kv)  # (B, S, r+p)
+                tail, tail_start = kv, 0  # (B, S, r+p) plain, beside the stored rows
+                kv = self._as_stored(kv, self._kv_parts())  # (B, S, r+p)
+            elif not ours:  # no storage of ours: quantise and read back as our cache would
                 kv = self._as_stored(kv, self._kv_parts())  # (B, S_new, r+p)
             if heads:
                 k, v = self._heads(kv)
                 kv = cache.extend_stored(k=k, v=v)  # (K, V)
-            elif cache is not None:
+            elif recent and ours:
+                kv, tail, tail_start = cache.extend_recent(kv)  # stored (B, S, r+p); plain (B, M, r+p)
+            elif cache is not None and tail is None:
                 (kv,) = cache.extend_stored(kv=kv) if ours else cache.extend(kv=kv)  # (B, S, r+p)
             if cache is not None:
                 cache.static = context is not None
@@ -427,6 +437,9 @@ class MultiHeadLatentAttention(GQATiling, AttentionModule):
         key_start = 0
         if self.sliding_window is not None and context is None and (cache is None or ours):
             (mask, key_start), is_causal = self._windowed(positions, S, mask, cache, ours), False
+        if tail is not None:  # each query reads its newest rows plain, the older ones as stored (modules/recent.py)
+            kv, mask = mixed_keys(dense(kv), tail, tail_start, L, recent, mask, is_causal)  # (B, 2S - tail_start, r+p)
+            is_causal = False
         key_positions = None
         if tiled:
             o = self._tiled(q_nope, kv, mask, is_causal)  # (B, H, L, dv)
@@ -450,6 +463,20 @@ class MultiHeadLatentAttention(GQATiling, AttentionModule):
             o = self._expanded(q_nope, q_rope, dense(kv), mask, is_causal, key_positions)  # (B, H, L, dv)
         o = o.transpose(1, 2).reshape(B, L, self.num_heads * self.v_head_dim)  # (B, L, H*dv)
         return self.W_O(o)  # (B, L, dim)
+
+    def _recent_window(self, cache, ours: bool) -> int | None:
+        """N where the storage keeps a recent window of N plain rows ("+w<N>": the cache's own, or without one of
+        attnlab's caches the module's kv_dtype; transformers' cache then holds plain rows, read as stored but the
+        newest N; a sliding window shorter than N: its size, all its queries see), else None; ValueError where this
+        module cannot read one."""
+        fmt = self._kv_format if cache is None or not ours else check_kv_dtype(cache.kv_dtype)
+        if fmt is None or not fmt.recent:
+            return None
+        if self.kv_tiling is not None or self.rope_after_up:
+            raise ValueError(f"kv_dtype {fmt.name!r}: a recent window is read from latent rows; this module "
+                             f"{'caches GQA-tiled K and V' if self.kv_tiling else 'rotates keys after W_UK'}: use "
+                             f"{fmt.name.rsplit('+w', 1)[0]!r}")
+        return fmt.recent if self.sliding_window is None else min(fmt.recent, self.sliding_window)
 
     def _expanded(self, q_nope, q_rope, kv, mask, is_causal, key_positions=None):
         B, S, _ = kv.shape

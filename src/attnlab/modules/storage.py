@@ -14,6 +14,8 @@ Storage (`kv_dtype`; `cache.dtype` stays the activation dtype the cache returns)
   and float16 meta (modules/lowbit.py);
   with "+c4" an MLA's rope key is kept per channel over groups of 64 tokens, its newest, incomplete group
   unquantised (modules/key_groups.py); such a cache reads back dequantised rows and refuses fixed_slot.
+- "<quantised storage>+w<N>" ("int3/g64+c4+w16"): that storage, with the newest N rows of an MLA's latent cache also
+  kept plain; each query reads its newest N rows plain and the older ones as stored (modules/recent.py).
 - a K/V pair "K,V" of llama.cpp's block formats ("q8_0,q4_0": its --cache-type-k q8_0 --cache-type-v q4_0): keys
   in K, values in V, for a cache that holds them apart (a GQA's; an MLA's one row refuses it). Its StorageFormat is
   the key's with `value` the value's; `for_role` gives the one a role's rows use.
@@ -59,6 +61,7 @@ QMAX = {"int8": 127.0, "fp8": 448.0}  # the largest code: int8 symmetric, float8
 SCALE_DTYPE = torch.float32
 PAIR_CODES = ("q8_0", "q5_0", "q4_1", "q4_0", "iq4_nl")  # llama.cpp's types a "K,V" pair may name
 _SPELLING = re.compile(r"(fp32|bf16)|(int8|fp8)(?:/g([1-9][0-9]*))?")
+_RECENT = re.compile(r"(.+)\+w([0-9]+)")  # "<storage>+w<N>": a recent window of N plain rows (modules/recent.py)
 
 
 @functools.cache
@@ -80,6 +83,7 @@ class StorageFormat(NamedTuple):
     group: int | None
     low: lowbit.LowBit | None = None
     value: StorageFormat | None = None  # a K/V pair's value storage (this tuple then describes the key's)
+    recent: int | None = None  # "+w<N>": the newest N rows also kept plain (an MLA's latent cache; modules/recent.py)
 
     def for_role(self, role: str | None) -> StorageFormat:
         """The storage of rows of this role: for a K/V pair the key's ("key") or the value's ("value"); itself for one
@@ -114,6 +118,7 @@ class StorageFormat(NamedTuple):
 def check_kv_dtype(kv_dtype) -> StorageFormat | None:
     """Parse a kv_dtype ("fp32", "bf16", "int8", "fp8", "int8/g<N>", "fp8/g<N>", the few-bit ones of
     modules/lowbit.py: "q8_0", "q5_0", "q4_0", "q4_1", "iq4_nl", "int4[/g<N>][+r8|+c4|+c3|+c2]" and likewise int2 to int7,
+    any quantised one with "+w<N>" after it (a recent window kept plain),
     "kivi4", "kivi2", transformers' quanto "quanto4", "quanto2"; a K/V pair of llama.cpp's types such as
     "q8_0,q4_0"; or None); one-line errors."""
     if kv_dtype is None:
@@ -121,12 +126,16 @@ def check_kv_dtype(kv_dtype) -> StorageFormat | None:
     choices = ("'fp32', 'bf16', 'int8', 'fp8' (or 'int8/g<N>', 'fp8/g<N>': one scale per N channels), llama.cpp's "
                "'q8_0', 'q5_0', 'q4_0', 'q4_1', 'iq4_nl', 'int2' to 'int7' (or 'int4/g<N>', ..., and after any "
                "of them '+r8' for an MLA's rope key in 8 bits or '+c4', '+c3', '+c2' for it in 4, 3, 2 bits per "
-               "channel), runs of a transform-coded latent as 'tc4x40-3x56+c4', 'kivi4', 'kivi2', 'quanto4', "
+               "channel), runs of a transform-coded latent as 'tc4x40-3x56+c4', any of the quantised ones with '+w<N>' after it "
+               "(an MLA's newest N rows kept plain), 'kivi4', 'kivi2', 'quanto4', "
                "'quanto2', a K/V pair of llama.cpp's types such as 'q8_0,q4_0', or None")
     if not isinstance(kv_dtype, str):
         raise TypeError(f"kv_dtype must be one of {choices}, got {type(kv_dtype).__name__} ({kv_dtype!r})")
     if "," in kv_dtype:
         return _pair(kv_dtype)
+    windowed = _RECENT.fullmatch(kv_dtype)
+    if windowed is not None:
+        return _with_recent(kv_dtype, windowed.group(1), int(windowed.group(2)))
     low = lowbit.parse(kv_dtype)
     if low is not None:
         return StorageFormat(kv_dtype, low.code, low.group, low)
@@ -150,6 +159,19 @@ def _pair(kv_dtype: str) -> StorageFormat:
         raise ValueError(f"kv_dtype {kv_dtype!r} names one type twice: use {names[0]!r}")
     key, value = (check_kv_dtype(n) for n in names)
     return key._replace(name=kv_dtype, value=value)
+
+
+def _with_recent(kv_dtype: str, base: str, size: int) -> StorageFormat:
+    """"<base>+w<N>": base's storage with the newest N rows kept plain as well; one-line errors naming what is
+    refused (a plain or evaluation-only base, a K/V pair, N < 1)."""
+    fmt = check_kv_dtype(base)
+    if size < 1 or fmt is not None and fmt.recent:
+        raise ValueError(f"kv_dtype {kv_dtype!r}: a recent window is one '+w<N>' with N >= 1, got {kv_dtype!r}")
+    if fmt is None or not fmt.quantised or fmt.evaluation_only or fmt.value is not None:
+        raise ValueError(f"kv_dtype {kv_dtype!r}: a recent window (+w{size}) keeps the newest rows of a quantised "
+                         f"cache plain; {base!r} is not one attnlab's caches quantise (use int8, int4/g32+r8, "
+                         "int3/g64+c4, ...)")
+    return fmt._replace(name=kv_dtype, recent=size)
 
 
 # -- llama.cpp's rotation -------------------------------------------------------------------------

@@ -17,8 +17,11 @@ import torch
 FORMATS = ("attnlab", "deepseek", "gguf", "transformers")
 # latent in 4 or 2 bits (groups of 32) with the rope key in 8 bits per token; or latent in 3 or 4 bits with the rope
 # key in 4 bits per channel over groups of 64 tokens (KIVI's key layout; docs/real-models.md); last, a 6-bit latent
-# beside the 8-bit rope key: what holds every value of a GQA between 4 bits (41% of SmolLM2's bytes) and 8 (51%)
-FEW_BIT = ("int4/g32+r8", "int2/g32+r8", "int3/g64+c4", "int4/g32+c4", "int6/g32+r8")
+# beside the 8-bit rope key: what holds every value of a GQA between 4 bits (41% of SmolLM2's bytes) and 8 (51%).
+# Each keeps its newest RECENT rows plain as well (+w16: each query reads them unquantised, modules/recent.py), a
+# fixed cost a sequence that --context counts (docs/real-models.md, "A recent window kept plain")
+RECENT = 16
+FEW_BIT = tuple(f"{s}+w{RECENT}" for s in ("int4/g32+r8", "int2/g32+r8", "int3/g64+c4", "int4/g32+c4", "int6/g32+r8"))
 STORAGES = ("bf16", "int8", *FEW_BIT)
 # a GGUF's cache is llama.cpp's: its f16 ("bf16" here: the same bytes) or a block type of --cache-type-k, which
 # quantises deepseek2's cached row [latent | rope key] in blocks of 32 (modules/lowbit.py computes it bit for bit)
@@ -33,7 +36,7 @@ NATIVE_CACHE = {"gguf": LLAMA_CPP_CACHE, "transformers": TRANSFORMERS_CACHE}  # 
 
 def storage_ok(storage: str, fmt: str = "attnlab") -> bool:
     """Whether the planner can store a latent cache so in that format: bf16 in every one; in attnlab's own also int8
-    and its int2 to int7 groups (any /g<N>, with or without +r8 or +c4); in a GGUF llama.cpp's cache types; in a
+    and its int2 to int7 groups (any /g<N>, with or without +r8 or +c4, and +w<N>); in a GGUF llama.cpp's cache types; in a
     transformers folder transformers' QuantizedCache codes (TRANSFORMERS_CACHE)."""
     from ..modules.cache import check_kv_dtype
 
@@ -41,12 +44,12 @@ def storage_ok(storage: str, fmt: str = "attnlab") -> bool:
         return True
     if fmt != "attnlab":
         return native_code(storage, fmt)
-    if storage == "int8":
-        return True
     try:
         fmt = check_kv_dtype(storage)
     except ValueError:
         return False
+    if fmt is not None and fmt.code == "int8" and fmt.group is None:
+        return True  # int8 per part (with or without a recent window)
     return fmt.low is not None and fmt.low.kind == "asym" and not fmt.low.segments  # runs: chosen per layer, not asked
 
 
@@ -64,10 +67,13 @@ def native_code(storage: str, fmt: str) -> bool:
 
 def few_bit(storage: str) -> bool:
     """Whether a storage is one of attnlab's own few-bit groups (int2 to int7, modules/lowbit.py's spelling)."""
-    from ..modules import lowbit
+    from ..modules.cache import check_kv_dtype
 
-    low = lowbit.parse(storage)
-    return low is not None and low.kind == "asym"
+    try:
+        fmt = check_kv_dtype(storage)
+    except ValueError:
+        return False
+    return fmt is not None and fmt.low is not None and fmt.low.kind == "asym"
 
 
 def llama_cpp_types(storage: str) -> tuple[str, str]:
