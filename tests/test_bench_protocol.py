@@ -64,6 +64,30 @@ def test_the_table_takes_the_median_and_the_worst_over_seeds_and_texts(protocol)
     assert row["beats_on_every_text"] == ["q4_0"] and row["fair_baselines"] == ["q4_0", "q5_0"]
 
 
+def test_a_baseline_is_fair_only_at_the_runs_bytes_with_its_fixed_bytes_spread_over_2048_tokens(protocol):
+    """A run holding 250 bytes/token and 61,440 bytes a sequence whatever its length (a recent window, a "+c4" rope
+    key's newest group) holds 280 at 2,048 tokens: a baseline of 270 is not at equal or more bytes, one of 300 is."""
+    texts = list(protocol.TEXTS)
+
+    def ppl(values):
+        return {n: {"perplexity": v} for n, v in zip(texts, values)}
+
+    data = {"baselines/smollm2": {"original": {"kv_bytes_per_token": 1000, **ppl([10.0] * 4)},
+                                  "baselines": {"a": {"kv_bytes_per_token": 270, **ppl([10.1] * 4)},
+                                                "b": {"kv_bytes_per_token": 300, **ppl([10.3] * 4)}}}}
+    for seed in range(3):
+        data[f"run/smollm2-25/seed{seed}"] = {"seed": seed, "command": "attnlab shrink smollm2 --kv-budget 25% --out X",
+                                              "kv_bytes_per_token": 250, "fixed_bytes": 61_440,
+                                              "texts": ppl([10.2] * 4)}
+    row = next(r for r in protocol.table(data) if r["case"] == "smollm2-25")
+    assert row["bytes_at_2048"] == 280 and row["fair_baselines"] == ["b"]
+    assert row["beats_on_every_text"] == ["b"]
+    del data["run/smollm2-25/seed0"]["fixed_bytes"], data["run/smollm2-25/seed1"]["fixed_bytes"]
+    del data["run/smollm2-25/seed2"]["fixed_bytes"]  # rows without a plan or recorded fixed bytes: none counted
+    row = next(r for r in protocol.table(data) if r["case"] == "smollm2-25")
+    assert row["bytes_at_2048"] == 250 and row["fair_baselines"] == ["a", "b"]
+
+
 def test_a_repeat_compares_the_plan_and_each_texts_perplexity_with_the_first_run(protocol):
     texts = list(protocol.TEXTS)
     plan = {"rank": 272, "rope_dims": 112}
