@@ -463,7 +463,8 @@ _LAYERS: dict[str, int] = {}
 def fixed_bytes(row: dict) -> int:
     """The bytes a run's cache holds a sequence whatever its length, in bfloat16 as a served model holds them: a "+c4"
     rope key's newest 64 tokens and a "+w<N>" recent window's N rows, every layer (sizes.layer_cache, one layer's
-    cache at the plan's sizes; a plan with a latent size per layer, each layer's); what part_run recorded, where it did."""
+    cache at the plan's sizes; a plan with a latent size per layer, each layer's); what part_run recorded, where it
+    did."""
     import torch
 
     from attnlab import models as hf

@@ -194,6 +194,11 @@ class _Cache:
         return per_row + self._per_token_share(False)
 
     @property
+    def recent(self) -> int | None:
+        """The rows a "+w<N>" storage keeps plain (N, or a window cache's window where shorter); None without one."""
+        return None if self._recent is None else self._recent.size
+
+    @property
     def fixed_bytes(self) -> int:
         """Bytes a sequence holds whatever its length, not per token (bytes_per_token leaves them out): the rope key
         per channel's newest group, KEY_TOKENS rows kept unquantised in the activation dtype ("+c4"), and a recent

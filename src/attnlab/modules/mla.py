@@ -76,7 +76,7 @@ from ..kernels import mla_decode
 from . import checks
 from .attention import attend
 from .base import AttentionModule
-from .cache import KVCache, LatentCache, QuantisedKV, check_kv_dtype, dense, window_for
+from .cache import KVCache, LatentCache, QuantisedKV, dense, window_for
 from .heads import check_grouping, kv_head_of
 from .recent import mixed_keys
 from .rope import RotaryEmbedding
@@ -469,14 +469,18 @@ class MultiHeadLatentAttention(GQATiling, AttentionModule):
         attnlab's caches the module's kv_dtype; transformers' cache then holds plain rows, read as stored but the
         newest N; a sliding window shorter than N: its size, all its queries see), else None; ValueError where this
         module cannot read one."""
-        fmt = self._kv_format if cache is None or not ours else check_kv_dtype(cache.kv_dtype)
-        if fmt is None or not fmt.recent:
+        if cache is not None and ours:  # the cache's own (read without parsing: a compiled step traces this)
+            size, name = cache.recent, cache.kv_dtype
+        else:
+            fmt = self._kv_format
+            size, name = (None, None) if fmt is None else (fmt.recent, fmt.name)
+        if not size:
             return None
         if self.kv_tiling is not None or self.rope_after_up:
-            raise ValueError(f"kv_dtype {fmt.name!r}: a recent window is read from latent rows; this module "
+            raise ValueError(f"kv_dtype {name!r}: a recent window is read from latent rows; this module "
                              f"{'caches GQA-tiled K and V' if self.kv_tiling else 'rotates keys after W_UK'}: use "
-                             f"{fmt.name.rsplit('+w', 1)[0]!r}")
-        return fmt.recent if self.sliding_window is None else min(fmt.recent, self.sliding_window)
+                             f"{name.rsplit('+w', 1)[0]!r}")
+        return size if self.sliding_window is None else min(size, self.sliding_window)
 
     def _expanded(self, q_nope, q_rope, kv, mask, is_causal, key_positions=None):
         B, S, _ = kv.shape
