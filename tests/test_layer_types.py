@@ -13,7 +13,7 @@ from attnlab.modules.cache import window_rows
 from attnlab.modules.gqa import GroupedQueryAttention
 from attnlab.modules.mla import MultiHeadLatentAttention
 from attnlab.shrink import parse_budget, plan
-from attnlab.shrink.plan import Layout, apply, feasible, layer_bytes, layouts, original_bytes
+from attnlab.shrink.plan import Layout, apply, feasible, layers_bytes, layouts, original_bytes
 from reference import rel_err
 
 IDS = torch.randint(0, 97, (1, 64), generator=torch.Generator().manual_seed(2))
@@ -49,22 +49,29 @@ def test_a_bad_layer_selection_is_refused_naming_it(layers, error, match):
 
 
 def test_bytes_at_a_context_count_a_sliding_layer_by_its_window():
-    """The planner's arithmetic (Layout.span x one layer's bytes) against the caches a converted model allocates
-    (models.kv_bytes_per_token on the meta device), with and without a context (at a context a "+c4" rope key's newest
-    group of tokens counted too); and the original's bytes at the context: 2 global layers whole, 2 sliding ones
-    holding 8 rows of 128."""
+    """The planner's arithmetic (layers_bytes over Layout.counted) against the caches a converted model allocates
+    (models.kv_bytes_per_token on the meta device, fixed rows in bfloat16 as the budget counts them), with and without
+    a context: at a context a sliding layer holds its window's rows, and a sequence's fixed rows (a "+c4" rope key's
+    newest group of tokens, a "+w16" window: min(16, the layer's window) rows in a sliding layer) count once per layer,
+    not by its window's share; and the original's bytes at the context: 2 global layers whole, 2 sliding ones holding
+    8 rows of 128."""
     model = _gemma()
     full = 2 * G * HEAD * 2  # one layer's 16-bit keys and values per token
     assert original_bytes(model) == 4 * full
     assert original_bytes(model, CONTEXT) == pytest.approx(2 * full + 2 * full * window_rows(WINDOW, CONTEXT) / CONTEXT)
     every = layouts(model, 1e9, CONTEXT)[0]
-    for storage in ("bf16", "int8", "int4/g32+r8", "int4/g32+c4"):
+    for storage in ("bf16", "int8", "int4/g32+r8", "int4/g32+c4", "int4/g32+r8+w16", "int3/g64+c4+w16"):
         student = copy.deepcopy(model)
         hf.convert_model(student, "mla", latent_dim=24, rope_dim=G * HEAD)
         hf.set_kv_dtype(student, storage)
         for context in (None, CONTEXT):
-            want = hf.kv_bytes_per_token(student, context=context)
-            assert every.span(storage, context) * layer_bytes(24, G * HEAD, storage, context) == pytest.approx(want)
+            want = hf.kv_bytes_per_token(student, torch.bfloat16, context=context)
+            assert layers_bytes(24, G * HEAD, storage, every.counted(context), context) == pytest.approx(want)
+        # no --context: every layer counted global, so a sliding layer's window of plain rows as 16 where its cache
+        # holds 8 (a "+c4" cache keeps every token, and 16 plain rows)
+        ring = 2 * (16 - WINDOW) * (24 + G * HEAD) * 2 if storage.endswith("+w16") and "+c4" not in storage else 0
+        assert layers_bytes(24, G * HEAD, storage, every.counted(None), CONTEXT) == pytest.approx(
+            hf.kv_bytes_per_token(student) + (hf.kv_fixed_bytes(student, torch.bfloat16) + ring) / CONTEXT)
     # a "+c4" rope key keeps every token: the sliding layers count whole
     assert every.span("int4/g32+c4", CONTEXT) == 4 and every.span("int8", CONTEXT) == pytest.approx(2 + 2 * 8 / 128)
 

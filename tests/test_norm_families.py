@@ -348,7 +348,8 @@ def test_the_plan_of_a_normed_model_keeps_its_keys_whole():
     for c in result.measured:
         assert (c.rope_dim, c.rope_select, c.balance, c.latent_norm) == (G * HEAD, "frequency", False, False)
         assert c.bytes_per_token <= budget and c.latent_dim <= G * HEAD
-        assert c.latent_dim == G * HEAD or 2 * layer_bytes(c.latent_dim + 1, c.rope_dim, c.kv_dtype) > budget
+        assert c.latent_dim == G * HEAD or \
+            2 * layer_bytes(c.latent_dim + 1, c.rope_dim, c.kv_dtype, result.spread) > budget  # fixed rows spread
     assert result.best.proxy == min(c.proxy for c in result.measured)
     assert {type(m).__name__ for m in hf.attnlab_modules(model)} == {"GroupedQueryAttention"}
     apply(model, result.best, ids[:, :32])

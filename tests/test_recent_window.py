@@ -120,13 +120,13 @@ def test_the_plain_rows_are_fixed_bytes_a_sequence():
 
 
 def test_the_planner_prices_the_plain_rows_at_a_context():
-    """sizes.layer_bytes (a float32 meta-device cache) at T tokens: the window's 16 x (r + p) float32 values over T
-    on top of the same storage's bytes without it; per token held (no context) they are not a per-token cost."""
+    """sizes.layer_bytes at T tokens: the window's 16 x (r + p) values over T, in the 16 bits the budget counts in, on
+    top of the same storage's bytes without it; per token held (no context) they are not a per-token cost."""
     r, p, T = 40, 16, 512
     assert sizes.few_bit("int3/g64+c4+w16") and sizes.storage_ok("int3/g64+c4+w16") and sizes.storage_ok("int8+w16")
     assert all(s.endswith(f"+w{sizes.RECENT}") and sizes.few_bit(s) for s in sizes.FEW_BIT)
     with_window = sizes.layer_bytes(r, p, "int3/g64+c4+w16", T)
-    assert with_window - sizes.layer_bytes(r, p, "int3/g64+c4", T) == pytest.approx(16 * (r + p) * 4 / T, rel=1e-12)
+    assert with_window - sizes.layer_bytes(r, p, "int3/g64+c4", T) == pytest.approx(16 * (r + p) * 2 / T, rel=1e-12)
     assert sizes.layer_bytes(r, p, "int3/g64+c4+w16") == sizes.layer_bytes(r, p, "int3/g64+c4")
 
 

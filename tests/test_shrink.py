@@ -17,7 +17,7 @@ from attnlab.cli import main
 from attnlab.runtime import Budget, Stopped
 from attnlab.shrink import ShrinkRequest, parse_budget, plan, shrink
 from attnlab.shrink.pipeline import check_request, run_folder
-from attnlab.shrink.plan import Candidate, apply, bytes_per_token, proxy_kl, teacher_log_probs
+from attnlab.shrink.plan import Candidate, apply, bytes_per_token, feasible, proxy_kl, teacher_log_probs
 
 T = 16
 
@@ -141,6 +141,19 @@ def test_no_plan_meets_a_budget_below_one_rope_pair_and_a_latent(tiny):
         plan(model, _ids(tok, text, 64), parse_budget("20"), window=T)
 
 
+def test_protected_rows_that_alone_exceed_the_budget_are_refused_with_the_numbers(tiny):
+    """int4/g32+r8+w16 at 16 tokens (--context 16): the smallest row (a latent of 8, one rope pair) takes 4 bytes of
+    4-bit latent codes and 8 of 8-bit rope codes (a part's codes padded to 8 values), and 4 float16 numbers (a scale
+    and minimum for each part): 20 bytes per token and layer; its window of 16 plain rows (10 values in 16 bits) 320
+    bytes a layer, 20 per token over 16 tokens: 80 in the 2 layers (31.2% of 256), 40 of them the window's, over a
+    budget of 60. The error names both, before any candidate is measured (feasible)."""
+    _, model, tok, text, _ = tiny
+    with pytest.raises(ValueError, match=r"KV budget of 60 bytes/token \(60 bytes/token at a context of 16 tokens\).* "
+                       r"can meet is 80 bytes/token \(31\.2%\), of which 40 are the rows a sequence holds unquantised "
+                       r"whatever its length \(int4/g32\+r8\+w16\), spread over 16 tokens"):
+        feasible(model, parse_budget("60"), "attnlab", ("int4/g32+r8+w16",), context=16)
+
+
 def test_the_plan_in_bits_fits_each_few_bit_candidate_and_rotates_its_latent(tiny):
     """A few-bit row's bytes step with its groups: every candidate takes the largest latent that fits (one value
     more would not), its latent rotated; the chosen one converts to a model whose caches allocate those bytes."""
@@ -167,15 +180,18 @@ def test_the_plan_in_bits_fits_each_few_bit_candidate_and_rotates_its_latent(tin
     assert hf.kv_bytes_per_token(probe) == few[0].bytes_per_token
 
 
-@pytest.mark.parametrize("budget, fits", [("30%", True), ("25%", False)])
+@pytest.mark.parametrize("budget, fits", [("35%", True), ("30%", False)])
 def test_the_plan_tries_every_value_in_few_bits_where_the_budget_holds_it(tiny, budget, fits):
     """The whole key as the rope key (G d = 32) and the values as the latent (32), in 3 bits with the key per
     channel: 16 + 34 bytes a layer here (12 of latent codes, a scale and minimum for its one short group of 64
-    channels; 16 of key codes and 2 of the key's meta per token), over 25% of the tiny model's 128 and under 30%."""
+    channels; 16 of key codes and 2 of the key's meta per token), and, with no --context, the key's newest 64 tokens
+    unquantised (32 values in 16 bits) spread over 512 tokens (the model's max_position_embeddings, under the default
+    4,096): 42 bytes a layer, over 30% of the tiny model's 256 bytes per token and under 35%."""
     _, model, tok, text, _ = tiny
     result = plan(model, _ids(tok, text, 256), parse_budget(budget), window=T, storages=("bf16", "int3/g64+c4"))
     whole = [c for c in result.measured if (c.latent_dim, c.rope_dim, c.kv_dtype) == (32, 32, "int3/g64+c4")]
-    per_layer = 32 * 3 // 8 + 2 * 2 + 32 * 4 // 8 + 32 * 2 * 2 // 64
+    per_layer = 32 * 3 // 8 + 2 * 2 + 32 * 4 // 8 + 32 * 2 * 2 // 64 + 64 * 32 * 2 / 512
+    assert result.spread == 512 == model.config.max_position_embeddings
     assert (2 * per_layer <= parse_budget(budget).bytes_for(bytes_per_token(64, "bf16", 2))) is fits
     assert len(whole) == int(fits)
     if fits:
@@ -183,22 +199,24 @@ def test_the_plan_tries_every_value_in_few_bits_where_the_budget_holds_it(tiny, 
 
 
 def test_at_a_context_a_rope_key_per_channel_pays_for_its_newest_group(tiny):
-    """--context 256: the every-value row above also holds its newest 64 rope keys unquantised (32 values, float32
-    here: 8,192 bytes a layer and sequence), 32 bytes per token and layer at 256 tokens: 66 bytes a layer, over 30%
-    of 128 (38.4), so the plan that offered it without a context does not; every candidate fits at 256 tokens."""
+    """--context 256: the every-value row above holds its newest 64 rope keys unquantised (32 values, counted in 16
+    bits: 4,096 bytes a layer and sequence), 16 bytes per token and layer at 256 tokens: 50 bytes a layer, over 35%
+    of 256 (89.6), so the plan that offered it without a context (spread over 512 tokens) does not; every candidate
+    fits at 256 tokens, its bytes the caches' own (kv_bytes_per_token at that context, its fixed rows in bfloat16)."""
     _, model, tok, text, _ = tiny
-    budget = parse_budget("30%").bytes_for(bytes_per_token(64, "bf16", 2))
-    per_layer = 32 * 3 // 8 + 2 * 2 + 32 * 4 // 8 + 32 * 2 * 2 // 64 + 64 * 32 * 4 / 256
+    budget = parse_budget("35%").bytes_for(bytes_per_token(64, "bf16", 2))
+    per_layer = 32 * 3 // 8 + 2 * 2 + 32 * 4 // 8 + 32 * 2 * 2 // 64 + 64 * 32 * 2 / 256
     assert 2 * per_layer > budget
-    result = plan(model, _ids(tok, text, 256), parse_budget("30%"), window=T, storages=("bf16", "int3/g64+c4"),
+    result = plan(model, _ids(tok, text, 256), parse_budget("35%"), window=T, storages=("bf16", "int3/g64+c4"),
                   context=256)
+    assert result.spread == 256
     assert not [c for c in result.measured if (c.latent_dim, c.rope_dim, c.kv_dtype) == (32, 32, "int3/g64+c4")]
     assert result.measured and all(c.bytes_per_token <= budget for c in result.measured)
     for c in result.measured:
         probe = copy.deepcopy(model)
         apply(probe, c, _ids(tok, text, 256))
-        assert c.bytes_per_token == hf.kv_bytes_per_token(probe, context=256) == \
-            (hf.kv_bytes_per_token(probe) * 256 + hf.kv_fixed_bytes(probe)) / 256
+        assert c.bytes_per_token == hf.kv_bytes_per_token(probe, torch.bfloat16, context=256) == \
+            (hf.kv_bytes_per_token(probe) * 256 + hf.kv_fixed_bytes(probe, torch.bfloat16)) / 256
 
 
 @pytest.mark.parametrize("budget, fits", [("50%", True), ("45%", False)])
@@ -573,7 +591,8 @@ def test_a_lossy_convert_without_text_calibrates_on_text_the_model_writes(tiny, 
 def test_a_shrink_of_a_model_with_sliding_layers_states_its_bytes_at_a_context(tmp_path):
     """Gemma 3 (a sliding layer of window 8, a global one): the report states bytes per token at the model's
     context as well, the original's and the shrunk model's, each as kv_bytes_per_token counts them at that
-    context, fewer than per token held (the sliding layer's cache stops at its window)."""
+    context (fixed rows in the 16 bits the budget counts), fewer than per token held (the sliding layer's cache stops
+    at its window)."""
     folder = tmp_path / "gemma3"
     make_checkpoint("gemma3", folder, max_position_embeddings=256)
     text = tmp_path / "train.txt"
@@ -585,7 +604,7 @@ def test_a_shrink_of_a_model_with_sliding_layers_states_its_bytes_at_a_context(t
     model, _, _ = hf.load_model(str(out))
     teacher, _, _ = hf.load_model(str(folder))
     assert at["context"] == 256
-    assert at["shrunk"] == hf.kv_bytes_per_token(model, context=256) < kv["shrunk"]
+    assert at["shrunk"] == hf.kv_bytes_per_token(model, torch.bfloat16, context=256) < kv["shrunk"]
     assert at["original_16bit"] == hf.kv_bytes_per_token(teacher, torch.bfloat16, context=256) < kv["original_16bit"]
 
 
@@ -598,7 +617,10 @@ def test_the_report_states_the_bytes_a_sequence_holds_whatever_its_length(tiny, 
     kv = report["kv_bytes_per_token"]
     assert kv["storage"] == "int3/g64+c4" and kv["shrunk"] == hf.kv_bytes_per_token(model)
     p = report["plan"]["chosen"]["rope_dim"]
-    assert kv["fixed_per_sequence"] == hf.kv_fixed_bytes(model) == 2 * 64 * p * 4  # 2 layers, float32 rows
+    assert kv["fixed_per_sequence"] == hf.kv_fixed_bytes(model, torch.bfloat16) == 2 * 64 * p * 2  # 2 layers, 16 bits
+    planned = kv["as_planned"]  # as the budget counted them: the fixed rows over the model's 512 positions
+    assert planned["context"] is None and planned["fixed_rows_over"] == 512
+    assert planned["shrunk"] == kv["shrunk"] + kv["fixed_per_sequence"] / 512 <= 0.4 * kv["original_16bit"]
 
 
 @pytest.mark.parametrize("keep_worse", [False, True])

@@ -35,6 +35,10 @@ def _summary(report: dict) -> Table:
     table.add_row("KV bytes/token", f"{kv['original_16bit']} (16-bit)", str(kv["shrunk"]), str(kv["shrunk"]))
     if kv.get("fixed_per_sequence"):  # "+c4": the rope key's newest group of tokens, unquantised, in every sequence
         table.add_row("KV bytes/sequence, fixed", "0", str(kv["fixed_per_sequence"]), str(kv["fixed_per_sequence"]))
+    planned = kv.get("as_planned") or {}
+    if planned.get("context") is None and kv.get("fixed_per_sequence"):  # the budget's count: fixed rows spread
+        label = f"as budgeted (fixed over {planned['fixed_rows_over']:,} tokens)"
+        table.add_row(label, f"{planned['original_16bit']:.0f}", f"{planned['shrunk']:.0f}", f"{planned['shrunk']:.0f}")
     if kv.get("at_context"):  # sliding layers hold at most their window: the bytes of a long sequence are fewer
         at = kv["at_context"]
         table.add_row(f"at {at['context']} tokens", f"{at['original_16bit']:.0f}", f"{at['shrunk']:.0f}",
@@ -57,7 +61,9 @@ def _candidates(report: dict) -> Table | None:
     plan = report["plan"]
     if plan.get("explicit") or not plan.get("candidates"):
         return None
-    table = Table(title=f"plan for a KV budget of {plan['budget']} ({plan['budget_bytes']:.0f} bytes/token): "
+    at = f" at {plan['context']:,} tokens" if plan.get("context") else \
+        f", fixed rows over {plan['fixed_rows_over']:,} tokens" if plan.get("fixed_rows_over") else ""
+    table = Table(title=f"plan for a KV budget of {plan['budget']} ({plan['budget_bytes']:.0f} bytes/token{at}): "
                         "candidates by proxy (KL on the calibration text)")
     for col in ("candidate", "bytes/token", "proxy KL"):
         table.add_column(col, justify="left" if col == "candidate" else "right")
@@ -74,8 +80,9 @@ def shrink(source: str = typer.Argument(..., help="The model: smollm2, a transfo
                                                  "sequence length: a sliding-window layer holds only its window, and "
                                                  "the planner may keep such layers unconverted (Gemma 3), and what a "
                                                  "sequence holds whatever its length (a +c4 rope key's newest 64 "
-                                                 "tokens) is spread over it (default: bytes per token held, every "
-                                                 "token in every layer; the report states the fixed bytes)."),
+                                                 "tokens, a +w16 window) is spread over it (default: every token "
+                                                 "held in every layer, the fixed rows spread over 4096 tokens, or "
+                                                 "the model's max_position_embeddings where shorter)."),
            out: Path = typer.Option(..., "--out", help="Where to write: a folder (attnlab, deepseek) or a .gguf file."),
            minutes: float = typer.Option(10.0, "--minutes", help="Time budget for everything, from the start."),
            text: Optional[list[Path]] = typer.Option(None, "--text", help="Training and calibration text (repeat); "

@@ -572,8 +572,8 @@ def _baselines(teacher, student, held, heal: dict, context: int | None = None, e
     two cheapest at or above the student's scored on the held-out tokens the heal's final evaluation read (with its
     window). extra: storages besides shrink.baselines.BASELINES (a transformers folder: QuantizedCache's codes, the
     untouched model with the same cache)."""
-    from ..models.evaluate import kv_bytes_per_token
     from . import baselines
+    from .sizes import planned_bytes, spread_context
 
     after, teacher_eval = heal.get("after") or {}, heal.get("teacher") or {}
     if after.get("texts"):  # several held-out texts: the baselines on the first, the run's own held-out windows
@@ -581,7 +581,7 @@ def _baselines(teacher, student, held, heal: dict, context: int | None = None, e
     if after.get("perplexity") is None or teacher_eval.get("perplexity") is None:
         return {"note": "not scored: the heal has no final evaluation"}
     sizes = baselines.baseline_bytes(teacher, (*baselines.BASELINES, *extra), context=context)
-    reached = kv_bytes_per_token(student, context=context)
+    reached = planned_bytes(student, context, spread_context(teacher, context))  # as the budget counted them
     names = baselines.at_or_above(sizes, reached)
     scored = baselines.score(teacher, held, names, tokens=after.get("tokens"))
     return baselines.compare(reached, after["perplexity"], teacher_eval["perplexity"], sizes, scored)
@@ -599,20 +599,26 @@ def final_report(req: ShrinkRequest, state: RunState, teacher, student, meta) ->
     minutes per phase."""
     from ..models.evaluate import kv_bytes_per_token, kv_fixed_bytes, sliding_context
     from .plan import original_sizes
+    from .sizes import original_bytes, planned_bytes, spread_context
 
     L, _, _, V = original_sizes(teacher)
     context = req.context or sliding_context(teacher)  # sliding layers: their bytes per token depend on the context
     at_context = {"at_context": {"context": context, "original_16bit": kv_bytes_per_token(teacher, torch.bfloat16,
                                                                                          context=context),
-                                 "shrunk": kv_bytes_per_token(student, context=context)}} if context else {}
+                                 "shrunk": planned_bytes(student, context)}} if context else {}
     heal = state.data["report"].get("heal", {})
     plan = state.data["plan"] or {}
     chosen = plan.get("chosen", {})
+    spread = spread_context(teacher, req.context)  # as the budget counted them: fixed rows spread over these tokens
+    planned = {"as_planned": {"context": req.context, "fixed_rows_over": spread,
+                              "original_16bit": original_bytes(teacher, req.context),
+                              "shrunk": planned_bytes(student, req.context, spread)}}
     return {"format": "attnlab-shrink-report", "request": req.identity(),
             "kv_bytes_per_token": {"original_16bit": 2 * V * L, "shrunk": kv_bytes_per_token(student),
-                                   "storage": chosen.get("kv_dtype"), "fixed_per_sequence": kv_fixed_bytes(student),
+                                   "storage": chosen.get("kv_dtype"),
+                                   "fixed_per_sequence": kv_fixed_bytes(student, torch.bfloat16),  # 16-bit rows
                                    "values_per_token_per_layer": [V, chosen.get("values_per_token_per_layer")],
-                                   **at_context},
+                                   **planned, **at_context},
             **({"llama_cpp": llama_cpp_cache(chosen.get("kv_dtype") or "bf16", chosen.get("layers") == [])}
                if req.fmt == "gguf" else {}),
             **({"transformers_cache": transformers_cache(chosen.get("kv_dtype"))} if req.fmt == "transformers" else {}),

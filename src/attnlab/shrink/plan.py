@@ -5,7 +5,10 @@ GQA cache; a compressed MLA caches r (latent) + p (rope key) values per token an
 
 A budget is a fraction of the original's cache (`50%`, `0.5`) or bytes per token for the whole
 model (`6000`). Both are measured against the original's cache stored in 16 bits (2 V L bytes
-per token), the storage engines and attnlab serve in. A candidate is a conversion (r, p, what
+per token), the storage engines and attnlab serve in. Without `--context` a plan counts every token held in every
+layer, and what a sequence holds whatever its length (a "+c4" rope key's newest group, a "+w16" window's rows, in 16
+bits) spread over sizes.DEFAULT_CONTEXT tokens (4,096, or the model's max_position_embeddings where shorter): the
+budget holds for sequences that long and longer. A candidate is a conversion (r, p, what
 keeps rotating, BKV, a fitted latent norm) and a cache storage (16-bit; where the output format is
 attnlab's own also 8-bit with per-token scales, and 4- or 2-bit latents in groups of 32 with the
 rope key in 8 bits, or 3- and 4-bit latents with the rope key in 4 bits per channel (modules/lowbit.py),
@@ -62,9 +65,10 @@ import torch
 
 from .sizes import (FEW_BIT, FORMATS, GGUF_STORAGES, KEPT_STORAGES, LLAMA_CPP_CACHE, NATIVE_CACHE,  # noqa: F401
                     STORAGES, TRANSFORMERS_CACHE,
-                    KVBudget, Layout, bytes_per_token, few_bit, fit, held_share, layer_bytes, layouts, llama_cpp_pair,
-                    llama_cpp_types, native_code, original_bytes, original_sizes, parse_budget, splits, storage_ok,
-                    values_for)
+                    KVBudget, Layout, bytes_per_token, few_bit, fit, fixed_rows_bytes, held_share, layer_bytes,
+                    layers_bytes, layouts, llama_cpp_pair,
+                    llama_cpp_types, native_code, original_bytes, original_sizes, parse_budget, planned_bytes,
+                    splits, spread_context, storage_ok, values_for)
 
 # rope shares of the values tried by the split round, in this order so that a planning time that
 # runs out keeps the likelier winners (measured on SmolLM2: benchmarks/shrink.py --part proxy)
@@ -127,11 +131,12 @@ class PlanResult:
     budget_bytes: float = 0.0
     note: str = ""
     context: int | None = None  # the sequence length bytes per token are counted at (None: every token held)
+    spread: int | None = None  # the tokens a sequence's fixed rows were spread over (the context, or the default)
 
     def to_dict(self) -> dict:
         ranked = sorted((c for c in self.measured if c.proxy is not None), key=lambda c: c.proxy)
         return {"chosen": self.best.to_dict(), "budget": self.budget, "budget_bytes": self.budget_bytes,
-                "context": self.context,
+                "context": self.context, "fixed_rows_over": self.spread,
                 "original_bytes_per_token_16bit": self.original_bytes_16bit, "note": self.note,
                 "candidates": [c.to_dict() for c in ranked]}
 
@@ -242,15 +247,14 @@ def check_format(teacher, fmt: str) -> None:
                          "MLA does not have; use --format attnlab")
 
 
-def _keys_whole_storages(span, V: int, whole: int, room: float, storages, context: int | None = None) -> dict:
+def _keys_whole_storages(layers: tuple, V: int, whole: int, room: float, storages, spread: int | None = None) -> dict:
     """{storage: values per token and layer} of the keys-whole layout: the rope key and the largest latent that fits
-    (at least MIN_WHOLE_LATENT, at most V - whole), for each storage where one does. span(storage): the converted
-    layers as Layout.span counts them; room: their bytes per token (at the context, fixed rows counted)."""
+    (at least MIN_WHOLE_LATENT, at most V - whole), for each storage where one does. layers: the converted layers as
+    Layout.counted gives them; room: their bytes per token (fixed rows spread over `spread` tokens)."""
     out = {}
     for s in storages:
-        L = span(s)
-        start = max(0, min(V - whole, values_for(room, s, L, context) - whole))
-        r = fit(start, whole, s, L, room, ceiling=V - whole, context=context)
+        start = max(0, min(V - whole, values_for(room, s, layers, spread) - whole))
+        r = fit(start, whole, s, layers, room, ceiling=V - whole, context=spread)
         if r >= MIN_WHOLE_LATENT:
             out[s] = r + whole
     return out
@@ -260,8 +264,9 @@ def feasible(teacher, budget: KVBudget, fmt: str = "attnlab", storages=STORAGES,
              context: int | None = None) -> tuple[float, float, list[tuple[Layout, dict]]]:
     """(original 16-bit bytes/token, the budget in bytes, [(layout, {storage: values per token and layer that fit})])
     for a budget some plan can meet; ValueError naming the budget otherwise (checked before any work). context: bytes
-    are counted at that sequence length (sliding layers hold their windows; None: every token held), and a model
-    with sliding and global layers may keep its sliding ones (layouts()). A model with per-head q/k norms: its keys
+    are counted at that sequence length (sliding layers hold their windows; None: every token held in every layer,
+    the fixed rows spread over spread_context's tokens), and a model with sliding and global layers may keep its
+    sliding ones (layouts()). A model with per-head q/k norms: its keys
     whole in each storage (values: rope key + latent), only in attnlab's format. Other models plan every layer
     converted. For a GGUF the source's own architecture can hold (native_storages), the original attention with its
     cache in a llama.cpp type is a plan too: where no converted layout fits but such one does, the layouts are []."""
@@ -319,7 +324,9 @@ def _options(teacher, budget: KVBudget, budget_bytes: float, original: float, fm
              context: int | None) -> list[tuple[Layout, dict]]:
     """feasible()'s converted layouts and their storages; ValueError naming the budget when none fits."""
     L, G, d, V = original_sizes(teacher)
-    at = "" if context is None else f" at a context of {context} tokens"
+    spread = spread_context(teacher, context)
+    at = f" at a context of {context} tokens" if context is not None else \
+        f", a sequence's fixed rows spread over {spread} tokens"
     whole = keys_whole(teacher)
     if whole is not None:
         check_format(teacher, fmt)
@@ -329,22 +336,21 @@ def _options(teacher, budget: KVBudget, budget_bytes: float, original: float, fm
                              "attention")
         options = []
         for lay in layouts(teacher, budget_bytes, context, fmt, [s for s in KEPT_STORAGES if s in storages]):
-            per_storage = _keys_whole_storages(lambda s: lay.span(s, context), V, whole, lay.room, storages, context)
+            per_storage = _keys_whole_storages(lay.counted(context), V, whole, lay.room, storages, spread)
             if per_storage:
                 options.append((lay, per_storage))
         if not options:
             every = layouts(teacher, budget_bytes, context, fmt, [])[0]
             slides = any(w is not None for w in every.windows)
             hint = "; --context counts a sliding layer by its window" if context is None and slides else ""
-            smallest = min(every.span(s, context) * layer_bytes(MIN_WHOLE_LATENT, whole, s, context) for s in storages)
+            smallest = _smallest(MIN_WHOLE_LATENT, whole, storages, every.counted(context), spread, original)
             raise ValueError(f"no plan can meet a KV budget of {budget} ({budget_bytes:.0f} bytes/token{at}): this "
                              f"model's per-head q/k norms keep its keys whole ({whole} values per token in each of the "
                              f"{L} layers) beside a latent of at least {MIN_WHOLE_LATENT} values; the smallest these "
-                             f"storages ({', '.join(storages)}) can meet is {smallest:.0f} bytes/token "
-                             f"({smallest / original:.1%}){hint}")
+                             f"storages ({', '.join(storages)}) can meet is {smallest}{hint}")
         return options
     lay = layouts(teacher, budget_bytes, context, fmt, [])[0]
-    per_storage = {s: values_for(budget_bytes, s, lay.span(s, context), context) for s in storages}
+    per_storage = {s: values_for(budget_bytes, s, lay.counted(context), spread) for s in storages}
     per_storage = {s: min(v, V - 2) for s, v in per_storage.items() if v >= 10}
     blocks = [s for s in storages if s in LLAMA_CPP_CACHE]
     if blocks:  # llama.cpp's block types: a rope key of whole blocks it can turn, and a whole-block latent beside it
@@ -359,12 +365,22 @@ def _options(teacher, budget: KVBudget, budget_bytes: float, original: float, fm
             raise ValueError(f"no plan can meet a KV budget of {budget} ({budget_bytes:.0f} bytes/token) in llama.cpp's "
                              f"{', '.join(blocks)} cache, which stores rows in blocks of 32: {why}")
     if not per_storage:
-        smallest = min(lay.span(s, context) * layer_bytes(8, 2, s, context) for s in storages)
+        smallest = _smallest(8, 2, storages, lay.counted(context), spread, original)
         raise ValueError(f"no plan can meet a KV budget of {budget} ({budget_bytes:.0f} bytes/token{at}): it leaves "
                          f"fewer than 10 values per token in each of the {L} layers (one rope pair and a latent); "
-                         f"the smallest these storages ({', '.join(storages)}) can meet is {smallest:.0f} bytes/token "
-                         f"({smallest / original:.1%})")
+                         f"the smallest these storages ({', '.join(storages)}) can meet is {smallest}")
     return [(lay, per_storage)]
+
+
+def _smallest(latent: int, rope: int, storages, layers: tuple, spread: int, original: float) -> str:
+    """'N bytes/token (P%)' of the storage whose rows of these sizes take the fewest bytes, and, where a sequence's
+    fixed rows (the protected tokens: a "+c4" rope key's newest group, a "+w<N>" window) are part of them, theirs."""
+    least = min(storages, key=lambda s: layers_bytes(latent, rope, s, layers, spread))
+    n = layers_bytes(latent, rope, least, layers, spread)
+    fixed = fixed_rows_bytes(latent, rope, least, layers, spread)
+    rows = f", of which {fixed:.0f} are the rows a sequence holds unquantised whatever its length ({least}), " \
+        f"spread over {spread} tokens" if fixed else ""
+    return f"{n:.0f} bytes/token ({n / original:.1%}){rows}"
 
 
 def plan(teacher, calibration_ids: torch.Tensor, budget: KVBudget, *, fmt: str = "attnlab",
@@ -389,13 +405,14 @@ def plan(teacher, calibration_ids: torch.Tensor, budget: KVBudget, *, fmt: str =
     progress(i, label) is called before each candidate. calibrate=False converts every candidate on
     the weights alone (what --no-calibration will do), still ranking them on the calibration text.
     context: bytes per token are counted at that sequence length (a sliding layer's cache holds its window; None:
-    every token held, the cache a fixed-shape engine allocates); a model with sliding and global layers then also
+    every token held in every layer, the cache a fixed-shape engine allocates, with what a sequence holds whatever its
+    length spread over spread_context's tokens); a model with sliding and global layers then also
     tries its global layers converted and its sliding ones kept (layouts()). per_layer: run round 4 (off by default,
     and shrink leaves it off: measured with the heal after it, it did not beat the uniform plan, docs/real-models.md);
     layer_ids (1, K): the text its per-layer costs are measured on, in windows of `window` (None: the proxy windows).
     """
     from ..models.adapters import attnlab_modules, replace_attention
-    from ..models.evaluate import attention_inputs, kv_bytes_per_token
+    from ..models.evaluate import attention_inputs
 
     if fmt not in FORMATS:
         raise ValueError(f"format must be one of {', '.join(FORMATS)}, got {fmt!r}")
@@ -403,6 +420,7 @@ def plan(teacher, calibration_ids: torch.Tensor, budget: KVBudget, *, fmt: str =
     original, budget_bytes, options = feasible(teacher, budget, fmt, storages, context)
     storages = [s for s in storages if storage_ok(s, fmt)] or ["bf16"]
     native = native_storages(teacher, budget_bytes, fmt, storages, context)
+    spread = spread_context(teacher, context)  # where the fixed rows are counted (the context, or the default)
     max_rope = G * d
     if fmt == "gguf" and options:
         from ..models.export_gguf import gguf_rope_limit
@@ -435,8 +453,8 @@ def plan(teacher, calibration_ids: torch.Tensor, budget: KVBudget, *, fmt: str =
             pass
         elif few_bit(cand.kv_dtype):  # the latent a few-bit row can afford with this rope key; rotated for the codes
             where = where or every
-            cand.latent_dim = fit(cand.latent_dim, cand.rope_dim, cand.kv_dtype, span(cand.kv_dtype, where),
-                                  where.room, cand.extra, ceiling=V - cand.rope_dim, context=context)  # <= V held
+            cand.latent_dim = fit(cand.latent_dim, cand.rope_dim, cand.kv_dtype, where.counted(context),
+                                  where.room, cand.extra, ceiling=V - cand.rope_dim, context=spread)  # <= V held
             if cand.latent_dim < 1:  # this rope key alone takes the room (at a context: its fixed rows); not a plan
                 return cand
             cand.rotation = None if cand.latent_norm else "random"
@@ -449,7 +467,7 @@ def plan(teacher, calibration_ids: torch.Tensor, budget: KVBudget, *, fmt: str =
             # what the caches allocate; a DeepSeek export's constant channel comes on top of the attnlab model
             added = L * (layer_bytes(3, 2, cand.kv_dtype) - layer_bytes(2, 2, cand.kv_dtype)) if fmt == "deepseek" \
                 else 0
-            cand.bytes_per_token = kv_bytes_per_token(teacher, context=context) + added
+            cand.bytes_per_token = planned_bytes(teacher, context, spread) + added
             if cand.bytes_per_token > budget_bytes:
                 raise RuntimeError(f"planner bug: {cand.label()} takes {cand.bytes_per_token} bytes/token, over the "
                                      f"budget's {budget_bytes:.0f}")
@@ -484,12 +502,11 @@ def plan(teacher, calibration_ids: torch.Tensor, budget: KVBudget, *, fmt: str =
         note = "" if len(measured) == len(native) else "planning ended (its time or its count) before every storage"
         return PlanResult(best, measured, str(budget), original, budget_bytes,
                           note or "no converted layout fits: the original attention, its cache in the engine's codes",
-                          context)
+                          context, spread)
     every, per_storage = options[0]  # every layer converted (the only layout of a model that plans in rounds)
     room = every.room
 
-    def span(storage: str, where: Layout = every) -> float:
-        return where.span(storage, context)
+    converted_layers = every.counted(context)  # as layers_bytes counts them
 
     whole = keys_whole(teacher)
     if whole is not None:  # per-head q/k norms: the keys whole in each storage and layout, nothing else to choose
@@ -505,7 +522,7 @@ def plan(teacher, calibration_ids: torch.Tensor, budget: KVBudget, *, fmt: str =
         note = "" if len(measured) == len(todo) else "planning ended (its time or its count) before every storage"
         return PlanResult(best, measured, str(budget), original, budget_bytes,
                           note or "per-head q/k norms: the keys whole (rope key G x d), the latent holds the values",
-                          context)
+                          context, spread)
 
     first = "bf16" if "bf16" in per_storage else next(iter(per_storage))
     v0 = per_storage[first]
@@ -517,7 +534,7 @@ def plan(teacher, calibration_ids: torch.Tensor, budget: KVBudget, *, fmt: str =
             measure(Candidate(r, p, sel, bkv, first, norm, extra=extra, round=1))
     if not converted():  # round 0 took every candidate allowed
         return PlanResult(min(measured, key=lambda c: c.proxy), measured, str(budget), original, budget_bytes,
-                          "planning ended (its time or its count) after the original's cache types", context)
+                          "planning ended (its time or its count) after the original's cache types", context, spread)
     best = min(converted(), key=lambda c: c.proxy)
     # 2. storage: the winner in the other storage, at its own number of values (before the split: 8 bits can
     # nearly double the values in the same bytes, which matters more than the split, and must not be cut by time)
@@ -532,7 +549,7 @@ def plan(teacher, calibration_ids: torch.Tensor, budget: KVBudget, *, fmt: str =
     whole_key = G * d
     for storage in per_storage:
         if few_bit(storage) and not spent() and whole_key <= max_rope and \
-                span(storage) * layer_bytes(V - whole_key + extra, whole_key, storage, context) <= room and \
+                layers_bytes(V - whole_key + extra, whole_key, storage, converted_layers, spread) <= room and \
                 all((c.latent_dim, c.rope_dim, c.kv_dtype) != (V - whole_key, whole_key, storage) for c in measured):
             measure(Candidate(V - whole_key, whole_key, best.rope_select, best.balance, storage, norm, extra=extra,
                               round=2))
@@ -551,7 +568,7 @@ def plan(teacher, calibration_ids: torch.Tensor, budget: KVBudget, *, fmt: str =
                 continue
             r, p = pairs[storage][i]
             if few_bit(storage):
-                r = fit(r, p, storage, span(storage), room, extra, ceiling=V - p, context=context)
+                r = fit(r, p, storage, converted_layers, room, extra, ceiling=V - p, context=spread)
             if r >= 8 and all((c.latent_dim, c.rope_dim, c.rope_select, c.kv_dtype) != (r, p, best.rope_select,
                                                                                          storage) for c in measured):
                 measure(Candidate(r, p, best.rope_select, best.balance, storage, norm, extra=extra, round=3))
@@ -583,14 +600,15 @@ def plan(teacher, calibration_ids: torch.Tensor, budget: KVBudget, *, fmt: str =
             costs = layer_costs(prefix, L, sizes, change, restore, progress=counted)
         except _Cut:
             costs = None
-        row = [math.ceil(layer_bytes(r, best.rope_dim, best.kv_dtype, context)) for r in sizes]  # whole bytes
-        dims = [sizes[o] for o in choose_per_layer(costs, [row] * L, int(budget_bytes))] if costs else []
+        rows = [[math.ceil(layer_bytes(r, best.rope_dim, best.kv_dtype, spread, w)) for r in sizes]  # whole bytes
+                for w in converted_layers]
+        dims = [sizes[o] for o in choose_per_layer(costs, rows, int(budget_bytes))] if costs else []
         if len(set(dims)) > 1:
             measure(Candidate(round(sum(dims) / L), best.rope_dim, best.rope_select, best.balance, best.kv_dtype,
                               False, rotation=best.rotation, round=4, latent_dims=dims))
     best = min(measured, key=lambda c: c.proxy)
     note = "" if len(measured) > 1 else "only one candidate fitted the time given to planning"
-    return PlanResult(best, measured, str(budget), original, budget_bytes, note, context)
+    return PlanResult(best, measured, str(budget), original, budget_bytes, note, context, spread)
 
 
 class _Cut(Exception):

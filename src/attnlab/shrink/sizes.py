@@ -5,11 +5,15 @@ size; V = 2 G d values per token and layer in the original GQA cache; a compress
 key) values per token and layer. Every size is measured from the cache a module allocates for it (on the meta
 device), so the planner's arithmetic is the caches' own: a few-bit row's bytes step with its groups and packing,
 and `fit` moves a latent up or down until one value more would not fit. At a context (`--context T`) a sliding
-layer holds only its window (`held_share`), and `layouts` offers keeping the sliding layers as they are.
+layer holds only its window (`held_share`), and `layouts` offers keeping the sliding layers as they are. What a
+sequence holds whatever its length (a "+c4" rope key's newest group, a "+w16" window: the fixed rows) is counted in
+16 bits, spread over the context, or without one over DEFAULT_CONTEXT tokens (`spread_context`): a budget that
+holds for sequences that long.
 """
 from __future__ import annotations
 
 import re
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -96,7 +100,7 @@ class KVBudget:
         return self.value * original_bytes if self.kind == "fraction" else self.value
 
     def __str__(self) -> str:
-        return f"{self.value:.0%}" if self.kind == "fraction" else f"{self.value:.0f} bytes/token"
+        return f"{self.value * 100:.4g}%" if self.kind == "fraction" else f"{self.value:.0f} bytes/token"
 
 
 def parse_budget(text) -> KVBudget:
@@ -132,58 +136,81 @@ def original_sizes(model) -> tuple[int, int, int, int]:
     return len(mods), m.num_kv_heads, m.head_dim, m.kv_values_per_token
 
 
-def layer_cache(latent_dim: int, rope_dim: int, storage: str, max_len: int = 1, dtype: torch.dtype | None = None):
+def layer_cache(latent_dim: int, rope_dim: int, storage: str, max_len: int = 1, dtype: torch.dtype | None = None,
+                window: int | None = None):
     """The cache one layer's latent of that size allocates in that storage for one sequence of up to max_len tokens,
-    on the meta device (nothing allocated), its rows in dtype (default float32)."""
+    on the meta device (nothing allocated), its rows in dtype (default float32); window: the layer's sliding window
+    (its cache then holds the window's rows where the storage allows, modules/cache.py window_for)."""
     from ..modules.mla import MultiHeadLatentAttention
 
     width = max(8, latent_dim)  # wide enough that the latent is not above the layer's useful rank
     m = MultiHeadLatentAttention(width, 1, latent_dim, head_dim=width, rope_dim=rope_dim, kv_dtype=storage,
-                                 device="meta")
+                                 sliding_window=window, device="meta")
     return m.init_cache(1, max_len, dtype=dtype, device="meta")
 
 
-def layer_bytes(latent_dim: int, rope_dim: int, storage: str, context: int | None = None) -> float:
+def layer_bytes(latent_dim: int, rope_dim: int, storage: str, context: int | None = None,
+                window: int | None = None) -> float:
     """Bytes one layer's latent cache allocates per token in that storage, scales included (layer_cache): per token
-    held (an int), or at a context (`_Cache.bytes_at`: a sequence's fixed rows, the "+c4" rope key's newest group,
-    spread over its tokens)."""
+    held (an int), or at a context (`_Cache.bytes_at`: a sliding layer (window) holding its window's rows, and a
+    sequence's fixed rows, the "+c4" rope key's newest group and a "+w<N>" window's rows, spread over its tokens;
+    those rows in bfloat16, the 16 bits the budget counts in)."""
     if context is None:
         return layer_cache(latent_dim, rope_dim, storage).bytes_per_token
-    return layer_cache(latent_dim, rope_dim, storage, context).bytes_at(context)
+    return layer_cache(latent_dim, rope_dim, storage, context, dtype=torch.bfloat16, window=window).bytes_at(context)
 
 
-def bytes_per_token(values: int, storage: str, layers: int, rope_dim: int = 2, context: int | None = None) -> float:
-    """Whole-model cache bytes per token of `values` per layer (latent + rope key) in that storage (at a context:
-    layer_bytes)."""
-    return layers * layer_bytes(values - rope_dim, rope_dim, storage, context)
+def layers_bytes(latent_dim: int, rope_dim: int, storage: str, layers, context: int | None = None) -> float:
+    """Whole-model cache bytes per token of latent caches of these sizes in that storage: `layers` is a number of
+    layers holding every token, or each layer's sliding window (None: a global layer), a window counting only at a
+    context (layer_bytes)."""
+    return sum(n * layer_bytes(latent_dim, rope_dim, storage, context, w) for w, n in _windows(layers).items())
 
 
-def values_for(budget_bytes: float, storage: str, layers: int, context: int | None = None) -> int:
-    """The most values per token and layer that fit the byte budget in that storage (even, for RoPE pairs);
-    for a few-bit storage an estimate from its mean cost per value (fit() makes each split fit), its fixed rows
-    counted at the context (layer_bytes)."""
+def fixed_rows_bytes(latent_dim: int, rope_dim: int, storage: str, layers, context: int | None) -> float:
+    """The part of layers_bytes at a context that is a sequence's fixed rows (a "+c4" rope key's newest group, a
+    "+w<N>" window) spread over it; 0 per token held (no context)."""
+    if context is None:
+        return 0.0
+    return sum(n * layer_cache(latent_dim, rope_dim, storage, context, dtype=torch.bfloat16, window=w).fixed_bytes
+               for w, n in _windows(layers).items()) / context
+
+
+def _windows(layers) -> dict:
+    """{sliding window (None: global): layers} of layers_bytes' `layers` (a number, or each layer's window)."""
+    return Counter(layers) if isinstance(layers, tuple) else {None: layers}
+
+
+def bytes_per_token(values: int, storage: str, layers, rope_dim: int = 2, context: int | None = None) -> float:
+    """Whole-model cache bytes per token of `values` per layer (latent + rope key) in that storage (layers_bytes)."""
+    return layers_bytes(values - rope_dim, rope_dim, storage, layers, context)
+
+
+def values_for(budget_bytes: float, storage: str, layers, context: int | None = None) -> int:
+    """The most values per token and layer that fit the byte budget in that storage (even, for RoPE pairs), `layers`
+    and `context` as layers_bytes counts them: from the cost of one value more and of the scales and fixed rows (each
+    linear in the values); for a few-bit storage an estimate from its mean cost per value (fit() makes each split
+    fit)."""
+    def total(latent: int, rope: int) -> float:
+        return layers_bytes(latent, rope, storage, layers, context)
+
     if storage in LLAMA_CPP_CACHE:  # whole blocks of 32 values only
-        per_block = layer_bytes(32, 32, storage) // 2
-        return int(budget_bytes / layers // per_block) * 32
-    if few_bit(storage):
-        per_value = (layer_bytes(258, 62, storage) - layer_bytes(2, 2, storage)) / 316
-        fixed = layer_bytes(2, 2, storage, context) - 4 * per_value
-        v = int((budget_bytes / layers - fixed) // per_value)
-        return v - v % 2
-    per_value = layer_bytes(3, 2, storage) - layer_bytes(2, 2, storage)
-    fixed = layer_bytes(2, 2, storage) - 4 * per_value  # the scales
-    v = int((budget_bytes / layers - fixed) // per_value)
+        per_block = total(32, 32) / 2
+        return int(budget_bytes // per_block) * 32
+    per_value = (total(258, 62) - total(2, 2)) / 316 if few_bit(storage) else total(3, 2) - total(2, 2)
+    fixed = total(2, 2) - 4 * per_value  # scales, and the rows a sequence holds whatever its length
+    v = int((budget_bytes - fixed) // per_value)
     return v - v % 2
 
 
-def fit(latent: int, rope: int, storage: str, layers: int, budget_bytes: float, extra: int = 0,
+def fit(latent: int, rope: int, storage: str, layers, budget_bytes: float, extra: int = 0,
         ceiling: int | None = None, context: int | None = None) -> int:
     """The largest latent size (from `latent`, up to `ceiling` when given) whose layers fit the budget with
     this rope key (0 if none does): a few-bit row's bytes step with its groups and packing, not with each value,
-    so the estimate from values_for() is moved up or down until one value more would not fit (at a context with
-    the fixed rows counted: layer_bytes)."""
+    so the estimate from values_for() is moved up or down until one value more would not fit (`layers` and
+    `context` as layers_bytes counts them)."""
     def fits(n: int) -> bool:
-        return layers * layer_bytes(n + extra, rope, storage, context) <= budget_bytes
+        return layers_bytes(n + extra, rope, storage, layers, context) <= budget_bytes
 
     while ceiling is not None and latent < ceiling and fits(latent + 1):
         latent += 1
@@ -222,6 +249,34 @@ def splits(values: int, shares=(0.3,), *, max_rope: int, min_latent: int = 8, bl
     return out
 
 
+# -- the context a plan counts bytes at -------------------------------------------------------------------
+# Without --context the budget counts every token in every layer (a sliding layer as a global one), and what a
+# sequence holds whatever its length (the fixed rows: a "+c4" rope key's newest group, a "+w<N>" window) spread over
+# this many tokens, or the model's max_position_embeddings where shorter: a budget that holds from there on
+DEFAULT_CONTEXT = 4096
+
+
+def spread_context(model, context: int | None = None) -> int:
+    """The sequence length a plan spreads the fixed rows over: `context` when given, else DEFAULT_CONTEXT or the
+    model's max_position_embeddings where shorter."""
+    if context is not None:
+        return context
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    return min(DEFAULT_CONTEXT, int(limit)) if isinstance(limit, int) and limit > 0 else DEFAULT_CONTEXT
+
+
+def planned_bytes(model, context: int | None = None, spread: int | None = None) -> float:
+    """A model's cache bytes per token as the planner counts them (its fixed rows in bfloat16): at a context (sliding
+    layers holding their windows, the fixed rows spread over it, kv_bytes_per_token), or, with none, per token held in
+    every layer plus the fixed rows spread over `spread` tokens (default spread_context)."""
+    from ..models.evaluate import kv_bytes_per_token, kv_fixed_bytes
+
+    if context is not None:
+        return kv_bytes_per_token(model, torch.bfloat16, context=context)
+    spread = spread_context(model) if spread is None else spread
+    return kv_bytes_per_token(model, torch.bfloat16) + kv_fixed_bytes(model, torch.bfloat16) / spread
+
+
 # -- layer types at a context ------------------------------------------------------------------------------
 KEPT_STORAGES = ("bf16", "int8")  # what the sliding layers a candidate keeps (unconverted) may store their cache in
 
@@ -250,9 +305,14 @@ class Layout:
     room: float
 
     def span(self, storage: str, context: int | None) -> float:
-        """Converted layers, each counted by the share of the context its cache holds: a converted layer's bytes per
-        token times span() is the converted layers' bytes per token at the context."""
+        """Converted layers, each counted by the share of the context its cache holds (a layer's fixed rows are not
+        shared: layers_bytes(..., counted(context), ...) prices a layout)."""
         return sum(held_share(w, storage, context) for w in self.windows)
+
+    def counted(self, context: int | None) -> tuple:
+        """The converted layers as layers_bytes counts them: each one's sliding window at a context, else every layer
+        global (every token held)."""
+        return self.windows if context is not None else (None,) * len(self.windows)
 
 
 def layouts(teacher, budget_bytes: float, context: int | None, fmt: str = "attnlab",
