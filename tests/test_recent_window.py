@@ -124,7 +124,7 @@ def test_the_planner_prices_the_plain_rows_at_a_context():
     top of the same storage's bytes without it; per token held (no context) they are not a per-token cost."""
     r, p, T = 40, 16, 512
     assert sizes.few_bit("int3/g64+c4+w16") and sizes.storage_ok("int3/g64+c4+w16") and sizes.storage_ok("int8+w16")
-    assert all(s.endswith(f"+w{sizes.RECENT}") and sizes.few_bit(s) for s in sizes.FEW_BIT)
+    assert all(s.endswith((f"+w{sizes.RECENT}", f"+w{sizes.RECENT // 2}")) and sizes.few_bit(s) for s in sizes.FEW_BIT)
     with_window = sizes.layer_bytes(r, p, "int3/g64+c4+w16", T)
     assert with_window - sizes.layer_bytes(r, p, "int3/g64+c4", T) == pytest.approx(16 * (r + p) * 2 / T, rel=1e-12)
     assert sizes.layer_bytes(r, p, "int3/g64+c4+w16") == sizes.layer_bytes(r, p, "int3/g64+c4")

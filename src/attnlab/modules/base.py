@@ -44,7 +44,7 @@ class AttentionModule(nn.Module):
         if fmt is not None and fmt.recent and self.separate_keys:
             raise ValueError(f"kv_dtype {value!r}: a recent window (+w{fmt.recent}) keeps an MLA's newest latent rows "
                              f"plain; a {type(self).__name__} caches keys and values apart: use "
-                             f"{fmt.name.rsplit('+w', 1)[0]!r}")
+                             f"{fmt.base_name!r}")
         self._kv_format = fmt
 
     separate_keys = True  # whether the cache holds keys and values apart (KIVI treats them differently)

@@ -433,7 +433,7 @@ class KVCache(_Cache):
         fmt = check_kv_dtype(kv_dtype)
         if fmt is not None and fmt.recent:
             raise ValueError(f"kv_dtype {kv_dtype!r}: a recent window (+w{fmt.recent}) is an MLA latent cache's; "
-                             f"a KVCache stores {fmt.name.rsplit('+w', 1)[0]!r} without it")
+                             f"a KVCache stores {fmt.base_name!r} without it")
         if rotate is None:
             rotate = bool(getattr(owner, "separate_keys", True))
         super().__init__(owner, batch_size, max_len, {

@@ -76,7 +76,7 @@ from ..kernels import mla_decode
 from . import checks
 from .attention import attend
 from .base import AttentionModule
-from .cache import KVCache, LatentCache, QuantisedKV, dense, window_for
+from .cache import KVCache, LatentCache, QuantisedKV, check_kv_dtype, dense, window_for
 from .heads import check_grouping, kv_head_of
 from .recent import mixed_keys
 from .rope import RotaryEmbedding
@@ -415,20 +415,25 @@ class MultiHeadLatentAttention(GQATiling, AttentionModule):
                 kv = self._tiled_kv(source, positions if context is None else None)  # (B, S_new, r)
             else:
                 kv = self.compress(source, positions if context is None else None)  # (B, S_new, r+p)
-            if recent and not ours:  # every row kept plain (transformers' cache holds them so) and read as stored too
+            # one of five: a recent window without a cache of ours (none, or transformers' holding plain rows), or in
+            # ours (its plain rows beside the stored ones); a tiled module's K and V (never with a window); no cache
+            # of ours (quantised and read back as ours would, then transformers' cache holds that); our latent cache
+            if recent and not ours:  # every row kept plain and read as stored too
                 if cache is not None:
                     (kv,) = cache.extend(kv=kv)  # (B, S, r+p)
                 tail, tail_start = kv, 0  # (B, S, r+p) plain, beside the stored rows
                 kv = self._as_stored(kv, self._kv_parts())  # (B, S, r+p)
-            elif not ours:  # no storage of ours: quantise and read back as our cache would
-                kv = self._as_stored(kv, self._kv_parts())  # (B, S_new, r+p)
-            if heads:
+            elif recent:
+                kv, tail, tail_start = cache.extend_recent(kv)  # stored (B, S, r+p); plain (B, M, r+p)
+            elif heads:
                 k, v = self._heads(kv)
                 kv = cache.extend_stored(k=k, v=v)  # (K, V)
-            elif recent and ours:
-                kv, tail, tail_start = cache.extend_recent(kv)  # stored (B, S, r+p); plain (B, M, r+p)
-            elif cache is not None and tail is None:
-                (kv,) = cache.extend_stored(kv=kv) if ours else cache.extend(kv=kv)  # (B, S, r+p)
+            elif not ours:
+                kv = self._as_stored(kv, self._kv_parts())  # (B, S_new, r+p)
+                if cache is not None:
+                    (kv,) = cache.extend(kv=kv)  # (B, S, r+p)
+            else:
+                (kv,) = cache.extend_stored(kv=kv)  # (B, S, r+p)
             if cache is not None:
                 cache.static = context is not None
         if heads and not tiled:  # the general paths read latent rows
@@ -479,7 +484,7 @@ class MultiHeadLatentAttention(GQATiling, AttentionModule):
         if self.kv_tiling is not None or self.rope_after_up:
             raise ValueError(f"kv_dtype {name!r}: a recent window is read from latent rows; this module "
                              f"{'caches GQA-tiled K and V' if self.kv_tiling else 'rotates keys after W_UK'}: use "
-                             f"{name.rsplit('+w', 1)[0]!r}")
+                             f"{check_kv_dtype(name).base_name!r}")
         return size if self.sliding_window is None else min(size, self.sliding_window)
 
     def _expanded(self, q_nope, q_rope, kv, mask, is_causal, key_positions=None):

@@ -99,6 +99,12 @@ class StorageFormat(NamedTuple):
                          f"{self.name.split(',')[0]!r}")
 
     @property
+    def base_name(self) -> str:
+        """The spelling without its recent window ("int3/g64+c4" of "int3/g64+c4+w16"): what a cache that cannot
+        keep one stores."""
+        return self.name[:self.name.rindex("+w")] if self.recent else self.name
+
+    @property
     def quantised(self) -> bool:
         return self.code in QMAX or self.low is not None
 

@@ -23,9 +23,13 @@ FORMATS = ("attnlab", "deepseek", "gguf", "transformers")
 # key in 4 bits per channel over groups of 64 tokens (KIVI's key layout; docs/real-models.md); last, a 6-bit latent
 # beside the 8-bit rope key: what holds every value of a GQA between 4 bits (41% of SmolLM2's bytes) and 8 (51%).
 # Each keeps its newest RECENT rows plain as well (+w16: each query reads them unquantised, modules/recent.py), a
-# fixed cost a sequence that --context counts (docs/real-models.md, "A recent window kept plain")
+# fixed cost a sequence that the budget counts (docs/real-models.md, "A recent window kept plain"). The 3-bit latent
+# takes one scale and minimum per 256 values (rotated first, measured as good as groups of 64), and is offered with a
+# window of 8 as well: what keeps every value of SmolLM2 in 25% of the bytes at 4,096 tokens (docs/real-models.md,
+# "A budget that holds at 4,096 tokens")
 RECENT = 16
-FEW_BIT = tuple(f"{s}+w{RECENT}" for s in ("int4/g32+r8", "int2/g32+r8", "int3/g64+c4", "int4/g32+c4", "int6/g32+r8"))
+FEW_BIT = (*(f"{s}+w{RECENT}" for s in ("int4/g32+r8", "int2/g32+r8", "int3/g256+c4", "int4/g32+c4", "int6/g32+r8")),
+           f"int3/g256+c4+w{RECENT // 2}")
 STORAGES = ("bf16", "int8", *FEW_BIT)
 # a GGUF's cache is llama.cpp's: its f16 ("bf16" here: the same bytes) or a block type of --cache-type-k, which
 # quantises deepseek2's cached row [latent | rope key] in blocks of 32 (modules/lowbit.py computes it bit for bit)
