@@ -375,8 +375,9 @@ def _options(teacher, budget: KVBudget, budget_bytes: float, original: float, fm
 def _smallest(latent: int, rope: int, storages, layers: tuple, spread: int, original: float) -> str:
     """'N bytes/token (P%)' of the storage whose rows of these sizes take the fewest bytes, and, where a sequence's
     fixed rows (the protected tokens: a "+c4" rope key's newest group, a "+w<N>" window) are part of them, theirs."""
-    least = min(storages, key=lambda s: layers_bytes(latent, rope, s, layers, spread))
-    n = layers_bytes(latent, rope, least, layers, spread)
+    totals = {s: layers_bytes(latent, rope, s, layers, spread) for s in storages}
+    least = min(totals, key=totals.get)
+    n = totals[least]
     fixed = fixed_rows_bytes(latent, rope, least, layers, spread)
     rows = f", of which {fixed:.0f} are the rows a sequence holds unquantised whatever its length ({least}), " \
         f"spread over {spread} tokens" if fixed else ""
@@ -600,9 +601,10 @@ def plan(teacher, calibration_ids: torch.Tensor, budget: KVBudget, *, fmt: str =
             costs = layer_costs(prefix, L, sizes, change, restore, progress=counted)
         except _Cut:
             costs = None
-        rows = [[math.ceil(layer_bytes(r, best.rope_dim, best.kv_dtype, spread, w)) for r in sizes]  # whole bytes
-                for w in converted_layers]
-        dims = [sizes[o] for o in choose_per_layer(costs, rows, int(budget_bytes))] if costs else []
+        row = {w: [math.ceil(layer_bytes(r, best.rope_dim, best.kv_dtype, spread, w)) for r in sizes]  # whole bytes
+               for w in set(converted_layers)}  # one row per kind of layer (its window)
+        dims = [sizes[o] for o in choose_per_layer(costs, [row[w] for w in converted_layers], int(budget_bytes))] \
+            if costs else []
         if len(set(dims)) > 1:
             measure(Candidate(round(sum(dims) / L), best.rope_dim, best.rope_select, best.balance, best.kv_dtype,
                               False, rotation=best.rotation, round=4, latent_dims=dims))
