@@ -73,7 +73,11 @@ def test_bytes_at_a_context_count_a_sliding_layer_by_its_window():
         assert layers_bytes(24, G * HEAD, storage, every.counted(None), CONTEXT) == pytest.approx(
             hf.kv_bytes_per_token(student) + (hf.kv_fixed_bytes(student, torch.bfloat16) + ring) / CONTEXT)
     # a "+c4" rope key keeps every token: the sliding layers count whole
-    assert every.span("int4/g32+c4", CONTEXT) == 4 and every.span("int8", CONTEXT) == pytest.approx(2 + 2 * 8 / 128)
+    everywhere = (None,) * len(every.windows)
+    assert layers_bytes(24, G * HEAD, "int4/g32+c4", every.counted(CONTEXT), CONTEXT) == pytest.approx(
+        layers_bytes(24, G * HEAD, "int4/g32+c4", everywhere, CONTEXT))
+    assert layers_bytes(24, G * HEAD, "int8", every.counted(CONTEXT), CONTEXT) < layers_bytes(
+        24, G * HEAD, "int8", everywhere, CONTEXT)
 
 
 def test_at_a_long_context_the_plan_keeps_the_sliding_layers_and_meets_the_budget():

@@ -18,6 +18,7 @@ from attnlab.runtime import Budget, Stopped
 from attnlab.shrink import ShrinkRequest, parse_budget, plan, shrink
 from attnlab.shrink.pipeline import check_request, run_folder
 from attnlab.shrink.plan import Candidate, apply, bytes_per_token, feasible, proxy_kl, teacher_log_probs
+from attnlab.shrink.sizes import spread_context
 
 T = 16
 
@@ -139,6 +140,18 @@ def test_no_plan_meets_a_budget_below_one_rope_pair_and_a_latent(tiny):
     _, model, tok, text, _ = tiny
     with pytest.raises(ValueError, match="no plan can meet a KV budget of 20 bytes/token"):
         plan(model, _ids(tok, text, 64), parse_budget("20"), window=T)
+
+
+def test_a_refusal_names_the_tokens_fixed_rows_were_spread_over_only_where_a_storage_holds_some(tiny):
+    """Without --context a budget's fixed rows are spread over spread_context's tokens; a refusal says so where one
+    of the storages asked for holds fixed rows ("+w16"), and not where none does (bf16, int8)."""
+    _, model, _, _, _ = tiny
+    spread = spread_context(model)
+    with pytest.raises(ValueError, match="no plan can meet") as plain:
+        feasible(model, parse_budget("20"), "attnlab", ("bf16", "int8"))
+    assert "spread over" not in str(plain.value) and "bytes/token):" in str(plain.value)
+    with pytest.raises(ValueError, match=rf"20 bytes/token, a sequence's fixed rows spread over {spread} tokens\)"):
+        feasible(model, parse_budget("20"), "attnlab", ("int8", "int4/g32+r8+w16"))
 
 
 def test_protected_rows_that_alone_exceed_the_budget_are_refused_with_the_numbers(tiny):
@@ -671,7 +684,7 @@ def test_a_plan_that_keeps_every_value_heals_end_to_end_first_with_a_probe(tiny)
     its layer-wise phase first (pipeline.LAYER_SHARE)."""
     import copy
 
-    from attnlab.shrink.pipeline import PROBE_SHARE, _heal_plan
+    from attnlab.shrink.pipeline import FEW_STEPS_LR, PROBE_SHARE, _heal_plan
 
     _, teacher, tok, text, _ = tiny
     train = _ids(tok, text, 4 * T).reshape(4, T)
@@ -682,3 +695,5 @@ def test_a_plan_that_keeps_every_value_heals_end_to_end_first_with_a_probe(tiny)
     codes, low_rank = _heal_plan(req, teacher, every, train, 600.0), _heal_plan(req, teacher, cut, train, 600.0)
     assert codes.probe == PROBE_SHARE and codes.layer_steps >= 5
     assert low_rank.probe == 0 and low_rank.layer_steps >= 5
+    for p in (codes, low_rank):  # fewer than 50 steps a layer: batches of 4 at the rate measured for them
+        assert p.layer_batch == 8 or p.layer_lr == FEW_STEPS_LR

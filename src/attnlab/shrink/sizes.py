@@ -5,7 +5,7 @@ size; V = 2 G d values per token and layer in the original GQA cache; a compress
 key) values per token and layer. Every size is measured from the cache a module allocates for it (on the meta
 device), so the planner's arithmetic is the caches' own: a few-bit row's bytes step with its groups and packing,
 and `fit` moves a latent up or down until one value more would not fit. At a context (`--context T`) a sliding
-layer holds only its window (`held_share`), and `layouts` offers keeping the sliding layers as they are. What a
+layer holds only its window (`Layout.counted`), and `layouts` offers keeping the sliding layers as they are. What a
 sequence holds whatever its length (a "+c4" rope key's newest group, a "+w16" window: the fixed rows) is counted in
 16 bits, spread over the context, or without one over DEFAULT_CONTEXT tokens (`spread_context`): a budget that
 holds for sequences that long.
@@ -285,17 +285,6 @@ def planned_bytes(model, context: int | None = None, spread: int | None = None) 
 KEPT_STORAGES = ("bf16", "int8")  # what the sliding layers a candidate keeps (unconverted) may store their cache in
 
 
-def held_share(window: int | None, storage: str, context: int | None) -> float:
-    """The share of a `context`-token sequence a layer's cache holds in that storage: 1 for a global layer, for no
-    context, or for a storage that keeps every token (modules/cache.py window_for); else its window's rows over the
-    context (window_rows)."""
-    from ..modules.cache import window_for, window_rows
-
-    if context is None or window is None or window_for(window, storage) is None:
-        return 1.0
-    return window_rows(window, context) / context
-
-
 @dataclass(frozen=True)
 class Layout:
     """Which layers a candidate converts, and the bytes per token the budget leaves them.
@@ -307,11 +296,6 @@ class Layout:
     kept_dtype: str | None
     windows: tuple
     room: float
-
-    def span(self, storage: str, context: int | None) -> float:
-        """Converted layers, each counted by the share of the context its cache holds (a layer's fixed rows are not
-        shared: layers_bytes(..., counted(context), ...) prices a layout)."""
-        return sum(held_share(w, storage, context) for w in self.windows)
 
     def counted(self, context: int | None) -> tuple:
         """The converted layers as layers_bytes counts them: each one's sliding window at a context, else every layer
