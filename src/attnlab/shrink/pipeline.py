@@ -266,9 +266,9 @@ def _heal_plan(req, teacher, student, train: torch.Tensor, seconds: float):
     layer-wise phase sized to the rest, in case the probe finds the end-to-end phase harmful.
 
     A layer step is timed on layer 0 (forward and backward, twice, after an untimed first call) on the teacher's hidden
-    states of one window, whose computing is timed too. Measured on SmolLM2 at a 50% cut (docs/real-models.md): with few steps per layer a
-    lower rate and smaller batches do better at equal time (20 steps of 4 windows at lr 1e-3 beat 10
-    of 8), with 100 steps the defaults (8 windows, lr 3e-3) do best; at 12.5%, 40 steps of 4 at 2.5e-4 beat 1e-3
+    states of one window, whose computing is timed too. Measured on SmolLM2 at a 50% cut (docs/real-models.md): with
+    few steps per layer a lower rate and smaller batches do better at equal time (20 steps of 4 windows at lr 1e-3 beat
+    10 of 8), with 100 steps the defaults (8 windows, lr 3e-3) do best; at 12.5%, 40 steps of 4 at 2.5e-4 beat 1e-3
     and 1e-4 (FEW_STEPS_LR). The end-to-end batch is the request's
     (--batch-size), and the layer-wise batch is rounded up to a whole number of them, so that any number of processes
     that splits the one splits the other, and a torchrun job plans what one process plans.
