@@ -1,0 +1,93 @@
+"""Heal one converted student under variants of its heal plan, and score each on the heal's judge texts and on two
+development texts nothing reads (docs/real-models.md, "A layer-wise rate that generalises").
+
+The student and its data come from a shrink run stopped after its conversion (Ctrl-C once the log says "evaluating
+the converted model before training"; the run folder OUT.shrink-run keeps data.safetensors, student/ and the heal
+plan):
+
+    attnlab shrink smollm2 --kv-budget 12.5% --out /tmp/x12/out      # Ctrl-C after the conversion
+    python benchmarks/heal_rate.py /tmp/x12/out.shrink-run --minutes 4 \\
+        --variant seed=0 --variant layer_steps=40,layer_lr=0.00025 --variant layer_steps=40,layer_lr=0.0001
+
+Each variant changes the run's own heal plan (HealPlan fields, comma-separated name=value) and heals a fresh copy of
+the student for --minutes with heal_model (the shrink's own call; the healed weights are kept whatever the guard
+says, so that the variant itself is scored). Prints one line per variant and writes benchmarks/heal_rate.json. Run
+it alone: the heal is time-budgeted.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from dataclasses import asdict, fields
+from pathlib import Path
+
+DEV_TEXTS = ("/usr/share/common-licenses/Apache-2.0", "argparse")  # 2,048 tokens of each; argparse: Python's source
+
+
+def _plan(base: dict, variant: str):
+    from attnlab.heal.distill import HealPlan
+
+    plan = HealPlan(**base)
+    kinds = {f.name: f.type for f in fields(HealPlan)}
+    for item in filter(None, variant.split(",")):
+        name, _, value = item.partition("=")
+        if name not in kinds:
+            raise ValueError(f"--variant {variant!r}: {name!r} is not a HealPlan field")
+        setattr(plan, name, int(value) if "int" in str(kinds[name]) else float(value))
+    return plan
+
+
+def main() -> None:
+    import time
+
+    from safetensors.torch import load_file
+
+    from attnlab import models as hf
+    from attnlab.heal.distill import heal_model
+    from attnlab.heal.evaluate import evaluate_texts, public
+    from attnlab.models.evaluate import read_text_ids
+    from attnlab.shrink.pipeline import held_texts
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("run", help="a shrink run folder (OUT.shrink-run) stopped after its conversion")
+    ap.add_argument("--source", default="smollm2", help="the teacher the run converted")
+    ap.add_argument("--minutes", type=float, default=4.0)
+    ap.add_argument("--variant", action="append", default=[],
+                    help="HealPlan fields, e.g. layer_steps=40,layer_lr=2.5e-4")
+    args = ap.parse_args()
+    run = Path(args.run)
+    state = json.loads((run / "state.json").read_text())
+    if not state.get("heal_plan"):
+        raise SystemExit(f"{run}: no heal plan yet (stop the shrink after 'evaluating the converted model')")
+    data = load_file(str(run / "data.safetensors"))
+    teacher, tok, _ = hf.load_model(args.source)
+    paths = [p if p != "argparse" else argparse.__file__ for p in DEV_TEXTS]
+    dev = [read_text_ids(tok, p, 2048) for p in paths]
+    rows = []
+    for variant in args.variant or [""]:
+        plan = _plan(state["heal_plan"], variant)
+        student, _, _ = hf.load_model(str(run / "student"))
+        load = os.getloadavg()[0]
+        t0 = time.perf_counter()
+        rep = heal_model(teacher, student, data["train"], held_texts(data), plan, minutes=args.minutes,
+                         keep_better=False)
+        after = public(evaluate_texts(teacher, student, dev))
+        row = {"variant": variant or "the run's plan", "plan": asdict(plan), "load_before": load,
+               "minutes": (time.perf_counter() - t0) / 60, "layers_restored": rep["layers_restored"],
+               "end_to_end_steps": rep["distill_steps"],
+               "judge_kl": [[b["kl"], a["kl"]] for b, a in zip(rep["before"]["texts"], rep["after"]["texts"])],
+               "dev": [{"path": p, "kl": t["kl"], "perplexity": t["perplexity"]}
+                       for p, t in zip(paths, after["texts"])]}
+        rows.append(row)
+        print(f"{row['variant']}: given back {row['layers_restored']}, {row['end_to_end_steps']} end-to-end steps; "
+              f"judge KL {' / '.join(f'{b:.3f} -> {a:.3f}' for b, a in row['judge_kl'])}; "
+              f"dev KL {' / '.join(format(d['kl'], '.3f') for d in row['dev'])}", flush=True)
+    out = Path(__file__).with_suffix(".json")
+    tmp = out.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(rows, indent=2))
+    tmp.replace(out)
+
+
+if __name__ == "__main__":
+    main()
