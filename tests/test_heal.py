@@ -632,3 +632,43 @@ def test_the_layer_wise_guard_never_leaves_a_layer_worse_than_it_started(tiny, l
     if layer_lr == 3.0:
         assert s["layers_restored"] == [0, 1]
         assert healer.optimizer.param_groups[0]["lr"] < plan.lr / GUARD_CUT  # the end-to-end steps are cut too
+
+
+@pytest.mark.parametrize("layer_lr", [1e-3, 3.0])
+def test_a_layer_the_budget_cuts_off_is_judged_like_a_finished_one(tiny, tmp_path, layer_lr):
+    """The budget ends after 3 of layer 0's 8 layer-wise steps: the layer is scored on the guard's check windows and
+    gets its start weights back exactly when it reads worse than it started (at 3.0 it does), else keeps the trained
+    ones; the checkpoint still holds the steps as taken, so a resume carries on inside the layer."""
+    from attnlab.heal.distill import normalised_mse
+    from attnlab.models.evaluate import attention_inputs
+    from attnlab.runtime import Budget
+
+    _, teacher, _ = tiny
+    plan, windows = _plan(layer_lr=layer_lr, layer_steps=8, tokens=None), _windows(32, seed=0)
+    student = _student(teacher)
+    start = copy.deepcopy(hf.attnlab_modules(student)[0].state_dict())
+    clock = [0.0]
+
+    def spend(info):
+        if info["phase"] == "layers" and info["done"] == 3:
+            clock[0] = 1e6  # past the deadline: the run ends before layer 0's fourth step
+
+    report = heal_model(teacher, student, windows, _windows(8, 1).reshape(1, -1), plan, progress=spend,
+                        budget=Budget(1, clock=lambda: clock[0]), checkpoint=tmp_path / "ckpt.pt", keep_better=False)
+    cut = report["layer_cut"]
+    assert report["status"] == "budget" and (cut["layer"], cut["steps"], cut["of"]) == (0, 3, 8)
+    check = windows[plan.layer_windows: plan.layer_windows + 4]
+    with torch.no_grad():
+        x = attention_inputs(teacher, check)[0].reshape(4, T, -1)
+        m, t = hf.attnlab_modules(student)[0], hf.attnlab_modules(teacher)[0]
+        now = float(normalised_mse(m(x, is_causal=True), t(x, is_causal=True)))
+    same = all(torch.equal(v, start[k]) for k, v in m.state_dict().items())
+    assert cut["restored"] == (cut["after"] > cut["before"]) == same
+    assert now == pytest.approx(min(cut["before"], cut["after"]), rel=1e-6)
+    if layer_lr == 3.0:
+        assert cut["restored"]
+    blob = Healer.read(tmp_path / "ckpt.pt")
+    assert (blob["state"]["phase"], blob["state"]["step"]) == ("layers", 3)  # resumable inside the layer
+    trained = any(not torch.equal(v, start[k.split(".", 1)[1]]) for k, v in blob["student"].items()
+                  if k.startswith("0."))
+    assert trained

@@ -425,6 +425,25 @@ class Healer:
             self._attn[layer].load_state_dict(self._start_weights)
         s["layer_start_error"], self._start_weights = None, None
 
+    def judge_cut_layer(self) -> dict | None:
+        """A layer the budget or a stop cut off inside its layer-wise steps, judged as _guard judges a finished one:
+        when it reads worse on the check windows than it started, its start weights come back (a few steps at a
+        warm-up rate can leave a layer far from both). Returns {"layer", "steps", "of", "before", "after",
+        "restored"}, or None when no layer was cut (or its check windows are not at hand: a resumed run stopped
+        before its first step). The state and the checkpoint are left as they were: a resume carries on inside the
+        layer, from the weights the steps left."""
+        s = self.state
+        if s["phase"] != "layers" or not s["step"] or self._start_weights is None or s["layer_start_error"] is None \
+                or self._check_x is None:
+            return None
+        self.trained.release()
+        layer = s["layer"]
+        before, after = s["layer_start_error"], self._check_error(layer)
+        if after > before:
+            self._attn[layer].load_state_dict(self._start_weights)
+        return {"layer": layer, "steps": s["step"], "of": self.plan.layer_steps, "before": before, "after": after,
+                "restored": after > before}
+
     def _batch(self, step: int) -> torch.Tensor:
         B, N = self.plan.batch_size, self.windows.shape[0]
         rows = []
@@ -653,7 +672,8 @@ def heal_model(teacher, student, windows: torch.Tensor, held_out, plan: HealPlan
     The layer-wise guard (module docstring) acts within the heal; report["layers_restored"] names the layers it
     gave their start weights back and report["lr_scale"] the factor it left on the learning rates;
     report["rollbacks"] lists the end-to-end steps the blow-up guard rolled back ({"step", "loss", "start",
-    "lr_scale"} each).
+    "lr_scale"} each). A heal that ends (budget or stop) inside a layer's layer-wise steps has that layer judged by
+    the same rule (Healer.judge_cut_layer; report["layer_cut"], None when no layer was cut).
     """
     from .data import check_pair
     from .evaluate import evaluate_texts, held_out_texts, public
@@ -706,6 +726,7 @@ def heal_model(teacher, student, windows: torch.Tensor, held_out, plan: HealPlan
                 "verdict": "kept the end-to-end phase (no held-out windows to judge it on)"}
             healer.state["report"] = report
             status = healer.run(reserve=reserve)
+        report["layer_cut"] = None if status == "done" else healer.judge_cut_layer()
     else:
         healer.save()
     healer.finish()

@@ -82,6 +82,12 @@ def guard_line(report: dict) -> str | None:
         parts.append(f"layer-wise: {len(layers)} of {len(report.get('layer_checks') or layers)} layers ended worse on "
                      f"the check windows than they started and kept their start weights (layers "
                      f"{', '.join(map(str, layers))})")
+    cut = report.get("layer_cut")
+    if cut:
+        parts.append(f"layer {cut['layer']}, cut off after {cut['steps']} of its {cut['of']} layer-wise steps, "
+                     + ("read worse than it started and kept its start weights" if cut["restored"] else
+                        "read better than it started and kept its trained weights")
+                     + f" (check error {cut['before']:.4g} -> {cut['after']:.4g})")
     rollbacks = report.get("rollbacks") or []
     if rollbacks:
         steps = ", ".join(f"{r['step']} ({r['loss']:.3g})" for r in rollbacks)
