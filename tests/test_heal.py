@@ -672,3 +672,34 @@ def test_a_layer_the_budget_cuts_off_is_judged_like_a_finished_one(tiny, tmp_pat
     trained = any(not torch.equal(v, start[k.split(".", 1)[1]]) for k, v in blob["student"].items()
                   if k.startswith("0."))
     assert trained
+
+
+def test_a_switched_layer_wise_phase_fits_its_steps_to_the_time_left(tiny):
+    """After a probe switches to the layer-wise phase (the heal's last), its first layer is timed and the layers after
+    it get the steps that fit what the budget has left, so that none is left untrained. A fake clock where every pass
+    through a student attention layer takes 1 s: layer 0 takes its 20 steps (a check before and after them, 22 s),
+    timed from its second step to its end (20 s for 19 steps); 12 s are left, so layer 1 gets int(12 / (20 / 19)) =
+    11 steps and ends. Without the fitting it would start its 20 and be cut off half way."""
+    from attnlab.runtime import Budget
+
+    _, teacher, _ = tiny
+    plan, windows = _plan(probe=0.5, layer_steps=20), _windows(32, seed=0)
+    base = _student(teacher)
+    converted = dict(zip([f"{i}.{k}" for i, m in enumerate(hf.attnlab_modules(base)) for k in m.state_dict()],
+                         _weights(base)))
+    student = copy.deepcopy(base)
+    clock = [0.0]
+    hooks = [m.register_forward_pre_hook(lambda *_: clock.__setitem__(0, clock[0] + 1.0))
+             for m in hf.attnlab_modules(student)]
+    try:
+        healer = Healer(teacher, student, windows, plan, budget=Budget(clock=lambda: clock[0]))
+        assert healer.run() == "probe"
+        healer.settle_probe(True, converted)
+        status = healer.run(minutes=34 / 60)
+    finally:
+        for h in hooks:
+            h.remove()
+    s = healer.state
+    assert s["layer_steps"] == int(12 / (20 / 19)) == healer.layer_steps
+    assert status == "done" and len(s["layer_checks"]) == 2 and s["phase"] == "done"
+    assert healer.judge_cut_layer() is None

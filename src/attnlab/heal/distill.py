@@ -25,7 +25,8 @@ With a probe (HealPlan.probe, what shrink plans for a student that keeps every v
 round: the end-to-end phase runs first, and heal_model scores the held-out texts after that share of
 its steps; if the student moved away from the teacher there (guard.worse: the KL to the teacher rose,
 or top-1 agreement fell, on any held-out text), the converted weights come back and the layer-wise
-phase takes the rest of the time, with no end-to-end phase after it (Healer.settle_probe). Measured:
+phase takes the rest of the time, with no end-to-end phase after it (Healer.settle_probe); its steps a
+layer are fitted to that time once its first layer is timed (Healer._fit_layers). Measured:
 SmolLM2's every-value plans heal end to end, Gemma 3 270M's only layer-wise (docs/real-models.md).
 
 `Healer` runs the phases as one resumable state machine: the plan, step, phase, layer,
@@ -84,6 +85,9 @@ from .trained import TrainedPart
 # 0.20 in 8 steps. HealPlan.lr's default stays 3e-4, the best of 1e-4 / 3e-4 / 1e-3 measured for a low-rank plan,
 # which starts far from the teacher (docs/real-models.md); should 1e-4 still blow up, the blow-up guard cuts it.
 EVERY_VALUE_LR = 1e-4
+# The fewest layer-wise steps a layer that a heal plans or fits to its time (a layer's schedule warms up over
+# warmup_steps of them; fewer move a layer little)
+MIN_LAYER_STEPS = 5
 
 
 @dataclass
@@ -174,7 +178,7 @@ class Healer:
         self.state = {"phase": "layers" if plan.layer_steps and not probing else "distill", "layer": self.layers[0],
                       "step": 0, "tokens": 0,
                       "total_steps": None, "elapsed": 0.0, "layer_losses": [], "distill_losses": [],
-                      "steps_done": 0, **guard.initial_state(), **_probe_state(probing)}
+                      "steps_done": 0, "layer_steps": None, **guard.initial_state(), **_probe_state(probing)}
         self.fingerprints = {"student": fingerprint(_attention_weights(_modules(student)).items()),
                              "teacher": fingerprint(teacher.state_dict().items())}
         for p in teacher.parameters():
@@ -383,9 +387,9 @@ class Healer:
             s["layer_start_error"] = self._check_error(layer)
         with torch.no_grad():
             target = _modules(self.teacher)[layer](x, is_causal=True)  # (b, T, dim)
+        steps = self.layer_steps
         for g in self.optimizer.param_groups:
-            g["lr"] = plan.layer_lr * s["lr_scale"] * cosine(s["step"], plan.layer_steps,
-                                                             warmup_steps(plan.layer_steps))
+            g["lr"] = plan.layer_lr * s["lr_scale"] * cosine(s["step"], steps, warmup_steps(steps))
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
             out = self.trained.part(x, is_causal=True)
         loss = normalised_mse(out, target, world=self.world)
@@ -394,7 +398,7 @@ class Healer:
         self.optimizer.step()
         value = self._loss_value(loss)
         s["step"] += 1
-        if s["step"] == plan.layer_steps:
+        if s["step"] == steps:
             s["layer_losses"].append(value)
             self._guard(layer)
             later = [i for i in self.layers if i > layer]
@@ -404,6 +408,26 @@ class Healer:
                 self._inputs = self._check_x = None
             self._make_optimizer()
         return value
+
+    @property
+    def layer_steps(self) -> int:
+        """The layer-wise steps a layer from here: the plan's, or fewer where _fit_layers fitted them to the time."""
+        return self.state.get("layer_steps") or self.plan.layer_steps
+
+    def _fit_layers(self, budget: Budget, reserve: float, seconds: float) -> None:
+        """The layer-wise phase as the heal's last (a probe switched to it): once its first layer is done, the steps a
+        layer for the layers still to come, so that they all fit what the budget has left but `reserve` at `seconds`
+        a step (that layer's, timed from its second step to its end check), at most the plan's and at least
+        MIN_LAYER_STEPS. Set once, in the state (checkpoints hold it; over N ranks rank 0's figure). Without it the
+        plan's steps, sized before the end-to-end phase and its probe took their time, ran out of time 21 layers of
+        30 into SmolLM2's 25% heal, and the layers after it were never trained."""
+        s = self.state
+        to_come = [i for i in self.layers if i >= s["layer"]] if s["phase"] == "layers" else []
+        if not to_come or budget.deadline is None or s["layer_steps"] is not None:
+            return
+        fit = int((budget.left() - reserve) / max(seconds * len(to_come), 1e-9))
+        steps = max(MIN_LAYER_STEPS, min(self.plan.layer_steps, fit))
+        s["layer_steps"] = dd.broadcast_object(steps, patient=False) if self.world.distributed else steps
 
     def _check_error(self, layer: int) -> float:
         """The layer's normalised error against the teacher's layer on the check windows (no gradient; every rank
@@ -441,7 +465,7 @@ class Healer:
         before, after = s["layer_start_error"], self._check_error(layer)
         if after > before:
             self._attn[layer].load_state_dict(self._start_weights)
-        return {"layer": layer, "steps": s["step"], "of": self.plan.layer_steps, "before": before, "after": after,
+        return {"layer": layer, "steps": s["step"], "of": self.layer_steps, "before": before, "after": after,
                 "restored": after > before}
 
     def _batch(self, step: int) -> torch.Tensor:
@@ -529,6 +553,7 @@ class Healer:
         start = clock()
         last_save, step_time, status, elapsed0 = start, 0.0, "done", s["elapsed"]
         self.steps_this_run = 0
+        layer_clock = None  # (layer, time after its first step, that step): the layer-wise step time, for _fit_layers
         while s["phase"] != "done":
             if s["phase"] == "distill" and s["probe"] == "pending" and s["probe_step"] is not None \
                     and s["step"] >= s["probe_step"]:  # the same step on every rank: the steps are counted alike
@@ -548,6 +573,8 @@ class Healer:
                 status = "stopped" if e.reason == "stop" else "budget"
                 break
             step_time = clock() - now
+            if phase == "layers" and s["probe"] == "switched":
+                layer_clock = self._time_layer(layer_clock, budget, reserve)
             self.steps_this_run += 1
             s["steps_done"] += 1
             s["elapsed"] = elapsed0 + clock() - start
@@ -573,12 +600,26 @@ class Healer:
         self.trained.detach(sync=self.checkpoint is None)  # save() synced the weights already
         return status
 
+    def _time_layer(self, layer_clock, budget: Budget, reserve: float):
+        """run()'s clock on the switched layer-wise phase's first layer: started after its first step (which computes
+        the teacher's hidden states), read when the layer is done (_fit_layers)."""
+        s, clock = self.state, budget.clock
+        if layer_clock is None:
+            return (s["layer"], clock(), s["step"]) if s["phase"] == "layers" and s["step"] == 1 else None
+        layer, began, first = layer_clock
+        if s["phase"] == "layers" and s["layer"] == layer:
+            return layer_clock
+        steps = self.layer_steps - first  # the layer's steps after the clock started (the layer just ended)
+        if steps > 0:
+            self._fit_layers(budget, reserve, (clock() - began) / steps)
+        return None
+
     def _info(self, phase, loss, step_time) -> dict:
         s, plan, n = self.state, self.plan, len(self.layers)
         if phase == "layers":
-            done = self.layers.index(s["layer"]) * plan.layer_steps + s["step"] if s["phase"] == "layers" \
-                else n * plan.layer_steps
-            total = n * plan.layer_steps
+            steps = self.layer_steps
+            done = self.layers.index(s["layer"]) * steps + s["step"] if s["phase"] == "layers" else n * steps
+            total = n * steps
             tokens = plan.layer_batch * plan.seq_len
         else:
             done, total, tokens = s["step"], s["total_steps"], plan.batch_size * plan.seq_len
@@ -673,7 +714,8 @@ def heal_model(teacher, student, windows: torch.Tensor, held_out, plan: HealPlan
     gave their start weights back and report["lr_scale"] the factor it left on the learning rates;
     report["rollbacks"] lists the end-to-end steps the blow-up guard rolled back ({"step", "loss", "start",
     "lr_scale"} each). A heal that ends (budget or stop) inside a layer's layer-wise steps has that layer judged by
-    the same rule (Healer.judge_cut_layer; report["layer_cut"], None when no layer was cut).
+    the same rule (Healer.judge_cut_layer; report["layer_cut"], None when no layer was cut);
+    report["layer_steps_fitted"] holds the steps a layer Healer._fit_layers fitted to the time (None: the plan's).
     """
     from .data import check_pair
     from .evaluate import evaluate_texts, held_out_texts, public
@@ -738,6 +780,7 @@ def heal_model(teacher, student, windows: torch.Tensor, held_out, plan: HealPlan
                   distill_loss_first=s["distill_losses"][:1], distill_loss_last=s["distill_losses"][-5:],
                   trained_steps=healer.steps_this_run, steps_done=s["steps_done"], layer_checks=s["layer_checks"],
                   layers_restored=s["layers_restored"], lr_scale=s["lr_scale"], rollbacks=s["rollbacks"],
+                  layer_steps_fitted=s.get("layer_steps"),
                   layers_trained=list(healer.layers))
     if evaluate and status != "stopped" and s["steps_done"] and "reference" in s:
         try:

@@ -287,7 +287,7 @@ def _sized(req: ShrinkRequest, plan, teacher, student, train: torch.Tensor, seco
     and the layer-wise steps and batch."""
     import time
 
-    from ..heal.distill import EVERY_VALUE_LR
+    from ..heal.distill import EVERY_VALUE_LR, MIN_LAYER_STEPS
     from ..models.adapters import attnlab_modules
 
     mods = attnlab_modules(student)
@@ -328,7 +328,7 @@ def _sized(req: ShrinkRequest, plan, teacher, student, train: torch.Tensor, seco
         plan.layer_batch, plan.layer_steps = 8, int(min(100, steps8))
     else:
         plan.layer_batch, plan.layer_lr = 4, FEW_STEPS_LR
-        plan.layer_steps = int(max(5, min(60, layer_time / max(step4 * len(mods), 1e-9))))
+        plan.layer_steps = int(max(MIN_LAYER_STEPS, min(60, layer_time / max(step4 * len(mods), 1e-9))))
     return plan
 
 
