@@ -214,9 +214,11 @@ def part_run(case: str, seed: int, redo: bool, long: bool) -> None:
         raise SystemExit(f"shrink failed: {row.get('stderr', '')[-500:]}")
     model, tok, meta = hf.load_model(row["out"])
     report = meta.get("shrink") or {}
-    row["report"] = {k: report.get(k) for k in ("kv_bytes_per_token", "held_out", "minutes", "work", "heal_plan")}
+    row["report"] = {k: report.get(k) for k in ("kv_bytes_per_token", "held_out", "minutes", "work", "heal_plan",
+                                                   "environment")}
     row["report"]["heal"] = {k: (report.get("heal") or {}).get(k) for k in
-                             ("probe", "kept", "rollbacks", "layers_restored", "distill_steps", "steps_done")}
+                             ("probe", "kept", "rollbacks", "layers_restored", "distill_steps", "steps_done",
+                              "layer_cut", "layer_steps_fitted")}
     row["plan"] = (report.get("plan") or {}).get("chosen")
     row["kv_bytes_per_token"] = hf.kv_bytes_per_token(model)
     row["fixed_bytes"] = fixed_bytes(row)

@@ -407,6 +407,10 @@ def test_shrink_end_to_end_for_each_format(tiny, tmp_path, fmt):
     assert report["held_out"]["after"]["perplexity"] > 0 and report["heal"]["steps_done"] > 0
     assert set(report["minutes"]) >= {"load", "data", "plan", "convert", "heal", "export", "total"}
     assert report["runs_in"]["engine"] == {"attnlab": "attnlab", "deepseek": "transformers", "gguf": "llama.cpp"}[fmt]
+    import transformers  # what the run computed with, as the libraries themselves say
+    env = report["environment"]
+    assert (env["torch"], env["transformers"], env["threads"]) == (torch.__version__, transformers.__version__,
+                                                                   torch.get_num_threads())
     against = report["baselines"]["against"]  # the tiny model's head size (16) takes the KIVI baselines only
     scored = {r["kv_dtype"]: r for r in report["baselines"]["rows"] if r["perplexity"] is not None}
     assert set(scored) <= {"kivi4", "kivi2"} and all(r["kv_bytes_per_token"] >= kv["shrunk"] for r in scored.values())
@@ -679,12 +683,12 @@ def test_a_budget_at_a_context_is_met_there_and_the_kept_layers_are_the_teachers
 
 def test_a_plan_that_keeps_every_value_heals_end_to_end_first_with_a_probe(tiny):
     """The heal plan of a student whose layers hold every value (the whole key as the rope key, the values as the
-    latent: only codes differ) starts end to end with a probe (pipeline.PROBE_SHARE) and sizes a layer-wise phase for
+    latent: only codes differ) starts end to end with a probe (heal_plan.PROBE_SHARE) and sizes a layer-wise phase for
     the rest of the time, in case the probe finds the end-to-end phase harmful; one cut to low rank has no probe and
-    its layer-wise phase first (pipeline.LAYER_SHARE)."""
+    its layer-wise phase first (heal_plan.LAYER_SHARE)."""
     import copy
 
-    from attnlab.shrink.pipeline import FEW_STEPS_LR, PROBE_SHARE, _heal_plan
+    from attnlab.shrink.heal_plan import FEW_STEPS_LR, PROBE_SHARE, heal_plan
 
     _, teacher, tok, text, _ = tiny
     train = _ids(tok, text, 4 * T).reshape(4, T)
@@ -692,7 +696,7 @@ def test_a_plan_that_keeps_every_value_heals_end_to_end_first_with_a_probe(tiny)
     every, cut = copy.deepcopy(teacher), copy.deepcopy(teacher)
     hf.convert_model(every, "mla", latent_dim=32, rope_dim=32, pair_selection="rorope")  # 64 = G d + G d: all
     hf.convert_model(cut, "mla", latent_dim=12, rope_dim=4)
-    codes, low_rank = _heal_plan(req, teacher, every, train, 600.0), _heal_plan(req, teacher, cut, train, 600.0)
+    codes, low_rank = heal_plan(req, teacher, every, train, 600.0), heal_plan(req, teacher, cut, train, 600.0)
     assert codes.probe == PROBE_SHARE and codes.layer_steps >= 5
     assert low_rank.probe == 0 and low_rank.layer_steps >= 5
     for p in (codes, low_rank):  # fewer than 50 steps a layer: batches of 4 at the rate measured for them

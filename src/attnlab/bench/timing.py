@@ -13,6 +13,8 @@ from typing import Callable
 
 import torch
 
+from ..runtime.environment import environment
+
 
 def _sync(device) -> None:
     if torch.device(device).type == "cuda":
@@ -45,8 +47,9 @@ def machine_info(device="cpu") -> dict:
                     break
     except OSError:
         pass
-    info = {"cpu": cpu, "threads": torch.get_num_threads(), "torch": torch.__version__,
-            "python": platform.python_version(), "device": str(device)}
+    env = environment()
+    info = {"cpu": cpu, "threads": env["threads"], "torch": env["torch"], "python": env["python"],
+            "device": str(device)}
     if torch.device(device).type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
     return info

@@ -1,0 +1,110 @@
+"""The heal plan of a shrink run: what its heal does in the time it has (heal.distill.HealPlan), chosen from the
+request, the converted student and a step timed on this machine.
+
+A student that keeps every value (only its codes differ from the original's) heals end to end first, with a probe
+that can switch to the layer-wise phase; one cut to low rank heals layer-wise first (LAYER_SHARE of the time), then
+end to end. The layer-wise steps a layer are sized from one step of layer 0 timed on the teacher's hidden states,
+with a lower rate where few fit (FEW_STEPS_LR); a layer-wise phase that a probe switched to fits its steps to the time
+it really has once running (heal.distill.Healer._fit_layers). shrink/pipeline.py calls heal_plan once, when the heal
+starts, and the run folder keeps the plan (a resumed run heals to the same plan).
+"""
+from __future__ import annotations
+
+import copy
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from .pipeline import ShrinkRequest
+
+
+# The layer-wise phase's share of the heal's time where it goes first (a plan that cuts rank). Measured on SmolLM2 at
+# 12.5% (docs/real-models.md, "A layer-wise rate that generalises"): an end-to-end step costs 6.5 s on this CPU and
+# in a 10-minute run gets a handful, at a warm-up rate; 40 and 60 layer-wise steps a layer (about 0.7 and all of the
+# time) healed better than 25 (0.45) with the end-to-end steps after it, on every judge and development text.
+LAYER_SHARE = 0.7
+# The layer-wise rate when the time allows fewer than 50 steps a layer (in batches of 4). Measured on SmolLM2 at
+# 12.5% (docs/real-models.md, "A layer-wise rate that generalises"): at 1e-3 every other layer of the first half
+# ended its steps worse than it started (layer 0: 0.146 -> 1.82) and was given back, and with 40 steps a layer the
+# errors on the run's own text fell while the KL on Python source rose past the conversion's; 2.5e-4 gave no layer
+# back and the lowest KL on every judge and development text; 1e-4 was worse than it on every one.
+FEW_STEPS_LR = 2.5e-4
+# A plan that keeps every value (only codes differ from the original) heals end to end first and is judged on the
+# held-out windows after PROBE_SHARE of its steps (HealPlan.probe): if their perplexity rose, the converted weights
+# come back and the layer-wise phase, sized to the rest of the time, takes over. Measured (docs/real-models.md): on
+# SmolLM2 the end-to-end phase heals such plans and a layer-wise phase first made them worse (its guard gave 16 of
+# 30 layers back and cut every later rate to 1/16); on Gemma 3 270M the end-to-end phase raised held-out perplexity
+# at every rate tried and the layer-wise phase healed.
+PROBE_SHARE = 0.4
+
+
+def heal_plan(req: ShrinkRequest, teacher, student, train: torch.Tensor, seconds: float):
+    """HealPlan for the time left: the layer-wise phase sized to LAYER_SHARE of it, timed on this machine; when no
+    layer was cut to low rank, the end-to-end phase first with a probe at PROBE_SHARE of its steps, and the
+    layer-wise phase sized to the rest, in case the probe finds the end-to-end phase harmful.
+
+    A layer step is timed on layer 0 (forward and backward, twice, after an untimed first call) on the teacher's hidden
+    states of one window, whose computing is timed too. Measured on SmolLM2 at a 50% cut (docs/real-models.md): with
+    few steps per layer a lower rate and smaller batches do better at equal time (20 steps of 4 windows at lr 1e-3 beat
+    10 of 8), with 100 steps the defaults (8 windows, lr 3e-3) do best; at 12.5%, 40 steps of 4 at 2.5e-4 beat 1e-3
+    and 1e-4 (FEW_STEPS_LR). The end-to-end batch is the request's
+    (--batch-size), and the layer-wise batch is rounded up to a whole number of them, so that any number of processes
+    that splits the one splits the other, and a torchrun job plans what one process plans.
+    """
+    from ..heal.distill import HealPlan
+
+    plan = HealPlan(seq_len=req.seq_len, seed=req.seed, layer_windows=min(64, train.shape[0]), tokens=req.tokens,
+                    batch_size=req.batch_size)
+    plan = _sized(req, plan, teacher, student, train, seconds)
+    plan.layer_batch = -(-plan.layer_batch // req.batch_size) * req.batch_size  # whole end-to-end batches
+    return plan
+
+
+def _sized(req: ShrinkRequest, plan, teacher, student, train: torch.Tensor, seconds: float):
+    """heal_plan's choices from the request and the time: the probe and rate for a student that keeps every value,
+    and the layer-wise steps and batch."""
+    from ..heal.distill import EVERY_VALUE_LR, MIN_LAYER_STEPS
+    from ..models.adapters import attnlab_modules
+
+    mods = attnlab_modules(student)
+    codes_only = all(s.kv_values_per_token >= t.kv_values_per_token for s, t in zip(mods, attnlab_modules(teacher)))
+    share = LAYER_SHARE  # the layer-wise phase, then the end-to-end phase
+    if codes_only:  # every value kept, none cut to low rank: end to end first, the layer-wise phase if it hurts;
+        # the student starts near the teacher, where 3e-4 doubled the end-to-end loss in 8 steps (issue hold)
+        plan.probe, share, plan.lr = PROBE_SHARE, 1.0 - PROBE_SHARE, EVERY_VALUE_LR
+    if req.layer_steps is not None:
+        plan.layer_steps = req.layer_steps
+        return plan
+    m = copy.deepcopy(mods[0]).train()
+
+    def timed(fn, n=2):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        return (time.perf_counter() - t0) / n
+
+    from ..models.evaluate import attention_inputs
+
+    t0 = time.perf_counter()
+    with torch.no_grad():  # layer 0's input on one window, as the phase reads it (the teacher's hidden states)
+        first = attention_inputs(teacher, train[:1])[0]
+    window = time.perf_counter() - t0
+    # four rows of the teacher's hidden states, not random ones: random inputs of unit variance cost the step 2.5
+    # times what real ones do on SmolLM2 here (0.20 s against 0.08), which sized 11 steps a layer where 40 fit
+    x = first.reshape(1, train.shape[1], -1).to(m._anchor.dtype).expand(4, -1, -1).contiguous()
+
+    def step():
+        m(x, is_causal=True).pow(2).mean().backward()
+
+    step()  # the first call allocates: not what a step costs
+    step4 = timed(step) * 1.3  # + the optimizer and the target
+    layer_time = share * seconds - window * plan.layer_windows
+    steps8 = layer_time / max(2 * step4 * len(mods), 1e-9)
+    if steps8 >= 50:
+        plan.layer_batch, plan.layer_steps = 8, int(min(100, steps8))
+    else:
+        plan.layer_batch, plan.layer_lr = 4, FEW_STEPS_LR
+        plan.layer_steps = int(max(MIN_LAYER_STEPS, min(60, layer_time / max(step4 * len(mods), 1e-9))))
+    return plan
