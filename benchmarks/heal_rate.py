@@ -11,8 +11,8 @@ plan):
 
 Each variant changes the run's own heal plan (HealPlan fields, comma-separated name=value) and heals a fresh copy of
 the student for --minutes with heal_model (the shrink's own call; the healed weights are kept whatever the guard
-says, so that the variant itself is scored). Prints one line per variant and writes benchmarks/heal_rate.json. Run
-it alone: the heal is time-budgeted.
+says, so that the variant itself is scored). The converted student is scored on the development texts too, once.
+Prints one line per variant and writes benchmarks/heal_rate.json. Run it alone: the heal is time-budgeted.
 """
 from __future__ import annotations
 
@@ -64,6 +64,9 @@ def main() -> None:
     teacher, tok, _ = hf.load_model(args.source)
     paths = [p if p != "argparse" else argparse.__file__ for p in DEV_TEXTS]
     dev = [read_text_ids(tok, p, 2048) for p in paths]
+    converted, _, _ = hf.load_model(str(run / "student"))
+    before = public(evaluate_texts(teacher, converted, dev))  # the converted student on the development texts
+    del converted
     rows = []
     for variant in args.variant or [""]:
         plan = _plan(state["heal_plan"], variant)
@@ -77,12 +80,17 @@ def main() -> None:
                "minutes": (time.perf_counter() - t0) / 60, "layers_restored": rep["layers_restored"],
                "end_to_end_steps": rep["distill_steps"],
                "judge_kl": [[b["kl"], a["kl"]] for b, a in zip(rep["before"]["texts"], rep["after"]["texts"])],
-               "dev": [{"path": p, "kl": t["kl"], "perplexity": t["perplexity"]}
-                       for p, t in zip(paths, after["texts"])]}
+               "judge_top1": [[b["top1_agreement"], a["top1_agreement"]]
+                              for b, a in zip(rep["before"]["texts"], rep["after"]["texts"])],
+               "dev": [{"path": p, "kl": t["kl"], "perplexity": t["perplexity"], "kl_converted": c["kl"],
+                        "perplexity_converted": c["perplexity"]}
+                       for p, t, c in zip(paths, after["texts"], before["texts"])]}
         rows.append(row)
+        judge = " / ".join(f"{b:.4f} -> {a:.4f}" for b, a in row["judge_kl"])
+        top1 = " / ".join(f"{b:.4f} -> {a:.4f}" for b, a in row["judge_top1"])
+        devs = " / ".join(f"{d['kl_converted']:.4f} -> {d['kl']:.4f}" for d in row["dev"])
         print(f"{row['variant']}: given back {row['layers_restored']}, {row['end_to_end_steps']} end-to-end steps; "
-              f"judge KL {' / '.join(f'{b:.3f} -> {a:.3f}' for b, a in row['judge_kl'])}; "
-              f"dev KL {' / '.join(format(d['kl'], '.3f') for d in row['dev'])}", flush=True)
+              f"judge KL {judge}; top-1 {top1}; development texts' KL {devs}", flush=True)
     out = Path(__file__).with_suffix(".json")
     tmp = out.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(rows, indent=2))
