@@ -463,10 +463,11 @@ class Healer:
         self.trained.release()
         layer = s["layer"]
         before, after = s["layer_start_error"], self._check_error(layer)
-        if after > before:
+        restored = guard.layer_worse(before, after)
+        if restored:
             self._attn[layer].load_state_dict(self._start_weights)
         return {"layer": layer, "steps": s["step"], "of": self.layer_steps, "before": before, "after": after,
-                "restored": after > before}
+                "restored": restored}
 
     def _batch(self, step: int) -> torch.Tensor:
         B, N = self.plan.batch_size, self.windows.shape[0]
@@ -553,7 +554,7 @@ class Healer:
         start = clock()
         last_save, step_time, status, elapsed0 = start, 0.0, "done", s["elapsed"]
         self.steps_this_run = 0
-        layer_clock = None  # (layer, time after its first step, that step): the layer-wise step time, for _fit_layers
+        layer_clock = None  # (layer, time after its first step): the layer-wise step time, for _fit_layers
         while s["phase"] != "done":
             if s["phase"] == "distill" and s["probe"] == "pending" and s["probe_step"] is not None \
                     and s["step"] >= s["probe_step"]:  # the same step on every rank: the steps are counted alike
@@ -605,11 +606,11 @@ class Healer:
         the teacher's hidden states), read when the layer is done (_fit_layers)."""
         s, clock = self.state, budget.clock
         if layer_clock is None:
-            return (s["layer"], clock(), s["step"]) if s["phase"] == "layers" and s["step"] == 1 else None
-        layer, began, first = layer_clock
+            return (s["layer"], clock()) if s["phase"] == "layers" and s["step"] == 1 else None
+        layer, began = layer_clock
         if s["phase"] == "layers" and s["layer"] == layer:
             return layer_clock
-        steps = self.layer_steps - first  # the layer's steps after the clock started (the layer just ended)
+        steps = self.layer_steps - 1  # the layer's steps after the clock started (the layer just ended)
         if steps > 0:
             self._fit_layers(budget, reserve, (clock() - began) / steps)
         return None

@@ -32,11 +32,16 @@ def initial_state() -> dict:
     return {"layer_start_error": None, "layer_checks": [], "layers_restored": [], "lr_scale": 1.0, "rollbacks": []}
 
 
+def layer_worse(before: float, after: float) -> bool:
+    """The layer-wise guard's rule: a layer whose check error rose over its steps ended worse (any rise)."""
+    return after > before
+
+
 def after_layer(state: dict, layer: int, before: float, after: float) -> bool:
     """Record a layer's (start, end) check errors in `state` and move the rates' factor; True when the layer must get
     its start weights back (it ended worse)."""
     state["layer_checks"].append([before, after])
-    if after > before:
+    if layer_worse(before, after):
         state["layers_restored"].append(layer)
         state["lr_scale"] /= GUARD_CUT
         return True

@@ -377,7 +377,7 @@ def _shrink(req: ShrinkRequest, resume: bool, force: bool, budget: Budget | None
         reserve = (30.0 if req.fmt != "attnlab" else 10.0) + BASELINE_SECONDS  # baselines and export, after it
         if state.data["heal_plan"] is None:
             state.data["heal_plan"] = asdict(heal_plan(req, teacher, student, data["train"],
-                                                        max(0.0, budget.left() - reserve)))
+                                                       max(0.0, budget.left() - reserve)))
             state.save()
         plan = HealPlan(**state.data["heal_plan"])
         show.phase("evaluating the converted model before training")
