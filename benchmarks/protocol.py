@@ -67,7 +67,12 @@ CASES = {  # name: (model, shrink arguments after the model, what it checks)
     "smollm2-50": ("smollm2", ["--kv-budget", "50%"], "SmolLM2-135M at 50% of the bytes, the plain command"),
     "smollm2-12": ("smollm2", ["--kv-budget", "12.5%"], "SmolLM2-135M at 12.5% of the bytes, the plain command"),
     "gemma3-270m-25": ("gemma3-270m", ["--kv-budget", "25%"], "Gemma 3 270M at 25% of the bytes, the plain command"),
+    # the plain command of a user with one GPU: the heal's steps many times the CPU's in its minutes (a lent device
+    # machine runs it: scripts/device_protocol.sh); not in the picture, which shows the CPU's commands
+    "smollm2-12-cuda": ("smollm2", ["--kv-budget", "12.5%", "--device", "cuda", "--minutes", "6"],
+                        "SmolLM2-135M at 12.5% of the bytes on one GPU in 6 minutes"),
 }
+GPU_CASES = {c for c, (_, args, _) in CASES.items() if "cuda" in args}
 BASELINES = ("q8_0", "q5_0", "q4_1", "iq4_nl", "q4_0", "kivi4", "kivi2")
 
 
@@ -98,6 +103,22 @@ def argv(case: str, seed: int, out: str) -> list[str]:
     """The plain command of a case, as a user types it: the seed only where it is not the default."""
     model, args, _ = CASES[case]
     return ["attnlab", "shrink", model, *args, *(["--seed", str(seed)] if seed else []), "--out", out]
+
+
+def texts_from(folder: str) -> None:
+    """The protocol's texts read from copies in `folder` (<name>.txt each) on a machine that lacks the originals (a
+    lent GPU machine: another Python's pydoc_data, no Debian documentation); each row records its texts' SHA-256."""
+    for name, (_, kind) in list(TEXTS.items()):
+        path = Path(folder) / f"{name}.txt"
+        if not path.is_file():
+            raise SystemExit(f"--texts-from {folder}: no {path.name} there (one file per text: {', '.join(TEXTS)})")
+        TEXTS[name] = (str(path), kind)
+
+
+def text_hashes() -> dict:
+    import hashlib
+
+    return {name: hashlib.sha256(Path(path).read_bytes()).hexdigest() for name, (path, _) in TEXTS.items()}
 
 
 def text_ids(tok, name: str, tokens: int):
@@ -149,7 +170,8 @@ def part_baselines(model_name: str, redo: bool, long: bool) -> None:
         print(f"{key} is in {JSON}; --redo to measure it again")
         return
     model, tok, _ = hf.load_model(model_name)
-    row = {"model": model_name, "texts": {n: {"path": p, "kind": k} for n, (p, k) in TEXTS.items()}}
+    row = {"model": model_name, "texts": {n: {"path": p, "kind": k} for n, (p, k) in TEXTS.items()},
+           "texts_sha256": text_hashes()}
     note_load(row, "load_before")
     sizes = baselines.baseline_bytes(model, [b for b in BASELINES if _known(b)])
     row["original"] = {"kv_bytes_per_token": hf.kv_bytes_per_token(model, torch_bf16()), **score(model, tok, long)}
@@ -223,6 +245,10 @@ def part_run(case: str, seed: int, redo: bool, long: bool) -> None:
     row["kv_bytes_per_token"] = hf.kv_bytes_per_token(model)
     row["fixed_bytes"] = fixed_bytes(row)
     row["texts"] = score(model, tok, long)
+    row["texts_sha256"] = text_hashes()
+    if case in GPU_CASES:  # run on another machine than the baselines: the original scored there too, to compare
+        original, tok, _ = hf.load_model(CASES[case][0])
+        row["original_here"] = score(original, tok)
     if long:
         row["passkey"] = passkey(model, tok)
     save(key, row)
@@ -426,7 +452,8 @@ def part_plot(path: Path = HERE / "protocol.png") -> None:
     import matplotlib.pyplot as plt
 
     data = rows()
-    t = [r for r in table(data) if "@" not in r["case"]]  # the plain commands as they stand, not designs left behind
+    # the plain commands on the CPU as they stand, not designs left behind
+    t = [r for r in table(data) if "@" not in r["case"] and r["case"] not in GPU_CASES]
     if not t:
         raise SystemExit("no complete case in benchmarks/protocol.json to draw")
     fig, axes = plt.subplots(1, len(t), figsize=(4.2 * len(t), 3.6), squeeze=False, sharey=True)
@@ -518,7 +545,10 @@ def main() -> None:
     ap.add_argument("--redo", action="store_true")
     ap.add_argument("--long", action="store_true", help="also 4,096-token windows through the cache and the passkey "
                     "check (minutes per model)")
+    ap.add_argument("--texts-from", help="read the texts from copies in this folder (<name>.txt each)")
     a = ap.parse_args()
+    if a.texts_from:
+        texts_from(a.texts_from)
     if a.part == "baselines":
         part_baselines(a.model, a.redo, a.long)
     elif a.part == "run":

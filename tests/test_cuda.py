@@ -1,4 +1,7 @@
-"""CUDA paths of the attention core: skipped without a GPU (CI has none); run on a lent GPU machine."""
+"""CUDA paths: the attention core, healing and shrink. Skipped without a GPU (CI has none); run on a lent GPU machine
+(scripts/device_protocol.sh tests)."""
+import math
+
 import pytest
 import torch
 
@@ -105,3 +108,67 @@ def test_cuda_graph_generation_equals_the_eager_loop(variant):
                 tol = 10 * max(((a - f).norm() / a.norm()).item(), 1e-6)
                 assert ((g - a).norm() / a.norm()).item() <= max(tol, 1e-5)
                 assert torch.equal(g.argmax(-1), a.argmax(-1))
+
+
+# -- healing and shrinking on CUDA (bf16 autocast): the paths a --device cuda user runs ----------------------------
+T = 16  # tokens per window of the tiny model
+
+
+def _tiny(tmp_path):
+    from tiny_checkpoints import make_checkpoint
+
+    from attnlab import models as hf
+
+    folder = tmp_path / "llama"
+    make_checkpoint("llama", folder, initializer_range=0.3, max_position_embeddings=512)
+    return folder, hf.load_model(str(folder))[0]
+
+
+def test_cuda_heal_lowers_the_distillation_loss_on_held_out_windows(tmp_path):
+    """heal_model on the GPU (bf16 autocast, both phases) lowers the distillation loss on windows it never trained
+    on, scored afterwards on the CPU in float32; the teacher's weights stay as they were."""
+    import copy
+
+    from attnlab import models as hf
+    from attnlab.heal import HealPlan, distill_loss, heal_model
+
+    _, teacher = _tiny(tmp_path)
+    student = copy.deepcopy(teacher)
+    hf.convert_model(student, "mla", latent_dim=12, rope_dim=4)
+    windows = [torch.randint(0, 300, (n, T), generator=torch.Generator().manual_seed(s)) for n, s in ((32, 0), (8, 9))]
+    before = distill_loss(teacher, student, windows[1])
+    frozen = copy.deepcopy(teacher.state_dict())
+    plan = HealPlan(seq_len=T, batch_size=4, tokens=4 * T * 12, layer_steps=6, layer_windows=8, layer_batch=4,
+                    layer_lr=1e-3, lr=2e-3, warmup=2)
+    report = heal_model(teacher, student, windows[0], windows[1].reshape(1, -1), plan, device="cuda",
+                        keep_better=False)
+    assert report["status"] == "done" and report["device"].startswith("cuda")
+    teacher.cpu(), student.cpu()
+    assert distill_loss(teacher, student, windows[1]) < before
+    assert all(torch.equal(v, teacher.state_dict()[k]) for k, v in frozen.items())
+
+
+def test_cuda_shrink_plans_heals_and_writes_a_model_that_loads(tmp_path, monkeypatch):
+    """The shrink pipeline with device="cuda" on a budget in minutes: its heal plan times a layer step on the GPU (the
+    queue drained before each reading), the heal runs there, and the written model loads and scores finitely on the
+    CPU."""
+    from tiny_checkpoints import TEXT
+
+    from attnlab import models as hf
+    from attnlab.shrink import ShrinkRequest, shrink
+
+    folder, _ = _tiny(tmp_path)
+    text = tmp_path / "train.txt"
+    text.write_text(TEXT * 40)
+    held = tmp_path / "held.txt"
+    held.write_text(TEXT[::-1] * 8)
+    drained = []
+    real = torch.cuda.synchronize
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: (drained.append(a), real(*a))[1])
+    out = tmp_path / "out"
+    report = shrink(ShrinkRequest(source=str(folder), kv_budget="50%", out=str(out), minutes=1.5, seq_len=T,
+                                  windows=16, text=[str(text)], eval_text=[str(held)], device="cuda"))
+    assert drained and report["heal"]["device"].startswith("cuda") and report["heal"]["steps_done"] > 0
+    model, tok, _ = hf.load_model(str(out))
+    ids = hf.read_text_ids(tok, str(held), 64)
+    assert math.isfinite(hf.perplexity(model, ids, window=T))

@@ -40,13 +40,15 @@ FEW_STEPS_LR = 2.5e-4
 PROBE_SHARE = 0.4
 
 
-def heal_plan(req: ShrinkRequest, teacher, student, train: torch.Tensor, seconds: float):
+def heal_plan(req: ShrinkRequest, teacher, student, train: torch.Tensor, seconds: float, device=None):
     """HealPlan for the time left: the layer-wise phase sized to LAYER_SHARE of it, timed on this machine; when no
     layer was cut to low rank, the end-to-end phase first with a probe at PROBE_SHARE of its steps, and the
     layer-wise phase sized to the rest, in case the probe finds the end-to-end phase harmful.
 
     A layer step is timed on layer 0 (forward and backward, twice, after an untimed first call) on the teacher's hidden
-    states of one window, whose computing is timed too. Measured on SmolLM2 at a 50% cut (docs/real-models.md): with
+    states of one window, whose computing is timed too; on `device`, the heal's (default: the request's), with the
+    heal's bf16 autocast on CUDA and the GPU's queue drained before each reading (timed on the CPU, a CUDA heal was
+    planned at the CPU's speed). Measured on SmolLM2 at a 50% cut (docs/real-models.md): with
     few steps per layer a lower rate and smaller batches do better at equal time (20 steps of 4 windows at lr 1e-3 beat
     10 of 8), with 100 steps the defaults (8 windows, lr 3e-3) do best; at 12.5%, 40 steps of 4 at 2.5e-4 beat 1e-3
     and 1e-4 (FEW_STEPS_LR). The end-to-end batch is the request's
@@ -57,14 +59,14 @@ def heal_plan(req: ShrinkRequest, teacher, student, train: torch.Tensor, seconds
 
     plan = HealPlan(seq_len=req.seq_len, seed=req.seed, layer_windows=min(64, train.shape[0]), tokens=req.tokens,
                     batch_size=req.batch_size)
-    plan = _sized(req, plan, teacher, student, train, seconds)
+    plan = _sized(req, plan, teacher, student, train, seconds, torch.device(device or req.device))
     plan.layer_batch = -(-plan.layer_batch // req.batch_size) * req.batch_size  # whole end-to-end batches
     return plan
 
 
-def _sized(req: ShrinkRequest, plan, teacher, student, train: torch.Tensor, seconds: float):
+def _sized(req: ShrinkRequest, plan, teacher, student, train: torch.Tensor, seconds: float, device: torch.device):
     """heal_plan's choices from the request and the time: the probe and rate for a student that keeps every value,
-    and the layer-wise steps and batch."""
+    and the layer-wise steps and batch (a step timed on `device`)."""
     from ..heal.distill import EVERY_VALUE_LR, MIN_LAYER_STEPS
     from ..models.adapters import attnlab_modules
 
@@ -77,13 +79,19 @@ def _sized(req: ShrinkRequest, plan, teacher, student, train: torch.Tensor, seco
     if req.layer_steps is not None:
         plan.layer_steps = req.layer_steps
         return plan
-    m = copy.deepcopy(mods[0]).train()
+    m = copy.deepcopy(mods[0]).to(device).train()
+    cuda = device.type == "cuda"
+
+    def drained():  # CUDA runs a kernel after its call returns: a reading waits for the queue
+        if cuda:
+            torch.cuda.synchronize(device)
+        return time.perf_counter()
 
     def timed(fn, n=2):
-        t0 = time.perf_counter()
+        t0 = drained()
         for _ in range(n):
             fn()
-        return (time.perf_counter() - t0) / n
+        return (drained() - t0) / n
 
     from ..models.evaluate import attention_inputs
 
@@ -93,10 +101,12 @@ def _sized(req: ShrinkRequest, plan, teacher, student, train: torch.Tensor, seco
     window = time.perf_counter() - t0
     # four rows of the teacher's hidden states, not random ones: random inputs of unit variance cost the step 2.5
     # times what real ones do on SmolLM2 here (0.20 s against 0.08), which sized 11 steps a layer where 40 fit
-    x = first.reshape(1, train.shape[1], -1).to(m._anchor.dtype).expand(4, -1, -1).contiguous()
+    x = first.reshape(1, train.shape[1], -1).to(device, m._anchor.dtype).expand(4, -1, -1).contiguous()
 
-    def step():
-        m(x, is_causal=True).pow(2).mean().backward()
+    def step():  # as the heal's layer-wise step computes (heal.distill: bf16 autocast on CUDA)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
+            out = m(x, is_causal=True)
+        out.float().pow(2).mean().backward()
 
     step()  # the first call allocates: not what a step costs
     step4 = timed(step) * 1.3  # + the optimizer and the target

@@ -375,9 +375,10 @@ def _shrink(req: ShrinkRequest, resume: bool, force: bool, budget: Budget | None
     if not state.done("heal"):
         t = clock()
         reserve = (30.0 if req.fmt != "attnlab" else 10.0) + BASELINE_SECONDS  # baselines and export, after it
+        heal_device = world.device if world is not None and world.distributed else req.device
         if state.data["heal_plan"] is None:
             state.data["heal_plan"] = asdict(heal_plan(req, teacher, student, data["train"],
-                                                       max(0.0, budget.left() - reserve)))
+                                                       max(0.0, budget.left() - reserve), heal_device))
             state.save()
         plan = HealPlan(**state.data["heal_plan"])
         show.phase("evaluating the converted model before training")
@@ -388,8 +389,8 @@ def _shrink(req: ShrinkRequest, resume: bool, force: bool, budget: Budget | None
                                          "reserve": reserve, "checkpoint": str(checkpoint)})
             handed["done"] = True
         report = heal_model(teacher, student, data["train"], held_texts(data), plan,
-                            device=world.device if world is not None and world.distributed else req.device,
-                            budget=_heal_budget(budget, reserve), checkpoint=checkpoint, resume=resume_heal,
+                            device=heal_device, budget=_heal_budget(budget, reserve), checkpoint=checkpoint,
+                            resume=resume_heal,
                             progress=show.step, world=world, shard=shard, keep_better=not req.keep_worse)
         state.data["report"]["heal"] = report
         state.data["minutes"]["heal"] = state.data["minutes"].get("heal", 0.0) + phase_time(t)

