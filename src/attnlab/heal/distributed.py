@@ -206,12 +206,15 @@ def global_mean(value: torch.Tensor) -> float:
 
 
 def all_sum(t: torch.Tensor) -> torch.Tensor:
-    """The sum over ranks of a tensor (a new tensor; no autograd): e.g. a loss's global denominator."""
+    """The sum over ranks of a tensor (a new tensor on t's device; no autograd): e.g. a loss's global denominator.
+    Reduced on the group's device (NCCL takes no CPU tensor: an evaluation's float64 sums are kept on the CPU)."""
     t = t.detach().clone()
     if _active():
         import torch.distributed as dist
 
-        dist.all_reduce(t)
+        there = t.to(_device())
+        dist.all_reduce(there)
+        t = there.to(t.device)
     return t
 
 

@@ -18,7 +18,7 @@ import math
 import torch
 
 from ..generation.loop import generate
-from ..models.evaluate import check_window, default_window, kv_bytes_per_token, next_token_nll, windows
+from ..models.evaluate import check_window, default_window, kv_bytes_per_token, next_token_nll, on_model, windows
 from ..runtime.budget import Stopped
 from . import distributed as dd
 
@@ -54,6 +54,7 @@ def greedy_agreement(teacher, student, prompts: torch.Tensor, new_tokens: int = 
         else:  # more ranks than prompts: nothing to continue here
             a = torch.zeros(0, new_tokens, dtype=torch.long)
         b = generate(student, mine, max_new_tokens=new_tokens, budget=budget)[:, P:] if mine.shape[0] else a
+    a, b = a.cpu(), b.cpu()  # a reference's teacher tokens are the CPU's, whichever device generated them
     equal = (a == b).long()  # (b, new)
     if split:
         a, equal = dd.gather_rows(a.long(), B), dd.gather_rows(equal, B)  # (B, new)
@@ -118,6 +119,7 @@ def evaluate_pair(teacher, student, held_out: torch.Tensor, *, prompts: int = 8,
     size, rank = (world.size, world.rank) if split else (1, 0)
     window = default_window(student) if window is None else window
     check_window(window, held_out, student)
+    held_out = on_model(student, held_out)  # a student healed on a GPU is scored there
     chunks = windows(held_out, window)
     if reference is not None:
         chunks = chunks[:reference["windows"]]
@@ -144,7 +146,7 @@ def evaluate_pair(teacher, student, held_out: torch.Tensor, *, prompts: int = 8,
             t_logits = teacher(chunk).logits
             if reference is None:
                 sums[4] += next_token_nll(t_logits, chunk)[0]
-                teacher_top[i] = t_logits.argmax(-1)  # (1, n)
+                teacher_top[i] = t_logits.argmax(-1).cpu()  # (1, n), on the CPU: the reference goes in checkpoints
             sums[5] += kl_sum(t_logits, s_logits)
             del t_logits
             same = int((teacher_top[i].to(s_logits.device) == s_logits.argmax(-1)).sum())

@@ -65,6 +65,13 @@ def check_window(window: int, input_ids: torch.Tensor, model=None) -> None:
                          f"(max_position_embeddings {limit}); use --window <= {limit}")
 
 
+def on_model(model, ids: torch.Tensor) -> torch.Tensor:
+    """Token ids on the device of the model's weights (a model healed on a GPU is scored there; ids come from the
+    CPU)."""
+    weight = next(model.parameters(), None)
+    return ids if weight is None else ids.to(weight.device)
+
+
 def next_token_nll(logits: torch.Tensor, chunk: torch.Tensor) -> tuple[float, int]:
     """(summed negative log-likelihood of each next token, count) for one window: logits (1, n, V), chunk (1, n)."""
     loss = torch.nn.functional.cross_entropy(logits[0, :-1].float(), chunk[0, 1:], reduction="sum")
@@ -88,7 +95,7 @@ def perplexity(model, input_ids: torch.Tensor, window: int = 512, stride: int | 
     check_window(window, input_ids, model)
     total, count = 0.0, 0
     with torch.no_grad():
-        for i, chunk in enumerate(windows(input_ids, window, stride)):
+        for i, chunk in enumerate(windows(on_model(model, input_ids), window, stride)):
             if budget is not None and i:
                 budget.check()
             if progress is not None:
