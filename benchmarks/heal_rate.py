@@ -8,11 +8,13 @@ plan):
     attnlab shrink smollm2 --kv-budget 12.5% --out /tmp/x12/out      # Ctrl-C after the conversion
     python benchmarks/heal_rate.py /tmp/x12/out.shrink-run --minutes 4 \\
         --variant seed=0 --variant layer_steps=40,layer_lr=0.00025 --variant layer_steps=40,layer_lr=0.0001
+    python benchmarks/heal_rate.py /tmp/x12/out.shrink-run --minutes 4.2 --variant seed=0 \
+        --variant layer_inputs=student
 
 Each variant changes the run's own heal plan (HealPlan fields, comma-separated name=value) and heals a fresh copy of
 the student for --minutes with heal_model (the shrink's own call; the healed weights are kept whatever the guard
 says, so that the variant itself is scored). The converted student is scored on the development texts too, once.
-Prints one line per variant and writes benchmarks/heal_rate.json. Run it alone: the heal is time-budgeted.
+Prints one line per variant and writes benchmarks/heal_rate.json (or --json). Run it alone: the heal is time-budgeted.
 """
 from __future__ import annotations
 
@@ -34,7 +36,8 @@ def _plan(base: dict, variant: str):
         name, _, value = item.partition("=")
         if name not in kinds:
             raise ValueError(f"--variant {variant!r}: {name!r} is not a HealPlan field")
-        setattr(plan, name, int(value) if "int" in str(kinds[name]) else float(value))
+        kind = str(kinds[name])
+        setattr(plan, name, value if kind == "str" else int(value) if "int" in kind else float(value))
     return plan
 
 
@@ -55,6 +58,7 @@ def main() -> None:
     ap.add_argument("--minutes", type=float, default=4.0)
     ap.add_argument("--variant", action="append", default=[],
                     help="HealPlan fields, e.g. layer_steps=40,layer_lr=2.5e-4")
+    ap.add_argument("--json", default=str(Path(__file__).with_suffix(".json")), help="where the rows go")
     args = ap.parse_args()
     run = Path(args.run)
     state = json.loads((run / "state.json").read_text())
@@ -91,7 +95,7 @@ def main() -> None:
         devs = " / ".join(f"{d['kl_converted']:.4f} -> {d['kl']:.4f}" for d in row["dev"])
         print(f"{row['variant']}: given back {row['layers_restored']}, {row['end_to_end_steps']} end-to-end steps; "
               f"judge KL {judge}; top-1 {top1}; development texts' KL {devs}", flush=True)
-    out = Path(__file__).with_suffix(".json")
+    out = Path(args.json)
     tmp = out.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(rows, indent=2))
     tmp.replace(out)

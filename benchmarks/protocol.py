@@ -10,6 +10,7 @@ a "+c4" rope key's newest group and a "+w16" recent window, spread over them).
     python benchmarks/protocol.py report                            # the table: median and worst over seeds and texts
     python benchmarks/protocol.py plot                              # benchmarks/protocol.png, the README's picture
     python benchmarks/protocol.py bytes                             # each run's bytes at 512 and 2,048 tokens
+    bash scripts/device_protocol.sh run    # on a lent GPU machine: case smollm2-12-cuda, texts from --texts-from
 
 Run it alone on the machine: it records the load average before and after each shrink and warns above 1.
 Rows go to benchmarks/protocol.json, merged by key. A row kept under at/<case>@<commit>/seed<S> is the same plain
@@ -312,6 +313,11 @@ def table(data: dict | None = None) -> list[dict]:
     return out
 
 
+def spread(row: dict) -> str:
+    """The seeds' spread as the table prints it: none for one seed (not 0: nothing was repeated)."""
+    return "-" if row["seed_spread"] is None else f"{row['seed_spread']:.3f}"
+
+
 def part_report() -> None:
     t = table()
     print(f"| command | KV bytes/token held | at {FAIR_CONTEXT:,} tokens | median | worst (text) | seeds' spread | "
@@ -325,7 +331,7 @@ def part_report() -> None:
         print(f"| `{r['command'].split(' --out')[0]} --out OUT` (seeds {', '.join(map(str, r['seeds']))}{rev}) | "
               f"{r['kv_bytes_per_token']:,.0f} ({share:.0%}) | {r[f'bytes_at_{FAIR_CONTEXT}']:,.0f} "
               f"({r[f'bytes_at_{FAIR_CONTEXT}'] / r['original_bytes']:.1%}) | {r['median']:.3f}x | {r['worst']:.3f}x "
-              f"({r['worst_text']}) | {r['seed_spread'] or 0:.3f} | {'/'.join(names)}: "
+              f"({r['worst_text']}) | {spread(r)} | {'/'.join(names)}: "
               f"{r['baseline_median'] or float('nan'):.3f}x, {r['baseline_worst'] or float('nan'):.3f}x | "
               f"{'/'.join(sorted(set(r['nearest'].values())))}: {r['nearest_median'] or float('nan'):.3f}x, "
               f"{r['nearest_worst'] or float('nan'):.3f}x | {', '.join(r['beats_on_every_text']) or 'none'} "

@@ -31,7 +31,8 @@ PLAN = dict(seq_len=T, batch_size=4, tokens=4 * T * 4, layer_steps=3, layer_wind
 STEPS = 2 * 3 + 4
 RUNS = {"ddp": (False, None), "fsdp": (True, None),  # name: (shard, stop after this many steps)
         "ddp_stop": (False, 4), "fsdp_stop": (True, 8),  # inside layer 1; inside the end-to-end phase
-        "fsdp_layer_stop": (True, 4)}
+        "fsdp_layer_stop": (True, 4),
+        "ddp_student": (False, None), "fsdp_student": (True, None)}  # layer_inputs "student" (the stream each rank)
 TOL = 1e-9
 
 
@@ -62,7 +63,8 @@ def _models(work: Path):
     return teacher, student
 
 
-def _run(teacher, student, *, world=None, shard=False, stop_at=None, checkpoint=None, restore=None):
+def _run(teacher, student, *, world=None, shard=False, stop_at=None, checkpoint=None, restore=None,
+         inputs="teacher"):
     """Heal in place; (status, the loss after every step, the state, rows): rows["model"] and rows["layer0"] list
     the rows of every call of the teacher and of its first attention layer, the batches this process computed;
     rows["teacher_share"] the share of the teacher's values this process held while it trained."""
@@ -76,7 +78,8 @@ def _run(teacher, student, *, world=None, shard=False, stop_at=None, checkpoint=
         if stop_at is not None and len(losses) == stop_at and (world is None or world.main):
             healer.request_stop()  # rank 0 alone asks: the stop is agreed, every rank stops here
 
-    healer = Healer(teacher, student, _windows(32, seed=0), HealPlan(**PLAN), world=world, shard=shard,
+    healer = Healer(teacher, student, _windows(32, seed=0), HealPlan(**PLAN, layer_inputs=inputs), world=world,
+                    shard=shard,
                     checkpoint=checkpoint, progress=progress)
     if restore is not None:
         healer.restore(Healer.read(restore))
@@ -108,7 +111,8 @@ def _worker(work: Path) -> None:
         for name, (shard, stop_at) in RUNS.items():
             teacher, student = copy.deepcopy(first), copy.deepcopy(base)  # FSDP2 shards its teacher in place
             status, losses, state, rows = _run(teacher, student, world=world, shard=shard, stop_at=stop_at,
-                                               checkpoint=work / f"{name}.ckpt" if stop_at else None)
+                                               checkpoint=work / f"{name}.ckpt" if stop_at else None,
+                                               inputs="student" if name.endswith("_student") else "teacher")
             torch.save({"status": status, "losses": torch.tensor(losses, dtype=torch.float64), "rows": rows,
                         "layer_losses": state["layer_losses"], "distill_losses": state["distill_losses"],
                         "tokens": state["tokens"], "weights": _weights(student)},
@@ -228,6 +232,21 @@ def test_two_processes_give_the_one_process_weights_and_loss_curve(runs, name):
         assert got["layer_losses"] == pytest.approx(state["layer_losses"], rel=TOL)
         assert got["distill_losses"] == pytest.approx(state["distill_losses"], rel=TOL)
     assert _rel(weights, _weights(base)) > 1e-2  # the comparison is not between untrained weights
+
+
+@pytest.mark.parametrize("name", ["ddp_student", "fsdp_student"])
+def test_two_processes_on_the_students_own_inputs_give_the_one_process_weights(runs, name):
+    """layer_inputs "student": every rank carries the whole residual stream through the student's layers (the
+    windows gathered first), so DDP and FSDP2 over 2 ranks end with the weights of one process on the same plan."""
+    work, _, _, teacher, base = runs
+    student = copy.deepcopy(base)
+    status, losses, _, _ = _run(copy.deepcopy(teacher), student, inputs="student")
+    assert status == "done" and len(losses) == STEPS
+    for rank in range(2):
+        got = _result(work, name, rank)
+        assert got["status"] == "done"
+        assert _rel(got["weights"], _weights(student)) <= TOL, (name, rank, _rel(got["weights"], _weights(student)))
+        assert torch.allclose(got["losses"], torch.tensor(losses, dtype=torch.float64), rtol=TOL, atol=0)
 
 
 def test_two_processes_split_the_evaluation_and_both_report_the_one_process_figures(runs):

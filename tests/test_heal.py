@@ -703,3 +703,82 @@ def test_a_switched_layer_wise_phase_fits_its_steps_to_the_time_left(tiny):
     assert s["layer_steps"] == int(12 / (20 / 19)) == healer.layer_steps
     assert status == "done" and len(s["layer_checks"]) == 2 and s["phase"] == "done"
     assert healer.judge_cut_layer() is None
+
+
+def test_student_inputs_of_an_exact_conversion_are_the_teachers(tiny):
+    """layer_inputs "student" carries the teacher's residual stream into layer 0 through the student's own decoder
+    layers (models.adapters.decoder_block). For an exact conversion (MLA keeping every value) the attention inputs it
+    gives every layer, training and check windows alike, are the teacher's as its own forward computes them, to the
+    float32 rounding of the two routes (the MLA's reordered sums)."""
+    _, teacher, _ = tiny
+    student = copy.deepcopy(teacher)
+    hf.convert_model(student, "mla")  # exact: every key and value kept
+    healer = Healer(teacher, student, _windows(32, seed=0), _plan(layer_inputs="student"))
+    inputs = healer._layer_inputs()
+    for layer in range(len(inputs)):
+        x, check = healer._own_inputs(layer)
+        assert x.shape == inputs[layer].shape and check.shape == healer._check_x[layer].shape
+        assert ((x - inputs[layer]).norm() / inputs[layer].norm()).item() <= 1e-5
+        assert ((check - healer._check_x[layer]).norm() / check.norm()).item() <= 1e-5
+    assert torch.equal(healer._own_inputs(0)[0], inputs[0])  # layer 0: the teacher's stream, normed alike
+
+
+def test_student_inputs_follow_the_layers_trained_before(tiny):
+    """After layer 0's layer-wise steps, layer 1 of a lossy student reads what the student's own layer 0 gives it: the
+    stream through the trained layer 0 (not the teacher's hidden states), and its check error is measured on it."""
+    from attnlab.models.adapters import decoder_block, decoder_layers
+
+    _, teacher, _ = tiny
+    student = _student(teacher)
+    plan = _plan(layer_inputs="student")
+
+    def stop_after_layer_0(info):
+        if (info["phase"], info["done"]) == ("layers", plan.layer_steps):
+            healer.request_stop()
+
+    healer = Healer(teacher, student, _windows(32, seed=0), plan, progress=stop_after_layer_0)
+    assert healer.run() == "stopped" and healer.state["layer"] == 1
+    x, _ = healer._own_inputs(1)
+    h = healer._stream_start[: plan.layer_windows]
+    block, layers = decoder_block(student), decoder_layers(student)
+    attn = hf.attnlab_modules(student)
+    with torch.no_grad():
+        h1 = block(layers[0], h, lambda y: attn[0](y, is_causal=True))
+        want = layers[1].input_layernorm(h1)
+    assert ((x - want).norm() / want.norm()).item() <= 1e-6
+    assert ((x - healer._layer_inputs()[1]).norm() / want.norm()).item() > 1e-3  # not the teacher's
+
+
+def test_a_heal_on_student_inputs_resumes_to_the_weights_of_an_uninterrupted_run(tiny, tmp_path):
+    """Stopped inside layer 0, inside layer 1 and in the end-to-end phase, a layer_inputs "student" heal carried on
+    from its checkpoints (a new student each time: the stream is carried again from the restored layers) ends with
+    the weights of one run straight through."""
+    _, teacher, _ = tiny
+    plan, windows = _plan(layer_inputs="student"), _windows(32, seed=0)
+    base = _student(teacher)
+    straight = copy.deepcopy(base)
+    assert Healer(teacher, straight, windows, plan).run() == "done"
+    ckpt = tmp_path / "heal.pt"
+    stops = iter([("layers", 3), ("layers", 8), ("distill", 5)])
+    target = [next(stops)]
+
+    def interrupt(info):
+        if target[0] and (info["phase"], info["done"]) == target[0]:
+            healer.request_stop()
+            target[0] = next(stops, None)
+
+    student = copy.deepcopy(base)
+    healer = Healer(teacher, student, windows, plan, checkpoint=ckpt, progress=interrupt)
+    runs = 1
+    while healer.run() == "stopped":
+        student = copy.deepcopy(base)
+        healer = Healer(teacher, student, windows, plan, checkpoint=ckpt, progress=interrupt)
+        healer.restore(Healer.read(ckpt))
+        runs += 1
+    assert runs == 4
+    assert all(torch.equal(a, b) for a, b in zip(_weights(student), _weights(straight)))
+
+
+def test_layer_inputs_must_be_teacher_or_student():
+    with pytest.raises(ValueError, match="layer_inputs must be one of teacher, student, got 'own'"):
+        _plan(layer_inputs="own").check()

@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import math
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -69,6 +70,7 @@ import torch
 
 from ..io.fingerprint import fingerprint
 from ..io.folders import replace_with
+from ..models.adapters import decoder_layers
 from ..models.evaluate import kv_bytes_per_token
 from ..runtime.budget import Budget, Stopped
 from . import distributed as dd
@@ -88,6 +90,7 @@ EVERY_VALUE_LR = 1e-4
 # The fewest layer-wise steps a layer that a heal plans or fits to its time (a layer's schedule warms up over
 # warmup_steps of them; fewer move a layer little)
 MIN_LAYER_STEPS = 5
+LAYER_INPUTS = ("teacher", "student")  # HealPlan.layer_inputs
 
 
 @dataclass
@@ -109,11 +112,18 @@ class HealPlan:
     # and the layer-wise phase takes the rest of the time, with no end-to-end phase after it; 0: the layer-wise phase
     # first, then the end-to-end phase
     probe: float = 0.0
+    # where a layer of the layer-wise phase reads its inputs: "teacher", the teacher's hidden states (every layer
+    # fitted alone); "student", the student's own, through the layers before it as the phase left them (each layer
+    # fitted to the teacher's output from what it will really read, so that it can make up for the errors before it)
+    layer_inputs: str = "teacher"
 
     def check(self) -> None:
+        if self.layer_inputs not in LAYER_INPUTS:
+            raise ValueError(f"heal plan: layer_inputs must be one of {', '.join(LAYER_INPUTS)}, got "
+                             f"{self.layer_inputs!r}")
         for f in fields(self):
             v = getattr(self, f.name)
-            if f.name in ("tokens", "lora_rank") and v is None:
+            if f.name in ("tokens", "lora_rank") and v is None or f.name == "layer_inputs":
                 continue
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0 or (
                     v == 0 and f.name not in ("layer_steps", "warmup", "seed", "probe")):
@@ -199,6 +209,8 @@ class Healer:
         self.optimizer = None
         self.steps_this_run = 0
         self._inputs = self._check_x = None
+        self._stream = self._stream_start = None  # layer_inputs "student": (layer, the residual stream into it)
+        self._own = None  # layer_inputs "student": (layer, its inputs, its check windows' inputs) from the student
         self._start_weights = None  # the layer-wise phase's current layer as it started (the guard's fallback)
         self._good = None  # end-to-end: the trained parameters at the last step that read well (the blow-up guard's)
         self._rolled_back = False  # the last end-to-end step was rolled back (progress says so)
@@ -277,7 +289,7 @@ class Healer:
             if marks.get(who) != self.fingerprints[who]:
                 raise ValueError(f"{where} belongs to another run: {what} differs from this run's {who} "
                                  "(resume with the same model and teacher, or start afresh)")
-        made = {"probe": 0.0, **blob["plan"]}  # a checkpoint from before the probe: none
+        made = {"probe": 0.0, "layer_inputs": "teacher", **blob["plan"]}  # one from before these fields: their defaults
         if made != asdict(self.plan):
             diff = sorted(k for k in made if made[k] != asdict(self.plan).get(k))
             raise ValueError(f"{where} was made with a different plan ({', '.join(diff)} differ)")
@@ -359,19 +371,59 @@ class Healer:
             total = ids.shape[0]
             mine = ids[self.world.part(total)] if self.world.distributed else ids
             most = -(-total // self.world.size)  # the largest share (part_of gives the first ranks one more)
-            parts = []
-            for c in range(-(-most // chunk)):
-                if c:
-                    self._check()
-                piece = mine[c * chunk:(c + 1) * chunk]
-                run = piece if piece.shape[0] else ids[:1]
-                parts.append([x.reshape(run.shape[0], run.shape[1], -1)[: piece.shape[0]]
-                              for x in attention_inputs(self.teacher, run)])
+            parts, streams = [], []
+            own = self.plan.layer_inputs == "student"
+            hook = decoder_layers(self.teacher)[0].register_forward_pre_hook(  # the residual stream into layer 0
+                lambda mod, args, kwargs: streams.append((args[0] if args else kwargs["hidden_states"]).detach()),
+                with_kwargs=True) if own else None
+            try:
+                for c in range(-(-most // chunk)):
+                    if c:
+                        self._check()
+                    piece = mine[c * chunk:(c + 1) * chunk]
+                    run = piece if piece.shape[0] else ids[:1]
+                    parts.append([x.reshape(run.shape[0], run.shape[1], -1)[: piece.shape[0]]
+                                  for x in attention_inputs(self.teacher, run)])
+                    if own:
+                        streams[-1] = streams[-1][: piece.shape[0]]
+            finally:
+                if hook is not None:
+                    hook.remove()
             xs = [dd.gather_rows(torch.cat(layer), total) for layer in zip(*parts)]  # (n + spare, T, dim) per layer
             self._inputs = [x[:n] for x in xs]
             # no window to spare: the first of the layer-wise ones
             self._check_x = [x[n:] if total > n else x[:guard.WINDOWS] for x in xs]
+            self._stream = (0, dd.gather_rows(torch.cat(streams), total)) if own else None
         return self._inputs
+
+    def _own_inputs(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """layer_inputs "student": the layer's attention input (n, T, dim) and the check windows' (c, T, dim), from the
+        student itself: the teacher's residual stream into layer 0 carried through the student's layers before this
+        one as they stand (their layer-wise steps done), each decoder layer as the model runs it
+        (models.adapters.decoder_block), `chunk` windows at a time, without gradients."""
+        from ..models.adapters import decoder_block
+
+        self._layer_inputs()
+        at, h = self._stream
+        if at > layer:  # (not reached: the phase goes forward) carried again from the start
+            at, h = 0, self._stream_start
+        block, layers = decoder_block(self.student), decoder_layers(self.student)
+
+        def through(i, h, attend, chunk=8):
+            return torch.cat([block(layers[i], h[c:c + chunk], attend) for c in range(0, h.shape[0], chunk)])
+
+        with torch.no_grad():
+            if at == 0:
+                self._stream_start = h
+            while at < layer:
+                h = through(at, h, functools.partial(self._attn[at], is_causal=True))
+                at += 1
+            self._stream = (at, h)
+            seen = []
+            through(layer, h, lambda x: seen.append(x) or torch.zeros_like(x))  # the normed input attention reads
+        x = torch.cat(seen)
+        n = self._inputs[layer].shape[0]
+        return x[:n], x[n:] if x.shape[0] > n else x[:guard.WINDOWS]
 
     def _layer_step(self) -> float:
         s, plan = self.state, self.plan
@@ -382,6 +434,12 @@ class Healer:
         if self.world.distributed:  # this rank's rows of the one-process batch
             idx = idx[self.world.rows(idx.numel(), "layer-wise batch")]
         x = x_all[idx.to(x_all.device)]  # (b, T, dim)
+        if plan.layer_inputs == "student":  # the student's own input there; the teacher's output on its own input
+            if self._own is None or self._own[0] != layer:
+                self._own = (layer, *self._own_inputs(layer))
+            x_in = self._own[1][idx.to(x_all.device)]
+        else:
+            x_in = x
         if s["step"] == 0 and s["layer_start_error"] is None:
             self._start_weights = {k: v.detach().clone() for k, v in self._attn[layer].state_dict().items()}
             s["layer_start_error"] = self._check_error(layer)
@@ -391,7 +449,7 @@ class Healer:
         for g in self.optimizer.param_groups:
             g["lr"] = plan.layer_lr * s["lr_scale"] * cosine(s["step"], steps, warmup_steps(steps))
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
-            out = self.trained.part(x, is_causal=True)
+            out = self.trained.part(x_in, is_causal=True)
         loss = normalised_mse(out, target, world=self.world)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -405,7 +463,7 @@ class Healer:
             s["layer"], s["step"] = (later[0] if later else len(self._attn)), 0
             if not later:  # after a probe that found the end-to-end phase harmful: none again
                 s["phase"], s["layer"] = "done" if s["probe"] == "switched" else "distill", 0
-                self._inputs = self._check_x = None
+                self._inputs = self._check_x = self._stream = self._own = None
             self._make_optimizer()
         return value
 
@@ -433,8 +491,13 @@ class Healer:
         """The layer's normalised error against the teacher's layer on the check windows (no gradient; every rank
         computes the same figure from the same weights and inputs, and rank 0's is the one used)."""
         x = self._check_x[layer]  # (c, T, dim)
+        own = x
+        if self.plan.layer_inputs == "student":
+            if self._own is None or self._own[0] != layer:
+                self._own = (layer, *self._own_inputs(layer))
+            own = self._own[2]
         with torch.no_grad(), torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
-            err = float(normalised_mse(self._attn[layer](x, is_causal=True),
+            err = float(normalised_mse(self._attn[layer](own, is_causal=True),
                                        _modules(self.teacher)[layer](x, is_causal=True)))
         return dd.broadcast_object(err, patient=False) if self.world.distributed else err
 

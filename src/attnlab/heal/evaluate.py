@@ -18,7 +18,8 @@ import math
 import torch
 
 from ..generation.loop import generate
-from ..models.evaluate import check_window, default_window, kv_bytes_per_token, next_token_nll, on_model, windows
+from ..models.evaluate import (check_window, default_window, kv_bytes_per_token, next_token_nll, on_model,
+                               windows)
 from ..runtime.budget import Stopped
 from . import distributed as dd
 
