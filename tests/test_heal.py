@@ -180,7 +180,9 @@ def test_cli_heal_bad_input_is_one_line(tiny, tmp_path, capsys):
              (["heal", str(conv), "--out", str(blocker / "out"), "--tokens", "64"], "cannot write to"),
              (["heal", str(conv), "--out", str(tmp_path / "o4"), "--tokens", "64", "--resume"],
               "no heal checkpoint at"),
-             (["heal", str(conv), "--out", str(tmp_path / "o5")], "give --tokens, --minutes or both")]
+             (["heal", str(conv), "--out", str(tmp_path / "o5")], "give --tokens, --minutes or both"),
+             (["heal", str(conv), "--out", str(tmp_path / "o6"), "--tokens", "64", "--layer-inputs", "own"],
+              "--layer-inputs must be teacher or student, got 'own'")]
     for args, message in cases:
         code, out = _cli(args, capsys)
         lines = out.err.strip().splitlines()

@@ -73,6 +73,10 @@ def heal(source: Path = typer.Argument(..., help="A converted-model folder writt
                                                    "(0: skip) [100]."),
          layer_batch: Optional[int] = typer.Option(None, "--layer-batch", help="Windows per layer-wise step [8]."),
          layer_lr: Optional[float] = typer.Option(None, "--layer-lr", help="Layer-wise learning rate [3e-3]."),
+         layer_inputs: Optional[str] = typer.Option(None, "--layer-inputs", help="Where a layer-wise step reads "
+                                                    "a layer's inputs: teacher (its hidden states) or student (the "
+                                                    "student's own, through the layers healed before it; shrink's "
+                                                    "choice for a low-rank cut) [teacher]."),
          lr: Optional[float] = typer.Option(None, "--lr", help="End-to-end learning rate (AdamW, cosine) [3e-4]."),
          lora_rank: Optional[int] = typer.Option(None, "--lora-rank", help="Train LoRA adapters of this rank "
                                                  "(peft) instead of the attention weights."),
@@ -95,7 +99,7 @@ def heal(source: Path = typer.Argument(..., help="A converted-model folder writt
     from .. import models as hf
     from ..heal import distributed as dd
     from ..heal.data import check_pair, training_data
-    from ..heal.distill import HealPlan, heal_model
+    from ..heal.distill import LAYER_INPUTS, HealPlan, heal_model
     from ..heal.guard import guard_line, probe_line
     from ..io.folders import check_output, output_lock
     from ..runtime.budget import Budget, Stopped, stop_on_signals
@@ -117,6 +121,8 @@ def heal(source: Path = typer.Argument(..., help="A converted-model folder writt
             positive(name, value, integer=integer)
         if layer_steps is not None and layer_steps < 0:
             raise UsageProblem(f"--layer-steps must be 0 (skip the phase) or more, got {layer_steps}")
+        if layer_inputs is not None and layer_inputs not in LAYER_INPUTS:
+            raise UsageProblem(f"--layer-inputs must be {' or '.join(LAYER_INPUTS)}, got {layer_inputs!r}")
         if tokens is None and minutes is None:
             raise UsageProblem("give --tokens, --minutes or both")
         if device not in ("cpu", "cuda"):
@@ -168,7 +174,8 @@ def heal(source: Path = typer.Argument(..., help="A converted-model folder writt
                 if world.main:
                     check_output(out, force=force or resume, sources=readers)
                 given = dict(seq_len=seq_len, batch_size=batch_size, layer_steps=layer_steps,
-                             layer_batch=layer_batch, layer_lr=layer_lr, lr=lr)  # None: HealPlan's default
+                             layer_batch=layer_batch, layer_lr=layer_lr, lr=lr,
+                             layer_inputs=layer_inputs)  # None: HealPlan's default
                 plan = HealPlan(tokens=tokens, seed=seed, lora_rank=lora_rank,
                                 **{k: v for k, v in given.items() if v is not None})
                 plan.check()
