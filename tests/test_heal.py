@@ -74,10 +74,11 @@ def test_a_layer_cut_off_after_one_step_moved_at_a_warm_up_rate(tiny):
     assert healer.optimizer.param_groups[0]["lr"] == pytest.approx(plan.layer_lr / warmup_steps(plan.layer_steps))
 
 
+@pytest.mark.parametrize("inputs", ["teacher", "student"])  # student: the stream carried again from restored layers
 @pytest.mark.parametrize("layer_lr", [1e-3, 3.0])  # 3.0: the guard gives layers back, inside an interrupted layer too
-def test_resume_after_interruptions_gives_the_weights_of_an_uninterrupted_run(tiny, tmp_path, layer_lr):
+def test_resume_after_interruptions_gives_the_weights_of_an_uninterrupted_run(tiny, tmp_path, layer_lr, inputs):
     _, teacher, _ = tiny
-    plan, windows = _plan(layer_lr=layer_lr), _windows(32, seed=0)
+    plan, windows = _plan(layer_lr=layer_lr, layer_inputs=inputs), _windows(32, seed=0)
     base = _student(teacher)
     straight = copy.deepcopy(base)
     assert Healer(teacher, straight, windows, plan).run() == "done"
@@ -103,7 +104,8 @@ def test_resume_after_interruptions_gives_the_weights_of_an_uninterrupted_run(ti
     assert all(torch.equal(a, b) for a, b in zip(_weights(student), _weights(straight)))
     assert healer.state["layers_restored"] == ([0, 1] if layer_lr > 1 else healer.state["layers_restored"])
     with pytest.raises(ValueError, match=r"different plan \(lr differ\)"):
-        Healer(teacher, copy.deepcopy(base), windows, _plan(layer_lr=layer_lr, lr=1e-3)).restore(Healer.read(ckpt))
+        Healer(teacher, copy.deepcopy(base), windows, _plan(layer_lr=layer_lr, lr=1e-3, layer_inputs=inputs)).restore(
+            Healer.read(ckpt))
 
 
 def test_pair_and_data_checks(tiny, tmp_path):
@@ -749,36 +751,6 @@ def test_student_inputs_follow_the_layers_trained_before(tiny):
         want = layers[1].input_layernorm(h1)
     assert ((x - want).norm() / want.norm()).item() <= 1e-6
     assert ((x - healer._layer_inputs()[1]).norm() / want.norm()).item() > 1e-3  # not the teacher's
-
-
-def test_a_heal_on_student_inputs_resumes_to_the_weights_of_an_uninterrupted_run(tiny, tmp_path):
-    """Stopped inside layer 0, inside layer 1 and in the end-to-end phase, a layer_inputs "student" heal carried on
-    from its checkpoints (a new student each time: the stream is carried again from the restored layers) ends with
-    the weights of one run straight through."""
-    _, teacher, _ = tiny
-    plan, windows = _plan(layer_inputs="student"), _windows(32, seed=0)
-    base = _student(teacher)
-    straight = copy.deepcopy(base)
-    assert Healer(teacher, straight, windows, plan).run() == "done"
-    ckpt = tmp_path / "heal.pt"
-    stops = iter([("layers", 3), ("layers", 8), ("distill", 5)])
-    target = [next(stops)]
-
-    def interrupt(info):
-        if target[0] and (info["phase"], info["done"]) == target[0]:
-            healer.request_stop()
-            target[0] = next(stops, None)
-
-    student = copy.deepcopy(base)
-    healer = Healer(teacher, student, windows, plan, checkpoint=ckpt, progress=interrupt)
-    runs = 1
-    while healer.run() == "stopped":
-        student = copy.deepcopy(base)
-        healer = Healer(teacher, student, windows, plan, checkpoint=ckpt, progress=interrupt)
-        healer.restore(Healer.read(ckpt))
-        runs += 1
-    assert runs == 4
-    assert all(torch.equal(a, b) for a, b in zip(_weights(student), _weights(straight)))
 
 
 def test_layer_inputs_must_be_teacher_or_student():
