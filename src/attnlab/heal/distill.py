@@ -70,7 +70,7 @@ import torch
 
 from ..io.fingerprint import fingerprint
 from ..io.folders import replace_with
-from ..models.adapters import decoder_layers
+from ..models.adapters import decoder_block, decoder_layers
 from ..models.evaluate import kv_bytes_per_token
 from ..runtime.budget import Budget, Stopped
 from . import distributed as dd
@@ -401,8 +401,6 @@ class Healer:
         student itself: the teacher's residual stream into layer 0 carried through the student's layers before this
         one as they stand (their layer-wise steps done), each decoder layer as the model runs it
         (models.adapters.decoder_block), `chunk` windows at a time, without gradients."""
-        from ..models.adapters import decoder_block
-
         self._layer_inputs()
         at, h = self._stream
         if at > layer:  # (not reached: the phase goes forward) carried again from the start
@@ -425,6 +423,12 @@ class Healer:
         n = self._inputs[layer].shape[0]
         return x[:n], x[n:] if x.shape[0] > n else x[:guard.WINDOWS]
 
+    def _own_for(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """_own_inputs of the layer, computed once while the phase is on it."""
+        if self._own is None or self._own[0] != layer:
+            self._own = (layer, *self._own_inputs(layer))
+        return self._own[1:]
+
     def _layer_step(self) -> float:
         s, plan = self.state, self.plan
         layer = s["layer"]
@@ -434,12 +438,8 @@ class Healer:
         if self.world.distributed:  # this rank's rows of the one-process batch
             idx = idx[self.world.rows(idx.numel(), "layer-wise batch")]
         x = x_all[idx.to(x_all.device)]  # (b, T, dim)
-        if plan.layer_inputs == "student":  # the student's own input there; the teacher's output on its own input
-            if self._own is None or self._own[0] != layer:
-                self._own = (layer, *self._own_inputs(layer))
-            x_in = self._own[1][idx.to(x_all.device)]
-        else:
-            x_in = x
+        # layer_inputs "student": the student's own input there, against the teacher's output on its own input
+        x_in = self._own_for(layer)[0][idx.to(x_all.device)] if plan.layer_inputs == "student" else x
         if s["step"] == 0 and s["layer_start_error"] is None:
             self._start_weights = {k: v.detach().clone() for k, v in self._attn[layer].state_dict().items()}
             s["layer_start_error"] = self._check_error(layer)
@@ -491,11 +491,7 @@ class Healer:
         """The layer's normalised error against the teacher's layer on the check windows (no gradient; every rank
         computes the same figure from the same weights and inputs, and rank 0's is the one used)."""
         x = self._check_x[layer]  # (c, T, dim)
-        own = x
-        if self.plan.layer_inputs == "student":
-            if self._own is None or self._own[0] != layer:
-                self._own = (layer, *self._own_inputs(layer))
-            own = self._own[2]
+        own = self._own_for(layer)[1] if self.plan.layer_inputs == "student" else x
         with torch.no_grad(), torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
             err = float(normalised_mse(self._attn[layer](own, is_causal=True),
                                        _modules(self.teacher)[layer](x, is_causal=True)))
