@@ -743,8 +743,7 @@ def test_student_inputs_follow_the_layers_trained_before(tiny):
     healer = Healer(teacher, student, _windows(32, seed=0), plan, progress=stop_after_layer_0)
     assert healer.run() == "stopped" and healer.state["layer"] == 1
     x, _ = healer._own_inputs(1)
-    with torch.no_grad():  # the residual stream into layer 0 of this Llama: the token embeddings
-        h = student.model.embed_tokens(_windows(32, seed=0)[: plan.layer_windows])
+    h = healer._stream_start[: plan.layer_windows]
     block, layers = decoder_block(student), decoder_layers(student)
     attn = hf.attnlab_modules(student)
     with torch.no_grad():

@@ -209,7 +209,7 @@ class Healer:
         self.optimizer = None
         self.steps_this_run = 0
         self._inputs = self._check_x = None
-        self._stream = None  # layer_inputs "student": (layer, the residual stream into it)
+        self._stream = self._stream_start = None  # layer_inputs "student": (layer, the residual stream into it)
         self._own = None  # layer_inputs "student": (layer, its inputs, its check windows' inputs) from the student
         self._start_weights = None  # the layer-wise phase's current layer as it started (the guard's fallback)
         self._good = None  # end-to-end: the trained parameters at the last step that read well (the blow-up guard's)
@@ -402,13 +402,17 @@ class Healer:
         one as they stand (their layer-wise steps done), each decoder layer as the model runs it
         (models.adapters.decoder_block), `chunk` windows at a time, without gradients."""
         self._layer_inputs()
-        at, h = self._stream  # the phase goes forward: the stream is never past the layer asked for
+        at, h = self._stream
+        if at > layer:  # (not reached: the phase goes forward) carried again from the start
+            at, h = 0, self._stream_start
         block, layers = decoder_block(self.student), decoder_layers(self.student)
 
         def through(i, h, attend, chunk=8):
             return torch.cat([block(layers[i], h[c:c + chunk], attend) for c in range(0, h.shape[0], chunk)])
 
         with torch.no_grad():
+            if at == 0:
+                self._stream_start = h
             while at < layer:
                 h = through(at, h, functools.partial(self._attn[at], is_causal=True))
                 at += 1
