@@ -47,7 +47,7 @@ def main() -> None:
     from safetensors.torch import load_file
 
     from attnlab import models as hf
-    from attnlab.heal.distill import heal_model
+    from attnlab.heal.run import heal_model
     from attnlab.heal.evaluate import evaluate_texts, public
     from attnlab.models.evaluate import read_text_ids
     from attnlab.shrink.pipeline import held_texts
@@ -82,7 +82,8 @@ def main() -> None:
         after = public(evaluate_texts(teacher, student, dev))
         row = {"variant": variant or "the run's plan", "plan": asdict(plan), "load_before": load,
                "minutes": (time.perf_counter() - t0) / 60, "layers_restored": rep["layers_restored"],
-               "end_to_end_steps": rep["distill_steps"],
+               "end_to_end_steps": rep["distill_steps"], "layers_done": len(rep["layer_losses"]),
+               "layer_cut": (rep.get("layer_cut") or {}).get("layer"), "status": rep["status"],
                "judge_kl": [[b["kl"], a["kl"]] for b, a in zip(rep["before"]["texts"], rep["after"]["texts"])],
                "judge_top1": [[b["top1_agreement"], a["top1_agreement"]]
                               for b, a in zip(rep["before"]["texts"], rep["after"]["texts"])],
@@ -93,7 +94,8 @@ def main() -> None:
         judge = " / ".join(f"{b:.4f} -> {a:.4f}" for b, a in row["judge_kl"])
         top1 = " / ".join(f"{b:.4f} -> {a:.4f}" for b, a in row["judge_top1"])
         devs = " / ".join(f"{d['kl_converted']:.4f} -> {d['kl']:.4f}" for d in row["dev"])
-        print(f"{row['variant']}: given back {row['layers_restored']}, {row['end_to_end_steps']} end-to-end steps; "
+        print(f"{row['variant']}: {row['layers_done']} layers done (cut: {row['layer_cut']}), given back "
+              f"{row['layers_restored']}, {row['end_to_end_steps']} end-to-end steps; "
               f"judge KL {judge}; top-1 {top1}; development texts' KL {devs}", flush=True)
     out = Path(args.json)
     tmp = out.with_suffix(".json.tmp")

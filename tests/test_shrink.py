@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -411,6 +412,9 @@ def test_shrink_end_to_end_for_each_format(tiny, tmp_path, fmt):
     env = report["environment"]
     assert (env["torch"], env["transformers"], env["threads"]) == (torch.__version__, transformers.__version__,
                                                                    torch.get_num_threads())
+    assert (env["cores"], env["gpu"] is None) == (os.cpu_count(), not torch.cuda.is_available())
+    if Path("/proc/cpuinfo").exists():  # the processor as the system names it
+        assert env["cpu"] and f": {env['cpu']}\n" in Path("/proc/cpuinfo").read_text()
     against = report["baselines"]["against"]  # the tiny model's head size (16) takes the KIVI baselines only
     scored = {r["kv_dtype"]: r for r in report["baselines"]["rows"] if r["perplexity"] is not None}
     assert set(scored) <= {"kivi4", "kivi2"} and all(r["kv_bytes_per_token"] >= kv["shrunk"] for r in scored.values())
@@ -706,3 +710,30 @@ def test_a_plan_that_keeps_every_value_heals_end_to_end_first_with_a_probe(tiny)
     assert (pinned.layer_steps, pinned.layer_inputs) == (3, "student")
     for p in (codes, low_rank):  # fewer than 50 steps a layer: batches of 4 at the rate measured for them
         assert p.layer_batch == 8 or p.layer_lr == FEW_STEPS_LR
+
+
+@pytest.mark.parametrize("inputs", ["teacher", "student"])
+def test_the_layer_wise_phase_is_sized_to_its_time_with_the_stream_it_carries(tiny, monkeypatch, inputs):
+    """heal_plan's sizing on a clock that moves one second a reading: one window of the teacher's hidden states
+    costs 1 s (so the phase's windows cost layer_windows s), a step of 4 windows 1/2 s (two steps a reading) and 1.3
+    times that with the optimizer; a phase on the student's own inputs also carries the stream through each decoder
+    layer twice over the phase's and the guard's windows, 2 (layer_windows + guard.WINDOWS) s in all. The steps a
+    layer are what is left of LAYER_SHARE of the time over the steps' cost, computed here by hand."""
+    import copy
+    import itertools
+
+    from attnlab.heal import guard
+    from attnlab.shrink import heal_plan as hp
+
+    _, teacher, tok, text, _ = tiny
+    train = _ids(tok, text, 4 * T).reshape(4, T)
+    cut = copy.deepcopy(teacher)
+    hf.convert_model(cut, "mla", latent_dim=12, rope_dim=4)
+    monkeypatch.setattr(hp, "LOW_RANK_INPUTS", inputs)
+    ticks = itertools.count()
+    monkeypatch.setattr(hp.time, "perf_counter", lambda: float(next(ticks)))
+    plan = hp.heal_plan(ShrinkRequest(source="x", kv_budget="25%", out="o", seq_len=T), teacher, cut, train, 300.0)
+    layers, windows = len(hf.attnlab_modules(cut)), plan.layer_windows
+    left = hp.LAYER_SHARE * 300.0 - windows - (2 * (windows + guard.WINDOWS) if inputs == "student" else 0)
+    assert plan.layer_inputs == inputs and windows == 4
+    assert (plan.layer_batch, plan.layer_steps) == (8, int(min(100, left / (2 * 0.5 * 1.3 * layers))))

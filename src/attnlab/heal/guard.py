@@ -1,6 +1,6 @@
 """What keeps a heal from leaving the model worse than it was converted: the layer-wise guard's rule and state, the
 end-to-end phase's blow-up guard, and heal_model's keep-better test, which also judges the end-to-end probe (the
-Healer and heal_model in distill.py apply them; docs/real-models.md says why).
+Healer of distill.py and heal_model of run.py apply them; docs/real-models.md says why).
 
 The layer-wise guard scores each layer on WINDOWS check windows before and after its steps. A layer that ended
 worse gets its start weights back and the later learning rates are divided by GUARD_CUT; one that ended better
