@@ -756,3 +756,13 @@ def test_student_inputs_follow_the_layers_trained_before(tiny):
 def test_layer_inputs_must_be_teacher_or_student():
     with pytest.raises(ValueError, match="layer_inputs must be one of teacher, student, got 'own'"):
         _plan(layer_inputs="own").check()
+
+
+def test_heal_model_is_importable_where_it_was():
+    """heal_model moved from heal/distill.py to heal/run.py: the old import path gives the same function, and a name
+    distill.py never had is still an AttributeError naming it."""
+    from attnlab.heal import distill, run
+
+    assert distill.heal_model is run.heal_model is heal_model
+    with pytest.raises(AttributeError, match="has no attribute 'nothing_here'"):
+        distill.nothing_here  # noqa: B018

@@ -73,7 +73,6 @@ def heal_plan(req: ShrinkRequest, teacher, student, train: torch.Tensor, seconds
 def _sized(req: ShrinkRequest, plan, teacher, student, train: torch.Tensor, seconds: float, device: torch.device):
     """heal_plan's choices from the request and the time: the probe and rate for a student that keeps every value,
     and the layer-wise steps and batch (a step timed on `device`)."""
-    from ..heal import guard
     from ..heal.distill import EVERY_VALUE_LR, MIN_LAYER_STEPS
     from ..models.adapters import attnlab_modules
 
@@ -120,9 +119,6 @@ def _sized(req: ShrinkRequest, plan, teacher, student, train: torch.Tensor, seco
     step()  # the first call allocates: not what a step costs
     step4 = timed(step) * 1.3  # + the optimizer and the target
     layer_time = share * seconds - window * plan.layer_windows
-    if plan.layer_inputs == "student":  # each layer carries the stream through one decoder layer twice, over the
-        # phase's windows and the guard's: about two forwards of the whole model over them in all
-        layer_time -= 2 * window * (plan.layer_windows + guard.WINDOWS)
     steps8 = layer_time / max(2 * step4 * len(mods), 1e-9)
     if steps8 >= 50:
         plan.layer_batch, plan.layer_steps = 8, int(min(100, steps8))
