@@ -77,6 +77,7 @@ from .data import converted_layers
 from .losses import cosine, distill_loss, kl_loss, normalised_mse, warmup_steps  # noqa: F401 (re-exported)
 from .trainable import LORA_TARGETS, add_lora, freeze_all_but_attention, merge_lora  # noqa: F401 (re-exported)
 from .trainable import attention_modules as _modules
+from .trainable import attention_weights, load_attention_weights
 from .trained import TrainedPart
 
 # The end-to-end rate for a plan that keeps every value (HealPlan.lr; shrink sets it where it sets the probe). Such a
@@ -187,7 +188,7 @@ class Healer:
                       "step": 0, "tokens": 0,
                       "total_steps": None, "elapsed": 0.0, "layer_losses": [], "distill_losses": [],
                       "steps_done": 0, "layer_steps": None, **guard.initial_state(), **_probe_state(probing)}
-        self.fingerprints = {"student": fingerprint(_attention_weights(_modules(student)).items()),
+        self.fingerprints = {"student": fingerprint(attention_weights(_modules(student)).items()),
                              "teacher": fingerprint(teacher.state_dict().items())}
         for p in teacher.parameters():
             p.requires_grad_(False)
@@ -239,7 +240,7 @@ class Healer:
             return
         blob = {"format": "attnlab-heal", "plan": asdict(self.plan), "state": dict(self.state),
                 "fingerprint": dict(self.fingerprints),
-                "student": {k: v.cpu() for k, v in _attention_weights(self._attn).items()},
+                "student": {k: v.cpu() for k, v in attention_weights(self._attn).items()},
                 "optimizer": optimizer,
                 "windows": self.windows.cpu(),
                 "layer_start": None if self._start_weights is None else dict(self._start_weights),
@@ -255,7 +256,7 @@ class Healer:
         current = [p.detach().clone() for p in self._trained_params()]
         self._put(self._good)
         self.trained.sync()
-        good = {k: v.cpu().clone() for k, v in _attention_weights(self._attn).items()} if self.world.main else None
+        good = {k: v.cpu().clone() for k, v in attention_weights(self._attn).items()} if self.world.main else None
         self._put(current)
         self.trained.sync()
         return good
@@ -294,17 +295,17 @@ class Healer:
         _check_split(self.world, self.plan, blob["windows"])
         self.trained.release()
         self.windows = blob["windows"]
-        _load_attention(self._attn, blob["student"])
+        load_attention_weights(self._attn, blob["student"])
         self.state = {"steps_done": 0, **guard.initial_state(), **_probe_state(False), **blob["state"]}
         self._start_weights = blob.get("layer_start")
         good = None
         if blob.get("distill_good") is not None and self.state["phase"] == "distill":
             # the blow-up guard's copy, in the form of the trained parameters (FSDP2: this rank's shards of them)
-            _load_attention(self._attn, blob["distill_good"])
+            load_attention_weights(self._attn, blob["distill_good"])
             self._make_optimizer()
             good = [p.detach().clone() for p in self._trained_params()]
             self.trained.release()
-            _load_attention(self._attn, blob["student"])
+            load_attention_weights(self._attn, blob["student"])
         self._make_optimizer()
         self._good = good
         if blob["optimizer"] is not None and self.optimizer is not None:
@@ -710,7 +711,7 @@ class Healer:
         if start_weights is None:
             raise ValueError("switching to the layer-wise phase needs the weights the heal started from")
         self.trained.release()
-        _load_attention(self._attn, start_weights)
+        load_attention_weights(self._attn, start_weights)
         s.update(phase="layers", layer=self.layers[0], step=0, probe="switched", lr_scale=1.0)
         self._make_optimizer()
 
@@ -732,21 +733,9 @@ def _probe_state(probing: bool) -> dict:
     return {"probe": "pending" if probing else None, "probe_step": None}
 
 
-def _attention_weights(modules) -> dict:
-    """{"<layer>.<name>": tensor} of the attention modules' state, detached (what checkpoints and fingerprints hold)."""
-    return {f"{i}.{k}": v.detach() for i, m in enumerate(modules) for k, v in m.state_dict().items()}
-
-
-def _load_attention(modules, weights: dict) -> None:
-    """Put attention weights saved as {"<layer>.<name>": tensor} back into the attention modules, layer by layer."""
-    for i, m in enumerate(modules):
-        prefix = f"{i}."
-        m.load_state_dict({k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix)})
-
-
 def __getattr__(name: str):
-    """heal_model and its probe moved to run.py (which imports this module): still importable from here."""
-    if name in ("heal_model", "_probe"):
+    """heal_model moved to run.py (which imports this module): still importable from here."""
+    if name == "heal_model":
         from . import run
 
         return getattr(run, name)

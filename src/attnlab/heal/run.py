@@ -17,7 +17,8 @@ from ..models.evaluate import kv_bytes_per_token
 from ..runtime.budget import Budget, Stopped
 from . import distributed as dd
 from . import guard
-from .distill import HealPlan, Healer, _attention_weights, _load_attention, _modules
+from .distill import HealPlan, Healer
+from .trainable import attention_modules, attention_weights, load_attention_weights
 
 _STATUSES = (None, "budget", "stopped")  # a run's end, by rank: the largest over the ranks wins
 
@@ -77,7 +78,7 @@ def heal_model(teacher, student, windows: torch.Tensor, held_out, plan: HealPlan
         blob = dd.from_rank0(lambda: Healer.read(checkpoint)) if resume else None
     else:
         blob = Healer.read(checkpoint) if resume else None
-    converted = {k: v.clone() for k, v in _attention_weights(_modules(student)).items()} \
+    converted = {k: v.clone() for k, v in attention_weights(attention_modules(student)).items()} \
         if (keep_better or plan.probe) and evaluate else None  # the weights as converted
     healer = Healer(teacher, student, windows, plan, device=device, checkpoint=checkpoint,
                     checkpoint_seconds=checkpoint_seconds, progress=progress, budget=budget, world=world,
@@ -135,7 +136,7 @@ def heal_model(teacher, student, windows: torch.Tensor, held_out, plan: HealPlan
             report["status"] = "stopped"
         if keep_better and converted is not None and guard.worse(report.get("before"), report.get("after")):
             why = guard.reason(report["before"], report["after"]) or "judged worse than the converted student"
-            _load_attention(_modules(student), converted)
+            load_attention_weights(attention_modules(student), converted)
             report["healed"], report["after"] = report["after"], copy.deepcopy(report["before"])
             report["kept"] = f"the converted weights: healed, {why}"
     return report

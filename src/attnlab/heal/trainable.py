@@ -1,5 +1,7 @@
 """What a heal trains: the converted attention modules' own weights (every other parameter frozen), or LoRA adapters
-(peft) on their linear maps, merged back into plain weights at the end.
+(peft) on their linear maps, merged back into plain weights at the end; and those weights as one dict keyed
+"<layer>.<name>" (attention_weights, load_attention_weights: what checkpoints, fingerprints and the keep-better test
+hold).
 """
 from __future__ import annotations
 
@@ -52,3 +54,15 @@ def merge_lora(student) -> None:
             if isinstance(layer, LoraLayer):
                 layer.merge()
                 setattr(m, name, layer.get_base_layer())
+
+
+def attention_weights(modules) -> dict:
+    """{"<layer>.<name>": tensor} of the attention modules' state, detached (what checkpoints and fingerprints hold)."""
+    return {f"{i}.{k}": v.detach() for i, m in enumerate(modules) for k, v in m.state_dict().items()}
+
+
+def load_attention_weights(modules, weights: dict) -> None:
+    """Put attention weights saved as {"<layer>.<name>": tensor} back into the attention modules, layer by layer."""
+    for i, m in enumerate(modules):
+        prefix = f"{i}."
+        m.load_state_dict({k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix)})
