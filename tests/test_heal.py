@@ -766,3 +766,41 @@ def test_heal_model_is_importable_where_it_was():
     assert distill.heal_model is run.heal_model is heal_model
     with pytest.raises(AttributeError, match="has no attribute 'nothing_here'"):
         distill.nothing_here  # noqa: B018
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma3"])
+def test_the_attention_input_is_read_without_running_the_rest_of_the_layer(tmp_path, kind):
+    """The student's own inputs read each layer's attention input from the stream through the model's own block
+    (distill._attention_input), left at the attention: it is the layer's input norm of the stream (Llama's and
+    Gemma 3's input_layernorm, the oracle), exactly, and neither the MLP nor anything after the attention runs. A
+    block that never calls its attention is a ValueError, not a silent wrong input."""
+    from attnlab.heal.distill import _attention_input
+    from attnlab.models.adapters import decoder_block, decoder_layers
+
+    make_checkpoint(kind, tmp_path / kind)
+    model, _, _ = hf.load_model(str(tmp_path / kind))
+    layer = decoder_layers(model)[1]
+    h = torch.randn(3, T, model.config.hidden_size)
+    ran = []
+    hook = layer.mlp.register_forward_pre_hook(lambda *_: ran.append(True))
+    with torch.no_grad():
+        x = _attention_input(decoder_block(model), layer, h)
+    hook.remove()
+    assert torch.equal(x, layer.input_layernorm(h)) and not ran
+    with pytest.raises(ValueError, match="did not call its attention"):
+        _attention_input(lambda lay, h, attend: h, layer, h)
+
+
+def test_a_plan_without_prompts_evaluates_no_greedy_text_and_judges_alike(tiny):
+    """HealPlan.prompts = 0 (a low-rank shrink's heal): heal_model's evaluations generate no greedy continuation and
+    report no greedy agreement, and the figures its decisions read (KL, top-1 agreement: guard.worse) are those of an
+    evaluation with prompts, to the bit."""
+    _, teacher, _ = tiny
+    held = _windows(4, seed=99).reshape(1, -1)
+    reports = [heal_model(teacher, _student(teacher), _windows(16, seed=1), held, _plan(tokens=4 * T, prompts=p))
+               for p in (8, 0)]
+    assert "greedy_agreement" in reports[0]["before"] and "greedy_agreement" in reports[0]["after"]
+    assert "greedy_agreement" not in reports[1]["before"] and "greedy_agreement" not in reports[1]["after"]
+    for when in ("before", "after"):
+        assert [reports[1][when][k] for k in ("kl", "top1_agreement")] == \
+            [reports[0][when][k] for k in ("kl", "top1_agreement")]

@@ -94,7 +94,8 @@ def heal_model(teacher, student, windows: torch.Tensor, held_out, plan: HealPlan
         if evaluate and "before" not in report:
             t0 = budget.clock()
             with healer.teacher_whole():
-                before = evaluate_texts(teacher, student, texts, budget=budget.share(eval_share), world=world)
+                before = evaluate_texts(teacher, student, texts, budget=budget.share(eval_share), world=world,
+                                        prompts=plan.prompts)
             report["teacher"] = {"perplexity": before.pop("teacher_perplexity"),
                                  "kv_bytes_per_token": kv_bytes_per_token(teacher),
                                  "texts": [{"perplexity": t.pop("teacher_perplexity")} for t in before["texts"]]}

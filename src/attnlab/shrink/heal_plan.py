@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..heal import guard
+
 if TYPE_CHECKING:
     from .pipeline import ShrinkRequest
 
@@ -44,6 +46,23 @@ PROBE_SHARE = 0.4
 # same 4.2 minutes, KL to the original fell on every judge text (0.41 -> 0.32, 0.38 -> 0.32, 0.63 -> 0.43) and on
 # both development texts (0.76 -> 0.68, 0.55 -> 0.48) against the teacher's hidden states.
 LOW_RANK_INPUTS = "student"
+# The most layer-wise steps a layer in batches of 4 (the FEW_STEPS_LR branch) for a plan that cuts rank; 60 for one
+# that keeps every value (its layer-wise phase follows a probe and is fitted to its time). Measured on SmolLM2 at
+# 12.5% (docs/real-models.md, "Time for the layer-wise steps"), the same converted student, its own 64 windows, on
+# the student's inputs: 90 steps a layer beat 59 on all five judge and development texts (Python source 0.464 ->
+# 0.416, Apache-2.0 0.676 -> 0.658); 120 fitted the run's own text closer and lost on Python source (0.635) and
+# argparse.py (0.534 against 0.450): past about 90 the phase learns its 64 windows rather than the layer.
+LOW_RANK_MOST_STEPS = 90
+FEW_STEPS_MOST = 60
+# Windows the layer-wise phase reads (HealPlan.layer_windows); with the guard's check windows after them, all the
+# teacher writes for a plan that cuts rank (LOW_RANK_WINDOWS: shrink/pipeline.py, feasible.keeps_every_value), whose
+# end-to-end phase after the layer-wise one gets a few steps (1-7 at 12.5% on SmolLM2) and needs no more.
+LAYER_WINDOWS = 64
+LOW_RANK_WINDOWS = LAYER_WINDOWS + guard.WINDOWS
+# Prompts of greedy agreement an evaluation of a low-rank heal generates (HealPlan.prompts): none. The figure is
+# reported, never judged (heal.guard.worse reads the KL and top-1), and on SmolLM2 at 12.5% it took 40 of the 48
+# seconds an evaluation of the held-out and judge texts took, twice a heal, where the steps decide the result.
+LOW_RANK_PROMPTS = 0
 
 
 def heal_plan(req: ShrinkRequest, teacher, student, train: torch.Tensor, seconds: float, device=None):
@@ -63,7 +82,7 @@ def heal_plan(req: ShrinkRequest, teacher, student, train: torch.Tensor, seconds
     """
     from ..heal.distill import HealPlan
 
-    plan = HealPlan(seq_len=req.seq_len, seed=req.seed, layer_windows=min(64, train.shape[0]), tokens=req.tokens,
+    plan = HealPlan(seq_len=req.seq_len, seed=req.seed, layer_windows=min(LAYER_WINDOWS, train.shape[0]), tokens=req.tokens,
                     batch_size=req.batch_size)
     plan = _sized(req, plan, teacher, student, train, seconds, torch.device(device or req.device))
     plan.layer_batch = -(-plan.layer_batch // req.batch_size) * req.batch_size  # whole end-to-end batches
@@ -83,7 +102,7 @@ def _sized(req: ShrinkRequest, plan, teacher, student, train: torch.Tensor, seco
         # the student starts near the teacher, where 3e-4 doubled the end-to-end loss in 8 steps (issue hold)
         plan.probe, share, plan.lr = PROBE_SHARE, 1.0 - PROBE_SHARE, EVERY_VALUE_LR
     else:
-        plan.layer_inputs = LOW_RANK_INPUTS
+        plan.layer_inputs, plan.prompts = LOW_RANK_INPUTS, LOW_RANK_PROMPTS
     if req.layer_steps is not None:
         plan.layer_steps = req.layer_steps
         return plan
@@ -124,5 +143,6 @@ def _sized(req: ShrinkRequest, plan, teacher, student, train: torch.Tensor, seco
         plan.layer_batch, plan.layer_steps = 8, int(min(100, steps8))
     else:
         plan.layer_batch, plan.layer_lr = 4, FEW_STEPS_LR
-        plan.layer_steps = int(max(MIN_LAYER_STEPS, min(60, layer_time / max(step4 * len(mods), 1e-9))))
+        most = FEW_STEPS_MOST if codes_only else LOW_RANK_MOST_STEPS
+        plan.layer_steps = int(max(MIN_LAYER_STEPS, min(most, layer_time / max(step4 * len(mods), 1e-9))))
     return plan
