@@ -764,8 +764,8 @@ def test_the_layer_wise_phase_is_sized_to_its_time_by_hand(tiny, monkeypatch, in
 
 def test_layer_wise_steps_in_batches_of_four_stop_at_the_most_measured_for_the_plan(tiny, monkeypatch):
     """On heal_plan's fake clock (the test above: a window 1 s, a step of 4 windows 0.5 s, 1.3 times that with the
-    optimizer) and 177 s, the time allows 92 steps a layer in batches of 4 to a plan that cuts rank (LAYER_SHARE of the
-    time) and 78 to one that keeps every value (1 - PROBE_SHARE), both under the 50 steps of 8 past which batches of 8
+    optimizer) and 150 s, the time allows 95 steps a layer in batches of 4 to a plan that cuts rank (LAYER_SHARE of the
+    time) and 66 to one that keeps every value (1 - PROBE_SHARE), both under the 50 steps of 8 past which batches of 8
     are taken: the first stops at LOW_RANK_MOST_STEPS (90), the second at FEW_STEPS_MOST (60), by hand."""
     import copy
     import itertools
@@ -777,7 +777,7 @@ def test_layer_wise_steps_in_batches_of_four_stop_at_the_most_measured_for_the_p
     every, cut = copy.deepcopy(teacher), copy.deepcopy(teacher)
     hf.convert_model(every, "mla", latent_dim=32, rope_dim=32, pair_selection="rorope")
     hf.convert_model(cut, "mla", latent_dim=12, rope_dim=4)
-    seconds, step4 = 177.0, 0.5 * 1.3
+    seconds, step4 = 150.0, 0.5 * 1.3
     for student, share, most in ((cut, hp.LAYER_SHARE, hp.LOW_RANK_MOST_STEPS),
                                  (every, 1 - hp.PROBE_SHARE, hp.FEW_STEPS_MOST)):
         ticks = itertools.count()

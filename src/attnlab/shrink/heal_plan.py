@@ -4,8 +4,10 @@ request, the converted student and a step timed on this machine.
 A student that keeps every value (only its codes differ from the original's) heals end to end first, with a probe
 that can switch to the layer-wise phase; one cut to low rank heals layer-wise first (LAYER_SHARE of the time), then
 end to end. The layer-wise steps a layer are sized from one step of layer 0 timed on the teacher's hidden states,
-with a lower rate where few fit (FEW_STEPS_LR); a layer-wise phase that a probe switched to fits its steps to the time
-it really has once running (heal.distill.Healer._fit_layers). shrink/pipeline.py calls heal_plan once, when the heal
+with a lower rate where few fit (FEW_STEPS_LR) and at most LOW_RANK_MOST_STEPS (cut to low rank) or FEW_STEPS_MOST
+of them; a layer-wise phase that a probe switched to fits its steps to the time it really has once running
+(heal.distill.Healer._fit_layers). A low-rank heal reads LOW_RANK_WINDOWS windows (all the teacher writes for it)
+and its evaluations generate no greedy text (LOW_RANK_PROMPTS). shrink/pipeline.py calls heal_plan once, when the heal
 starts, and the run folder keeps the plan (a resumed run heals to the same plan).
 """
 from __future__ import annotations
@@ -25,8 +27,11 @@ if TYPE_CHECKING:
 # The layer-wise phase's share of the heal's time where it goes first (a plan that cuts rank). Measured on SmolLM2 at
 # 12.5% (docs/real-models.md, "A layer-wise rate that generalises"): an end-to-end step costs 6.5 s on this CPU and
 # in a 10-minute run gets a handful, at a warm-up rate; 40 and 60 layer-wise steps a layer (about 0.7 and all of the
-# time) healed better than 25 (0.45) with the end-to-end steps after it, on every judge and development text.
-LAYER_SHARE = 0.7
+# time) healed better than 25 (0.45) with the end-to-end steps after it, on every judge and development text. At 0.7,
+# with the time the data and the evaluations no longer take (docs/real-models.md, "Time for the layer-wise steps"),
+# the plain 12.5% command sized 72 steps a layer and its end-to-end phase got 10 steps, two of them rolled back (the
+# loss doubled); 0.85 sizes about 88, near LOW_RANK_MOST_STEPS, and leaves the end-to-end phase a few.
+LAYER_SHARE = 0.85
 # The layer-wise rate when the time allows fewer than 50 steps a layer (in batches of 4). Measured on SmolLM2 at
 # 12.5% (docs/real-models.md, "A layer-wise rate that generalises"): at 1e-3 every other layer of the first half
 # ended its steps worse than it started (layer 0: 0.146 -> 1.82) and was given back, and with 40 steps a layer the
