@@ -762,11 +762,14 @@ def test_the_layer_wise_phase_is_sized_to_its_time_by_hand(tiny, monkeypatch, in
     assert (plan.layer_batch, plan.layer_steps) == (8, int(min(100, left / (2 * 0.5 * 1.3 * layers))))
 
 
-def test_layer_wise_steps_in_batches_of_four_stop_at_the_most_measured_for_the_plan(tiny, monkeypatch):
+@pytest.mark.parametrize("seconds", [177.0, 80.0])
+def test_a_low_rank_heal_whose_layers_get_the_most_steps_ends_after_a_few_end_to_end_ones(tiny, monkeypatch, seconds):
     """On heal_plan's fake clock (the test above: a window 1 s, a step of 4 windows 0.5 s, 1.3 times that with the
-    optimizer) and 150 s, the time allows 95 steps a layer in batches of 4 to a plan that cuts rank (LAYER_SHARE of the
-    time) and 66 to one that keeps every value (1 - PROBE_SHARE), both under the 50 steps of 8 past which batches of 8
-    are taken: the first stops at LOW_RANK_MOST_STEPS (90), the second at FEW_STEPS_MOST (60), by hand."""
+    optimizer), 177 s allow 92 steps a layer in batches of 4 to a plan that cuts rank (LAYER_SHARE of the time) and 78
+    to one that keeps every value (1 - PROBE_SHARE), both under the 50 steps of 8 past which batches of 8 are taken:
+    both stop at FEW_STEPS_MOST (60), and the low-rank heal ends after LOW_RANK_END_TO_END_STEPS end-to-end steps
+    (HealPlan.tokens) instead of spending the rest on them. 80 s allow 40 and 26: nothing stops them, and the
+    end-to-end phase takes what the clock leaves (tokens None). By hand."""
     import copy
     import itertools
 
@@ -777,14 +780,16 @@ def test_layer_wise_steps_in_batches_of_four_stop_at_the_most_measured_for_the_p
     every, cut = copy.deepcopy(teacher), copy.deepcopy(teacher)
     hf.convert_model(every, "mla", latent_dim=32, rope_dim=32, pair_selection="rorope")
     hf.convert_model(cut, "mla", latent_dim=12, rope_dim=4)
-    seconds, step4 = 150.0, 0.5 * 1.3
-    for student, share, most in ((cut, hp.LAYER_SHARE, hp.LOW_RANK_MOST_STEPS),
-                                 (every, 1 - hp.PROBE_SHARE, hp.FEW_STEPS_MOST)):
+    step4 = 0.5 * 1.3
+    for student, share, low_rank in ((cut, hp.LAYER_SHARE, True), (every, 1 - hp.PROBE_SHARE, False)):
         ticks = itertools.count()
         monkeypatch.setattr(hp.time, "perf_counter", lambda: float(next(ticks)))
         plan = hp.heal_plan(ShrinkRequest(source="x", kv_budget="25%", out="o", seq_len=T), teacher, student, train,
                             seconds)
-        left = share * seconds - plan.layer_windows
-        fits = left / (step4 * 2)  # two layers
-        assert fits / 2 < 50 and fits > most
-        assert (plan.layer_batch, plan.layer_steps, plan.layer_lr) == (4, most, hp.FEW_STEPS_LR)
+        fits = (share * seconds - plan.layer_windows) / (step4 * 2)  # two layers
+        assert fits / 2 < 50
+        assert (plan.layer_batch, plan.layer_steps, plan.layer_lr) == (4, int(min(hp.FEW_STEPS_MOST, fits)),
+                                                                      hp.FEW_STEPS_LR)
+        ends = low_rank and fits >= hp.FEW_STEPS_MOST
+        assert plan.tokens == (hp.LOW_RANK_END_TO_END_STEPS * plan.batch_size * T if ends else None)
+        assert ends is (low_rank and seconds == 177.0)
