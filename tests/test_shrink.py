@@ -17,7 +17,6 @@ from attnlab import models as hf
 from attnlab.cli import main
 from attnlab.runtime import Budget, Stopped
 from attnlab.shrink import ShrinkRequest, parse_budget, plan, shrink
-from attnlab.shrink.feasible import keeps_every_value
 from attnlab.shrink.pipeline import check_request, run_folder
 from attnlab.shrink.plan import Candidate, apply, bytes_per_token, feasible, proxy_kl, teacher_log_probs
 from attnlab.shrink.sizes import spread_context
@@ -211,8 +210,6 @@ def test_the_plan_tries_every_value_in_few_bits_where_the_budget_holds_it(tiny, 
     assert len(whole) == int(fits)
     if fits:
         assert whole[0].round == 2 and whole[0].rotation == "random" and whole[0].bytes_per_token == 2 * per_layer
-    # what the pipeline asks before any text is written: whether some plan can keep every value
-    assert keeps_every_value(model, parse_budget(budget), "attnlab", ("bf16", "int3/g64+c4")) is fits
 
 
 def test_at_a_context_a_rope_key_per_channel_pays_for_its_newest_group(tiny):
@@ -462,25 +459,6 @@ def test_data_writing_cannot_eat_the_budget_and_a_run_that_trains_nothing_exits_
     assert not (tmp_path / "none").exists()
 
 
-@pytest.mark.parametrize("budget, low_rank", [("50%", False), ("20%", True)])
-def test_where_every_plan_cuts_rank_the_teacher_writes_only_the_windows_a_low_rank_heal_reads(
-        tiny, tmp_path, monkeypatch, budget, low_rank):
-    """At 20% of the tiny model's bytes no storage holds every value (35% is the least: the test above), so every
-    plan cuts rank and the heal reads only the layer-wise phase's windows and the guard's (LOW_RANK_WINDOWS, 6 here):
-    the teacher writes those and no more. At 50% a plan can keep every value (its heal goes end to end first): the
-    request's windows (16) are written."""
-    from attnlab.shrink import pipeline as pl
-
-    folder, model, _, _, _ = tiny
-    monkeypatch.setattr(pl, "LOW_RANK_WINDOWS", 6)
-    storages = pl.storage_choices("auto", "attnlab")
-    assert keeps_every_value(model, parse_budget(budget), "attnlab", storages) is not low_rank
-    report = shrink(_req(folder, tmp_path / "out", kv_budget=budget))
-    assert report["work"]["windows_asked"] == report["work"]["training_windows"] == (6 if low_rank else 16)
-    values = report["kv_bytes_per_token"]["values_per_token_per_layer"]
-    assert (values[1] < values[0]) is low_rank  # [original's, student's]: the plan cut rank where it had to
-
-
 def test_resume_continues_after_each_phase(tiny, tmp_path):
     folder, _, _, text, held = tiny
     out = tmp_path / "out"
@@ -727,7 +705,6 @@ def test_a_plan_that_keeps_every_value_heals_end_to_end_first_with_a_probe(tiny)
     assert codes.probe == PROBE_SHARE and codes.layer_steps >= 5
     assert low_rank.probe == 0 and low_rank.layer_steps >= 5
     assert (codes.layer_inputs, low_rank.layer_inputs) == ("teacher", "student")
-    assert (codes.prompts, low_rank.prompts) == (8, 0)  # a low-rank heal's evaluations generate no greedy text
     pinned = heal_plan(ShrinkRequest(source="x", kv_budget="25%", out="o", seq_len=T, layer_steps=3), teacher, cut,
                        train, 600.0)
     assert (pinned.layer_steps, pinned.layer_inputs) == (3, "student")
@@ -760,36 +737,3 @@ def test_the_layer_wise_phase_is_sized_to_its_time_by_hand(tiny, monkeypatch, in
     left = hp.LAYER_SHARE * 300.0 - windows
     assert plan.layer_inputs == inputs and windows == 4
     assert (plan.layer_batch, plan.layer_steps) == (8, int(min(100, left / (2 * 0.5 * 1.3 * layers))))
-
-
-@pytest.mark.parametrize("seconds", [177.0, 80.0])
-def test_a_low_rank_heal_whose_layers_get_the_most_steps_ends_after_a_few_end_to_end_ones(tiny, monkeypatch, seconds):
-    """On heal_plan's fake clock (the test above: a window 1 s, a step of 4 windows 0.5 s, 1.3 times that with the
-    optimizer), 177 s allow 92 steps a layer in batches of 4 to a plan that cuts rank (LAYER_SHARE of the time) and 78
-    to one that keeps every value (1 - PROBE_SHARE), both under the 50 steps of 8 past which batches of 8 are taken:
-    both stop at FEW_STEPS_MOST (60), and the low-rank heal ends after LOW_RANK_END_TO_END_STEPS end-to-end steps
-    (HealPlan.tokens) instead of spending the rest on them. 80 s allow 40 and 26: nothing stops them, and the
-    end-to-end phase takes what the clock leaves (tokens None). By hand."""
-    import copy
-    import itertools
-
-    from attnlab.shrink import heal_plan as hp
-
-    _, teacher, tok, text, _ = tiny
-    train = _ids(tok, text, 4 * T).reshape(4, T)
-    every, cut = copy.deepcopy(teacher), copy.deepcopy(teacher)
-    hf.convert_model(every, "mla", latent_dim=32, rope_dim=32, pair_selection="rorope")
-    hf.convert_model(cut, "mla", latent_dim=12, rope_dim=4)
-    step4 = 0.5 * 1.3
-    for student, share, low_rank in ((cut, hp.LAYER_SHARE, True), (every, 1 - hp.PROBE_SHARE, False)):
-        ticks = itertools.count()
-        monkeypatch.setattr(hp.time, "perf_counter", lambda: float(next(ticks)))
-        plan = hp.heal_plan(ShrinkRequest(source="x", kv_budget="25%", out="o", seq_len=T), teacher, student, train,
-                            seconds)
-        fits = (share * seconds - plan.layer_windows) / (step4 * 2)  # two layers
-        assert fits / 2 < 50
-        assert (plan.layer_batch, plan.layer_steps, plan.layer_lr) == (4, int(min(hp.FEW_STEPS_MOST, fits)),
-                                                                      hp.FEW_STEPS_LR)
-        ends = low_rank and fits >= hp.FEW_STEPS_MOST
-        assert plan.tokens == (hp.LOW_RANK_END_TO_END_STEPS * plan.batch_size * T if ends else None)
-        assert ends is (low_rank and seconds == 177.0)

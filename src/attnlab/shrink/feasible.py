@@ -127,24 +127,6 @@ def feasible(teacher, budget: KVBudget, fmt: str = "attnlab", storages=STORAGES,
         raise ValueError(f"{e}; nor does {smallest}" if smallest else str(e)) from None
 
 
-def keeps_every_value(teacher, budget: KVBudget, fmt: str = "attnlab", storages=STORAGES,
-                      context: int | None = None) -> bool:
-    """Whether some plan the budget allows keeps every value of the cache, only its codes differing from the
-    original's: the original attention in an engine's cache type (native_storages), or a converted layout whose layers
-    hold the whole key as the rope key and the values as the latent in one of the storages (the planner's round 2).
-    Where none does, every plan cuts rank and its heal goes layer-wise first (shrink/heal_plan.py). Errors as
-    feasible()'s. It errs towards True (a GGUF's rope limit and the extra channel of a normalised latent are not
-    counted), which only makes the teacher write the windows an end-to-end heal reads (shrink/pipeline.py)."""
-    _original, budget_bytes, options = feasible(teacher, budget, fmt, storages, context)
-    storages = [s for s in storages if storage_ok(s, fmt)] or ["bf16"]
-    if native_storages(teacher, budget_bytes, fmt, storages, context):
-        return True
-    _L, G, d, V = original_sizes(teacher)
-    whole, spread = G * d, spread_context(teacher, context)
-    return any(layers_bytes(V - whole, whole, s, lay.counted(context), spread) <= lay.room
-               for lay, per_storage in options for s in per_storage)
-
-
 def _smallest_native(teacher, fmt: str, storages, context: int | None, original: float) -> str:
     """'the original attention in <the engine's codes>: the smallest, T, takes N bytes/token (P%)', or '' if none."""
     sizes = native_sizes(teacher, fmt, storages, context)

@@ -4,11 +4,8 @@ request, the converted student and a step timed on this machine.
 A student that keeps every value (only its codes differ from the original's) heals end to end first, with a probe
 that can switch to the layer-wise phase; one cut to low rank heals layer-wise first (LAYER_SHARE of the time), then
 end to end. The layer-wise steps a layer are sized from one step of layer 0 timed on the teacher's hidden states,
-with a lower rate where few fit (FEW_STEPS_LR) and at most FEW_STEPS_MOST of them; a layer-wise phase that a probe
-switched to fits its steps to the time it really has once running (heal.distill.Healer._fit_layers). A low-rank heal
-reads LOW_RANK_WINDOWS windows (all the teacher writes for it), its evaluations generate no greedy text
-(LOW_RANK_PROMPTS), and where its layers get FEW_STEPS_MOST steps it ends after LOW_RANK_END_TO_END_STEPS end-to-end
-steps, not at the clock. shrink/pipeline.py calls heal_plan once, when the heal
+with a lower rate where few fit (FEW_STEPS_LR); a layer-wise phase that a probe switched to fits its steps to the time
+it really has once running (heal.distill.Healer._fit_layers). shrink/pipeline.py calls heal_plan once, when the heal
 starts, and the run folder keeps the plan (a resumed run heals to the same plan).
 """
 from __future__ import annotations
@@ -19,8 +16,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..heal import guard
-
 if TYPE_CHECKING:
     from .pipeline import ShrinkRequest
 
@@ -28,9 +23,7 @@ if TYPE_CHECKING:
 # The layer-wise phase's share of the heal's time where it goes first (a plan that cuts rank). Measured on SmolLM2 at
 # 12.5% (docs/real-models.md, "A layer-wise rate that generalises"): an end-to-end step costs 6.5 s on this CPU and
 # in a 10-minute run gets a handful, at a warm-up rate; 40 and 60 layer-wise steps a layer (about 0.7 and all of the
-# time) healed better than 25 (0.45) with the end-to-end steps after it, on every judge and development text. 0.85,
-# which sized 77-90 steps a layer in the plain 12.5% command, lost on its worst text (docs/real-models.md, "Time for
-# the layer-wise steps": Python docs 1.81x -> 1.93x median over three seeds) against 72 at 0.7.
+# time) healed better than 25 (0.45) with the end-to-end steps after it, on every judge and development text.
 LAYER_SHARE = 0.7
 # The layer-wise rate when the time allows fewer than 50 steps a layer (in batches of 4). Measured on SmolLM2 at
 # 12.5% (docs/real-models.md, "A layer-wise rate that generalises"): at 1e-3 every other layer of the first half
@@ -51,27 +44,6 @@ PROBE_SHARE = 0.4
 # same 4.2 minutes, KL to the original fell on every judge text (0.41 -> 0.32, 0.38 -> 0.32, 0.63 -> 0.43) and on
 # both development texts (0.76 -> 0.68, 0.55 -> 0.48) against the teacher's hidden states.
 LOW_RANK_INPUTS = "student"
-# The most layer-wise steps a layer in batches of 4 (the FEW_STEPS_LR branch). Measured on SmolLM2 at 12.5%
-# (docs/real-models.md, "Time for the layer-wise steps"): on one converted student 90 beat 59 on all five judge and
-# development texts and 120 lost on Python source and argparse.py; but under the protocol, 65-90 steps a layer (with
-# 3-10 end-to-end steps after them) took the worst text, Python docs, from 1.78-1.89x to 1.79-2.00x in every seed but
-# one, while study and licence improved. 60 stays.
-FEW_STEPS_MOST = 60
-# The end-to-end steps of a low-rank heal whose layer-wise phase got FEW_STEPS_MOST steps a layer: the heal ends
-# after them, and the run sooner, instead of spending the time left on end-to-end steps (HealPlan.tokens). The plain
-# 12.5% command on SmolLM2 had 0-2 of them where the layer-wise phase took its time (rows of 6b84cb4); given the
-# time its data and evaluations no longer take, it ran 5-10, one or two rolled back (the loss doubled), beside the
-# layer-wise steps that lost on Python docs (above).
-LOW_RANK_END_TO_END_STEPS = 2
-# Windows the layer-wise phase reads (HealPlan.layer_windows); with the guard's check windows after them, all the
-# teacher writes for a plan that cuts rank (LOW_RANK_WINDOWS: shrink/pipeline.py, feasible.keeps_every_value), whose
-# end-to-end phase after the layer-wise one gets a few steps (1-7 at 12.5% on SmolLM2) and needs no more.
-LAYER_WINDOWS = 64
-LOW_RANK_WINDOWS = LAYER_WINDOWS + guard.WINDOWS
-# Prompts of greedy agreement an evaluation of a low-rank heal generates (HealPlan.prompts): none. The figure is
-# reported, never judged (heal.guard.worse reads the KL and top-1), and on SmolLM2 at 12.5% it took 40 of the 48
-# seconds an evaluation of the held-out and judge texts took, twice a heal, where the steps decide the result.
-LOW_RANK_PROMPTS = 0
 
 
 def heal_plan(req: ShrinkRequest, teacher, student, train: torch.Tensor, seconds: float, device=None):
@@ -91,8 +63,8 @@ def heal_plan(req: ShrinkRequest, teacher, student, train: torch.Tensor, seconds
     """
     from ..heal.distill import HealPlan
 
-    plan = HealPlan(seq_len=req.seq_len, seed=req.seed, layer_windows=min(LAYER_WINDOWS, train.shape[0]),
-                    tokens=req.tokens, batch_size=req.batch_size)
+    plan = HealPlan(seq_len=req.seq_len, seed=req.seed, layer_windows=min(64, train.shape[0]), tokens=req.tokens,
+                    batch_size=req.batch_size)
     plan = _sized(req, plan, teacher, student, train, seconds, torch.device(device or req.device))
     plan.layer_batch = -(-plan.layer_batch // req.batch_size) * req.batch_size  # whole end-to-end batches
     return plan
@@ -111,7 +83,7 @@ def _sized(req: ShrinkRequest, plan, teacher, student, train: torch.Tensor, seco
         # the student starts near the teacher, where 3e-4 doubled the end-to-end loss in 8 steps (issue hold)
         plan.probe, share, plan.lr = PROBE_SHARE, 1.0 - PROBE_SHARE, EVERY_VALUE_LR
     else:
-        plan.layer_inputs, plan.prompts = LOW_RANK_INPUTS, LOW_RANK_PROMPTS
+        plan.layer_inputs = LOW_RANK_INPUTS
     if req.layer_steps is not None:
         plan.layer_steps = req.layer_steps
         return plan
@@ -152,8 +124,5 @@ def _sized(req: ShrinkRequest, plan, teacher, student, train: torch.Tensor, seco
         plan.layer_batch, plan.layer_steps = 8, int(min(100, steps8))
     else:
         plan.layer_batch, plan.layer_lr = 4, FEW_STEPS_LR
-        fit = layer_time / max(step4 * len(mods), 1e-9)
-        plan.layer_steps = int(max(MIN_LAYER_STEPS, min(FEW_STEPS_MOST, fit)))
-        if not codes_only and fit >= FEW_STEPS_MOST and req.tokens is None:  # the rest would go to end-to-end steps
-            plan.tokens = LOW_RANK_END_TO_END_STEPS * plan.batch_size * plan.seq_len
+        plan.layer_steps = int(max(MIN_LAYER_STEPS, min(60, layer_time / max(step4 * len(mods), 1e-9))))
     return plan

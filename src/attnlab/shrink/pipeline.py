@@ -6,8 +6,7 @@ A thin pipeline over the library (the same functions the separate commands call)
   else its last tenth), or, without text, text the teacher writes itself (seeded) for calibration and
   training, and other samples of it as held-out text; the calibration, proxy and held-out windows are
   written whatever the clock says (the same on any machine), further training windows within a
-  bounded share of the budget, and only those a low-rank heal reads where every plan the budget allows cuts rank
-  (shrink.feasible.keeps_every_value); beside them heal.data.judge_texts, held-out text of other kinds;
+  bounded share of the budget; beside them heal.data.judge_texts, held-out text of other kinds;
 - plan: shrink.plan.plan converts candidates calibrated on the calibration text and scores them
   on the next windows of the training text (skipped when the sizes are given explicitly), at most
   plan_count(--minutes) of them: a count, never the clock, so that a loaded machine makes the same plan
@@ -44,10 +43,8 @@ import torch
 from ..runtime.budget import Budget, Stopped
 from ..runtime.environment import environment
 from .engines import llama_cpp_cache, runs_in, transformers_cache  # noqa: F401 (re-exported: their old home)
-from .feasible import keeps_every_value
 from .heal_plan import FEW_STEPS_LR, LAYER_SHARE, PROBE_SHARE, heal_plan  # noqa: F401 (re-exported: their old home)
-from .heal_plan import LOW_RANK_WINDOWS
-from .plan import (GGUF_STORAGES, LLAMA_CPP_CACHE, STORAGES, TRANSFORMERS_CACHE, Candidate, check_format,
+from .plan import (GGUF_STORAGES, LLAMA_CPP_CACHE, STORAGES, TRANSFORMERS_CACHE, Candidate, check_format, feasible,
                    few_bit, keys_whole, llama_cpp_pair, llama_cpp_types, parse_budget, storage_ok)
 from .state import RUN_FORMAT, RunState, run_folder  # noqa: F401 (re-exported: their old home)
 
@@ -188,10 +185,9 @@ def plan_count(minutes: float) -> int:
     return max(3, int(2 * minutes))
 
 
-def _data(req: ShrinkRequest, teacher, tok, budget: Budget, show, windows: int) -> dict[str, torch.Tensor]:
+def _data(req: ShrinkRequest, teacher, tok, budget: Budget, show) -> dict[str, torch.Tensor]:
     """train (N, T), held (1, M), calibration (1, C), proxy (1, P) token ids, and judge_<i> (1, J): held-out texts of
-    other kinds (heal.data.judge_texts) that the heal's decisions read beside `held` (module docstring). windows: the
-    most training windows the teacher writes (req.windows, or heal_plan.LOW_RANK_WINDOWS where every plan cuts rank).
+    other kinds (heal.data.judge_texts) that the heal's decisions read beside `held` (module docstring).
 
     The calibration and proxy windows (what the plan reads) and the held-out windows are the same whatever the clock
     says; only the number of further training windows depends on it (none when pinned(): every window is written)."""
@@ -204,8 +200,8 @@ def _data(req: ShrinkRequest, teacher, tok, budget: Budget, show, windows: int) 
     n = max(1, CALIBRATION_TOKENS // req.seq_len)
     proxy = max(1, PROXY_TOKENS // req.seq_len)
     train, held, _ = training_data(teacher, tok, req.seq_len, text=req.text, eval_text=req.eval_text,
-                                   windows=windows, seed=req.seed, budget=None if pinned(req) else budget,
-                                   share=0.3, batch_size=32, fixed=min(windows, n + proxy),
+                                   windows=req.windows, seed=req.seed, budget=None if pinned(req) else budget,
+                                   share=0.3, batch_size=32, fixed=min(req.windows, n + proxy),
                                    progress=lambda i, k: show.count(i, k, "the teacher writes text"))
     calibration = train[:n].reshape(1, -1).clone()
     data = {"train": train, "held": held, "calibration": calibration}
@@ -323,10 +319,8 @@ def _shrink(req: ShrinkRequest, resume: bool, force: bool, budget: Budget | None
     limit = getattr(teacher.config, "max_position_embeddings", None)
     if limit and req.seq_len > limit:
         raise ValueError(f"--seq-len {req.seq_len} exceeds the model's context (max_position_embeddings {limit})")
-    # a budget no plan can meet fails here, before any text is written; one where every plan cuts rank has the
-    # teacher write only the windows a low-rank heal reads (_data)
-    low_rank = req.latent_dim is None and not keeps_every_value(
-        teacher, parse_budget(req.kv_budget), req.fmt, storage_choices(req.storage, req.fmt), req.context)
+    if req.latent_dim is None:
+        feasible(teacher, parse_budget(req.kv_budget), req.fmt, storage_choices(req.storage, req.fmt), req.context)
     state.data["minutes"]["load"] = state.data["minutes"].get("load", 0.0) + phase_time(t)
     budget.check()
 
@@ -335,9 +329,8 @@ def _shrink(req: ShrinkRequest, resume: bool, force: bool, budget: Budget | None
         data = state.load_data()
     else:
         t = clock()
-        asked = min(req.windows, LOW_RANK_WINDOWS) if low_rank else req.windows
-        data = _data(req, teacher, tok, budget, show, asked)
-        state.data["work"] = {"training_windows": int(data["train"].shape[0]), "windows_asked": asked}
+        data = _data(req, teacher, tok, budget, show)
+        state.data["work"] = {"training_windows": int(data["train"].shape[0]), "windows_asked": req.windows}
         state.save_data(data)
         state.finish("data", phase_time(t))
     calibration = data["calibration"] if req.calibration else None
