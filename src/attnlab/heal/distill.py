@@ -312,7 +312,8 @@ class Healer:
             if marks.get(who) != self.fingerprints[who]:
                 raise ValueError(f"{where} belongs to another run: {what} differs from this run's {who} "
                                  "(resume with the same model and teacher, or start afresh)")
-        made = {"probe": 0.0, "layer_inputs": "teacher", "prompts": 8, **blob["plan"]}  # one from before these fields: their defaults
+        # a plan from before these fields: their defaults
+        made = {"probe": 0.0, "layer_inputs": "teacher", "prompts": 8, **blob["plan"]}
         if made != asdict(self.plan):
             diff = sorted(k for k in made if made[k] != asdict(self.plan).get(k))
             raise ValueError(f"{where} was made with a different plan ({', '.join(diff)} differ)")
