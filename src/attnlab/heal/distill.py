@@ -313,7 +313,7 @@ class Healer:
                 raise ValueError(f"{where} belongs to another run: {what} differs from this run's {who} "
                                  "(resume with the same model and teacher, or start afresh)")
         # a plan from before these fields: their defaults
-        made = {"probe": 0.0, "layer_inputs": "teacher", "prompts": 8, **blob["plan"]}
+        made = {"probe": 0.0, "layer_inputs": "teacher", "prompts": HealPlan.prompts, **blob["plan"]}
         if made != asdict(self.plan):
             diff = sorted(k for k in made if made[k] != asdict(self.plan).get(k))
             raise ValueError(f"{where} was made with a different plan ({', '.join(diff)} differ)")
@@ -424,14 +424,15 @@ class Healer:
         """layer_inputs "student": the layer's attention input (n, T, dim) and the check windows' (c, T, dim), from the
         student itself: the teacher's residual stream into layer 0 carried through the student's layers before this
         one as they stand (their layer-wise steps done), each decoder layer as the model runs it
-        (models.adapters.decoder_block), `chunk` windows at a time, without gradients."""
+        (models.adapters.decoder_block), and the layer's own input read at its attention (_attention_input), `chunk`
+        windows at a time, without gradients."""
         self._layer_inputs()
         at, h = self._stream
         if at > layer:  # (not reached: the phase goes forward) carried again from the start
             at, h = 0, self._stream_start
-        block, layers = decoder_block(self.student), decoder_layers(self.student)
+        block, layers, chunk = decoder_block(self.student), decoder_layers(self.student), 8
 
-        def through(i, h, attend, chunk=8):
+        def through(i, h, attend):
             return torch.cat([block(layers[i], h[c:c + chunk], attend) for c in range(0, h.shape[0], chunk)])
 
         with torch.no_grad():
@@ -441,7 +442,7 @@ class Healer:
                 h = through(at, h, functools.partial(self._attn[at], is_causal=True))
                 at += 1
             self._stream = (at, h)
-            x = torch.cat([_attention_input(block, layers[layer], h[c:c + 8]) for c in range(0, h.shape[0], 8)])
+            x = torch.cat([_attention_input(block, layers[layer], h[c:c + chunk]) for c in range(0, h.shape[0], chunk)])
         n = self._inputs[layer].shape[0]
         return x[:n], x[n:] if x.shape[0] > n else x[:guard.WINDOWS]
 
