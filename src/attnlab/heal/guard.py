@@ -14,7 +14,9 @@ on SmolLM2, a plan that kept every value: the end-to-end loss rose from 0.05 to 
 nothing of the heal was kept).
 
 The keep-better test (worse) compares the student with the teacher, not with the text: KL and top-1 agreement on
-every held-out text, never perplexity alone (its docstring says why).
+every held-out text, never perplexity alone (its docstring says why). heal_model applies it three ways: the converted
+student against the healed one, the probe of an end-to-end phase run first, and the layer-wise phase's student
+against the end-to-end phase's after it (switch_line says what that verdict was).
 """
 from __future__ import annotations
 
@@ -117,6 +119,22 @@ def probe_line(report: dict) -> str | None:
         if probe.get("top1_before") is not None else ""
     return (f"probe after {probe['step']} end-to-end steps on the held-out text: {kl}{top1}perplexity "
             f"{probe['before']:.3f} -> {probe['perplexity']:.3f}; {probe['verdict']}")
+
+
+def switch_line(report: dict) -> str | None:
+    """One line on the verdict on an end-to-end phase after a layer-wise one (heal_model's report["layer_wise"]), or
+    None when there was none to judge."""
+    entry = report.get("layer_wise")
+    if not entry:
+        return None
+    if "evaluation" not in entry:
+        return entry["verdict"]
+    steps = entry.get("end_to_end_steps")
+    line = "the end-to-end phase" + (f" ({steps} steps)" if steps else "") + f": {entry['verdict']}"
+    start, end = entry["evaluation"].get("kl"), (report.get("end_to_end") or report.get("after") or {}).get("kl")
+    if steps and start is not None and end is not None:
+        line += f", KL to the teacher {start:.4g} after the layer-wise phase, {end:.4g} after the end-to-end one"
+    return line + (f" ({entry['reason']})" if entry.get("reason") else "")
 
 
 def _texts(result: dict) -> list[dict]:

@@ -2,8 +2,10 @@
 
 Evaluate the student against the teacher on the held-out texts before (a bounded share of the budget), train
 (Healer.run, leaving the time that evaluation took for the one after), judge a probe of the end-to-end phase where
-the plan has one (_probe: guard.worse on every held-out text), evaluate after, and keep the converted weights where
-the healed student is farther from the teacher on any text (guard.worse). The report holds every figure and every
+the plan has one (_probe: guard.worse on every held-out text), score the layer-wise phase's student where an
+end-to-end phase would follow it (_switch), evaluate after, keep the layer-wise weights where the end-to-end steps
+left the student farther from the teacher on any text, and the converted weights where the healed student is
+farther from it than they were (guard.worse both). The report holds every figure and every
 decision's reason. Over a torchrun job every rank calls it alike (distributed.py).
 """
 from __future__ import annotations
@@ -62,6 +64,11 @@ def heal_model(teacher, student, windows: torch.Tensor, held_out, plan: HealPlan
     "lr_scale"} each). A heal that ends (budget or stop) inside a layer's layer-wise steps has that layer judged by
     the same rule (Healer.judge_cut_layer; report["layer_cut"], None when no layer was cut);
     report["layer_steps_fitted"] holds the steps a layer Healer._fit_layers fitted to the time (None: the plan's).
+    With keep_better, an end-to-end phase after a layer-wise one is judged as a whole (_switch): report["layer_wise"]
+    holds the layer-wise student's figures where it would start ("evaluation", no greedy text) and the verdict; when
+    its steps left the student farther from the teacher on any text (guard.worse), the layer-wise weights come back
+    and report["end_to_end"] holds the figures of the student they replaced. With less time left there than the
+    evaluation before training took, no end-to-end step is taken.
     """
     from .data import check_pair
     from .evaluate import evaluate_texts, held_out_texts, public
@@ -82,7 +89,7 @@ def heal_model(teacher, student, windows: torch.Tensor, held_out, plan: HealPlan
         if (keep_better or plan.probe) and evaluate else None  # the weights as converted
     healer = Healer(teacher, student, windows, plan, device=device, checkpoint=checkpoint,
                     checkpoint_seconds=checkpoint_seconds, progress=progress, budget=budget, world=world,
-                    shard=shard)
+                    shard=shard, judge=keep_better and evaluate)
     report = {"plan": asdict(plan), "device": str(device)}
     if blob is not None:
         healer.restore(blob, str(checkpoint))
@@ -110,9 +117,12 @@ def heal_model(teacher, student, windows: torch.Tensor, held_out, plan: HealPlan
     if status is None:
         reserve = report.get("evaluation_seconds", 0.0) if evaluate else 0.0
         status = healer.run(reserve=reserve)
-        while status == "probe":
-            report["probe"] = _probe(healer, texts, converted, world) if evaluate else {
-                "verdict": "kept the end-to-end phase (no held-out windows to judge it on)"}
+        while status in ("probe", "switch"):
+            if status == "switch":
+                report["layer_wise"] = _switch(healer, texts, world, reserve, report.get("evaluation_seconds", 0.0))
+            else:
+                report["probe"] = _probe(healer, texts, converted, world) if evaluate else {
+                    "verdict": "kept the end-to-end phase (no held-out windows to judge it on)"}
             healer.state["report"] = report
             status = healer.run(reserve=reserve)
         report["layer_cut"] = None if status == "done" else healer.judge_cut_layer()
@@ -135,6 +145,7 @@ def heal_model(teacher, student, windows: torch.Tensor, held_out, plan: HealPlan
                                                     reference=s["reference"], world=world))
         except Stopped:
             report["status"] = "stopped"
+        _judge_end_to_end(healer, report)
         if keep_better and converted is not None and guard.worse(report.get("before"), report.get("after")):
             why = guard.reason(report["before"], report["after"]) or "judged worse than the converted student"
             load_attention_weights(attention_modules(student), converted)
@@ -166,3 +177,47 @@ def _probe(healer: Healer, texts: list[torch.Tensor], converted: dict, world: dd
     if why:
         out["reason"] = why
     return out
+
+
+def _switch(healer: Healer, texts: list[torch.Tensor], world: dd.World, reserve: float, one: float) -> dict:
+    """Where an end-to-end phase would follow the layer-wise one: with at least `one` evaluation's seconds left
+    beyond the `reserve`, score the layer-wise student on the held-out texts (KL and top-1 against the evaluation
+    before training; no greedy text, which no decision reads) and keep its weights (Healer.keep_layer_wise) for the
+    verdict at the end (_judge_end_to_end); else end the heal there (Healer.end_at_switch). Returns the report's
+    "layer_wise" entry. Every rank calls it, and the clock's verdict is agreed."""
+    from .evaluate import evaluate_texts, public
+
+    s, budget = healer.state, healer.budget
+    if healer._agree(budget.expired(reserve + one)):
+        left = max(0.0, budget.left() - reserve)
+        healer.end_at_switch()
+        return {"verdict": f"no end-to-end phase: {left:.0f} s left, less than one evaluation ({one:.0f} s) to "
+                           "judge it with"}
+    t0 = budget.clock()
+    with healer.teacher_whole():
+        now = public(evaluate_texts(healer.teacher, healer.student, texts, budget=budget.unbounded(),
+                                    reference=s["reference"], world=world, prompts=0))
+    healer.keep_layer_wise()
+    return {"evaluation": now, "seconds": budget.clock() - t0, "verdict": "pending"}
+
+
+def _judge_end_to_end(healer: Healer, report: dict) -> None:
+    """The verdict on an end-to-end phase judged at the switch (_switch), once report["after"] holds its end: the
+    layer-wise weights back when the student is farther from the teacher than they left it on any held-out text
+    (guard.worse), report["after"] then theirs and report["end_to_end"] the figures of the student they replaced."""
+    entry = report.get("layer_wise") or {}
+    if "evaluation" not in entry or "after" not in report or healer.layer_wise is None:
+        return
+    steps = healer.state["step"]  # the end-to-end phase's (the layer-wise phase ended at the switch)
+    entry["end_to_end_steps"] = steps
+    if not steps:
+        entry["verdict"] = "no end-to-end step fitted after the layer-wise phase"
+        return
+    why = guard.reason(entry["evaluation"], report["after"])
+    if why is None:
+        entry["verdict"] = "kept the end-to-end phase"
+        return
+    load_attention_weights(attention_modules(healer.student), healer.layer_wise)
+    report["end_to_end"], report["after"] = report["after"], copy.deepcopy(entry["evaluation"])
+    entry["verdict"] = "the layer-wise weights back"
+    entry["reason"] = f"end to end, {why}"
