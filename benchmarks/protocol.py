@@ -241,7 +241,7 @@ def part_run(case: str, seed: int, redo: bool, long: bool) -> None:
                                                    "environment")}
     row["report"]["heal"] = {k: (report.get("heal") or {}).get(k) for k in
                              ("probe", "kept", "rollbacks", "layers_restored", "distill_steps", "steps_done",
-                              "layer_cut", "layer_steps_fitted")}
+                              "layer_cut", "layer_steps_fitted", "layer_wise", "end_to_end")}
     row["plan"] = (report.get("plan") or {}).get("chosen")
     row["kv_bytes_per_token"] = hf.kv_bytes_per_token(model)
     row["fixed_bytes"] = fixed_bytes(row)

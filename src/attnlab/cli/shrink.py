@@ -217,7 +217,9 @@ def shrink(source: str = typer.Argument(..., help="The model: smollm2, a transfo
         if line:
             console.print(line)
     heal = report.get("heal") or {}
-    for line in (probe_line(heal), switch_line(heal), guard_line(heal)):
+    # the verdict's line reads the evaluation after the heal, which the report keeps under held_out
+    for line in (probe_line(heal), switch_line({**heal, "after": (report.get("held_out") or {}).get("after")}),
+                 guard_line(heal)):
         if line:
             console.print(line)
     if heal.get("kept"):  # the heal made it worse: the converted weights are what was written
