@@ -99,7 +99,7 @@ def heal(source: Path = typer.Argument(..., help="A converted-model folder writt
     from .. import models as hf
     from ..heal import distributed as dd
     from ..heal.data import check_pair, training_data
-    from ..heal.distill import LAYER_INPUTS, HealPlan
+    from ..heal.plan import LAYER_INPUTS, HealPlan
     from ..heal.run import heal_model
     from ..heal.guard import guard_line, probe_line, switch_line
     from ..io.folders import check_output, output_lock

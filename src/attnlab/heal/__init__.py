@@ -1,7 +1,8 @@
 """Healing: distil a converted model back towards the original (the teacher), which stays frozen.
 
-- distill.py   HealPlan, Healer (layer-wise then end-to-end KL; resumable, time-budgeted)
-- run.py       heal_model: one heal inside one budget (evaluate, train, probe, evaluate, keep the better)
+- plan.py      HealPlan: what a heal does (everything that decides its result), checked
+- distill.py   Healer (layer-wise then end-to-end KL; resumable, time-budgeted)
+- run.py       heal_model: one heal inside one budget (evaluate, train, probe, judge, evaluate, keep the better)
 - losses.py    what a step lowers (KL, normalised MSE) and the rate schedule (warm-up, cosine)
 - trainable.py what trains: the attention's own weights, or LoRA adapters on them
 - data.py      what healing trains on: the user's text, or text the teacher writes itself
@@ -12,7 +13,8 @@
 - guard.py     what keeps a heal from leaving the model worse: the layer-wise guard, the keep-better test
 """
 from .data import PROMPTS, check_pair, read_ids, teacher_windows, text_windows
-from .distill import Healer, HealPlan
+from .distill import Healer
+from .plan import HealPlan
 from .run import heal_model
 from .losses import distill_loss, kl_loss, normalised_mse, warmup_steps
 from .trainable import add_lora, freeze_all_but_attention, merge_lora

@@ -59,15 +59,15 @@ evaluations and leaves it whole for the caller. The work that is not a batch is 
 share of the teacher's layer inputs for the layer-wise phase and of the evaluations' windows, and the shares are
 gathered (distributed.gather_rows), so no rank repeats another's.
 Without a world (or with one process) nothing of this runs: the one-process path is unchanged.
-The losses and the rate schedule are in losses.py, what trains (and LoRA) in trainable.py; their names are
-importable from here as before.
+The plan (HealPlan and the constants it is sized with) is in plan.py, the losses and the rate schedule in losses.py,
+what trains (and LoRA) in trainable.py; their names are importable from here as before.
 """
 from __future__ import annotations
 
 import contextlib
 import functools
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -80,64 +80,11 @@ from . import distributed as dd
 from . import guard
 from .data import converted_layers
 from .losses import cosine, distill_loss, kl_loss, normalised_mse, warmup_steps  # noqa: F401 (re-exported)
+from .plan import EVERY_VALUE_LR, LAYER_INPUTS, MIN_LAYER_STEPS, HealPlan  # noqa: F401 (re-exported)
 from .trainable import LORA_TARGETS, add_lora, freeze_all_but_attention, merge_lora  # noqa: F401 (re-exported)
 from .trainable import attention_modules as _modules
 from .trainable import attention_weights, load_attention_weights
 from .trained import TrainedPart
-
-# The end-to-end rate for a plan that keeps every value (HealPlan.lr; shrink sets it where it sets the probe). Such a
-# student starts next to the teacher (only its cache codes differ), and AdamW moves every weight by about the rate
-# per step whatever the gradient's size: on SmolLM2-135M at the default 3e-4 the end-to-end loss rose from 0.05 to
-# 0.20 in 8 steps. HealPlan.lr's default stays 3e-4, the best of 1e-4 / 3e-4 / 1e-3 measured for a low-rank plan,
-# which starts far from the teacher (docs/real-models.md); should 1e-4 still blow up, the blow-up guard cuts it.
-EVERY_VALUE_LR = 1e-4
-# The fewest layer-wise steps a layer that a heal plans or fits to its time (a layer's schedule warms up over
-# warmup_steps of them; fewer move a layer little)
-MIN_LAYER_STEPS = 5
-LAYER_INPUTS = ("teacher", "student")  # HealPlan.layer_inputs
-
-
-@dataclass
-class HealPlan:
-    """What a heal does (everything that decides its result; the time budget is not part of it)."""
-    seq_len: int = 256
-    batch_size: int = 4
-    tokens: int | None = None  # end-to-end tokens; None: as many as the time budget allows
-    layer_steps: int = 100  # layer-wise steps per layer; 0 skips the phase
-    layer_windows: int = 64  # windows whose teacher hidden states the layer-wise phase reads
-    layer_batch: int = 8
-    layer_lr: float = 3e-3
-    lr: float = 3e-4
-    warmup: int = 8
-    seed: int = 0
-    lora_rank: int | None = None
-    # with layer_steps: the end-to-end phase first, judged on the held-out texts after this share of its steps
-    # (heal_model): if the student moved away from the teacher there (guard.worse), the converted weights come back
-    # and the layer-wise phase takes the rest of the time, with no end-to-end phase after it; 0: the layer-wise phase
-    # first, then the end-to-end phase
-    probe: float = 0.0
-    # where a layer of the layer-wise phase reads its inputs: "teacher", the teacher's hidden states (every layer
-    # fitted alone); "student", the student's own, through the layers before it as the phase left them (each layer
-    # fitted to the teacher's output from what it will really read, so that it can make up for the errors before it)
-    layer_inputs: str = "teacher"
-    # prompts per held-out text whose greedy continuations heal_model's evaluations compare (greedy agreement, a
-    # reported figure that no decision reads); 0: none
-    prompts: int = 8
-
-    def check(self) -> None:
-        if self.layer_inputs not in LAYER_INPUTS:
-            raise ValueError(f"heal plan: layer_inputs must be one of {', '.join(LAYER_INPUTS)}, got "
-                             f"{self.layer_inputs!r}")
-        for f in fields(self):
-            v = getattr(self, f.name)
-            if f.name in ("tokens", "lora_rank") and v is None or f.name == "layer_inputs":
-                continue
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0 or (
-                    v == 0 and f.name not in ("layer_steps", "warmup", "seed", "probe", "prompts")):
-                raise ValueError(f"heal plan: {f.name} must be a positive number, got {v!r}")
-        if self.probe >= 1:
-            raise ValueError(f"heal plan: probe is a share of the end-to-end steps, below 1, got {self.probe!r}")
-
 
 class _Read(Exception):
     """Raised by _attention_input's stand-in attention once it has its input: the rest of the layer is not needed."""

@@ -19,7 +19,8 @@ from ..models.evaluate import kv_bytes_per_token
 from ..runtime.budget import Budget, Stopped
 from . import distributed as dd
 from . import guard
-from .distill import HealPlan, Healer
+from .distill import Healer
+from .plan import HealPlan
 from .trainable import attention_modules, attention_weights, load_attention_weights
 
 _STATUSES = (None, "budget", "stopped")  # a run's end, by rank: the largest over the ranks wins
@@ -68,7 +69,8 @@ def heal_model(teacher, student, windows: torch.Tensor, held_out, plan: HealPlan
     holds the layer-wise student's figures where it would start ("evaluation", no greedy text) and the verdict; when
     its steps left the student farther from the teacher on any text (guard.worse), the layer-wise weights come back
     and report["end_to_end"] holds the figures of the student they replaced. With less time left there than the
-    evaluation before training took, no end-to-end step is taken.
+    evaluation before training took, no end-to-end step is taken. Not with LoRA (plan.lora_rank): its adapters are
+    merged at the end, and weights kept with them attached would not load into the merged modules.
     """
     from .data import check_pair
     from .evaluate import evaluate_texts, held_out_texts, public
@@ -89,7 +91,7 @@ def heal_model(teacher, student, windows: torch.Tensor, held_out, plan: HealPlan
         if (keep_better or plan.probe) and evaluate else None  # the weights as converted
     healer = Healer(teacher, student, windows, plan, device=device, checkpoint=checkpoint,
                     checkpoint_seconds=checkpoint_seconds, progress=progress, budget=budget, world=world,
-                    shard=shard, judge=keep_better and evaluate)
+                    shard=shard, judge=keep_better and evaluate and not plan.lora_rank)
     report = {"plan": asdict(plan), "device": str(device)}
     if blob is not None:
         healer.restore(blob, str(checkpoint))

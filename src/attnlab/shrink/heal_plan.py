@@ -61,7 +61,7 @@ def heal_plan(req: ShrinkRequest, teacher, student, train: torch.Tensor, seconds
     (--batch-size), and the layer-wise batch is rounded up to a whole number of them, so that any number of processes
     that splits the one splits the other, and a torchrun job plans what one process plans.
     """
-    from ..heal.distill import HealPlan
+    from ..heal.plan import HealPlan
 
     plan = HealPlan(seq_len=req.seq_len, seed=req.seed, layer_windows=min(64, train.shape[0]), tokens=req.tokens,
                     batch_size=req.batch_size)
@@ -73,7 +73,7 @@ def heal_plan(req: ShrinkRequest, teacher, student, train: torch.Tensor, seconds
 def _sized(req: ShrinkRequest, plan, teacher, student, train: torch.Tensor, seconds: float, device: torch.device):
     """heal_plan's choices from the request and the time: the probe and rate for a student that keeps every value,
     and the layer-wise steps and batch (a step timed on `device`)."""
-    from ..heal.distill import EVERY_VALUE_LR, MIN_LAYER_STEPS
+    from ..heal.plan import EVERY_VALUE_LR, MIN_LAYER_STEPS
     from ..models.adapters import attnlab_modules
 
     mods = attnlab_modules(student)

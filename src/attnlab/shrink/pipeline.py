@@ -278,7 +278,7 @@ def _shrink(req: ShrinkRequest, resume: bool, force: bool, budget: Budget | None
     """shrink() in one process, or as rank 0 of a torchrun job (world, shard; handed["done"] once the others have
     the hand-off)."""
     from .. import models as hf
-    from ..heal.distill import HealPlan
+    from ..heal.plan import HealPlan
     from ..heal.run import heal_model
     from ..io.folders import check_output
     from ..models.export_gguf import is_attnlab_gguf
@@ -474,7 +474,7 @@ def _follow(req: ShrinkRequest, world, shard: bool, budget: Budget) -> None:
 
     from .. import models as hf
     from ..heal import distributed as dd
-    from ..heal.distill import HealPlan
+    from ..heal.plan import HealPlan
     from ..heal.run import heal_model
 
     if pinned(req):
