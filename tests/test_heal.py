@@ -916,39 +916,3 @@ def test_a_plan_without_prompts_evaluates_no_greedy_text_and_judges_alike(tiny):
     for when in ("before", "after"):
         assert [reports[1][when][k] for k in ("kl", "top1_agreement")] == \
             [reports[0][when][k] for k in ("kl", "top1_agreement")]
-
-
-def test_source_windows_are_cut_from_attnlabs_own_files_but_the_judges(tiny):
-    """source_windows: each window is a run of consecutive tokens of one of attnlab's Python files as the tokenizer
-    reads that file alone (the oracle: every file tokenised here), never of the judge's or planner's files; the same
-    seed gives the same windows, another seed others."""
-    from attnlab.heal.data import _judge_files, _source_files, source_windows
-
-    _, _, tok = tiny
-    files = _source_files()
-    assert files and not {f.resolve() for f in _judge_files()} & {f.resolve() for f in files}
-    got = source_windows(tok, 6, T, seed=3)
-    assert torch.equal(got, source_windows(tok, 6, T, seed=3))
-    assert not torch.equal(got, source_windows(tok, 6, T, seed=4))
-    streams = [tok(f.read_text(encoding="utf-8"), return_tensors="pt").input_ids[0].tolist() for f in files]
-    for w in got.tolist():
-        assert any(any(s[i:i + T] == w for i in range(0, len(s) - T + 1, T)) for s in streams)
-    with pytest.raises(ValueError, match="source windows must be a count of 0 or more, got -1"):
-        source_windows(tok, -1, T)
-
-
-def test_with_source_keeps_the_fixed_windows_and_puts_one_source_window_after_every_three(tiny):
-    """with_source: the fixed windows first and unchanged, the others in their order, and after each 3 of them one of
-    source_windows (the same seed's, in its order); 2 windows left over at the end stay without one."""
-    from attnlab.heal.data import source_windows, with_source
-
-    _, _, tok = tiny
-    windows = _windows(12 + 3 * 5 + 2, seed=7)
-    got = with_source(windows, tok, fixed=12, seed=1, every=4)
-    source = source_windows(tok, 5, T, seed=1)
-    assert got.shape == (12 + 5 * 4 + 2, T) and torch.equal(got[:12], windows[:12])
-    body = got[12:12 + 20].reshape(5, 4, T)
-    assert torch.equal(body[:, :3].reshape(15, T), windows[12:27]) and torch.equal(body[:, 3], source)
-    assert torch.equal(got[-2:], windows[-2:])
-    with pytest.raises(ValueError, match="fixed windows must be between 0 and 29, got 30"):
-        with_source(windows, tok, fixed=30)

@@ -737,25 +737,3 @@ def test_the_layer_wise_phase_is_sized_to_its_time_by_hand(tiny, monkeypatch, in
     left = hp.LAYER_SHARE * 300.0 - windows
     assert plan.layer_inputs == inputs and windows == 4
     assert (plan.layer_batch, plan.layer_steps) == (8, int(min(100, left / (2 * 0.5 * 1.3 * layers))))
-
-
-def test_a_low_rank_heal_on_the_teachers_text_gets_attnlabs_source_among_its_windows(tiny, monkeypatch):
-    """heal_windows: a plan that cuts rank (layer_inputs "student"), healed on text the teacher wrote, trains on
-    heal.data.with_source's windows (the plan's fixed windows first); with --text, or a plan that keeps every value
-    (layer_inputs "teacher"), on the run's own windows alone."""
-    from attnlab.heal.data import with_source
-    from attnlab.heal.plan import HealPlan
-    import attnlab.shrink.pipeline as pipeline
-    from attnlab.shrink.pipeline import _fixed, heal_windows
-
-    monkeypatch.setattr(pipeline, "CALIBRATION_TOKENS", 8 * T)  # 8 + 4 fixed windows of the 40 (the real ones
-    monkeypatch.setattr(pipeline, "PROXY_TOKENS", 4 * T)  # are 2,048 and 1,024 tokens)
-    _, _, tok, text, _ = tiny
-    req = ShrinkRequest(source="x", kv_budget="12.5%", out="o", seq_len=T, windows=40)
-    data = {"train": _ids(tok, text, 40 * T).reshape(40, T)}
-    got = heal_windows(req, data, tok, HealPlan(seq_len=T, layer_inputs="student"))
-    assert torch.equal(got, with_source(data["train"], tok, fixed=_fixed(req), seed=req.seed))
-    assert _fixed(req) == 12 and got.shape[0] == 40 + 28 // 3
-    assert heal_windows(req, data, tok, HealPlan(seq_len=T)) is data["train"]
-    with_text = ShrinkRequest(source="x", kv_budget="12.5%", out="o", seq_len=T, windows=40, text=[str(text)])
-    assert heal_windows(with_text, data, tok, HealPlan(seq_len=T, layer_inputs="student")) is data["train"]

@@ -10,8 +10,6 @@ Notation: N windows, T tokens per window (seq_len), V vocabulary.
   a seeded generator), and each prompt + continuation is one training window.
 - `training_data`: one of the two for a heal (or shrink) run, inside a time budget: the
   teacher's writing gets a bounded share of it, past the windows a plan reads, which are the same on any machine.
-- `with_source`: the training windows with windows of attnlab's own source among them (`source_windows`), text of
-  another kind than the teacher writes; shrink adds them to a low-rank plan's heal on the teacher's own text.
 - `judge_texts`: held-out text of other kinds (shipped sentences, Python source) that a heal is judged on too;
   `planning_texts`: the same files' next tokens, which a shrink plan's per-layer costs read (never the judge's).
 - `check_pair`: the teacher and the student must be the same network around their attention.
@@ -40,7 +38,6 @@ PROMPTS = (
 
 
 HELD_OUT_PROMPTS = 4  # the last prompts write held-out text only (training_data)
-SOURCE_EVERY = 4  # with_source: one window in this many after the fixed ones is attnlab's own source
 JUDGE_TOKENS = 512  # tokens of each text of judge_texts
 
 
@@ -73,52 +70,6 @@ def planning_texts(tok, tokens: int) -> list[torch.Tensor]:
     a plan does not fit one kind of text, while the heal's judge reads other tokens."""
     ids = [ids[:, JUDGE_TOKENS:JUDGE_TOKENS + tokens] for ids in _judge_ids(tok)]
     return [t for t in ids if t.numel()]
-
-
-def _source_files() -> list:
-    """attnlab's own Python files (code and its documentation, shipped with the package), sorted by path, but the
-    judge's and planner's (_judge_files): what source_windows cuts its windows from."""
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parent.parent
-    judged = {f.resolve() for f in _judge_files()}
-    return sorted(f for f in root.rglob("*.py") if f.resolve() not in judged)
-
-
-def source_windows(tok, count: int, seq_len: int, *, seed: int = 0) -> torch.Tensor:
-    """`count` windows (count, seq_len) of attnlab's own source (_source_files, tokenised file by file and cut into
-    whole windows), chosen by a permutation seeded with `seed`: the same windows on any machine for one attnlab and
-    tokenizer. Text of another kind than what a model writes from PROMPTS (Python and the English of its docstrings),
-    none of it the heal's judge or the planner's text."""
-    if isinstance(count, bool) or not isinstance(count, int) or count < 0:
-        raise ValueError(f"source windows must be a count of 0 or more, got {count!r}")
-    pieces = [_windows(tok(f.read_text(encoding="utf-8"), return_tensors="pt").input_ids[0], seq_len)
-              for f in _source_files()]
-    pool = torch.cat([w for w in pieces if w.numel()])
-    if count > pool.shape[0]:
-        raise ValueError(f"attnlab's source holds {pool.shape[0]} windows of {seq_len} tokens, fewer than the "
-                         f"{count} asked")
-    order = torch.randperm(pool.shape[0], generator=torch.Generator().manual_seed(seed))
-    return pool[order[:count]]
-
-
-def with_source(windows: torch.Tensor, tok, *, fixed: int, seed: int = 0, every: int = SOURCE_EVERY) -> torch.Tensor:
-    """The training windows (N, T) with attnlab's own source among them: windows[:fixed] first and as they are (what
-    a plan read), then the rest in order with one window of source_windows after each every - 1 of them, so that
-    any first part of the result (a layer-wise phase reads its first windows) holds source in that share.
-    Returns (N + k, T), k = (N - fixed) // (every - 1)."""
-    if isinstance(every, bool) or not isinstance(every, int) or every < 2:
-        raise ValueError(f"one source window in every {every!r}: give 2 or more")
-    if not 0 <= fixed <= windows.shape[0]:
-        raise ValueError(f"fixed windows must be between 0 and {windows.shape[0]}, got {fixed!r}")
-    rest = windows[fixed:]
-    k = rest.shape[0] // (every - 1)
-    source = source_windows(tok, k, windows.shape[1], seed=seed).to(windows.dtype)
-    out = [windows[:fixed]]
-    for i in range(k):
-        out += [rest[i * (every - 1):(i + 1) * (every - 1)], source[i:i + 1]]
-    out.append(rest[k * (every - 1):])
-    return torch.cat(out)
 
 
 def _windows(ids: torch.Tensor, seq_len: int) -> torch.Tensor:

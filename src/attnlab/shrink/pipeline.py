@@ -198,34 +198,18 @@ def _data(req: ShrinkRequest, teacher, tok, budget: Budget, show) -> dict[str, t
     else:
         show.phase("the teacher writes its own training text")
     n = max(1, CALIBRATION_TOKENS // req.seq_len)
+    proxy = max(1, PROXY_TOKENS // req.seq_len)
     train, held, _ = training_data(teacher, tok, req.seq_len, text=req.text, eval_text=req.eval_text,
                                    windows=req.windows, seed=req.seed, budget=None if pinned(req) else budget,
-                                   share=0.3, batch_size=32, fixed=_fixed(req),
+                                   share=0.3, batch_size=32, fixed=min(req.windows, n + proxy),
                                    progress=lambda i, k: show.count(i, k, "the teacher writes text"))
     calibration = train[:n].reshape(1, -1).clone()
     data = {"train": train, "held": held, "calibration": calibration}
     if train.shape[0] > n:  # the planner scores candidates on other windows than the calibration's
-        data["proxy"] = train[n: n + max(1, PROXY_TOKENS // req.seq_len)].reshape(1, -1).clone()
+        data["proxy"] = train[n: n + proxy].reshape(1, -1).clone()
     for i, ids in enumerate(judge_texts(tok)):
         data[f"judge_{i}"] = ids
     return data
-
-
-def _fixed(req: ShrinkRequest) -> int:
-    """The training windows a plan reads (calibration, then the proxy's), written whatever the clock says."""
-    return min(req.windows, max(1, CALIBRATION_TOKENS // req.seq_len) + max(1, PROXY_TOKENS // req.seq_len))
-
-
-def heal_windows(req: ShrinkRequest, data: dict, tok, plan) -> torch.Tensor:
-    """The windows the heal trains on: the run's training windows, and, for a plan that cuts rank (its layer-wise
-    phase on the student's own inputs) on text the teacher wrote (no --text), one window of attnlab's own source in
-    every heal.data.SOURCE_EVERY after the windows the plan read (heal.data.with_source): at 12.5% a heal on the
-    model's own writing alone fitted text like it and lost on reference prose (docs/real-models.md)."""
-    from ..heal.data import with_source
-
-    if req.text or plan.layer_inputs != "student" or tok is None:
-        return data["train"]
-    return with_source(data["train"], tok, fixed=min(_fixed(req), data["train"].shape[0]), seed=req.seed)
 
 
 LAYER_WINDOW = 256  # the planner's window (plan()'s default): --per-layer's costs read one of the run's own text
@@ -398,17 +382,14 @@ def _shrink(req: ShrinkRequest, resume: bool, force: bool, budget: Budget | None
                                                        max(0.0, budget.left() - reserve), heal_device))
             state.save()
         plan = HealPlan(**state.data["heal_plan"])
-        windows = heal_windows(req, data, tok, plan)
-        state.data.setdefault("work", {})["source_windows"] = int(windows.shape[0] - data["train"].shape[0])
         show.phase("evaluating the converted model before training")
         checkpoint = folder / "heal.pt"
         resume_heal = checkpoint.is_file()
         if world is not None and world.distributed:
-            hand_off(student_dir, {**data, "train": windows}, {"heal_plan": state.data["heal_plan"],
-                                                                "resume": resume_heal, "reserve": reserve,
-                                                                "checkpoint": str(checkpoint)})
+            hand_off(student_dir, data, {"heal_plan": state.data["heal_plan"], "resume": resume_heal,
+                                         "reserve": reserve, "checkpoint": str(checkpoint)})
             handed["done"] = True
-        report = heal_model(teacher, student, windows, held_texts(data), plan,
+        report = heal_model(teacher, student, data["train"], held_texts(data), plan,
                             device=heal_device, budget=_heal_budget(budget, reserve), checkpoint=checkpoint,
                             resume=resume_heal,
                             progress=show.step, world=world, shard=shard, keep_better=not req.keep_worse)
@@ -582,10 +563,7 @@ def final_report(req: ShrinkRequest, state: RunState, teacher, student, meta) ->
             "heal": {k: v for k, v in heal.items() if k not in ("teacher", "before", "after")},
             "data": {"text": req.identity()["text"], "eval_text": req.identity()["eval_text"],
                      "calibration": ("the first tokens of --text" if req.text else "text the teacher wrote (seeded)")
-                     if req.calibration else "none (--no-calibration)",
-                     "heal": "--text" if req.text else "text the teacher wrote" + (
-                         ", and windows of attnlab's own source (heal.data.with_source)"
-                         if (state.data.get("work") or {}).get("source_windows") else "")},
+                     if req.calibration else "none (--no-calibration)"},
             "work": work_done(req, state), "minutes": dict(state.data["minutes"]), "base": meta.get("base"),
             "environment": environment()}
 
