@@ -737,3 +737,21 @@ def test_the_layer_wise_phase_is_sized_to_its_time_by_hand(tiny, monkeypatch, in
     left = hp.LAYER_SHARE * 300.0 - windows
     assert plan.layer_inputs == inputs and windows == 4
     assert (plan.layer_batch, plan.layer_steps) == (8, int(min(100, left / (2 * 0.5 * 1.3 * layers))))
+
+
+def test_the_shrink_prints_the_verdict_on_its_end_to_end_phase_with_both_kl_figures(tiny, tmp_path, capsys):
+    """A plan that cuts rank heals layer-wise, then end to end, and heal_model judges the end-to-end phase against the
+    layer-wise one (heal.run._switch): `attnlab shrink` prints the verdict with the KL after each phase, the figures of
+    the written report (the evaluation after the heal is kept under held_out, apart from the heal's entry)."""
+    folder, _, _, text, held = tiny
+    out = tmp_path / "out"
+    code, printed = _cli(["shrink", folder, "--out", out, "--kv-budget", "25%", "--text", text, "--eval-text", held,
+                          "--tokens", 4 * T * 4, "--layer-steps", 2, "--seq-len", T], capsys)
+    assert code == 0, printed.err
+    report = hf.load_model(str(out))[2]["shrink"]
+    entry, heal = report["heal"]["layer_wise"], report["heal"]
+    assert report["plan"]["chosen"]["latent_dim"] is not None and heal["plan"]["layer_inputs"] == "student"
+    end = heal.get("end_to_end") or report["held_out"]["after"]
+    line = (f"the end-to-end phase ({entry['end_to_end_steps']} steps): {entry['verdict']}, KL to the teacher "
+            f"{entry['evaluation']['kl']:.4g} after the layer-wise phase, {end['kl']:.4g} after the end-to-end one")
+    assert entry["end_to_end_steps"] == 4 and line in " ".join(printed.out.split())
