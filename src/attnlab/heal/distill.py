@@ -136,6 +136,8 @@ class Healer:
     world: a distributed.World of N > 1 ranks (init_world under torchrun) to train data-parallel,
     each rank on its device (world.device); shard=True wraps the trained part with FSDP2 instead
     of DDP. Default: one process, no collective.
+    judge: stop where an end-to-end phase would follow the layer-wise one (run() returns "switch"), so that
+    heal_model can score the layer-wise student and keep its weights (keep_layer_wise) or end there (end_at_switch).
     """
 
     def __init__(self, teacher, student, windows: torch.Tensor, plan: HealPlan, *, device="cpu",
