@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from .pipeline import ShrinkRequest
+    from .request import ShrinkRequest
 
 
 # The layer-wise phase's share of the heal's time where it goes first (a plan that cuts rank). Measured on SmolLM2 at

@@ -1,4 +1,5 @@
 """`shrink`: a KV budget in, a healed model in the requested format out, in one run inside one time budget.
+What the request is and how it is checked: request.py.
 
 A thin pipeline over the library (the same functions the separate commands call):
     load -> data -> plan -> convert -> heal -> export
@@ -35,7 +36,7 @@ from __future__ import annotations
 import copy
 import json
 import shutil
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -44,8 +45,10 @@ from ..runtime.budget import Budget, Stopped
 from ..runtime.environment import environment
 from .engines import llama_cpp_cache, runs_in, transformers_cache  # noqa: F401 (re-exported: their old home)
 from .heal_plan import FEW_STEPS_LR, LAYER_SHARE, PROBE_SHARE, heal_plan  # noqa: F401 (re-exported: their old home)
-from .plan import (GGUF_STORAGES, LLAMA_CPP_CACHE, STORAGES, TRANSFORMERS_CACHE, Candidate, check_format, feasible,
-                   few_bit, keys_whole, llama_cpp_pair, llama_cpp_types, parse_budget, storage_ok)
+from .plan import (LLAMA_CPP_CACHE, TRANSFORMERS_CACHE, Candidate, check_format, feasible, few_bit, keys_whole,
+                   llama_cpp_types, parse_budget)
+# the request and its check live in request.py; re-exported here, their old home
+from .request import AUTO_STORAGES, ShrinkRequest, check_request, pinned, plan_count, storage_choices  # noqa: F401
 from .state import RUN_FORMAT, RunState, run_folder  # noqa: F401 (re-exported: their old home)
 
 CALIBRATION_TOKENS = 2048
@@ -54,101 +57,6 @@ PROXY_TOKENS = 1024  # the planner's scoring windows, after the calibration's
 # number of candidates set by --minutes, never by the clock (a loaded machine chose other plans); kept for callers
 PLAN_SHARE = 0.25
 PHASES = ("data", "plan", "convert", "heal", "export")
-AUTO_STORAGES = {"attnlab": STORAGES, "gguf": GGUF_STORAGES, "deepseek": ("bf16",), "transformers": TRANSFORMERS_CACHE}
-
-
-def storage_choices(storage: str, fmt: str = "attnlab") -> tuple[str, ...]:
-    """The storages the planner may choose for --kv-dtype: every one the format holds for auto, else the one named."""
-    return AUTO_STORAGES[fmt] if storage == "auto" else (storage,)
-
-
-@dataclass
-class ShrinkRequest:
-    """What the user asked for. `identity()` is what a resumed run must share with the run it continues."""
-    source: str
-    kv_budget: str
-    out: str
-    fmt: str = "attnlab"
-    minutes: float = 10.0
-    text: list = field(default_factory=list)
-    eval_text: list = field(default_factory=list)
-    seed: int = 0
-    device: str = "cpu"
-    calibration: bool = True
-    storage: str = "auto"  # "auto" (the planner may choose 8-bit for attnlab's format), "bf16" or "int8"
-    latent_dim: int | None = None
-    rope_dim: int | None = None
-    windows: int = 96  # teacher-written training windows at most (no text)
-    seq_len: int = 256  # tokens per training window
-    tokens: int | None = None  # end-to-end heal tokens (None: as many as the time allows)
-    layer_steps: int | None = None  # layer-wise steps per layer (None: sized to the time)
-    batch_size: int = 4  # windows per end-to-end step, the global batch a torchrun job splits over its processes
-    keep_worse: bool = False  # write the healed weights even when held-out perplexity rose (heal_model's keep_better)
-    context: int | None = None  # the budget counts bytes per token at this sequence length (None: every token held)
-    per_layer: bool = False  # also plan a latent size per layer (plan round 4; not measured better: docs)
-
-    def identity(self) -> dict:
-        keep = ("source", "kv_budget", "fmt", "text", "eval_text", "seed", "calibration", "storage", "latent_dim",
-                "rope_dim", "windows", "seq_len", "tokens", "layer_steps", "context", "batch_size", "per_layer")
-        return {k: [str(x) for x in v] if isinstance(v, list) else v for k, v in asdict(self).items() if k in keep}
-
-
-def check_request(req: ShrinkRequest) -> None:
-    """ValueError naming the value for anything the run cannot do, before any work."""
-    from .plan import FORMATS
-
-    if req.fmt not in FORMATS:
-        raise ValueError(f"--format must be one of {', '.join(FORMATS)}, got {req.fmt!r}")
-    if req.storage != "auto" and req.fmt == "gguf" and not storage_ok(req.storage, "gguf"):
-        raise ValueError(f"--kv-dtype for --format gguf is the llama.cpp cache type the model is planned and healed "
-                         f"for: auto, bf16 (llama.cpp's f16 cache), {', '.join(LLAMA_CPP_CACHE)}, or K and V apart as "
-                         f"'q8_0,q4_0' (--cache-type-k q8_0 --cache-type-v q4_0); got {req.storage!r}")
-    if req.storage not in ("auto", *TRANSFORMERS_CACHE) and req.fmt == "transformers":
-        hqq = "; transformers' hqq and fp8 backends are not healed for yet" if req.storage.startswith(("hqq", "fp8")) \
-            else ""
-        raise ValueError(f"--kv-dtype for --format transformers is the QuantizedCache code the model is healed for: "
-                         f"auto, {', '.join(TRANSFORMERS_CACHE)} (quanto backend, 4 or 2 bits); got "
-                         f"{req.storage!r}{hqq}")
-    if req.fmt == "transformers" and req.latent_dim is not None:
-        raise ValueError("--format transformers keeps the original attention: --latent-dim/--rope-dim do not apply")
-    if req.fmt == "transformers" and str(req.out).endswith(".gguf"):
-        raise ValueError(f"--format transformers writes a folder: --out {req.out} ends in .gguf (that is --format "
-                         "gguf)")
-    if req.storage not in ("auto", "bf16") and req.fmt == "deepseek":
-        raise ValueError(f"--kv-dtype {req.storage} is not a DeepSeek folder's: its cache type is the engine's "
-                         "choice (vLLM: kv_cache_dtype fp8); use auto or bf16")
-    if req.storage != "auto" and req.fmt == "attnlab" and not storage_ok(req.storage):
-        llama = f"; {req.storage} is a llama.cpp cache type: with --format gguf" if req.storage in LLAMA_CPP_CACHE \
-            or llama_cpp_pair(req.storage) else ""
-        raise ValueError(f"--kv-dtype must be auto, bf16, int8, or int2 to int7 (int4/g<N>: a scale and minimum "
-                         f"per N latent channels; '+r8': the rope key in 8 bits; '+c4', '+c3', '+c2': in 4, 3, 2 bits per channel), got "
-                         f"{req.storage!r}{llama}")
-    parse_budget(req.kv_budget)
-    if req.context is not None and (isinstance(req.context, bool) or not isinstance(req.context, int) or
-                                    req.context < 1):
-        raise ValueError(f"--context must be a positive number of tokens, got {req.context!r}")
-    if (req.latent_dim is None) != (req.rope_dim is None):
-        raise ValueError("give --latent-dim and --rope-dim together (or neither: the planner chooses)")
-    if req.per_layer and (req.fmt != "attnlab" or req.latent_dim is not None):
-        why = f"--format {req.fmt} holds one latent size for every layer" if req.fmt != "attnlab" else \
-            "--latent-dim gives the sizes itself"
-        raise ValueError(f"--per-layer plans a latent size per layer, which only the planner's --format attnlab "
-                         f"plans: {why}")
-    if req.fmt == "gguf" and not req.calibration:
-        raise ValueError("--format gguf fits its latent norm on text: it cannot run with --no-calibration")
-    if req.fmt == "gguf" and not str(req.out).endswith(".gguf"):
-        raise ValueError(f"--format gguf writes one file: --out must end in .gguf, got {req.out}")
-    if isinstance(req.minutes, bool) or not isinstance(req.minutes, (int, float)) or not req.minutes > 0:
-        raise ValueError(f"--minutes must be a positive number, got {req.minutes!r}")
-    for name in ("windows", "seq_len", "tokens", "layer_steps", "batch_size"):
-        v = getattr(req, name)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "layer_steps" else 1)):
-            raise ValueError(f"{name} must be a positive integer, got {v!r}")
-    if isinstance(req.seed, bool) or not isinstance(req.seed, int) or not 0 <= req.seed < 2 ** 31:
-        raise ValueError(f"--seed must be an integer from 0 to {2 ** 31 - 1}, got {req.seed!r}")
-    for p in [*req.text, *req.eval_text]:
-        if not Path(p).is_file():
-            raise ValueError(f"no such text file: {p}")
 
 
 # -- the phases ------------------------------------------------------------------------------------------
@@ -169,20 +77,6 @@ class _Lines:
     def step(self, info):
         what = f"layer-wise (layer {info['layer']})" if info["phase"] == "layers" else "end-to-end KL"
         self.lines.update(what, info["done"], info["total"], loss=info["loss"], tokens_per_s=info["tokens_per_s"])
-
-
-def pinned(req: ShrinkRequest) -> bool:
-    """Whether the request pins the heal's work (--tokens and --layer-steps both given): then the teacher writes
-    every window and the heal runs every step whatever the clock says, so the run gives the same weights under any
-    load; --minutes is then reported against, not enforced."""
-    return req.tokens is not None and req.layer_steps is not None
-
-
-def plan_count(minutes: float) -> int:
-    """The most candidates the planner measures for a run of `minutes`: a count, not a share of the clock, so that a
-    loaded machine plans as an idle one does (it plans more slowly, and heals less). About 10 s each on SmolLM2-135M
-    here: 20 at the default 10 minutes, which holds the whole search of a GQA model (13-20 candidates)."""
-    return max(3, int(2 * minutes))
 
 
 def _data(req: ShrinkRequest, teacher, tok, budget: Budget, show) -> dict[str, torch.Tensor]:
