@@ -5,6 +5,7 @@
 - rope.py       rotary position embeddings
 - cache.py      KV and latent caches: preallocated buffers written in place (a sliding layer's: its window)
 - storage.py    how a cache stores its rows: plain, int8/fp8 with scales (lowbit.py: few-bit codes)
+- rotation.py   llama.cpp's Hadamard rotation of a quantised K/V cache, which storage.py applies
 - attention.py  the attention core: grouped heads without copies, masks
 - base.py       what every attention module does before its own math
 - gqa.py        GroupedQueryAttention, and MultiHeadAttention as its G = H case

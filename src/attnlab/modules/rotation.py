@@ -1,0 +1,91 @@
+"""The Hadamard rotation llama.cpp applies to a quantised K/V cache, as attnlab's caches apply it (storage.py).
+
+llama.cpp's rotation of a quantised K/V cache (since its PR #21038; src/llama-kv-cache.cpp, llama-graph.cpp):
+when the K cache type is quantised and the key head size a multiple of 64, each block of n consecutive values
+of every key head is multiplied by the n x n orthonormal Sylvester Walsh-Hadamard matrix H (entries
++-1/sqrt(n)), n the largest power of two dividing the head size; the query is rotated alike, so its scores
+are those of the keys H^T Q(H k) (H is symmetric and its own inverse). Values likewise when the V type is
+quantised and the value head size a multiple of 64, always with n = 64, and the attention output is
+rotated back: the values read are H^T Q(H v). LLAMA_ATTN_ROT_DISABLE set to a nonzero integer (C's atoi)
+turns both off. llama.cpp decides once per model (from its layers' one head size), attnlab per module: the
+same for models whose layers share a head size. hadamard_transform is that product, rotation_size the rule;
+modules/storage.py applies it by role ("key", "value") to a GQA's rows, and a cache rotates when it writes and
+rotates back when it reads. An MLA's row is never rotated: llama.cpp runs attnlab's GGUF export as deepseek2
+with MLA, whose cache holds K only (the latent and the rope key; V is a view of it) and whose attention
+(build_attn with the K-only input, llm_graph_input_attn_k) neither builds nor applies a rotation, whatever the
+row's width. What attnlab does not copy: llama.cpp's CPU flash attention rounds the (rotated) query to q8_0 for
+its dot products with quantised keys, and a Llama-family GGUF holds each key with its RoPE pairs side by side
+(its q/k weights are permuted for llama.cpp's interleaved RoPE) where attnlab holds transformers' halves, so
+llama.cpp's blocks of 32 group other channels of a key. Rotated, neither moves perplexity beyond the codes' own
+spread (tests/test_llama_cpp_cache.py); with LLAMA_ATTN_ROT_DISABLE=1 the channel order does (SmolLM2, q4_0
+keys: llama.cpp 4% above attnlab, level once attnlab's keys are permuted into llama.cpp's order).
+"""
+from __future__ import annotations
+
+import math
+import os
+import re
+
+import torch
+
+ROTATION_ENV = "LLAMA_ATTN_ROT_DISABLE"  # llama.cpp's switch: a nonzero integer turns the cache rotation off
+ROTATION_STEP = 64  # llama.cpp rotates a head whose size is a multiple of 64; V always in blocks of 64
+
+
+def hadamard_transform(x: torch.Tensor, n: int) -> torch.Tensor:
+    """x (..., W) with every block of n consecutive values (n a power of two dividing W) times the orthonormal
+    Sylvester Walsh-Hadamard matrix H_n (H_1 = 1, H_2m = [[H_m, H_m], [H_m, -H_m]] / sqrt(2)), computed as
+    log2(n) butterflies, H_2m [a; b] = [H_m (a + b); H_m (a - b)] / sqrt(2), with the 1/sqrt(n) applied once at
+    the end: elementwise operations only, so a row's result does not depend on how many rows come with it (a
+    cache's one-token write and a forward's whole window rotate a row alike). H_n is symmetric and its own
+    inverse, so hadamard_transform(hadamard_transform(x, n), n) is x (to rounding). In x's dtype."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1 or n & (n - 1):
+        raise ValueError(f"a Sylvester Hadamard matrix needs a power-of-two size, got {n!r}")
+    if x.shape[-1] % n:
+        raise ValueError(f"rows of width {x.shape[-1]} are not whole blocks of {n} values to rotate")
+    if n == 1:
+        return x
+    y = x.unflatten(-1, (-1, n))  # (..., W/n, n)
+    half = n // 2
+    while half:
+        pairs = y.unflatten(-1, (-1, 2, half))  # (..., W/n, n / 2half, 2, half)
+        a, b = pairs.unbind(-2)
+        y = torch.stack([a + b, a - b], -2).flatten(-3)  # (..., W/n, n)
+        half //= 2
+    return (y * (1 / math.sqrt(n))).flatten(-2)
+
+
+def hadamard(n: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """The orthonormal Sylvester Walsh-Hadamard matrix H_n (n a power of two), symmetric, H_n H_n = I: the matrix
+    hadamard_transform multiplies by (its rows, the transform of the identity's). llama.cpp's ggml_gen_hadamard
+    builds the same matrix."""
+    return hadamard_transform(torch.eye(n, dtype=dtype), n)
+
+
+def _atoi(text: str) -> int:
+    """C's atoi: leading blanks, an optional sign, then the digits up to the first other character (0 if none)."""
+    found = re.match(r"[ \t\n\v\f\r]*([+-]?[0-9]+)", text)
+    return int(found.group(1)) if found else 0
+
+
+def rotation_disabled() -> bool:
+    """Whether LLAMA_ATTN_ROT_DISABLE turns llama.cpp's rotation off now: set to a nonzero integer (as its atoi
+    reads it: "1", "2", " 1x"; not "0", "", "yes")."""
+    return _atoi(os.environ.get(ROTATION_ENV, "")) != 0
+
+
+def rotation_size(head_dim: int, role: str) -> int | None:
+    """The Hadamard size llama.cpp rotates a quantised cache's heads of `head_dim` values with, None for none:
+    a key head whose size is a multiple of 64 in blocks of the largest power of two dividing it (64 -> 64,
+    96 -> none, 128 -> 128, 192 -> 64, 256 -> 256), a value head whose size is a multiple of 64 in blocks of 64;
+    None whenever LLAMA_ATTN_ROT_DISABLE is set (rotation_disabled). ValueError naming a role other than "key"
+    or "value" or a head size that is not a positive int."""
+    if role not in ("key", "value"):
+        raise ValueError(f"llama.cpp rotates a cache's keys or values; role must be 'key' or 'value', got {role!r}")
+    if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 1:
+        raise ValueError(f"head_dim must be a positive int, got {head_dim!r}")
+    if head_dim % ROTATION_STEP or rotation_disabled():
+        return None
+    if role == "value":
+        return ROTATION_STEP
+    return head_dim & -head_dim  # the largest power of two dividing it (>= 64 here)
