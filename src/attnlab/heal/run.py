@@ -156,17 +156,24 @@ def heal_model(teacher, student, windows: torch.Tensor, held_out, plan: HealPlan
     return report
 
 
+def _score(healer: Healer, texts: list[torch.Tensor], world: dd.World, **kw) -> dict:
+    """The student scored now, inside the heal, against the evaluation before training (its windows, the teacher's
+    answers there), with the teacher gathered whole for it; the public figures. kw: evaluate_pair's (prompts=0: no
+    greedy text). Every rank calls it."""
+    from .evaluate import evaluate_texts, public
+
+    with healer.teacher_whole():
+        return public(evaluate_texts(healer.teacher, healer.student, texts, budget=healer.budget.unbounded(),
+                                     reference=healer.state["reference"], world=world, **kw))
+
+
 def _probe(healer: Healer, texts: list[torch.Tensor], converted: dict, world: dd.World) -> dict:
     """Judge the end-to-end phase at its probe point on the held-out texts of the evaluation before training
     (guard.worse: the KL to the teacher, top-1 agreement; perplexity is reported, not judged), and settle it
     (Healer.settle_probe): the figures and the verdict, for the report. Every rank calls it (the evaluation is split
     over the ranks and its figures reduced, so every rank reaches the same verdict)."""
-    from .evaluate import evaluate_texts, public
-
     s = healer.state
-    with healer.teacher_whole():
-        now = public(evaluate_texts(healer.teacher, healer.student, texts, budget=healer.budget.unbounded(),
-                                    reference=s["reference"], world=world))
+    now = _score(healer, texts, world)
     before, step = s["report"]["before"], s["step"]
     harmful = guard.worse(before, now)
     why = guard.reason(before, now) if harmful else None
@@ -187,18 +194,14 @@ def _switch(healer: Healer, texts: list[torch.Tensor], world: dd.World, reserve:
     before training; no greedy text, which no decision reads) and keep its weights (Healer.keep_layer_wise) for the
     verdict at the end (_judge_end_to_end); else end the heal there (Healer.end_at_switch). Returns the report's
     "layer_wise" entry. Every rank calls it, and the clock's verdict is agreed."""
-    from .evaluate import evaluate_texts, public
-
-    s, budget = healer.state, healer.budget
+    budget = healer.budget
     if healer._agree(budget.expired(reserve + one)):
         left = max(0.0, budget.left() - reserve)
         healer.end_at_switch()
         return {"verdict": f"no end-to-end phase: {left:.0f} s left, less than one evaluation ({one:.0f} s) to "
                            "judge it with"}
     t0 = budget.clock()
-    with healer.teacher_whole():
-        now = public(evaluate_texts(healer.teacher, healer.student, texts, budget=budget.unbounded(),
-                                    reference=s["reference"], world=world, prompts=0))
+    now = _score(healer, texts, world, prompts=0)
     healer.keep_layer_wise()
     return {"evaluation": now, "seconds": budget.clock() - t0, "verdict": "pending"}
 
