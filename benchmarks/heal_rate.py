@@ -24,7 +24,25 @@ import os
 from dataclasses import asdict, fields
 from pathlib import Path
 
-DEV_TEXTS = ("/usr/share/common-licenses/Apache-2.0", "argparse")  # 2,048 tokens of each; argparse: Python's source
+# 2,048 tokens of each; argparse: Python's source; docstrings: the documentation of a few of Python's library modules
+# as help() shows it (reference prose like the protocol's Python docs, but none of its text: those are the language
+# reference's topics)
+DEV_TEXTS = ("/usr/share/common-licenses/Apache-2.0", "argparse", "docstrings")
+DOC_MODULES = ("subprocess", "logging", "json", "re", "typing", "collections")
+
+
+def _docstrings() -> str:
+    """The public names' docstrings of DOC_MODULES longer than 200 characters, each under its dotted name."""
+    import importlib
+    import inspect
+
+    out = []
+    for name in DOC_MODULES:
+        for key, obj in vars(importlib.import_module(name)).items():
+            doc = None if key.startswith("_") else inspect.getdoc(obj)
+            if doc and len(doc) > 200:
+                out.append(f"{name}.{key}\n{doc}\n")
+    return "\n".join(out)
 
 
 def _plan(base: dict, variant: str):
@@ -37,6 +55,11 @@ def _plan(base: dict, variant: str):
         if name not in kinds:
             raise ValueError(f"--variant {variant!r}: {name!r} is not a HealPlan field")
         kind = str(kinds[name])
+        if "bool" in kind:
+            if value not in ("0", "1"):
+                raise ValueError(f"--variant {variant!r}: {name} is 0 or 1, got {value!r}")
+            setattr(plan, name, value == "1")
+            continue
         setattr(plan, name, value if kind == "str" else int(value) if "int" in kind else float(value))
     return plan
 
@@ -67,7 +90,8 @@ def main() -> None:
     data = load_file(str(run / "data.safetensors"))
     teacher, tok, _ = hf.load_model(args.source)
     paths = [p if p != "argparse" else argparse.__file__ for p in DEV_TEXTS]
-    dev = [read_text_ids(tok, p, 2048) for p in paths]
+    dev = [tok(_docstrings(), return_tensors="pt").input_ids[:, :2048] if p == "docstrings" else
+           read_text_ids(tok, p, 2048) for p in paths]
     converted, _, _ = hf.load_model(str(run / "student"))
     before = public(evaluate_texts(teacher, converted, dev))  # the converted student on the development texts
     del converted

@@ -442,6 +442,8 @@ class Healer:
         s["step"] += 1
         if s["step"] == steps:
             s["layer_losses"].append(value)
+            if plan.refit_out:
+                self._refit_out(layer, x_all)
             self._guard(layer)
             later = [i for i in self.layers if i > layer]
             s["layer"], s["step"] = (later[0] if later else len(self._attn)), 0
@@ -450,6 +452,22 @@ class Healer:
                 self._inputs = self._check_x = self._stream = self._own = None
             self._make_optimizer()
         return value
+
+    def _refit_out(self, layer: int, x_all: torch.Tensor) -> None:
+        """HealPlan.refit_out: after the layer's last step, its W_O refitted in closed form (convert.refit.refit_out) on
+        all the phase's windows, from its inputs as layer_inputs says to the teacher's attention output on the
+        teacher's inputs; the guard then judges steps and refit together against the layer as it started. Every rank
+        computes the same fit from the same gathered inputs. state["refits"] records the normalised error on those
+        windows before and after."""
+        from ..convert.refit import refit_out
+
+        self.trained.release()  # FSDP2: the trained weights into the student's own module first
+        own = self._own_for(layer)[0] if self.plan.layer_inputs == "student" else x_all
+        with torch.no_grad():
+            targets = torch.cat([_modules(self.teacher)[layer](x_all[c:c + 8], is_causal=True)
+                                 for c in range(0, x_all.shape[0], 8)])  # (n, T, dim)
+        fit = refit_out(self._attn[layer], own, targets)
+        self.state.setdefault("refits", []).append({"layer": layer, **fit})
 
     @property
     def layer_steps(self) -> int:

@@ -4,6 +4,7 @@ constants a plan is sized with (shrink/heal_plan.py sizes one for a shrink; dist
 Its fields: the windows' length and the batches of both phases, the end-to-end tokens, the layer-wise steps a layer
 and the windows that phase reads, the two learning rates and the warm-up, the seed every batch is drawn from, LoRA,
 the probe (the end-to-end phase first, judged at a share of its steps), where a layer-wise layer reads its inputs,
+whether it ends with a closed-form refit of its output projection,
 and the greedy prompts an evaluation writes. check() refuses a plan that cannot run, naming the field and value.
 """
 from __future__ import annotations
@@ -45,6 +46,12 @@ class HealPlan:
     # fitted alone); "student", the student's own, through the layers before it as the phase left them (each layer
     # fitted to the teacher's output from what it will really read, so that it can make up for the errors before it)
     layer_inputs: str = "teacher"
+    # the layer-wise phase ends each layer with a closed-form refit of its W_O (convert.refit.refit_out): least
+    # squares from the layer's heads' outputs, on the phase's windows and its inputs as layer_inputs says, to the
+    # teacher's attention output; the layer's guard judges steps and refit together. Measured on SmolLM2 at 12.5%
+    # (docs/real-models.md, "A closed-form W_O"): each layer's error falls, the model's KL on other text rises;
+    # no plan that shrink makes sets it
+    refit_out: bool = False
     # prompts per held-out text whose greedy continuations heal_model's evaluations compare (greedy agreement, a
     # reported figure that no decision reads); 0: none
     prompts: int = 8
@@ -56,6 +63,10 @@ class HealPlan:
         for f in fields(self):
             v = getattr(self, f.name)
             if f.name in ("tokens", "lora_rank") and v is None or f.name == "layer_inputs":
+                continue
+            if f.name == "refit_out":
+                if not isinstance(v, bool):
+                    raise ValueError(f"heal plan: refit_out must be True or False, got {v!r}")
                 continue
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0 or (
                     v == 0 and f.name not in ("layer_steps", "warmup", "seed", "probe", "prompts")):
