@@ -952,3 +952,29 @@ def test_a_plan_without_prompts_evaluates_no_greedy_text_and_judges_alike(tiny):
     for when in ("before", "after"):
         assert [reports[1][when][k] for k in ("kl", "top1_agreement")] == \
             [reports[0][when][k] for k in ("kl", "top1_agreement")]
+
+
+def test_drawn_prompts_are_seeded_ordinary_tokens_and_every_second_training_window_starts_from_one(tiny, monkeypatch):
+    """vocabulary_prompts: the same seed draws the same prompts, another seed others; none is a special token and each
+    tokenises to at least one id. training_data (no text) gives the teacher the held-out prompts first, then the
+    fixed prompts in turn with a drawn one in every DRAWN_EVERY-th place."""
+    from attnlab.heal import data
+
+    _, teacher, tok = tiny
+    drawn = data.vocabulary_prompts(tok, 12, seed=3)
+    assert drawn == data.vocabulary_prompts(tok, 12, seed=3) != data.vocabulary_prompts(tok, 12, seed=4)
+    specials = {tok.decode([t]) for t in tok.all_special_ids}
+    assert len(drawn) == 12 and all(p not in specials and tok(p).input_ids for p in drawn)
+    seen = []
+
+    def record(teacher, tok, count, seq_len, *, prompts, **kw):
+        seen.extend(prompts[:count])
+        return torch.zeros(count, seq_len, dtype=torch.long)
+
+    monkeypatch.setattr(data, "teacher_windows", record)
+    data.training_data(teacher, tok, T, windows=12, seed=3, fixed=12)
+    fixed = data.PROMPTS[:len(data.PROMPTS) - data.HELD_OUT_PROMPTS]
+    assert seen[:data.HELD_OUT_PROMPTS] == list(data.PROMPTS[-data.HELD_OUT_PROMPTS:])
+    k = data.DRAWN_EVERY
+    want = [drawn[i // k] if i % k == k - 1 else fixed[(i - i // k) % len(fixed)] for i in range(12)]
+    assert seen[data.HELD_OUT_PROMPTS:] == want

@@ -5,9 +5,10 @@ Notation: N windows, T tokens per window (seq_len), V vocabulary.
 - `text_windows`: the user's text files, tokenised and cut into windows of T tokens;
   the last `holdout` fraction of the tokens (at least one window) is held out for
   evaluation and never trained on, unless a separate evaluation text is given.
-- `teacher_windows`: data-free self-distillation. The teacher continues a fixed set of
-  varied prompts (PROMPTS, written for this repo) by sampling (temperature 1, top-p 0.95,
-  a seeded generator), and each prompt + continuation is one training window.
+- `teacher_windows`: data-free self-distillation. The teacher continues prompts by sampling (temperature 1,
+  top-p 0.95, a seeded generator), and each prompt + continuation is one training window; training_data's prompts
+  are a fixed set of varied ones (PROMPTS, written for this repo) and, for every DRAWN_EVERY-th window, one token
+  drawn from the vocabulary (vocabulary_prompts).
 - `training_data`: one of the two for a heal (or shrink) run, inside a time budget: the
   teacher's writing gets a bounded share of it, past the windows a plan reads, which are the same on any machine.
 - `judge_texts`: held-out text of other kinds (shipped sentences, Python source) that a heal is judged on too;
@@ -38,7 +39,25 @@ PROMPTS = (
 
 
 HELD_OUT_PROMPTS = 4  # the last prompts write held-out text only (training_data)
+# every DRAWN_EVERY-th training window the teacher writes starts from one token drawn from its vocabulary instead of
+# a prompt of PROMPTS (vocabulary_prompts; LLM-QAT's data-free text, arXiv 2305.17888, starts every sequence so)
+DRAWN_EVERY = 2
 JUDGE_TOKENS = 512  # tokens of each text of judge_texts
+
+
+def vocabulary_prompts(tok, n: int, seed: int = 0) -> tuple[str, ...]:
+    """n one-token prompts: token ids drawn uniformly from the tokenizer's vocabulary (seeded), special tokens and
+    those that decode to text which tokenises to nothing skipped, each decoded to its text. Text the teacher writes
+    from them covers more of what it knows than a fixed list of prompts does (code, lists, names, other languages)."""
+    g = torch.Generator().manual_seed(seed * 100003 + 7)
+    special = set(tok.all_special_ids)
+    out = []
+    while len(out) < n:
+        t = int(torch.randint(len(tok), (1,), generator=g))
+        text = tok.decode([t])
+        if t not in special and tok(text).input_ids:
+            out.append(text)
+    return tuple(out)
 
 
 def _judge_files() -> list:
@@ -230,7 +249,10 @@ def training_data(teacher, tok, seq_len: int, *, text=None, eval_text=None, wind
             raise ValueError(f"fixed windows must be between 0 and windows ({windows}), got {fixed!r}")
         n = 0 if eval_text else HELD_OUT_PROMPTS
         train_prompts = PROMPTS[:len(PROMPTS) - HELD_OUT_PROMPTS]
-        order = PROMPTS[len(PROMPTS) - n:] + tuple(train_prompts[i % len(train_prompts)] for i in range(windows))
+        drawn = vocabulary_prompts(tok, windows // DRAWN_EVERY, seed)
+        order = PROMPTS[len(PROMPTS) - n:] + tuple(
+            drawn[i // DRAWN_EVERY] if i % DRAWN_EVERY == DRAWN_EVERY - 1 else
+            train_prompts[(i - i // DRAWN_EVERY) % len(train_prompts)] for i in range(windows))
         first = n + fixed  # written whatever the clock: the same text on any machine
         written = [teacher_windows(teacher, tok, first, seq_len, seed=seed, batch_size=max(batch_size, first),
                                    prompts=order, progress=progress,
