@@ -41,7 +41,7 @@ PROMPTS = (
 HELD_OUT_PROMPTS = 4  # the last prompts write held-out text only (training_data)
 # every DRAWN_EVERY-th training window the teacher writes starts from one token drawn from its vocabulary instead of
 # a prompt of PROMPTS (vocabulary_prompts; LLM-QAT's data-free text, arXiv 2305.17888, starts every sequence so)
-DRAWN_EVERY = 1
+DRAWN_EVERY = 2
 JUDGE_TOKENS = 512  # tokens of each text of judge_texts
 
 
