@@ -49,8 +49,8 @@ class HealPlan:
     # the layer-wise phase ends each layer with a closed-form refit of its W_O (convert.refit.refit_out): least
     # squares from the layer's heads' outputs, on the phase's windows and its inputs as layer_inputs says, to the
     # teacher's attention output; the layer's guard judges steps and refit together. Measured on SmolLM2 at 12.5%
-    # (docs/real-models.md, "A closed-form W_O"): each layer's error falls, the model's KL on other text rises;
-    # no plan that shrink makes sets it
+    # (docs/real-models.md, "Where the loss is after the heal, a closed-form W_O, ..."): each layer's error falls,
+    # the model's KL on other text rises; no plan that shrink makes sets it
     refit_out: bool = False
     # prompts per held-out text whose greedy continuations heal_model's evaluations compare (greedy agreement, a
     # reported figure that no decision reads); 0: none
