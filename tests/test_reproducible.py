@@ -95,6 +95,30 @@ def test_the_planner_stops_at_its_count_not_at_the_clock(tiny):
         plan(model, ids, parse_budget("50%"), window=64, max_candidates=0)
 
 
+def test_the_winner_is_measured_again_with_bkv_the_other_way_inside_the_count(tiny):
+    """Round 1 picks BKV at a small 16-bit row; after round 3 the winner so far is measured with BKV flipped (the same
+    sizes, selection and storage) and the better of the two wins. A count that cuts round 3 keeps a place for it:
+    the cut search is the unlimited one's first N - 1 candidates and then that check, N in all."""
+    from attnlab.shrink import parse_budget, plan
+
+    model, tok, _ = hf.load_model(str(tiny))
+    ids = torch.randint(0, model.config.vocab_size, (1, 4 * 64), generator=torch.Generator().manual_seed(0))
+    budget = parse_budget("25%")
+    for count in (None, 8):
+        result = plan(model, ids, budget, window=64, proxy_windows=2, storages=("bf16", "int8", "int4/g32+r8"),
+                      max_candidates=count)
+        *before, check = [c for c in result.measured if c.round < 4]
+        best = min((c for c in before if not c.native), key=lambda c: c.proxy)
+        assert (check.round, check.latent_dim, check.rope_dim, check.rope_select, check.kv_dtype) == \
+            (3, best.latent_dim, best.rope_dim, best.rope_select, best.kv_dtype)
+        assert check.balance is not best.balance
+        assert result.best is min(result.measured, key=lambda c: c.proxy)
+        if count is None:
+            whole = [c.label() for c in before]
+        else:
+            assert len(before) + 1 == count and [c.label() for c in before] == whole[:count - 1]
+
+
 @pytest.mark.parametrize("seed", [-1, 2 ** 31, True])
 def test_a_seed_that_cannot_be_honoured_is_refused_before_any_work(seed):
     from attnlab.shrink.pipeline import check_request

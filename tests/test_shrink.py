@@ -203,7 +203,8 @@ def test_the_plan_tries_every_value_in_few_bits_where_the_budget_holds_it(tiny, 
     4,096): 42 bytes a layer, over 30% of the tiny model's 256 bytes per token and under 35%."""
     _, model, tok, text, _ = tiny
     result = plan(model, _ids(tok, text, 256), parse_budget(budget), window=T, storages=("bf16", "int3/g64+c4"))
-    whole = [c for c in result.measured if (c.latent_dim, c.rope_dim, c.kv_dtype) == (32, 32, "int3/g64+c4")]
+    whole = [c for c in result.measured if (c.latent_dim, c.rope_dim, c.kv_dtype) == (32, 32, "int3/g64+c4")
+             and c.round == 2]  # round 3 may measure it again with BKV the other way, where it won
     per_layer = 32 * 3 // 8 + 2 * 2 + 32 * 4 // 8 + 32 * 2 * 2 // 64 + 64 * 32 * 2 / 512
     assert result.spread == 512 == model.config.max_position_embeddings
     assert (2 * per_layer <= parse_budget(budget).bytes_for(bytes_per_token(64, "bf16", 2))) is fits
@@ -239,7 +240,8 @@ def test_a_six_bit_latent_beside_an_eight_bit_key_holds_every_value_where_the_by
     of 8-bit key codes and a scale and minimum per token: 64 a layer, 128 of the tiny model's 256 (50%)."""
     _, model, tok, text, _ = tiny
     result = plan(model, _ids(tok, text, 256), parse_budget(budget), window=T, storages=("bf16", "int6/g32+r8"))
-    whole = [c for c in result.measured if (c.latent_dim, c.rope_dim, c.kv_dtype) == (32, 32, "int6/g32+r8")]
+    whole = [c for c in result.measured if (c.latent_dim, c.rope_dim, c.kv_dtype) == (32, 32, "int6/g32+r8")
+             and c.round == 2]  # round 3 may measure it again with BKV the other way
     per_layer = 32 * 6 // 8 + 2 * 2 + 32 + 2 * 2
     assert (2 * per_layer <= parse_budget(budget).bytes_for(bytes_per_token(64, "bf16", 2))) is fits
     assert len(whole) == int(fits)

@@ -31,7 +31,8 @@ fits a few minutes on a CPU:
    every value (the whole key as the rope key, the values as the latent) at that;
 3. the split between latent and rope key, for the winner's selection and its two best storages,
    the larger rope shares first (they won in every storage at 50% and 25% of the bytes on
-   SmolLM2: keys lose more to few bits and to low rank than values do);
+   SmolLM2: keys lose more to few bits and to low rank than values do); then the winner with BKV the other way
+   (round 1's choice, made at a much smaller row, checked at the winner's size and storage; within the count);
 4. asked for (per_layer=True), where the winner cuts rank in attnlab's format: a latent size per layer (issue
    `eighth`, part 2): each layer alone converted to a few sizes around the winner's (per_layer_sizes), the KL each
    costs measured from that layer on (shrink/layer_costs.py), the sizes of least summed KL within the bytes chosen
@@ -300,10 +301,10 @@ def plan(teacher, calibration_ids: torch.Tensor, budget: KVBudget, *, fmt: str =
     def stopped() -> bool:  # the planning clock, or a stop request
         return time_budget is not None and (time_budget.expired() or time_budget.stop_requested)
 
-    def spent() -> bool:
+    def spent(reserve: int = 0) -> bool:  # reserve: candidates kept back for a later step of the same count
         if not measured:
             return False
-        return (max_candidates is not None and len(measured) >= max_candidates) or stopped()
+        return (max_candidates is not None and len(measured) >= max_candidates - reserve) or stopped()
 
     # 0. the original attention in each engine cache code that fits (a GGUF in the source's own architecture, a
     # transformers folder)
@@ -377,7 +378,7 @@ def plan(teacher, calibration_ids: torch.Tensor, budget: KVBudget, *, fmt: str =
     pairs = {s: split(per_storage[s], SPLIT_SHARES, s) for s in tops}
     for i in range(max(len(v) for v in pairs.values())):
         for storage in tops:
-            if spent() or i >= len(pairs[storage]):
+            if spent(reserve=1) or i >= len(pairs[storage]):
                 continue
             r, p = pairs[storage][i]
             if few_bit(storage):
@@ -385,6 +386,14 @@ def plan(teacher, calibration_ids: torch.Tensor, budget: KVBudget, *, fmt: str =
             if r >= 8 and all((c.latent_dim, c.rope_dim, c.rope_select, c.kv_dtype) != (r, p, best.rope_select,
                                                                                          storage) for c in measured):
                 measure(Candidate(r, p, best.rope_select, best.balance, storage, norm, extra=extra, round=3))
+    # ... and the winner with BKV the other way: round 1 chose it at a 16-bit row a fraction of the winner's size,
+    # where the two differ by a few per cent of the proxy, and at the winner's size and storage by much more (at 12.5%
+    # of SmolLM2's bytes, docs/real-models.md); the count keeps a place for it
+    best = min(converted(), key=lambda c: c.proxy)
+    other = Candidate(best.latent_dim, best.rope_dim, best.rope_select, not best.balance, best.kv_dtype,
+                      best.latent_norm, extra=best.extra, round=3)
+    if not spent() and all(c.label() != other.label() for c in measured):
+        measure(other)
     # 4. a latent size per layer, where the winner cuts rank in attnlab's format (the only one that holds layers of
     # different sizes): each layer alone converted to each size of per_layer_sizes(), its KL measured from that layer
     # on (shrink/layer_costs.py), the sizes of least summed KL within the bytes chosen (shrink/per_layer.py), and
