@@ -255,6 +255,35 @@ def test_top_k_top_p_on_a_large_vocabulary_draw_from_the_same_distribution():
             assert abs(share - p) <= 4 * (p * (1 - p) / n) ** 0.5 + 1e-9  # within four standard errors
 
 
+def test_a_wide_nucleus_draws_only_its_own_row_from_the_whole_vocabulary():
+    """sample() falls back to the whole vocabulary row by row: in a batch where one row's nucleus is wider than the
+    CANDIDATES most likely tokens and the others' are not, every row keeps its own support and frequencies, and the
+    narrow rows draw exactly what they draw in a batch of their own (same generator stream: they are drawn first)."""
+    from attnlab.generation.sampling import CANDIDATES
+
+    g = torch.Generator().manual_seed(6)
+    V = 4 * CANDIDATES
+    narrow = torch.randn(2, V, generator=g) * 4  # peaked: a nucleus of a few dozen tokens
+    wide = torch.randn(1, V, generator=g) * 0.1  # nearly flat: the 0.9 nucleus holds about 0.9 V tokens
+    logits = torch.cat([narrow[:1], wide, narrow[1:]])  # the wide row in the middle
+    assert float(filtered_probs(wide, 1.0, None, 0.9).gt(0).sum()) > CANDIDATES
+    assert float(filtered_probs(narrow, 1.0, None, 0.9).gt(0).sum(-1).max()) < CANDIDATES
+    n = 3000
+    draws = sample(logits.repeat(n, 1), 1.0, None, 0.9, torch.Generator().manual_seed(2)).view(n, 3)
+    alone = sample(narrow.repeat(n, 1), 1.0, None, 0.9, torch.Generator().manual_seed(2)).view(n, 2)
+    assert torch.equal(draws[:, [0, 2]], alone)
+    probs = filtered_probs(logits, 1.0, None, 0.9)
+    expected = _support_oracle(logits, 1.0, None, 0.9)
+    for r in range(3):
+        assert set(draws[:, r].tolist()) <= expected[r]
+    kept = probs[1] > 0  # the wide row: the share of draws in the kept half of the vocabulary by its probability
+    half = torch.zeros(V, dtype=torch.bool)
+    half[: V // 2] = True
+    p = float(probs[1][half & kept].sum())
+    share = float(half[draws[:, 1]].float().mean())
+    assert abs(share - p) <= 4 * (p * (1 - p) / n) ** 0.5
+
+
 # -- EOS and streaming ---------------------------------------------------------------------------
 def test_eos_stops_each_row_and_stream_sees_the_generated_tokens(pair, batch):
     _, ours = pair

@@ -265,3 +265,26 @@ def test_cli_per_layer_for_a_gguf_is_one_line_and_exit_2(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1
     assert "--per-layer plans a latent size per layer" in err and "--format gguf holds one latent size" in err
+
+
+@pytest.mark.parametrize("select", ["rorope", "rorope-score"])
+def test_an_unreported_conversion_is_the_reported_one(four, select):
+    """convert.report.unreported() (what the planner's candidates convert in) leaves the reports out and nothing else:
+    the converted model's weights are bitwise those of the same conversion with its reports, which are real reports
+    outside the block (one per layer, each with its errors)."""
+    from attnlab.convert.report import ConversionReport, unreported
+
+    model, ids, _ = four
+    a, b = copy.deepcopy(model), copy.deepcopy(model)
+    reports = convert_model(a, "mla", latent_dim=24, rope_dim=8, calibration_ids=ids, pair_selection=select,
+                            balance=True)
+    with unreported():
+        none = convert_model(b, "mla", latent_dim=24, rope_dim=8, calibration_ids=ids, pair_selection=select,
+                             balance=True)
+    assert none == [None] * 4
+    assert all(isinstance(r, ConversionReport) and r.matrix_errors for r in reports)
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+    again = convert_model(copy.deepcopy(model), "mla", latent_dim=24, rope_dim=8, calibration_ids=ids,
+                          pair_selection=select)  # after the block: reported again
+    assert all(isinstance(r, ConversionReport) for r in again)

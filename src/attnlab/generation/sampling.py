@@ -57,8 +57,11 @@ def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = N
 
     With top-k or top-p the draw looks only at the CANDIDATES most likely tokens (sorted by topk
     instead of sorting the whole vocabulary every step): exact whenever the support lies among them,
-    which top-k <= CANDIDATES guarantees and which is checked for top-p (the rows whose nucleus is
-    wider fall back to the whole vocabulary).
+    which top-k <= CANDIDATES guarantees and which is checked for top-p, row by row: only the rows whose
+    nucleus is wider (or whose k-th score is tied beyond the candidates) are drawn from the whole
+    vocabulary (filtered_probs), the others from their candidates, in that order from `generator`. At
+    temperature 1 and top-p 0.95 a few rows in eight are wide on SmolLM2; when one wide row sent the whole
+    batch to the full sort, the sort and the draw over 49,152 tokens were 60% of a decode step of 32 rows.
     """
     if temperature == 0:
         return logits.argmax(dim=-1)
@@ -69,16 +72,22 @@ def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = N
     scores = logits.float() / temperature  # (B, V)
     c = min(CANDIDATES, top_k) if top_k is not None else CANDIDATES
     values, index = scores.topk(c, dim=-1)  # (B, c), most likely first
+    full = torch.zeros(scores.shape[0], dtype=torch.bool, device=scores.device)  # rows drawn from the whole vocabulary
     if top_k is not None:  # ties at the k-th score are kept, as filtered_probs keeps them
         kth = values[:, -1:]
-        if bool((scores == kth).sum(-1).gt((values == kth).sum(-1)).any()):
-            return torch.multinomial(filtered_probs(logits, temperature, top_k, top_p), 1, generator=generator)[:, 0]
+        full |= (scores == kth).sum(-1).gt((values == kth).sum(-1))
     if top_p is not None and top_p < 1:
         total = (scores.masked_fill(scores < values[:, -1:], float("-inf")) if top_k is not None else scores)
         p = (values - total.logsumexp(dim=-1, keepdim=True)).exp()  # (B, c): probabilities within the top-k set
         before = p.cumsum(dim=-1) - p
-        if bool((p.sum(-1) < top_p).any()):  # some nucleus reaches beyond the candidates: the whole vocabulary
-            return torch.multinomial(filtered_probs(logits, temperature, top_k, top_p), 1, generator=generator)[:, 0]
+        full |= p.sum(-1) < top_p  # the nucleus reaches beyond the candidates
         values = values.masked_fill(before >= top_p, float("-inf"))
-    pick = torch.multinomial(values.softmax(dim=-1), 1, generator=generator)  # (B, 1)
-    return index.gather(-1, pick)[:, 0]
+    if not bool(full.any()):
+        return index.gather(-1, torch.multinomial(values.softmax(dim=-1), 1, generator=generator))[:, 0]
+    out = torch.empty(scores.shape[0], dtype=torch.long, device=scores.device)
+    near = ~full
+    if bool(near.any()):
+        pick = torch.multinomial(values[near].softmax(dim=-1), 1, generator=generator)  # (b, 1)
+        out[near] = index[near].gather(-1, pick)[:, 0]
+    out[full] = torch.multinomial(filtered_probs(logits[full], temperature, top_k, top_p), 1, generator=generator)[:, 0]
+    return out

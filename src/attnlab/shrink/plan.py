@@ -225,6 +225,7 @@ def plan(teacher, calibration_ids: torch.Tensor, budget: KVBudget, *, fmt: str =
     and shrink leaves it off: measured with the heal after it, it did not beat the uniform plan, docs/real-models.md);
     layer_ids (1, K): the text its per-layer costs are measured on, in windows of `window` (None: the proxy windows).
     """
+    from ..convert.report import unreported
     from ..models.adapters import attnlab_modules, replace_attention
     from ..models.evaluate import attention_inputs
 
@@ -277,7 +278,8 @@ def plan(teacher, calibration_ids: torch.Tensor, budget: KVBudget, *, fmt: str =
         if progress:
             progress(len(measured), cand.label())
         try:
-            apply(teacher, cand, calibration_ids if calibrate else None, inputs=inputs if calibrate else None)
+            with unreported():  # a candidate is scored and dropped: its conversion report is not read
+                apply(teacher, cand, calibration_ids if calibrate else None, inputs=inputs if calibrate else None)
             # what the caches allocate; a DeepSeek export's constant channel comes on top of the attnlab model
             added = L * (layer_bytes(3, 2, cand.kv_dtype) - layer_bytes(2, 2, cand.kv_dtype)) if fmt == "deepseek" \
                 else 0
@@ -409,9 +411,10 @@ def plan(teacher, calibration_ids: torch.Tensor, budget: KVBudget, *, fmt: str =
         def change(layer: int, r: int) -> None:
             if stopped():  # a stop request (or the clock) ends round 4 with nothing measured
                 raise _Cut
-            apply(teacher, Candidate(r, best.rope_dim, best.rope_select, best.balance, best.kv_dtype, False,
-                                     rotation=best.rotation, layers=[layer], kept_dtype=None),
-                  calibration_ids if calibrate else None, inputs=inputs if calibrate else None)
+            with unreported():
+                apply(teacher, Candidate(r, best.rope_dim, best.rope_select, best.balance, best.kv_dtype, False,
+                                         rotation=best.rotation, layers=[layer], kept_dtype=None),
+                      calibration_ids if calibrate else None, inputs=inputs if calibrate else None)
 
         def counted(done: int, total: int) -> None:
             if progress and done % len(sizes) == 0:
