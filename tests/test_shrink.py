@@ -692,10 +692,12 @@ def test_a_plan_that_keeps_every_value_heals_end_to_end_first_with_a_probe(tiny)
     latent: only codes differ) starts end to end with a probe (heal_plan.PROBE_SHARE) and sizes a layer-wise phase for
     the rest of the time, in case the probe finds the end-to-end phase harmful; one cut to low rank has no probe and
     its layer-wise phase first (heal_plan.LAYER_SHARE), each layer fitted on the student's own inputs
-    (heal_plan.LOW_RANK_INPUTS); the one that keeps every value fits its layers on the teacher's, as measured there."""
+    (heal_plan.LOW_RANK_INPUTS), and its end-to-end phase after it at heal_plan.AFTER_LAYERS_LR; the one that keeps
+    every value fits its layers on the teacher's, as measured there, and heals end to end at EVERY_VALUE_LR."""
     import copy
 
-    from attnlab.shrink.heal_plan import FEW_STEPS_LR, PROBE_SHARE, heal_plan
+    from attnlab.heal.plan import EVERY_VALUE_LR, HealPlan
+    from attnlab.shrink.heal_plan import AFTER_LAYERS_LR, FEW_STEPS_LR, PROBE_SHARE, heal_plan
 
     _, teacher, tok, text, _ = tiny
     train = _ids(tok, text, 4 * T).reshape(4, T)
@@ -707,9 +709,10 @@ def test_a_plan_that_keeps_every_value_heals_end_to_end_first_with_a_probe(tiny)
     assert codes.probe == PROBE_SHARE and codes.layer_steps >= 5
     assert low_rank.probe == 0 and low_rank.layer_steps >= 5
     assert (codes.layer_inputs, low_rank.layer_inputs) == ("teacher", "student")
+    assert (codes.lr, low_rank.lr) == (EVERY_VALUE_LR, AFTER_LAYERS_LR) and AFTER_LAYERS_LR < HealPlan().lr
     pinned = heal_plan(ShrinkRequest(source="x", kv_budget="25%", out="o", seq_len=T, layer_steps=3), teacher, cut,
                        train, 600.0)
-    assert (pinned.layer_steps, pinned.layer_inputs) == (3, "student")
+    assert (pinned.layer_steps, pinned.layer_inputs, pinned.lr) == (3, "student", AFTER_LAYERS_LR)
     for p in (codes, low_rank):  # fewer than 50 steps a layer: batches of 4 at the rate measured for them
         assert p.layer_batch == 8 or p.layer_lr == FEW_STEPS_LR
 
