@@ -11,7 +11,7 @@ from tiny_checkpoints import TEXT, make_checkpoint
 from attnlab import models as hf
 from attnlab.cli import main
 from attnlab.heal import HealPlan, Healer, distill_loss, heal_model, warmup_steps
-from attnlab.heal.data import check_pair, text_windows
+from attnlab.heal.data import check_pair, spread_order, text_windows
 
 T = 16  # tokens per window
 
@@ -124,6 +124,36 @@ def test_pair_and_data_checks(tiny, tmp_path):
         Healer(teacher, _student(teacher), _windows(4, 0), _plan(tokens=None)).run()
     with pytest.raises(ValueError, match=r"heal plan: lr must be a positive number, got -1"):
         _plan(lr=-1).check()
+
+
+def test_spread_order_is_a_permutation_whose_every_prefix_covers_the_whole_range():
+    for n in range(1, 300):
+        order = spread_order(n)
+        assert sorted(order) == list(range(n))
+        for k in range(1, n + 1):  # the largest gap between the first k windows, around the circle
+            first = sorted(order[:k])
+            gaps = [b - a for a, b in zip(first, first[1:])] + [n - first[-1] + first[0]]
+            assert max(gaps) <= 2.62 * n / k, (n, k)  # Weyl's sequence of the golden ratio: gaps below phi^2 / k
+
+
+def test_text_files_hold_out_each_ones_tail_and_the_first_windows_come_from_every_file(tiny, tmp_path):
+    _, _, tok = tiny
+    a, b = tmp_path / "a.txt", tmp_path / "b.txt"
+    a.write_text("the quick brown fox jumps over the lazy dog " * 30)
+    b.write_text("KV=1,2,3;" * 60)
+    ids = {f: hf.read_text_ids(tok, f)[0] for f in (a, b)}
+    assert not set(ids[a].tolist()) & set(ids[b].tolist())  # the two texts' tokens tell them apart
+    train, held = text_windows(tok, [a, b], T)
+    eos = tok.eos_token_id
+    held_a, held_b = torch.tensor_split(held[0], [int((held[0] == eos).nonzero()[0])])
+    for part, whole in ((held_a, ids[a]), (held_b[1:], ids[b])):  # each file's last tenth, rounded up
+        assert part.numel() == -(-whole.numel() // 10)
+        assert torch.equal(part, whole[-part.numel():])
+    stream = torch.cat([ids[a][:-held_a.numel()], torch.tensor([eos]), ids[b][:-(held_b.numel() - 1)]])
+    n = stream.numel() // T
+    assert sorted(map(tuple, train.tolist())) == sorted(map(tuple, stream[:n * T].reshape(n, T).tolist()))
+    first_two = [set(w.tolist()) for w in train[:2]]  # one window of each file among the first two
+    assert any(w <= set(ids[a].tolist()) for w in first_two) and any(w <= set(ids[b].tolist()) for w in first_two)
 
 
 def _cli(args, capsys):

@@ -2,9 +2,9 @@
 
 Notation: N windows, T tokens per window (seq_len), V vocabulary.
 
-- `text_windows`: the user's text files, tokenised and cut into windows of T tokens;
-  the last `holdout` fraction of the tokens (at least one window) is held out for
-  evaluation and never trained on, unless a separate evaluation text is given.
+- `text_windows`: the user's text files, tokenised and cut into windows of T tokens, in an order whose every
+  prefix spans the whole text (spread_order); the last `holdout` fraction of each file's tokens (at least one
+  window in all) is held out for evaluation and never trained on, unless a separate evaluation text is given.
 - `teacher_windows`: data-free self-distillation. The teacher continues prompts by sampling (temperature 1,
   top-p 0.95, a seeded generator), and each prompt + continuation is one training window; training_data's prompts
   are a fixed set of varied ones (PROMPTS, written for this repo) and, for every DRAWN_EVERY-th window, one token
@@ -96,41 +96,75 @@ def _windows(ids: torch.Tensor, seq_len: int) -> torch.Tensor:
     return ids[: n * seq_len].reshape(n, seq_len)  # (N, T)
 
 
-def read_ids(tok, paths) -> torch.Tensor:
-    """All the files' token ids, one after the other (an EOS token between files where the tokenizer has one)."""
+def _file_ids(tok, paths) -> list[torch.Tensor]:
     from ..models.evaluate import read_text_ids
 
-    parts = []
-    for p in paths:
-        parts.append(read_text_ids(tok, p)[0])
-        if tok.eos_token_id is not None:
-            parts.append(torch.tensor([tok.eos_token_id]))
-    return torch.cat(parts[:-1] if tok.eos_token_id is not None else parts)  # (n,)
+    return [read_text_ids(tok, p)[0] for p in paths]
+
+
+def _joined(parts: list[torch.Tensor], tok) -> torch.Tensor:
+    """The parts one after the other, an EOS token between two where the tokenizer has one."""
+    eos = getattr(tok, "eos_token_id", None)
+    out = []
+    for i, part in enumerate(parts):
+        if i and eos is not None:
+            out.append(torch.tensor([eos], dtype=part.dtype))
+        out.append(part)
+    return torch.cat(out)
+
+
+def read_ids(tok, paths) -> torch.Tensor:
+    """All the files' token ids, one after the other (an EOS token between files where the tokenizer has one)."""
+    return _joined(_file_ids(tok, paths), tok)
+
+
+GOLDEN = (5 ** 0.5 - 1) / 2
+
+
+def spread_order(n: int) -> list[int]:
+    """A permutation of range(n) whose every prefix is spread over the whole range: window floor(n * frac(k *
+    GOLDEN)) for k = 0, 1, ..., each taken once (Weyl's sequence; the windows it misses follow in order). What
+    a run reads first (its calibration and planning windows, the layer-wise phase's) then samples the whole text,
+    every file of it, not its beginning."""
+    order, seen = [], set()
+    for k in range(n):
+        i = int(n * ((k * GOLDEN) % 1.0))
+        if i not in seen:
+            seen.add(i)
+            order.append(i)
+    return order + [i for i in range(n) if i not in seen]
 
 
 def text_windows(tok, paths, seq_len: int, *, holdout: float = 0.1, eval_paths=None):
     """(training windows (N, T), held-out ids (1, M)) from text files.
 
-    Without eval_paths the last `holdout` of the tokens (at least one window) is held out;
-    with them, those files are the held-out text and all of `paths` trains.
+    Without eval_paths the last `holdout` of each file's tokens is held out (the held-out parts one after the
+    other, at least one window in all: where a tenth of each is less, each file gives the same larger share);
+    with them, those files are the held-out text and all of `paths` trains. The training windows are cut from
+    the files' training parts one after the other and put in spread_order, so that the first windows (those a
+    shrink plan calibrates on) come from every part of the text.
     """
     paths = [str(p) for p in paths]
-    ids = read_ids(tok, paths)
+    parts = _file_ids(tok, paths)
     if eval_paths:
         held = read_ids(tok, [str(p) for p in eval_paths])
         if held.numel() < 2:
             raise ValueError(f"evaluation text {', '.join(map(str, eval_paths))} has {held.numel()} tokens; "
                              "it needs at least 2")
-        train = _windows(ids, seq_len)
+        train = _windows(_joined(parts, tok), seq_len)
         if train.shape[0] < 1:
-            raise ValueError(f"text {', '.join(paths)} has {ids.numel()} tokens, fewer than one window of {seq_len}")
-        return train, held[None]
-    cut = min(ids.numel() - seq_len, int(ids.numel() * (1 - holdout)))
-    train = _windows(ids[:max(cut, 0)], seq_len)
-    if train.shape[0] < 1 or cut < seq_len:
-        raise ValueError(f"text {', '.join(paths)} has {ids.numel()} tokens: too short to hold out a window of "
+            raise ValueError(f"text {', '.join(paths)} has {sum(p.numel() for p in parts)} tokens, fewer than one "
+                             f"window of {seq_len}")
+        return train[spread_order(train.shape[0])], held[None]
+    total = sum(p.numel() for p in parts)
+    share = max(holdout, seq_len / max(total, 1))  # of each file: at least one window held out in all
+    cuts = [p.numel() - int(-(-p.numel() * share // 1)) for p in parts]  # each file's last share held out
+    train = _windows(_joined([p[:c] for p, c in zip(parts, cuts)], tok), seq_len)
+    held = _joined([p[c:] for p, c in zip(parts, cuts) if c < p.numel()], tok)
+    if train.shape[0] < 1 or held.numel() < seq_len:
+        raise ValueError(f"text {', '.join(paths)} has {total} tokens: too short to hold out a window of "
                          f"{seq_len} and train on another; give more text, a shorter --seq-len, or --eval-text")
-    return train, ids[cut:][None]
+    return train[spread_order(train.shape[0])], held[None]
 
 
 class _TooSlow(Exception):
@@ -229,7 +263,7 @@ def training_data(teacher, tok, seq_len: int, *, text=None, eval_text=None, wind
                   progress=None) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """(training windows (N, T), held-out ids (1, M), what was used) for a heal run.
 
-    With `text` files: text_windows (the last tenth held out unless `eval_text` is given). Without:
+    With `text` files: text_windows (each file's last tenth held out unless `eval_text` is given). Without:
     the teacher writes up to `windows` windows, batch_size at a time; unless `eval_text` is given, it first
     writes one window from each of the HELD_OUT_PROMPTS last prompts, which no training window starts from,
     as the held-out text. The held-out windows and the first `fixed` training windows (what a plan is

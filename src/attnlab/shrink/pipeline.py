@@ -3,8 +3,8 @@ What the request is and how it is checked: request.py.
 
 A thin pipeline over the library (the same functions the separate commands call):
     load -> data -> plan -> convert -> heal -> export
-- data: the user's text (calibration: its first CALIBRATION_TOKENS tokens; held out: --eval-text,
-  else its last tenth), or, without text, text the teacher writes itself (seeded) for calibration and
+- data: the user's text (calibration: its first CALIBRATION_TOKENS tokens of windows spread over every file,
+  heal.data.spread_order; held out: --eval-text, else each file's last tenth), or, without text, text the teacher writes itself (seeded) for calibration and
   training, and other samples of it as held-out text; the calibration, proxy and held-out windows are
   written whatever the clock says (the same on any machine), further training windows within a
   bounded share of the budget; beside them heal.data.judge_texts, held-out text of other kinds;
@@ -456,7 +456,7 @@ def final_report(req: ShrinkRequest, state: RunState, teacher, student, meta) ->
             "baselines": state.data["report"].get("baselines"),
             "heal": {k: v for k, v in heal.items() if k not in ("teacher", "before", "after")},
             "data": {"text": req.identity()["text"], "eval_text": req.identity()["eval_text"],
-                     "calibration": ("the first tokens of --text" if req.text else "text the teacher wrote (seeded)")
+                     "calibration": ("windows spread over --text" if req.text else "text the teacher wrote (seeded)")
                      if req.calibration else "none (--no-calibration)"},
             "work": work_done(req, state), "minutes": dict(state.data["minutes"]), "base": meta.get("base"),
             "environment": environment()}
