@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -256,7 +257,7 @@ def part_run(case: str, seed: int, redo: bool, long: bool) -> None:
     row["report"] = {k: report.get(k) for k in ("kv_bytes_per_token", "held_out", "minutes", "work", "heal_plan",
                                                    "environment")}
     row["report"]["heal"] = {k: (report.get("heal") or {}).get(k) for k in
-                             ("probe", "kept", "rollbacks", "layers_restored", "distill_steps", "steps_done",
+                             ("probe", "kept", "rollbacks", "hard_batches", "layers_restored", "distill_steps", "steps_done",
                               "layer_cut", "layer_steps_fitted", "layer_wise", "end_to_end")}
     row["plan"] = (report.get("plan") or {}).get("chosen")
     row["kv_bytes_per_token"] = hf.kv_bytes_per_token(model)
@@ -504,7 +505,8 @@ def part_plot(path: Path = HERE / "protocol.png") -> None:
                         rotation=90)
         ax.axhline(1, color="grey", lw=0.8)
         ax.set_xticks(list(xs), names, rotation=20, fontsize=8)
-        ax.set_title(f"{r['command'].split(' --out')[0].replace('attnlab shrink ', '')}\n"
+        title = re.sub(r"( --text \S+)+", " --text T", r["command"].split(" --out")[0].replace("attnlab shrink ", ""))
+        ax.set_title(f"{title}\n"
                      f"{r['kv_bytes_per_token'] / r['original_bytes']:.0%} of the bytes", fontsize=9)
     axes[0][0].set_ylabel("perplexity / the original's")
     axes[0][0].legend(fontsize=7, loc="upper left")
