@@ -257,8 +257,8 @@ def part_run(case: str, seed: int, redo: bool, long: bool) -> None:
     row["report"] = {k: report.get(k) for k in ("kv_bytes_per_token", "held_out", "minutes", "work", "heal_plan",
                                                    "environment")}
     row["report"]["heal"] = {k: (report.get("heal") or {}).get(k) for k in
-                             ("probe", "kept", "rollbacks", "hard_batches", "layers_restored", "distill_steps", "steps_done",
-                              "layer_cut", "layer_steps_fitted", "layer_wise", "end_to_end")}
+                             ("probe", "kept", "rollbacks", "hard_batches", "layers_restored", "distill_steps",
+                              "steps_done", "layer_cut", "layer_steps_fitted", "layer_wise", "end_to_end")}
     row["plan"] = (report.get("plan") or {}).get("chosen")
     row["kv_bytes_per_token"] = hf.kv_bytes_per_token(model)
     row["fixed_bytes"] = fixed_bytes(row)

@@ -56,7 +56,8 @@ def heal(source: Path = typer.Argument(..., help="A converted-model folder writt
          text: Optional[list[Path]] = typer.Option(None, "--text", help="Training text file (repeat the option); "
                                                    "default: text the teacher writes from varied prompts."),
          eval_text: Optional[list[Path]] = typer.Option(None, "--eval-text", help="Held-out text for the report; "
-                                                        "default: the last 10% of each --text file, or more teacher text."),
+                                                        "default: the last 10% of each --text file, or more "
+                                                        "teacher text."),
          tokens: Optional[int] = typer.Option(None, "--tokens", help="End-to-end distillation tokens."),
          minutes: Optional[float] = typer.Option(None, "--minutes", help="Time budget for everything the command "
                                                  "does, from its start."),

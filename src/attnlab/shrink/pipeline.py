@@ -4,8 +4,8 @@ What the request is and how it is checked: request.py.
 A thin pipeline over the library (the same functions the separate commands call):
     load -> data -> plan -> convert -> heal -> export
 - data: the user's text (calibration: its first CALIBRATION_TOKENS tokens of windows spread over every file,
-  heal.data.spread_order; held out: --eval-text, else each file's last tenth), or, without text, text the teacher writes itself (seeded) for calibration and
-  training, and other samples of it as held-out text; the calibration, proxy and held-out windows are
+  heal.data.spread_order; held out: --eval-text, else each file's last tenth), or, without text, text the
+  teacher writes itself (seeded) for calibration and training, and other samples of it as held-out text; the calibration, proxy and held-out windows are
   written whatever the clock says (the same on any machine), further training windows within a
   bounded share of the budget; beside them heal.data.judge_texts, held-out text of other kinds;
 - plan: shrink.plan.plan converts candidates calibrated on the calibration text and scores them
