@@ -133,10 +133,14 @@ def texts_from(folder: str) -> None:
         TEXTS[name] = (str(path), kind)
 
 
-def text_hashes() -> dict:
+def sha256(path) -> str:
     import hashlib
 
-    return {name: hashlib.sha256(Path(path).read_bytes()).hexdigest() for name, (path, _) in TEXTS.items()}
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def text_hashes() -> dict:
+    return {name: sha256(path) for name, (path, _) in TEXTS.items()}
 
 
 def text_ids(tok, name: str, tokens: int):
@@ -265,9 +269,7 @@ def part_run(case: str, seed: int, redo: bool, long: bool) -> None:
     row["texts"] = score(model, tok, long)
     row["texts_sha256"] = text_hashes()
     if "--text" in CASES[case][1]:
-        import hashlib
-
-        row["training_texts_sha256"] = {t: hashlib.sha256(Path(t).read_bytes()).hexdigest() for t in TRAINING_TEXTS}
+        row["training_texts_sha256"] = {t: sha256(t) for t in TRAINING_TEXTS}
     if case in GPU_CASES:  # run on another machine than the baselines: the original scored there too, to compare
         original, tok, _ = hf.load_model(CASES[case][0])
         row["original_here"] = score(original, tok)
