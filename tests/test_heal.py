@@ -312,9 +312,10 @@ def _text(tmp_path):
     return path
 
 
-def _reads(after):
+def _reads(after, before=None):
     """evaluate_pair made to read after(out, text index) for the evaluations with a reference (the probe's, the one
-    after training): the tiny random model's figures go either way, so a test sets them."""
+    after training), and before(out) for those without (default: as they read); a key set to None is left out. The
+    tiny random model's figures go either way, so a test sets them."""
     import attnlab.heal.evaluate as ev
 
     real = ev.evaluate_pair
@@ -323,36 +324,51 @@ def _reads(after):
     def fake(teacher, student, held, *args, reference=None, **kw):
         out = real(teacher, student, held, *args, reference=reference, **kw)
         i = texts.setdefault(id(held), len(texts))  # the texts' order: the evaluation before scores them in order
-        return out if reference is None else {**out, **after(reference, i)}
+        made = (before(out) if before is not None else {}) if reference is None else after(reference, i)
+        return {k: v for k, v in {**out, **made}.items() if v is not None}
     return fake
 
 
 def test_a_heal_that_makes_the_student_worse_returns_the_converted_weights(tiny, monkeypatch):
     """keep_better: when the healed student is farther from the teacher on the held-out text (its KL rose, or its
-    top-1 agreement fell by more than guard.TOP1_TOLERANCE), heal_model gives back the converted weights exactly and
-    says why, whatever perplexity did (it fell in the first case); when the KL fell and top-1 agreement held (within
-    the tolerance), the healed weights stay even though perplexity rose tenfold; without keep_better they always stay.
-    The evaluation after training is made to read each way."""
+    top-1 agreement fell beyond chance: guard.sign_test below guard.TOP1_ALPHA), heal_model gives back the converted
+    weights exactly and says why, whatever perplexity did (it fell in the first case); when the KL fell and top-1
+    agreement held (a fall that chance explains), the healed weights stay even though perplexity rose tenfold; without
+    keep_better they always stay. The evaluations are made to read each way: every one of the 24 positions agrees
+    before; after, the first k do not (lost k, gained 0: a chance of 2 ** -k, below 0.01 from k = 7 on). An
+    evaluation without its positions (an older attnlab's) is judged on a fall of more than guard.TOP1_TOLERANCE."""
     import attnlab.heal.evaluate as ev
-    from attnlab.heal.guard import TOP1_TOLERANCE
+    from attnlab.heal.guard import TOP1_ALPHA, TOP1_TOLERANCE
 
+    assert 2.0 ** -7 < TOP1_ALPHA < 2.0 ** -6
     _, teacher, _ = tiny
     held = _windows(8, seed=99).reshape(1, -1)[:, :24]  # shorter than a greedy prompt: the decision's figures only
-    cases = (  # KL factor, perplexity factor, top-1 shift, keep_better, restored, what the reason names
-        (1.5, 0.5, +0.01, True, True, "KL to the teacher on the held-out text rose"),
-        (0.5, 10.0, -2 * TOP1_TOLERANCE, True, True, "top-1 agreement with the teacher on the held-out text fell"),
-        (0.5, 10.0, -TOP1_TOLERANCE / 2, True, False, None),
-        (1.5, 0.5, -0.01, False, False, None))
-    for kl, ppl, shift, keep, restored, why in cases:
-        monkeypatch.setattr(ev, "evaluate_pair", _reads(lambda ref, i, kl=kl, ppl=ppl, shift=shift: {
-            "kl": ref["kl"] * kl, "perplexity": ref["perplexity"] * ppl,
-            "top1_agreement": ref["top1_agreement"] + shift}))
+
+    def lost(k):
+        return {"top1_positions": ev.positions_code(torch.arange(24) >= k), "top1_agreement": 1 - k / 24}
+
+    def old(shift):
+        return {"top1_positions": None, "top1_agreement": 1 + shift}
+
+    fell = "top-1 agreement with the teacher on the held-out text fell"
+    cases = (  # KL factor, perplexity factor, top-1 after, keep_better, restored, what the reason names
+        (1.5, 0.5, lost(0), True, True, "KL to the teacher on the held-out text rose"),
+        (0.5, 10.0, lost(7), True, True, f"{fell} from 1.0000 to 0.7083: 7 positions lost, 0 gained"),
+        (0.5, 10.0, lost(6), True, False, None),
+        (0.5, 10.0, old(-2 * TOP1_TOLERANCE), True, True, f"{fell} from 1.0000 to 0.9900, by more than 0.005"),
+        (0.5, 10.0, old(-TOP1_TOLERANCE / 2), True, False, None),
+        (1.5, 0.5, lost(24), False, False, None))
+    for kl, ppl, top1, keep, restored, why in cases:
+        monkeypatch.setattr(ev, "evaluate_pair", _reads(
+            lambda ref, i, kl=kl, ppl=ppl, top1=top1: {"kl": ref["kl"] * kl, "perplexity": ref["perplexity"] * ppl,
+                                                       **top1},
+            lambda out, top1=top1: {**lost(0), **{k: None for k, v in top1.items() if v is None}}))
         student = _student(teacher)
         converted = _weights(student)
         report = heal_model(teacher, student, _windows(32, seed=0), held, _plan(layer_steps=2, tokens=4 * T * 4),
                             keep_better=keep)
         same = all(torch.equal(a, b) for a, b in zip(_weights(student), converted))
-        assert same == restored, (kl, ppl, shift, keep)
+        assert same == restored, (kl, ppl, top1, keep)
         assert ("kept" in report) == restored and ("healed" in report) == restored
         assert report["after"]["perplexity"] == (report["before"] if restored else report["after"])["perplexity"]
         if restored:
@@ -390,9 +406,24 @@ def test_a_heal_judged_on_several_texts_is_given_back_when_one_text_gets_worse(t
 
 def test_worse_is_farther_from_the_teacher_on_any_text_never_perplexity_alone():
     """guard.worse, the keep-better test and the probe's verdict: the KL to the teacher rose (perplexity fell: still
-    worse), or top-1 agreement fell by more than the tolerance, on any held-out text; perplexity moving alone never
-    decides; an evaluation from before the KL was recorded is judged on top-1 agreement."""
+    worse), or top-1 agreement fell beyond chance, on any held-out text; perplexity moving alone never decides; an
+    evaluation from before the KL was recorded is judged on top-1 agreement, one without its positions on a fall of
+    more than the tolerance. With positions (40, 20 agreeing before): 10 lost and 6 gained (a fall of 0.1, twenty
+    times the old tolerance; chance 0.227) is not worse, 8 lost and none gained (chance 1/256) is, and the reason
+    gives the counts."""
+    from attnlab.heal.evaluate import positions_code
     from attnlab.heal.guard import TOP1_TOLERANCE, reason, worse
+
+    def at(kl, agree):
+        return {"kl": kl, "top1_agreement": sum(agree) / len(agree), "perplexity": 20.0, "tokens": len(agree),
+                "top1_positions": positions_code(torch.tensor(agree))}
+
+    start = [True] * 20 + [False] * 20
+    assert not worse(at(0.1, start), at(0.09, [True] * 10 + [False] * 10 + [True] * 6 + [False] * 14))
+    assert worse(at(0.1, start), at(0.09, [True] * 12 + [False] * 28))
+    assert "8 positions lost, 0 gained (a sign test's chance 0.0039" in reason(at(0.1, start),
+                                                                                at(0.09, [True] * 12 + [False] * 28))
+    assert not worse(at(0.1, start), at(0.1, start[::-1]))  # 20 lost, 20 gained
 
     def ev(kl, top1=0.8, ppl=20.0):
         return {"kl": kl, "top1_agreement": top1, "perplexity": ppl}
@@ -415,6 +446,56 @@ def test_worse_is_farther_from_the_teacher_on_any_text_never_perplexity_alone():
     assert not worse(several(0.1, 0.1, 0.1), several(0.09, 0.1, 0.01))
     with pytest.raises(ValueError, match="evaluations of 3 and 2 held-out texts"):
         worse(several(0.1, 0.1, 0.1), several(0.1, 0.1))
+
+
+def test_an_evaluations_positions_are_where_the_two_models_agree_and_flips_count_them_both_ways(tiny):
+    """evaluate_pair's "top1_positions" unpacked by numpy (an independent reading of the format: eight positions to a
+    byte, the first in the top bit) are, position by position, whether the teacher's and the student's most likely
+    tokens agree (every window, the last one shorter), and their mean is "top1_agreement"; flips between two
+    students' evaluations of the same text are the positions one agrees on and the other not, counted directly."""
+    import base64
+
+    import numpy as np
+
+    from attnlab.heal.evaluate import evaluate_pair, flips
+
+    _, teacher, _ = tiny
+    text = torch.randint(0, 300, (1, 3 * T + 5), generator=torch.Generator().manual_seed(5))
+    agree, outs = [], []
+    for seed in (1, 2):
+        student = _student(teacher)
+        with torch.no_grad():
+            for p in student.parameters():
+                p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(seed)))
+        same = []
+        for s in range(0, text.shape[1], T):
+            chunk = text[:, s:s + T]
+            with torch.no_grad():
+                same.append((teacher(chunk).logits.argmax(-1) == student(chunk).logits.argmax(-1)).reshape(-1))
+        agree.append(torch.cat(same).numpy())
+        out = evaluate_pair(teacher, student, text, window=T, prompts=0)
+        bits = np.unpackbits(np.frombuffer(base64.b64decode(out["top1_positions"]), dtype=np.uint8))
+        assert len(bits) == -(-text.shape[1] // 8) * 8 and not bits[text.shape[1]:].any()
+        assert (bits[:text.shape[1]].astype(bool) == agree[-1]).all()
+        assert out["top1_agreement"] == pytest.approx(agree[-1].mean(), rel=1e-12)
+        outs.append(out)
+    lost, gained = int((agree[0] & ~agree[1]).sum()), int((agree[1] & ~agree[0]).sum())
+    assert lost + gained > 0 and flips(*outs) == (lost, gained) and flips(outs[1], outs[0]) == (gained, lost)
+    assert flips(outs[0], outs[0]) == (0, 0)
+    assert flips({k: v for k, v in outs[0].items() if k != "top1_positions"}, outs[1]) is None
+
+
+def test_the_sign_test_is_the_binomial_tail_computed_by_hand():
+    """guard.sign_test: the chance that lost + gained fair coin flips give lost or more losses, against sums written
+    out by hand (5 of 5: 1/32; 4 of 5: 6/32; 3 of 4: 5/16), 1.0 when top-1 did not fall, and a ValueError on a
+    negative count."""
+    from attnlab.heal.guard import sign_test
+
+    assert sign_test(5, 0) == 1 / 32 and sign_test(4, 1) == 6 / 32 and sign_test(3, 1) == 5 / 16
+    assert sign_test(1, 1) == 1.0 and sign_test(0, 0) == 1.0 and sign_test(0, 3) == 1.0
+    assert sign_test(600, 400) < 1e-9 < sign_test(520, 480) < 1.0
+    with pytest.raises(ValueError, match="lost=-1"):
+        sign_test(-1, 2)
 
 
 def test_the_kl_of_an_evaluation_is_the_mean_kl_of_an_independent_computation(tiny):
@@ -474,8 +555,10 @@ def test_a_blown_up_end_to_end_step_is_rolled_back_and_the_rate_cut(tiny):
     """The blow-up guard: at lr 1.0 the end-to-end loss passes twice the first step's; each such step does not stand:
     the weights after it are those before the last step that read no worse than the first (guard.good), a new
     optimizer starts, the rates are divided by GUARD_CUT each time (the next steps run at most at plan.lr times the
-    factor), and no recorded step loss is above twice the first. The report lists the rollbacks and guard_line says
-    so."""
+    factor), and a recorded step loss above twice the first is a hard batch's (its loss within twice the good
+    weights'). Each rollback's "good_loss", the good weights' loss on its batch, is what the step taken again on the
+    same batch from those weights reads, and its loss is above twice that. The report lists the rollbacks and
+    guard_line says so."""
     from attnlab.heal.guard import BLOW_UP, GUARD_CUT, guard_line
 
     _, teacher, _ = tiny
@@ -495,8 +578,12 @@ def test_a_blown_up_end_to_end_step_is_rolled_back_and_the_rate_cut(tiny):
     rollbacks, losses = report["rollbacks"], holder["healer"].state["distill_losses"]
     assert report["status"] == "done" and len(losses) == 12 and len(rollbacks) >= 2
     assert len(calls) == 12 + len(rollbacks) and sum(c[2] for c in calls) == len(rollbacks)
-    assert max(losses) <= BLOW_UP * losses[0]
+    hard = {h["step"]: h for h in report["hard_batches"]}
+    assert all(loss <= BLOW_UP * losses[0] or loss <= BLOW_UP * hard[k]["good_loss"] for k, loss in enumerate(losses))
     assert all(r["loss"] > BLOW_UP * r["start"] and r["start"] == losses[0] for r in rollbacks)
+    assert all(r["loss"] > BLOW_UP * r["good_loss"] for r in rollbacks)
+    retaken = [calls[i + 1][1] for i, c in enumerate(calls) if c[2]]  # the next call: the same batch, good weights
+    assert [r["good_loss"] for r in rollbacks] == pytest.approx(retaken, rel=1e-6)
     assert report["lr_scale"] == GUARD_CUT ** -len(rollbacks) == rollbacks[-1]["lr_scale"]
     good, cut = None, 0
     for i, (before, loss, rolled, optimizer) in enumerate(calls):
@@ -513,6 +600,41 @@ def test_a_blown_up_end_to_end_step_is_rolled_back_and_the_rate_cut(tiny):
                 assert optimizer[1] <= plan.lr * GUARD_CUT ** -cut * (1 + 1e-12)
     line = guard_line(report)
     assert f"end-to-end: {len(rollbacks)} step(s) whose loss passed 2x the first" in line
+
+
+def test_a_step_past_the_line_on_a_batch_hard_for_the_good_weights_too_stands(tiny, monkeypatch):
+    """The blow-up guard's second reading: where the last good weights read as high on a step's batch (made so: their
+    loss is set far above any step's), no step past the line is rolled back; each is recorded as a hard batch with the
+    steps' losses, the rates are never cut, and the weights are those of a run with no blow-up guard at all, step
+    for step. guard_line names the steps that stood."""
+    from attnlab.heal import distill, guard
+
+    _, teacher, _ = tiny
+    plan, windows = _rollback_plan(), _windows(32, seed=0)
+    base = _near_student(teacher)
+
+    def run(good_loss=None, guarded=True):
+        with monkeypatch.context() as m:
+            if good_loss is not None:
+                m.setattr(distill.Healer, "_good_loss", good_loss)
+            if not guarded:
+                m.setattr(guard, "past_line", lambda state, loss: False)
+            student = copy.deepcopy(base)
+            holder = {}
+            report = heal_model(teacher, student, windows, _windows(4, 99).reshape(1, -1), plan, evaluate=False,
+                                stop_hook=lambda h: holder.update(healer=h))
+        return student, report, holder["healer"].state["distill_losses"]
+
+    asked = []  # the steps at which the good weights' loss was asked for (past the line only)
+    student, report, losses = run(lambda self, ids, t: asked.append(self.state["step"]) or 1e9)  # read as high
+    free, free_report, free_losses = run(guarded=False)
+    past = [k for k, loss in enumerate(losses) if k and loss > guard.BLOW_UP * losses[0]]
+    assert past and report["rollbacks"] == [] and report["lr_scale"] == 1.0
+    assert [h["step"] for h in report["hard_batches"]] == past == asked
+    assert [h["loss"] for h in report["hard_batches"]] == [losses[k] for k in past]
+    assert losses == free_losses and free_report["hard_batches"] == []
+    assert all(torch.equal(a, b) for a, b in zip(_weights(student), _weights(free)))
+    assert f"{len(past)} step(s) past 2x the first loss stood" in guard.guard_line(report)
 
 
 def test_a_heal_stopped_around_its_rollbacks_resumes_to_the_weights_of_an_uninterrupted_run(tiny, tmp_path):

@@ -17,10 +17,11 @@ Two phases, on token windows (data.py: the user's text, or text the teacher writ
    converted attention weights (or, with lora_rank, LoRA adapters on them through peft,
    merged back at the end). bf16 autocast on CUDA; float32 on CPU (on the 2-core EPYC of
    docs/ bf16 autocast measured 1.5x slower than float32). A blow-up guard (guard.py): a step whose
-   loss is above twice the phase's first loss does not stand: the trained weights go back to those of
-   the last step that read well, no worse than the first (an in-memory copy of the trained parameters,
-   renewed at each such step, and in the checkpoint), the optimizer starts afresh, and the rates are
-   divided by 4 (the guard's lr_scale; state["rollbacks"] records each one).
+   loss is above twice the phase's first loss, and twice what the last good weights read on its batch,
+   does not stand: the trained weights go back to those of the last step that read well, no worse than
+   the first (an in-memory copy of the trained parameters, renewed at each such step, and in the
+   checkpoint), the optimizer starts afresh, and the rates are divided by 4 (the guard's lr_scale;
+   state["rollbacks"] records each one, state["hard_batches"] the steps past the first line that stood).
    heal_model judges this phase as a whole (Healer(judge=True), run.py): where it would start, the held-out texts
    are scored and the layer-wise phase's weights kept; if its steps leave the student farther from the teacher on
    any text (guard.worse), those weights come back at the end. With less time left there than one evaluation took,
@@ -456,15 +457,22 @@ class Healer(LayerInputs):
                 t_logits = self.teacher(mine).logits
             loss = kl_loss(t_logits, self.trained.part(mine).logits)
         value = self._loss_value(loss)  # the whole batch's, the same on every rank: the ranks decide alike
-        self._rolled_back = self._good is not None and guard.blown_up(s, value)
-        if self._rolled_back:  # the weights the last steps left read badly: they do not stand
-            del loss, t_logits
-            self._roll_back(value)
-            return value
+        past = self._good is not None and guard.past_line(s, value)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()  # before a look at the good weights: swapping them in would change what the graph saved
+        del loss
+        self._rolled_back = False
+        if past:  # the weights the last steps left read badly; a batch hard for the good weights too stands
+            good_loss = self._good_loss(mine, t_logits)
+            self._rolled_back = guard.blown_up(s, value, good_loss)
+            if self._rolled_back:
+                del t_logits
+                self._roll_back(value, good_loss)
+                return value
+            guard.hard_batch(s, value, good_loss)
+        del t_logits
         if guard.good(s, value):
             self._keep_good()
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
         # the global norm: DDP's gradients are the averaged ones on every rank; FSDP2's are DTensor shards
         torch.nn.utils.clip_grad_norm_(self._trained_params(), 1.0)
         self.optimizer.step()
@@ -487,12 +495,22 @@ class Healer(LayerInputs):
                 for g, p in zip(self._good, params, strict=True):
                     g.copy_(p)
 
-    def _roll_back(self, loss: float) -> None:
-        """The end-to-end step at state["step"] read `loss`, past guard.BLOW_UP times the phase's first: the trained
-        parameters of the last step that read well (guard.good) come back, the rates are divided by guard.GUARD_CUT,
-        and a new optimizer (and, over N ranks, a new wrapper) starts from them; the step is taken again, on its own
-        batch."""
-        guard.rolled_back(self.state, loss)
+    def _good_loss(self, ids: torch.Tensor, t_logits: torch.Tensor) -> float:
+        """The loss of the blow-up guard's last good weights on the step's batch (this rank's rows `ids`, the
+        teacher's logits on them): put into the trained parameters for one forward, the current ones back after."""
+        current = [p.detach().clone() for p in self._trained_params()]
+        self._put(self._good)
+        with torch.no_grad(), torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+            loss = kl_loss(t_logits, self.trained.part(ids).logits)
+        self._put(current)
+        return self._loss_value(loss)
+
+    def _roll_back(self, loss: float, good_loss: float) -> None:
+        """The end-to-end step at state["step"] read `loss`, past guard.BLOW_UP times the phase's first and the last
+        good weights' on its batch (guard.blown_up): the trained parameters of the last step that read well
+        (guard.good) come back, the rates are divided by guard.GUARD_CUT, and a new optimizer (and, over N ranks, a
+        new wrapper) starts from them; the step is taken again, on its own batch."""
+        guard.rolled_back(self.state, loss, good_loss)
         self._put(self._good)
         self._make_optimizer()
 

@@ -9,10 +9,13 @@ greedy agreement then runs both through attnlab's generation loop. With a budget
 many windows as the budget allows (at least one), and remembers how many, so the "after" evaluation scores the same
 text and costs about the same: the teacher runs again on each window (its full-vocabulary logits are not kept
 between evaluations: their memory would grow with the windows), its most likely tokens and greedy continuations are
-kept. evaluate_texts scores several held-out texts (of different kinds) and combines them over all their tokens.
+kept. Which positions agree is kept too, packed ("top1_positions": positions_code), so that two evaluations of the
+same windows can be compared position by position (flips: the keep-better test's sign test, guard.worse). evaluate_
+texts scores several held-out texts (of different kinds) and combines them over all their tokens.
 """
 from __future__ import annotations
 
+import base64
 import math
 
 import torch
@@ -125,6 +128,7 @@ def evaluate_pair(teacher, student, held_out: torch.Tensor, *, prompts: int = 8,
     if reference is not None:
         chunks = chunks[:reference["windows"]]
     teacher_top = {} if reference is None else dict(enumerate(reference["_teacher_top"]))
+    agree = {}  # window -> (n,) bool: where the student's most likely token is the teacher's
     # student's nll, its predictions, equal top-1, positions (tokens), teacher's nll, KL(teacher || student)
     sums = torch.zeros(6, dtype=torch.float64)
     last = 0.0  # seconds this rank's last window took: a round starts only if one more still fits on every rank
@@ -150,19 +154,24 @@ def evaluate_pair(teacher, student, held_out: torch.Tensor, *, prompts: int = 8,
                 teacher_top[i] = t_logits.argmax(-1).cpu()  # (1, n), on the CPU: the reference goes in checkpoints
             sums[5] += kl_sum(t_logits, s_logits)
             del t_logits
-            same = int((teacher_top[i].to(s_logits.device) == s_logits.argmax(-1)).sum())
+            agree[i] = (teacher_top[i].to(s_logits.device) == s_logits.argmax(-1)).reshape(-1).cpu()
+            same = int(agree[i].sum())
             sums[:4] += torch.tensor([nll, n, same, chunk.numel()], dtype=torch.float64)
             if started is not None:
                 last = budget.clock() - started
     chunks = chunks[:scored]
     if split:
         sums = dd.all_sum(sums)
-        if reference is None:  # every rank keeps every window's answers: the reference travels in checkpoints
-            mine = {i: top.cpu() for i, top in teacher_top.items()}  # CPU: another rank may have no such GPU
-            teacher_top = {i: top for part in dd.gather_objects(mine) for i, top in part.items()}
+        # every rank keeps every window's answers (the reference travels in checkpoints) and agreements; on the CPU:
+        # another rank may have no such GPU
+        mine = {i: (teacher_top[i].cpu() if reference is None else None, a) for i, a in agree.items()}
+        parts = dd.gather_objects(mine)
+        agree = {i: a for part in parts for i, (_, a) in part.items()}
+        if reference is None:
+            teacher_top = {i: top for part in parts for i, (top, _) in part.items()}
     s_nll, count, same, positions, t_nll, kl = sums.tolist()
     out = {"perplexity": float(torch.exp(torch.tensor(s_nll / count))), "top1_agreement": same / positions,
-           "kl": kl / positions,
+           "kl": kl / positions, "top1_positions": positions_code(torch.cat([agree[i] for i in range(len(chunks))])),
            "kv_bytes_per_token": kv_bytes_per_token(student), "tokens": sum(c.shape[1] for c in chunks),
            "windows": len(chunks), "_teacher_top": [teacher_top[i] for i in range(len(chunks))]}
     if reference is None:
@@ -179,6 +188,29 @@ def evaluate_pair(teacher, student, held_out: torch.Tensor, *, prompts: int = 8,
             if e.reason != "budget":
                 raise
     return out
+
+
+def positions_code(agree: torch.Tensor) -> str:
+    """Which positions agree (a bool vector, one entry per scored position in window order), as evaluations keep it:
+    the bits packed eight to a byte, first position in the top bit of the first byte, in base64 (JSON text, a sixth
+    of a character per position)."""
+    bits = agree.to(torch.bool).reshape(-1).tolist()
+    packed = bytearray((len(bits) + 7) // 8)
+    for k, b in enumerate(bits):
+        if b:
+            packed[k // 8] |= 0x80 >> (k % 8)
+    return base64.b64encode(bytes(packed)).decode("ascii")
+
+
+def flips(before: dict, after: dict) -> tuple[int, int] | None:
+    """(lost, gained): the positions where `before`'s student agreed with the teacher's most likely token and
+    `after`'s does not, and the reverse; two evaluate_pair results of the same windows. None when either lacks its
+    positions (an evaluation from an older attnlab) or they scored different tokens."""
+    if before.get("top1_positions") is None or after.get("top1_positions") is None \
+            or before["tokens"] != after["tokens"]:
+        return None
+    a, b = (int.from_bytes(base64.b64decode(e["top1_positions"]), "big") for e in (before, after))
+    return bin(a & ~b).count("1"), bin(b & ~a).count("1")
 
 
 def held_out_texts(held_out) -> list[torch.Tensor]:

@@ -62,7 +62,8 @@ def heal_model(teacher, student, windows: torch.Tensor, held_out, plan: HealPlan
     The layer-wise guard (module docstring) acts within the heal; report["layers_restored"] names the layers it
     gave their start weights back and report["lr_scale"] the factor it left on the learning rates;
     report["rollbacks"] lists the end-to-end steps the blow-up guard rolled back ({"step", "loss", "start",
-    "lr_scale"} each). A heal that ends (budget or stop) inside a layer's layer-wise steps has that layer judged by
+    "lr_scale"} each), report["hard_batches"] those past its first line that stood ({"step", "loss", "good_loss"}:
+    their batch read as high on the last good weights). A heal that ends (budget or stop) inside a layer's layer-wise steps has that layer judged by
     the same rule (Healer.judge_cut_layer; report["layer_cut"], None when no layer was cut);
     report["layer_steps_fitted"] holds the steps a layer Healer._fit_layers fitted to the time (None: the plan's).
     With keep_better, an end-to-end phase after a layer-wise one is judged as a whole (_switch): report["layer_wise"]
@@ -139,7 +140,7 @@ def heal_model(teacher, student, windows: torch.Tensor, held_out, plan: HealPlan
                   distill_loss_first=s["distill_losses"][:1], distill_loss_last=s["distill_losses"][-5:],
                   trained_steps=healer.steps_this_run, steps_done=s["steps_done"], layer_checks=s["layer_checks"],
                   layers_restored=s["layers_restored"], lr_scale=s["lr_scale"], rollbacks=s["rollbacks"],
-                  layer_steps_fitted=s.get("layer_steps"),
+                  hard_batches=s.get("hard_batches", []), layer_steps_fitted=s.get("layer_steps"),
                   layers_trained=list(healer.layers))
     if evaluate and status != "stopped" and s["steps_done"] and "reference" in s:
         try:
