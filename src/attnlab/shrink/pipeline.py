@@ -224,7 +224,9 @@ def _shrink(req: ShrinkRequest, resume: bool, force: bool, budget: Budget | None
     else:
         t = clock()
         data = _data(req, teacher, tok, budget, show)
-        state.data["work"] = {"training_windows": int(data["train"].shape[0]), "windows_asked": req.windows}
+        # the windows asked of the teacher's own text; with --text every window of the text is read (none asked)
+        state.data["work"] = {"training_windows": int(data["train"].shape[0]),
+                              "windows_asked": None if req.text else req.windows}
         state.save_data(data)
         state.finish("data", phase_time(t))
     calibration = data["calibration"] if req.calibration else None
