@@ -6,7 +6,7 @@
 - losses.py    what a step lowers (KL, normalised MSE) and the rate schedule (warm-up, cosine)
 - trainable.py what trains: the attention's own weights, or LoRA adapters on them
 - data.py      what healing trains on: the user's text, or text the teacher writes itself
-- evaluate.py  the student against the teacher: KL, top-1 and greedy agreement, perplexity (one or several texts)
+- evaluate.py  the student against the teacher: KL, top-1 (and which positions) and greedy agreement, perplexity
 - encoder.py   healing an encoder (BERT) with a cosine loss on sentence embeddings
 - distributed.py  the heal data-parallel under torchrun: the process group, DDP or FSDP2, what ranks share
 - trained.py   what a phase trains, wrapped for the ranks: the module itself, its DDP wrapper, or FSDP2 twins

@@ -18,9 +18,10 @@ and such a step stands (hard_batch records it).
 
 The keep-better test (worse) compares the student with the teacher, not with the text: KL and top-1 agreement on
 every held-out text, never perplexity alone (its docstring says why); a fall of top-1 agreement counts only when the
-positions it lost outnumber those it gained beyond chance (a sign test at TOP1_ALPHA: flips, sign_test). heal_model applies it three ways: the converted
-student against the healed one, the probe of an end-to-end phase run first, and the layer-wise phase's student
-against the end-to-end phase's after it (switch_line says what that verdict was).
+positions it lost outnumber those it gained beyond chance (a sign test at TOP1_ALPHA: flips, sign_test).
+heal_model applies it three ways: the converted student against the healed one, the probe of an end-to-end phase
+run first, and the layer-wise phase's student against the end-to-end phase's after it (switch_line says what that
+verdict was).
 """
 from __future__ import annotations
 
@@ -41,7 +42,8 @@ TOP1_TOLERANCE = 0.005
 def initial_state() -> dict:
     """The guard's part of the Healer's state: the current layer's start error, each layer's (start, end) errors, the
     layers given back their start weights, the factor on both phases' learning rates, and the end-to-end steps rolled
-    back (rolled_back), and those that stood past the line on a batch hard for the last good weights too (hard_batch)."""
+    back (rolled_back), and those that stood past the line on a batch hard for the last good weights too
+    (hard_batch)."""
     return {"layer_start_error": None, "layer_checks": [], "layers_restored": [], "lr_scale": 1.0, "rollbacks": [],
             "hard_batches": []}
 

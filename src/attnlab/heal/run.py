@@ -62,9 +62,10 @@ def heal_model(teacher, student, windows: torch.Tensor, held_out, plan: HealPlan
     The layer-wise guard (module docstring) acts within the heal; report["layers_restored"] names the layers it
     gave their start weights back and report["lr_scale"] the factor it left on the learning rates;
     report["rollbacks"] lists the end-to-end steps the blow-up guard rolled back ({"step", "loss", "start",
-    "lr_scale"} each), report["hard_batches"] those past its first line that stood ({"step", "loss", "good_loss"}:
-    their batch read as high on the last good weights). A heal that ends (budget or stop) inside a layer's layer-wise steps has that layer judged by
-    the same rule (Healer.judge_cut_layer; report["layer_cut"], None when no layer was cut);
+    "good_loss", "lr_scale"} each), report["hard_batches"] those past its first line that stood ({"step", "loss",
+    "good_loss"}: their batch read as high on the last good weights). A heal that ends (budget or stop) inside a
+    layer's layer-wise steps has that layer judged by the same rule (Healer.judge_cut_layer; report["layer_cut"],
+    None when no layer was cut);
     report["layer_steps_fitted"] holds the steps a layer Healer._fit_layers fitted to the time (None: the plan's).
     With keep_better, an end-to-end phase after a layer-wise one is judged as a whole (_switch): report["layer_wise"]
     holds the layer-wise student's figures where it would start ("evaluation", no greedy text) and the verdict; when
