@@ -10,8 +10,8 @@ many windows as the budget allows (at least one), and remembers how many, so the
 text and costs about the same: the teacher runs again on each window (its full-vocabulary logits are not kept
 between evaluations: their memory would grow with the windows), its most likely tokens and greedy continuations are
 kept. Which positions agree is kept too, packed ("top1_positions": positions_code), so that two evaluations of the
-same windows can be compared position by position (flips: the keep-better test's sign test, guard.worse). evaluate_
-texts scores several held-out texts (of different kinds) and combines them over all their tokens.
+same windows can be compared position by position (flips: the keep-better test's sign test, guard.worse).
+evaluate_texts scores several held-out texts (of different kinds) and combines them over all their tokens.
 """
 from __future__ import annotations
 
