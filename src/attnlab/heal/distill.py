@@ -217,13 +217,22 @@ class Healer(LayerInputs):
         student's modules, a collective every rank runs), then the current ones back."""
         if self._good is None or self.optimizer is None:
             return None
-        current = [p.detach().clone() for p in self._trained_params()]
-        self._put(self._good)
-        self.trained.sync()
-        good = {k: v.cpu().clone() for k, v in attention_weights(self._attn).items()} if self.world.main else None
-        self._put(current)
+        with self._good_in_place():
+            self.trained.sync()
+            good = {k: v.cpu().clone() for k, v in attention_weights(self._attn).items()} if self.world.main else None
         self.trained.sync()
         return good
+
+    @contextlib.contextmanager
+    def _good_in_place(self):
+        """The blow-up guard's last good weights in the trained parameters for the block, the current ones back
+        after it."""
+        current = [p.detach().clone() for p in self._trained_params()]
+        self._put(self._good)
+        try:
+            yield
+        finally:
+            self._put(current)
 
     @staticmethod
     def read(path) -> dict:
@@ -498,11 +507,9 @@ class Healer(LayerInputs):
     def _good_loss(self, ids: torch.Tensor, t_logits: torch.Tensor) -> float:
         """The loss of the blow-up guard's last good weights on the step's batch (this rank's rows `ids`, the
         teacher's logits on them): put into the trained parameters for one forward, the current ones back after."""
-        current = [p.detach().clone() for p in self._trained_params()]
-        self._put(self._good)
-        with torch.no_grad(), torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+        with self._good_in_place(), torch.no_grad(), \
+                torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
             loss = kl_loss(t_logits, self.trained.part(ids).logits)
-        self._put(current)
         return self._loss_value(loss)
 
     def _roll_back(self, loss: float, good_loss: float) -> None:

@@ -95,7 +95,7 @@ def blown_up(state: dict, loss: float, good_loss: float | None = None) -> bool:
 
 def hard_batch(state: dict, loss: float, good_loss: float) -> None:
     """Record an end-to-end step past the line that stands: its batch read `good_loss` on the last good weights."""
-    state.setdefault("hard_batches", []).append({"step": state["step"], "loss": loss, "good_loss": good_loss})
+    state["hard_batches"].append({"step": state["step"], "loss": loss, "good_loss": good_loss})
 
 
 def rolled_back(state: dict, loss: float, good_loss: float | None = None) -> None:

@@ -141,7 +141,7 @@ def heal_model(teacher, student, windows: torch.Tensor, held_out, plan: HealPlan
                   distill_loss_first=s["distill_losses"][:1], distill_loss_last=s["distill_losses"][-5:],
                   trained_steps=healer.steps_this_run, steps_done=s["steps_done"], layer_checks=s["layer_checks"],
                   layers_restored=s["layers_restored"], lr_scale=s["lr_scale"], rollbacks=s["rollbacks"],
-                  hard_batches=s.get("hard_batches", []), layer_steps_fitted=s.get("layer_steps"),
+                  hard_batches=s["hard_batches"], layer_steps_fitted=s.get("layer_steps"),
                   layers_trained=list(healer.layers))
     if evaluate and status != "stopped" and s["steps_done"] and "reference" in s:
         try:
