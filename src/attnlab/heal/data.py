@@ -13,6 +13,7 @@ Notation: N windows, T tokens per window (seq_len), V vocabulary.
   teacher's writing gets a bounded share of it, past the windows a plan reads, which are the same on any machine.
 - `judge_texts`: held-out text of other kinds (shipped sentences, Python source) that a heal is judged on too;
   `planning_texts`: the same files' next tokens, which a shrink plan's per-layer costs read (never the judge's).
+- `batch_generator`: the seeded generator a heal's batches are chosen from.
 - `check_pair`: the teacher and the student must be the same network around their attention.
 """
 from __future__ import annotations
@@ -43,6 +44,12 @@ HELD_OUT_PROMPTS = 4  # the last prompts write held-out text only (training_data
 # a prompt of PROMPTS (vocabulary_prompts; LLM-QAT's data-free text, arXiv 2305.17888, starts every sequence so)
 DRAWN_EVERY = 2
 JUDGE_TOKENS = 512  # tokens of each text of judge_texts
+
+
+def batch_generator(*key: int) -> torch.Generator:
+    """A generator seeded by `key` alone (seed, phase, step, ...): a heal's batches are chosen from it, so a run
+    stopped and resumed, or split over ranks, picks the very batches one uninterrupted process picks."""
+    return torch.Generator().manual_seed(hash(key) & 0x7FFF_FFFF_FFFF)
 
 
 def vocabulary_prompts(tok, n: int, seed: int = 0) -> tuple[str, ...]:

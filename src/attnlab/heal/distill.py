@@ -61,8 +61,10 @@ share of the teacher's layer inputs for the layer-wise phase and of the evaluati
 gathered (distributed.gather_rows), so no rank repeats another's.
 Without a world (or with one process) nothing of this runs: the one-process path is unchanged.
 The plan (HealPlan and the constants it is sized with) is in plan.py, the losses and the rate schedule in losses.py,
-what trains (and LoRA) in trainable.py, where the layer-wise phase reads each layer's input in layer_inputs.py
-(Healer's LayerInputs part); their names are importable from here as before.
+what trains (and LoRA) in trainable.py; the layer-wise phase's steps and verdicts in layer_wise.py (Healer's LayerWise
+part, which reads each layer's input as layer_inputs.py says), the end-to-end phase's steps and its blow-up guard in
+end_to_end.py (its EndToEnd part); this file holds the state machine, its checkpoints and its loop. Their names are
+importable from here as before.
 """
 from __future__ import annotations
 
@@ -78,18 +80,17 @@ from ..io.folders import replace_with
 from ..runtime.budget import Budget, Stopped
 from . import distributed as dd
 from . import guard
+from .data import batch_generator as _generator  # noqa: F401 (re-exported)
 from .data import converted_layers
+from .end_to_end import EndToEnd
 from .layer_inputs import LayerInputs, _attention_input, _Read  # noqa: F401 (re-exported: tests reach them here)
+from .layer_wise import LayerWise
 from .losses import cosine, distill_loss, kl_loss, normalised_mse, warmup_steps  # noqa: F401 (re-exported)
 from .plan import EVERY_VALUE_LR, LAYER_INPUTS, MIN_LAYER_STEPS, HealPlan  # noqa: F401 (re-exported)
 from .trainable import LORA_TARGETS, add_lora, freeze_all_but_attention, merge_lora  # noqa: F401 (re-exported)
 from .trainable import attention_modules as _modules
 from .trainable import attention_weights, load_attention_weights
 from .trained import TrainedPart
-
-
-def _generator(*key: int) -> torch.Generator:
-    return torch.Generator().manual_seed(hash(key) & 0x7FFF_FFFF_FFFF)
 
 
 def _check_split(world: dd.World, plan: HealPlan, windows: torch.Tensor) -> None:
@@ -108,7 +109,7 @@ def _check_split(world: dd.World, plan: HealPlan, windows: torch.Tensor) -> None
                              f"over {n} processes: it must be a multiple of {n}")
 
 
-class Healer(LayerInputs):
+class Healer(LayerWise, EndToEnd):
     """Layer-wise then end-to-end distillation of `student` from `teacher`, resumable (module docstring).
 
     windows: (N, T) training token ids. checkpoint: a file path (None: no checkpoints).
@@ -211,29 +212,6 @@ class Healer(LayerInputs):
                 "distill_good": good, "layer_wise": self.layer_wise}
         replace_with(self.checkpoint, lambda tmp: torch.save(blob, tmp))
 
-    def _good_weights(self) -> dict | None:
-        """The blow-up guard's copy of the last good end-to-end weights as the checkpoint holds weights ({"<layer>.
-        <name>": tensor} on the CPU), or None: put into the trained parameters for a moment (FSDP2: gathered into the
-        student's modules, a collective every rank runs), then the current ones back."""
-        if self._good is None or self.optimizer is None:
-            return None
-        with self._good_in_place():
-            self.trained.sync()
-            good = {k: v.cpu().clone() for k, v in attention_weights(self._attn).items()} if self.world.main else None
-        self.trained.sync()
-        return good
-
-    @contextlib.contextmanager
-    def _good_in_place(self):
-        """The blow-up guard's last good weights in the trained parameters for the block, the current ones back
-        after it."""
-        current = [p.detach().clone() for p in self._trained_params()]
-        self._put(self._good)
-        try:
-            yield
-        finally:
-            self._put(current)
-
     @staticmethod
     def read(path) -> dict:
         """A checkpoint's contents (weights_only: nothing is unpickled), or a one-line ValueError."""
@@ -328,199 +306,6 @@ class Healer(LayerInputs):
         elif self._agree(self.budget.expired()):
             raise Stopped("budget")
 
-    # -- phases --------------------------------------------------------------------------------
-    def _layer_step(self) -> float:
-        s, plan = self.state, self.plan
-        layer = s["layer"]
-        x_all = self._layer_inputs()[layer]  # (n, T, dim)
-        idx = torch.randint(x_all.shape[0], (min(plan.layer_batch, x_all.shape[0]),),
-                            generator=_generator(plan.seed, 1, layer, s["step"]))
-        if self.world.distributed:  # this rank's rows of the one-process batch
-            idx = idx[self.world.rows(idx.numel(), "layer-wise batch")]
-        x = x_all[idx.to(x_all.device)]  # (b, T, dim)
-        # layer_inputs "student": the student's own input there, against the teacher's output on its own input
-        x_in = self._own_for(layer)[0][idx.to(x_all.device)] if plan.layer_inputs == "student" else x
-        if s["step"] == 0 and s["layer_start_error"] is None:
-            self._start_weights = {k: v.detach().clone() for k, v in self._attn[layer].state_dict().items()}
-            s["layer_start_error"] = self._check_error(layer)
-        with torch.no_grad():
-            target = _modules(self.teacher)[layer](x, is_causal=True)  # (b, T, dim)
-        steps = self.layer_steps
-        for g in self.optimizer.param_groups:
-            g["lr"] = plan.layer_lr * s["lr_scale"] * cosine(s["step"], steps, warmup_steps(steps))
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
-            out = self.trained.part(x_in, is_causal=True)
-        loss = normalised_mse(out, target, world=self.world)
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        self.optimizer.step()
-        value = self._loss_value(loss)
-        s["step"] += 1
-        if s["step"] == steps:
-            s["layer_losses"].append(value)
-            if plan.refit_out:
-                self._refit_out(layer, x_all)
-            self._guard(layer)
-            later = [i for i in self.layers if i > layer]
-            s["layer"], s["step"] = (later[0] if later else len(self._attn)), 0
-            if not later:  # after a probe that found the end-to-end phase harmful: none again
-                s["phase"], s["layer"] = "done" if s["probe"] == "switched" else "distill", 0
-                self._inputs = self._check_x = self._stream = self._own = None
-            self._make_optimizer()
-        return value
-
-    def _refit_out(self, layer: int, x_all: torch.Tensor) -> None:
-        """HealPlan.refit_out: after the layer's last step, its W_O refitted in closed form (convert.refit.refit_out) on
-        all the phase's windows, from its inputs as layer_inputs says to the teacher's attention output on the
-        teacher's inputs; the guard then judges steps and refit together against the layer as it started. Every rank
-        computes the same fit from the same gathered inputs. state["refits"] records the normalised error on those
-        windows before and after."""
-        from ..convert.refit import refit_out
-
-        self.trained.release()  # FSDP2: the trained weights into the student's own module first
-        own = self._own_for(layer)[0] if self.plan.layer_inputs == "student" else x_all
-        with torch.no_grad():
-            targets = torch.cat([_modules(self.teacher)[layer](x_all[c:c + 8], is_causal=True)
-                                 for c in range(0, x_all.shape[0], 8)])  # (n, T, dim)
-        fit = refit_out(self._attn[layer], own, targets)
-        self.state.setdefault("refits", []).append({"layer": layer, **fit})
-
-    @property
-    def layer_steps(self) -> int:
-        """The layer-wise steps a layer from here: the plan's, or fewer where _fit_layers fitted them to the time."""
-        return self.state.get("layer_steps") or self.plan.layer_steps
-
-    def _fit_layers(self, budget: Budget, reserve: float, seconds: float) -> None:
-        """The layer-wise phase as the heal's last (a probe switched to it): once its first layer is done, the steps a
-        layer for the layers still to come, so that they all fit what the budget has left but `reserve` at `seconds`
-        a step (that layer's, timed from its second step to its end check), at most the plan's and at least
-        MIN_LAYER_STEPS. Set once, in the state (checkpoints hold it; over N ranks rank 0's figure). Without it the
-        plan's steps, sized before the end-to-end phase and its probe took their time, ran out of time 21 layers of
-        30 into SmolLM2's 25% heal, and the layers after it were never trained."""
-        s = self.state
-        to_come = [i for i in self.layers if i >= s["layer"]] if s["phase"] == "layers" else []
-        if not to_come or budget.deadline is None or s["layer_steps"] is not None:
-            return
-        fit = int((budget.left() - reserve) / max(seconds * len(to_come), 1e-9))
-        steps = max(MIN_LAYER_STEPS, min(self.plan.layer_steps, fit))
-        s["layer_steps"] = dd.broadcast_object(steps, patient=False) if self.world.distributed else steps
-
-    def _check_error(self, layer: int) -> float:
-        """The layer's normalised error against the teacher's layer on the check windows (no gradient; every rank
-        computes the same figure from the same weights and inputs, and rank 0's is the one used)."""
-        x = self._check_x[layer]  # (c, T, dim)
-        own = self._own_for(layer)[1] if self.plan.layer_inputs == "student" else x
-        with torch.no_grad(), torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
-            err = float(normalised_mse(self._attn[layer](own, is_causal=True),
-                                       _modules(self.teacher)[layer](x, is_causal=True)))
-        return dd.broadcast_object(err, patient=False) if self.world.distributed else err
-
-    def _guard(self, layer: int) -> None:
-        """End of a layer's layer-wise steps: if it ends worse on the check windows than it started, its start
-        weights come back and the later steps (both phases) are GUARD_CUT times smaller; if it ended better, they
-        are GUARD_CUT times larger again, up to the plan's rates (guard.after_layer); state records both."""
-        s = self.state
-        self.trained.release()  # FSDP2: the trained weights into the student's own module first
-        before, after = s["layer_start_error"], self._check_error(layer)
-        if guard.after_layer(s, layer, before, after):
-            self._attn[layer].load_state_dict(self._start_weights)
-        s["layer_start_error"], self._start_weights = None, None
-
-    def judge_cut_layer(self) -> dict | None:
-        """A layer the budget or a stop cut off inside its layer-wise steps, judged as _guard judges a finished one:
-        when it reads worse on the check windows than it started, its start weights come back (a few steps at a
-        warm-up rate can leave a layer far from both). Returns {"layer", "steps", "of", "before", "after",
-        "restored"}, or None when no layer was cut (or its check windows are not at hand: a resumed run stopped
-        before its first step). The state and the checkpoint are left as they were: a resume carries on inside the
-        layer, from the weights the steps left."""
-        s = self.state
-        if s["phase"] != "layers" or not s["step"] or self._start_weights is None or s["layer_start_error"] is None \
-                or self._check_x is None:
-            return None
-        self.trained.release()
-        layer = s["layer"]
-        before, after = s["layer_start_error"], self._check_error(layer)
-        restored = guard.layer_worse(before, after)
-        if restored:
-            self._attn[layer].load_state_dict(self._start_weights)
-        return {"layer": layer, "steps": s["step"], "of": self.layer_steps, "before": before, "after": after,
-                "restored": restored}
-
-    def _batch(self, step: int) -> torch.Tensor:
-        B, N = self.plan.batch_size, self.windows.shape[0]
-        rows = []
-        for k in range(step * B, (step + 1) * B):
-            epoch, pos = divmod(k, N)
-            rows.append(int(torch.randperm(N, generator=_generator(self.plan.seed, 2, epoch))[pos]))
-        return self.windows[rows].to(self.device)  # (B, T)
-
-    def _distill_step(self) -> float:
-        s, plan = self.state, self.plan
-        self.trained.attach(self.state["phase"])
-        ids = self._batch(s["step"])  # (B, T): the whole batch
-        mine = ids[self.world.rows(ids.shape[0])] if self.world.distributed else ids  # this rank's rows
-        for g in self.optimizer.param_groups:
-            g["lr"] = plan.lr * s["lr_scale"] * cosine(s["step"], s["total_steps"] or 10 ** 9, plan.warmup)
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
-            with torch.no_grad():
-                t_logits = self.teacher(mine).logits
-            loss = kl_loss(t_logits, self.trained.part(mine).logits)
-        value = self._loss_value(loss)  # the whole batch's, the same on every rank: the ranks decide alike
-        past = self._good is not None and guard.past_line(s, value)
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()  # before a look at the good weights: swapping them in would change what the graph saved
-        del loss
-        self._rolled_back = False
-        if past:  # the weights the last steps left read badly; a batch hard for the good weights too stands
-            good_loss = self._good_loss(mine, t_logits)
-            self._rolled_back = guard.blown_up(s, value, good_loss)
-            if self._rolled_back:
-                del t_logits
-                self._roll_back(value, good_loss)
-                return value
-            guard.hard_batch(s, value, good_loss)
-        del t_logits
-        if guard.good(s, value):
-            self._keep_good()
-        # the global norm: DDP's gradients are the averaged ones on every rank; FSDP2's are DTensor shards
-        torch.nn.utils.clip_grad_norm_(self._trained_params(), 1.0)
-        self.optimizer.step()
-        s["step"] += 1
-        s["tokens"] += ids.numel()
-        s["distill_losses"].append(value)
-        if s["total_steps"] is not None and s["step"] >= s["total_steps"]:
-            s["phase"] = "done"
-            self._make_optimizer()  # none: the trained weights are the student's own again
-        return value
-
-    def _keep_good(self) -> None:
-        """The blow-up guard's copy of the trained parameters as they are now (they just read no worse than the
-        phase's first step: guard.good), in place."""
-        params = self._trained_params()
-        if self._good is None:
-            self._good = [p.detach().clone() for p in params]
-        else:
-            with torch.no_grad():
-                for g, p in zip(self._good, params, strict=True):
-                    g.copy_(p)
-
-    def _good_loss(self, ids: torch.Tensor, t_logits: torch.Tensor) -> float:
-        """The loss of the blow-up guard's last good weights on the step's batch (this rank's rows `ids`, the
-        teacher's logits on them): put into the trained parameters for one forward, the current ones back after."""
-        with self._good_in_place(), torch.no_grad(), \
-                torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
-            loss = kl_loss(t_logits, self.trained.part(ids).logits)
-        return self._loss_value(loss)
-
-    def _roll_back(self, loss: float, good_loss: float) -> None:
-        """The end-to-end step at state["step"] read `loss`, past guard.BLOW_UP times the phase's first and the last
-        good weights' on its batch (guard.blown_up): the trained parameters of the last step that read well
-        (guard.good) come back, the rates are divided by guard.GUARD_CUT, and a new optimizer (and, over N ranks, a
-        new wrapper) starts from them; the step is taken again, on its own batch."""
-        guard.rolled_back(self.state, loss, good_loss)
-        self._put(self._good)
-        self._make_optimizer()
-
     # -- the loop ------------------------------------------------------------------------------
     def run(self, minutes: float | None = None, *, reserve: float = 0.0) -> str:
         """Train until the plan is done, the budget is spent or a stop is requested.
@@ -598,20 +383,6 @@ class Healer(LayerInputs):
         self.save()
         self.trained.detach(sync=self.checkpoint is None)  # save() synced the weights already
         return status
-
-    def _time_layer(self, layer_clock, budget: Budget, reserve: float):
-        """run()'s clock on the switched layer-wise phase's first layer: started after its first step (which computes
-        the teacher's hidden states), read when the layer is done (_fit_layers)."""
-        s, clock = self.state, budget.clock
-        if layer_clock is None:
-            return (s["layer"], clock()) if s["phase"] == "layers" and s["step"] == 1 else None
-        layer, began = layer_clock
-        if s["phase"] == "layers" and s["layer"] == layer:
-            return layer_clock
-        steps = self.layer_steps - 1  # the layer's steps after the clock started (the layer just ended)
-        if steps > 0:
-            self._fit_layers(budget, reserve, (clock() - began) / steps)
-        return None
 
     def _info(self, phase, loss, step_time) -> dict:
         s, plan, n = self.state, self.plan, len(self.layers)

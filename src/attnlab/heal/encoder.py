@@ -11,7 +11,7 @@ import re
 
 import torch
 
-from .distill import _generator
+from .data import batch_generator as _generator
 from .losses import cosine, warmup_steps
 from .trainable import freeze_all_but_attention
 
