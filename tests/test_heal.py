@@ -974,6 +974,34 @@ def test_a_switched_layer_wise_phase_fits_its_steps_to_the_time_left(tiny):
     assert healer.judge_cut_layer() is None
 
 
+def test_a_layer_wise_phase_first_fits_its_steps_and_counts_the_stream_carried_into_each_layer(tiny):
+    """A layer-wise phase that comes first (a plan that cuts rank, no probe) whose plan's steps would not fit: once its
+    first layer is timed the later layers get the steps that fit what is left, after what carrying the student's
+    stream into a layer costs (layer_inputs "student"), so that no layer is cut off by the clock. A fake clock where
+    every pass through a student attention layer takes 1 s: layer 0's first step (its start check and its step) takes
+    2 s, then 19 steps and the end check 20 s (20 / 19 s a step); carrying the 12 windows (8 layer-wise, 4 check)
+    through layer 0 into layer 1, 8 at a time, is 2 passes (2 s). At 24 s, 40 s - 24 s are left: layer 1 gets
+    int((16 - 2) / (20 / 19)) = 13 steps, takes 13 + 2 s and ends; with the plan's 20 it would be cut off."""
+    from attnlab.runtime import Budget
+
+    _, teacher, _ = tiny
+    plan = _plan(layer_steps=20, layer_inputs="student", tokens=None)
+    student = _student(teacher)
+    clock = [0.0]
+    hooks = [m.register_forward_pre_hook(lambda *_: clock.__setitem__(0, clock[0] + 1.0))
+             for m in hf.attnlab_modules(student)]
+    try:
+        healer = Healer(teacher, student, _windows(32, seed=0), plan, budget=Budget(clock=lambda: clock[0]))
+        healer.run(minutes=40 / 60)
+    finally:
+        for h in hooks:
+            h.remove()
+    s = healer.state
+    assert s["layer_steps"] == int((16 - 2) / (20 / 19)) == healer.layer_steps
+    assert len(s["layer_checks"]) == 2 and s["phase"] != "layers"  # both layers trained to their end and judged
+    assert healer.judge_cut_layer() is None
+
+
 def test_student_inputs_of_an_exact_conversion_are_the_teachers(tiny):
     """layer_inputs "student" carries the teacher's residual stream into layer 0 through the student's own decoder
     layers (models.adapters.decoder_block). For an exact conversion (MLA keeping every value) the attention inputs it

@@ -130,8 +130,8 @@ def shrink(source: str = typer.Argument(..., help="The model: smollm2, a transfo
                                            "converted ones are written then, and the report says so)."),
            per_layer: bool = typer.Option(False, "--per-layer", help="Also plan a latent size per layer (each "
                                           "layer alone at three sizes, about 1.5 minutes on SmolLM2-135M, taken from "
-                                          "the heal; --format attnlab). Measured at 12.5% in 10 minutes it did not "
-                                          "beat one size for all (docs/real-models.md)."),
+                                          "the heal; --format attnlab). Measured at 12.5% it did not beat one size "
+                                          "for all, in 10 minutes nor with a text in 30 (docs/real-models.md)."),
            shard: bool = SHARD, collective_timeout: float = COLLECTIVE_TIMEOUT):
     """Shrink a model's KV cache to a budget: plan, convert, heal and export in one run.
 

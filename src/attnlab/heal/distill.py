@@ -13,6 +13,8 @@ Two phases, on token windows (data.py: the user's text, or text the teacher writ
    phase runs at the factor the last layer left. A model whose conversion starts close to the
    original, or whose weights are smaller than the rates assume, backs off instead of being
    trained away from the teacher; a single near-exact layer costs the others nothing.
+   With a deadline, once its first layer is timed, the steps a layer are cut where the plan's would
+   not fit the time left (Healer._fit_layers): no layer is left untrained by the clock.
 2. End-to-end: KL(teacher || student) of the next-token distributions, training only the
    converted attention weights (or, with lora_rank, LoRA adapters on them through peft,
    merged back at the end). bf16 autocast on CUDA; float32 on CPU (on the 2-core EPYC of
@@ -357,7 +359,7 @@ class Healer(LayerWise, EndToEnd):
                 status = "stopped" if e.reason == "stop" else "budget"
                 break
             step_time = clock() - now
-            if phase == "layers" and s["probe"] == "switched":
+            if phase == "layers":
                 layer_clock = self._time_layer(layer_clock, budget, reserve)
             self.steps_this_run += 1
             s["steps_done"] += 1

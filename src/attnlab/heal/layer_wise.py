@@ -8,8 +8,8 @@ Notation: n layer-wise windows, c check windows (guard.WINDOWS), T tokens per wi
   last step its W_O may be refitted in closed form (HealPlan.refit_out) and the guard judges it (`_guard`: a layer
   that ends worse on the check windows than it started gets its start weights back, guard.after_layer).
 - `judge_cut_layer`: the same verdict on a layer the clock or a stop cut off inside its steps.
-- `_fit_layers`, `_time_layer`: after a probe switched the heal to this phase, its steps a layer fitted to the time
-  left once its first layer is timed.
+- `_fit_layers`, `_time_layer`: with a deadline, the steps a layer fitted to the time left once the first layer is
+  timed, where the plan's would not fit (it sized them from one step timed before the phase).
 
 `LayerWise` reads the healer's plan, state, teacher, attention modules (_attn), optimizer, trained part, world and
 the helpers Healer defines (_loss_value, _make_optimizer); it is not used alone.
@@ -92,33 +92,44 @@ class LayerWise(LayerInputs):
         fit = refit_out(self._attn[layer], own, targets)
         self.state.setdefault("refits", []).append({"layer": layer, **fit})
 
-    def _fit_layers(self, budget: Budget, reserve: float, seconds: float) -> None:
-        """The layer-wise phase as the heal's last (a probe switched to it): once its first layer is done, the steps a
-        layer for the layers still to come, so that they all fit what the budget has left but `reserve` at `seconds`
-        a step (that layer's, timed from its second step to its end check), at most the plan's and at least
-        MIN_LAYER_STEPS. Set once, in the state (checkpoints hold it; over N ranks rank 0's figure). Without it the
-        plan's steps, sized before the end-to-end phase and its probe took their time, ran out of time 21 layers of
-        30 into SmolLM2's 25% heal, and the layers after it were never trained."""
+    def _fit_layers(self, budget: Budget, reserve: float, seconds: float, overhead: float = 0.0) -> None:
+        """Once the phase's first layer is done, the steps a layer for the layers still to come, so that they all fit
+        what the budget has left but `reserve` at `seconds` a step (that layer's, timed from its second step to its
+        end check) and `overhead` a layer (what carrying the student's stream into a layer costs, layer_inputs
+        "student"), at most the plan's and at least MIN_LAYER_STEPS. Set once, in the state (checkpoints hold it;
+        over N ranks rank 0's figure). Without it the plan's steps, sized from one timed step before the phase ran,
+        ran out of time 21 layers of 30 into SmolLM2's 25% heal after a probe switched to this phase, and 26 and 28
+        of 30 into the 12.5% heal on a slower CPU (the stream carried into each layer was not in the sizing): the
+        layers after them were never trained."""
         s = self.state
         to_come = [i for i in self.layers if i >= s["layer"]] if s["phase"] == "layers" else []
         if not to_come or budget.deadline is None or s["layer_steps"] is not None:
             return
-        fit = int((budget.left() - reserve) / max(seconds * len(to_come), 1e-9))
+        fit = int(((budget.left() - reserve) / len(to_come) - overhead) / max(seconds, 1e-9))
         steps = max(MIN_LAYER_STEPS, min(self.plan.layer_steps, fit))
         s["layer_steps"] = dd.broadcast_object(steps, patient=False) if self.world.distributed else steps
 
     def _time_layer(self, layer_clock, budget: Budget, reserve: float):
-        """run()'s clock on the switched layer-wise phase's first layer: started after its first step (which computes
-        the teacher's hidden states), read when the layer is done (_fit_layers)."""
+        """run()'s clock on the layer-wise phase's first layer in this call: started after its first step (which
+        computes the teacher's hidden states), read when the layer is done; then the next layer's inputs are carried
+        in (layer_inputs "student", timed: its first step would carry them) and the steps fitted (_fit_layers)."""
         s, clock = self.state, budget.clock
+        if s["layer_steps"] is not None or budget.deadline is None:
+            return None
         if layer_clock is None:
             return (s["layer"], clock()) if s["phase"] == "layers" and s["step"] == 1 else None
         layer, began = layer_clock
         if s["phase"] == "layers" and s["layer"] == layer:
             return layer_clock
         steps = self.layer_steps - 1  # the layer's steps after the clock started (the layer just ended)
-        if steps > 0:
-            self._fit_layers(budget, reserve, (clock() - began) / steps)
+        per_step = (clock() - began) / steps if steps > 0 else None
+        overhead = 0.0
+        if per_step is not None and s["phase"] == "layers" and self.plan.layer_inputs == "student":
+            t0 = clock()
+            self._own_for(s["layer"])
+            overhead = clock() - t0
+        if per_step is not None:
+            self._fit_layers(budget, reserve, per_step, overhead)
         return None
 
     def _check_error(self, layer: int) -> float:

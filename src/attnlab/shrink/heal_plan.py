@@ -4,8 +4,8 @@ request, the converted student and a step timed on this machine.
 A student that keeps every value (only its codes differ from the original's) heals end to end first, with a probe
 that can switch to the layer-wise phase; one cut to low rank heals layer-wise first (LAYER_SHARE of the time), then
 end to end at AFTER_LAYERS_LR. The layer-wise steps a layer are sized from one step of layer 0 timed on the
-teacher's hidden states, with a lower rate where few fit (FEW_STEPS_LR); a layer-wise phase that a probe switched to
-fits its steps to the time it really has once running (heal.distill.Healer._fit_layers). shrink/pipeline.py calls
+teacher's hidden states, with a lower rate where few fit (FEW_STEPS_LR); once running, the layer-wise phase cuts its
+steps to the time it really has where they would not fit (heal.distill.Healer._fit_layers). shrink/pipeline.py calls
 heal_plan once, when the heal starts, and the run folder keeps the plan (a resumed run heals to the same plan).
 """
 from __future__ import annotations

@@ -38,8 +38,8 @@ fits a few minutes on a CPU:
    costs measured from that layer on (shrink/layer_costs.py), the sizes of least summed KL within the bytes chosen
    (shrink/per_layer.py) and measured as one more candidate. Before any heal on SmolLM2 at 12.5% such a plan beat
    the uniform one on every protocol text; in the plain 10-minute shrink, with the heal after it and 1.4-1.8 of the
-   run's 10 minutes spent on it, it did not beat it by more than the seeds' spread (docs/real-models.md), so shrink
-   does not ask for it.
+   run's 10 minutes spent on it, it did not beat it by more than the seeds' spread, and with the user's text in 30
+   minutes it lost on the worst text (seed 0; docs/real-models.md), so shrink does not ask for it.
 Within the constraints of the output format: a DeepSeek export needs the same frequencies in
 every layer (RoRoPE by score is chosen for all layers at once); a GGUF needs distinct kept
 frequencies that llama.cpp can turn (RoRoPE by frequency, rope_dim within gguf_rope_limit) and
