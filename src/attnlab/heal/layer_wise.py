@@ -1,6 +1,6 @@
 """The layer-wise phase of a heal (distill.Healer's LayerWise part): each converted attention module learns, one layer
-at a time, to reproduce the teacher's attention output on the inputs layer_inputs.py gives it (normalised MSE, AdamW, the
-plan's cosine rate), with no whole-model backward.
+at a time, to reproduce the teacher's attention output on the inputs layer_inputs.py gives it (normalised MSE, AdamW,
+the plan's cosine rate), with no whole-model backward.
 
 Notation: n layer-wise windows, c check windows (guard.WINDOWS), T tokens per window, dim the model's width.
 
