@@ -122,14 +122,14 @@ class LayerWise(LayerInputs):
         if s["phase"] == "layers" and s["layer"] == layer:
             return layer_clock
         steps = self.layer_steps - 1  # the layer's steps after the clock started (the layer just ended)
-        per_step = (clock() - began) / steps if steps > 0 else None
-        overhead = 0.0
-        if per_step is not None and s["phase"] == "layers" and self.plan.layer_inputs == "student":
+        if steps <= 0:
+            return None
+        per_step, overhead = (clock() - began) / steps, 0.0
+        if s["phase"] == "layers" and self.plan.layer_inputs == "student":
             t0 = clock()
             self._own_for(s["layer"])
             overhead = clock() - t0
-        if per_step is not None:
-            self._fit_layers(budget, reserve, per_step, overhead)
+        self._fit_layers(budget, reserve, per_step, overhead)
         return None
 
     def _check_error(self, layer: int) -> float:
