@@ -345,3 +345,52 @@ def test_a_rope_key_per_kv_head_is_dotted_one_part_per_query_head(grouping, sele
     assert (back.rope_kv_heads, back.rope_grouping) == (G, grouping)
     with torch.no_grad():
         assert torch.equal(back(x, is_causal=True, absorbed=False), got)
+
+
+def test_the_input_covariance_is_computed_once_per_calibration_tensor_and_again_after_an_in_place_change():
+    """convert.linalg.input_covariance's memo (a planner converts every layer once per candidate from the same inputs):
+    the memoised product is the float64 Y^T Y / N computed here directly; a tensor changed in place is computed again;
+    and a conversion from the memo is bit for bit the one from a fresh calibration tensor of the same values."""
+    from attnlab.convert.decoupled import gqa_to_mla_decoupled
+    from attnlab.convert.linalg import input_covariance, whitening
+
+    torch.manual_seed(0)
+    calib = torch.randn(3, 40, 32)
+    y = calib.reshape(-1, 32).to(F64)
+    first = input_covariance(calib)
+    assert torch.equal(first, y.T @ y / y.shape[0])
+    assert input_covariance(calib) is first  # from the memo
+    calib[0, 0, 0] += 1.0  # in place: its version counter moves
+    y = calib.reshape(-1, 32).to(F64)
+    again = input_covariance(calib)
+    assert again is not first and torch.equal(again, y.T @ y / y.shape[0])
+    assert torch.equal(whitening(calib), whitening(calib.clone()))
+    g = randomize(GroupedQueryAttention(32, 4, 2, head_dim=8, rope_base=50.0, dtype=F64))
+    twice = [gqa_to_mla_decoupled(g, 10, None, rope_planes=2, calibration=calib, rorope=True, balance=True)[0]
+             for _ in range(2)]
+    fresh = gqa_to_mla_decoupled(g, 10, None, rope_planes=2, calibration=calib.clone(), rorope=True,
+                                 balance=True)[0]
+    for a, b in ((twice[0], fresh), (twice[1], fresh)):
+        assert all(torch.equal(a.state_dict()[k], b.state_dict()[k]) for k in a.state_dict())
+
+
+def test_attention_inputs_stop_at_the_last_attention_and_read_what_a_whole_forward_reads(tmp_path):
+    """models.evaluate.attention_inputs(stop=True) ends the forward where the last attention module is called: each
+    layer's input is the one the whole forward reads (stop=False), and the output head is never called."""
+    from tiny_checkpoints import TEXT, make_checkpoint
+
+    from attnlab import models as hf
+
+    model, tok = make_checkpoint("llama", tmp_path / "llama", num_hidden_layers=3)
+    hf.to_attnlab(model)
+    ids = tok(TEXT, return_tensors="pt").input_ids
+    heads = []
+    hook = model.lm_head.register_forward_hook(lambda *a: heads.append(1))
+    try:
+        whole = hf.attention_inputs(model, ids, stop=False)
+        assert len(heads) == 1
+        short = hf.attention_inputs(model, ids)
+        assert len(heads) == 1  # not called again
+    finally:
+        hook.remove()
+    assert len(short) == len(whole) == 3 and all(torch.equal(a, b) for a, b in zip(short, whole))

@@ -461,6 +461,16 @@ def test_data_writing_cannot_eat_the_budget_and_a_run_that_trains_nothing_exits_
     assert not (tmp_path / "none").exists()
 
 
+def test_the_teacher_writes_no_more_windows_than_the_layer_wise_phase_reads():
+    """Without text the teacher writes at most the windows the layer-wise phase reads (its layer_windows and the guard's
+    check windows after them): a window past them only an end-to-end phase could draw, which a plain 10-minute run
+    on a CPU seldom reaches, and each costs the teacher's time."""
+    from attnlab.heal import guard
+    from attnlab.heal.plan import HealPlan
+
+    assert ShrinkRequest(source="s", kv_budget="25%", out="o").windows == HealPlan().layer_windows + guard.WINDOWS
+
+
 def test_resume_continues_after_each_phase(tiny, tmp_path):
     folder, _, _, text, held = tiny
     out = tmp_path / "out"

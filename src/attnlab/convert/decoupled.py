@@ -28,6 +28,7 @@ from ..modules.heads import kv_head_of
 from ..modules.mla import MultiHeadLatentAttention
 from ..modules.rope import RotaryEmbedding
 from .base import F64, _bias, _expect, _gqa, _like, _set, copy_head_norms
+from .linalg import input_covariance
 from .lossy import _svd_latent
 from .report import _report
 
@@ -220,8 +221,7 @@ def _rorope_mixes(gqa, calibration):
     if calibration is not None:
         if calibration.shape[-1] != gqa.context_dim:
             raise ValueError(f"calibration has last dimension {calibration.shape[-1]}, expected {gqa.context_dim}")
-        y = calibration.reshape(-1, gqa.context_dim).to(F64)
-        cov = y.T @ y / y.shape[0]  # (D_2, D_2)
+        cov = input_covariance(calibration)  # (D_2, D_2), once per calibration tensor
     mixes, k_energy = frequency_mixes(wk, dims_a, dims_b, cov)  # (half, G, G), (half, G)
     return wq, wk, owner, dims_a, dims_b, cov, mixes, k_energy
 

@@ -100,10 +100,10 @@ def _augmented_whitening(calibration, width: int, bias: bool) -> torch.Tensor | 
         return None
     if calibration.shape[-1] != width:
         raise ValueError(f"calibration has last dimension {calibration.shape[-1]}, expected {width}")
+    if not bias:
+        return whitening(calibration)  # its covariance computed once per calibration tensor
     y = calibration.reshape(-1, width).to(F64)
-    if bias:
-        y = torch.cat([y, torch.ones(y.shape[0], 1, dtype=F64)], 1)
-    return whitening(y)
+    return whitening(torch.cat([y, torch.ones(y.shape[0], 1, dtype=F64)], 1))
 
 
 

@@ -80,7 +80,7 @@ class LayerInputs:
                     piece = mine[c * chunk:(c + 1) * chunk]
                     run = piece if piece.shape[0] else ids[:1]
                     parts.append([x.reshape(run.shape[0], run.shape[1], -1)[: piece.shape[0]]
-                                  for x in attention_inputs(self.teacher, run)])
+                                  for x in attention_inputs(self.teacher, run, stop=not self.world.distributed)])
                     if own:
                         streams[-1] = streams[-1][: piece.shape[0]]
             finally:

@@ -25,15 +25,31 @@ def mean_pooled(hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Ten
     m = attention_mask[..., None].to(hidden.dtype)
     return torch.nn.functional.normalize((hidden * m).sum(1) / m.sum(1), dim=-1)
 
-def attention_inputs(model, input_ids: torch.Tensor) -> list[torch.Tensor]:
-    """What each attention layer reads, (N, dim) per layer, from one forward of the (attnlab'd) model."""
+class _AllRead(Exception):
+    """Raised by attention_inputs' hook on the last attention module: what is left of the forward is not needed."""
+
+
+def attention_inputs(model, input_ids: torch.Tensor, *, stop: bool = True) -> list[torch.Tensor]:
+    """What each attention layer reads, (N, dim) per layer, from one forward of the (attnlab'd) model.
+
+    stop: the forward ends where the last attention module is called (its attention, the last MLP, the final norm and
+    the output head are not run: on SmolLM2 the output head alone is a fifth of a forward's multiplications). False
+    runs the whole forward, for a model whose forward must not be left half-way (one sharded by FSDP2, whose hooks
+    put each unit's weights back after it runs)."""
     seen: list[torch.Tensor] = []
-    hooks = [m.register_forward_pre_hook(lambda mod, args, kwargs: seen.append(
-        (args[0] if args else kwargs["hidden_states"]).detach().reshape(-1, mod.dim)), with_kwargs=True)
-        for m in attnlab_modules(model)]
+    modules = attnlab_modules(model)
+
+    def read(mod, args, kwargs):
+        seen.append((args[0] if args else kwargs["hidden_states"]).detach().reshape(-1, mod.dim))
+        if stop and len(seen) == len(modules):
+            raise _AllRead()
+
+    hooks = [m.register_forward_pre_hook(read, with_kwargs=True) for m in modules]
     try:
         with torch.no_grad():
             model(input_ids)
+    except _AllRead:
+        pass
     finally:
         for h in hooks:
             h.remove()

@@ -35,7 +35,9 @@ class ShrinkRequest:
     storage: str = "auto"  # "auto" (the planner may choose 8-bit for attnlab's format), "bf16" or "int8"
     latent_dim: int | None = None
     rope_dim: int | None = None
-    windows: int = 96  # teacher-written training windows at most (no text)
+    # teacher-written training windows at most (no text): what the layer-wise phase reads, HealPlan.layer_windows
+    # and guard.WINDOWS check windows (96 before: of the other 28 a plain 10-minute run on a CPU drew none or a few)
+    windows: int = 68
     seq_len: int = 256  # tokens per training window
     tokens: int | None = None  # end-to-end heal tokens (None: as many as the time allows)
     layer_steps: int | None = None  # layer-wise steps per layer (None: sized to the time)
