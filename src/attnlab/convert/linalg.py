@@ -14,6 +14,7 @@ import math
 
 import numpy as np
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ..modules.heads import GROUPINGS, check_grouping, gqa_block, kv_head_of, tile_heads  # noqa: F401 - re-exported
 
@@ -132,7 +133,7 @@ def svd_factors(weight: torch.Tensor, rtol: float | None = None):
     return u[:, :r], s[:r, None] * vh[:r]
 
 
-_COVARIANCES = None  # input_covariance's memo: a calibration tensor (weakly held) -> (its version, covariance)
+_COVARIANCES = WeakIdKeyDictionary()  # input_covariance's memo: a calibration tensor (held weakly) -> (version, cov)
 
 
 def input_covariance(calibration: torch.Tensor) -> torch.Tensor:
@@ -142,11 +143,6 @@ def input_covariance(calibration: torch.Tensor) -> torch.Tensor:
     (21 candidates of 30 layers on SmolLM2), and the product was a seventh of its planning time there. The memo holds
     the tensor weakly (an entry goes with it) and keeps its version counter, so a tensor changed in place since (its
     views share the counter) is computed again; the same float64 product either way."""
-    global _COVARIANCES
-    if _COVARIANCES is None:
-        from torch.utils.weak import WeakIdKeyDictionary
-
-        _COVARIANCES = WeakIdKeyDictionary()
     version = calibration._version
     hit = _COVARIANCES.get(calibration)
     if hit is not None and hit[0] == version:
