@@ -152,7 +152,8 @@ def check_convertible(model, exact: bool = False, *, rope_dim: int | None = None
     problem = None
     if any((m.num_kv_heads, m.head_dim) != (G, d) for m in normed):
         problem = "its layers differ in KV heads or head size"
-    elif rope_dim is not None and rope_dim != G * d:
+    elif rope_dim is not None and any(r != G * d for r in (rope_dim if isinstance(rope_dim, (list, tuple))
+                                                            else [rope_dim])):
         problem = f"got rope_dim {rope_dim}"
     elif pair_selection not in ("frequency", "norm"):
         problem = (f"got --rope-select {pair_selection} (RoRoPE mixes key planes across KV heads, which a per-head "
@@ -166,21 +167,32 @@ def check_convertible(model, exact: bool = False, *, rope_dim: int | None = None
                          "without --latent-dim, carries it too)")
 
 
-def layer_latents(latent_dim, count: int) -> list | None:
-    """Each layer's latent size from convert_model's latent_dim: None (the exact conversion), one size for every
-    layer, or a list of `count` sizes (a per-layer plan, shrink/plan.py); TypeError/ValueError naming the value."""
-    if latent_dim is None:
-        return None
-    sizes = [latent_dim] * count if isinstance(latent_dim, int) and not isinstance(latent_dim, bool) else latent_dim
+def _one_per_layer(value, count: int, name: str, low: int) -> list:
+    """One whole number for every layer, or a list of `count` of them, each at least `low`; TypeError/ValueError
+    naming the value."""
+    sizes = [value] * count if isinstance(value, int) and not isinstance(value, bool) else value
     if isinstance(sizes, (str, bytes)) or not isinstance(sizes, (list, tuple)):
-        raise TypeError(f"latent_dim must be a whole number or a list of one per layer, got {latent_dim!r}")
-    if len(sizes) != count or any(isinstance(r, bool) or not isinstance(r, int) or r < 1 for r in sizes):
-        raise ValueError(f"latent_dim must be a positive whole number, or {count} of them (one per layer), got "
-                         f"{latent_dim!r}")
+        raise TypeError(f"{name} must be a whole number or a list of one per layer, got {value!r}")
+    if len(sizes) != count or any(isinstance(r, bool) or not isinstance(r, int) or r < low for r in sizes):
+        kind = "positive" if low > 0 else "non-negative"
+        raise ValueError(f"{name} must be a {kind} whole number, or {count} of them (one per layer), got {value!r}")
     return list(sizes)
 
 
-def convert_model(model, to: str, *, latent_dim: int | list[int] | None = None, rope_dim: int | None = None,
+def layer_latents(latent_dim, count: int) -> list | None:
+    """Each layer's latent size from convert_model's latent_dim: None (the exact conversion), one size for every
+    layer, or a list of `count` sizes (a per-layer plan, shrink/plan.py); TypeError/ValueError naming the value."""
+    return None if latent_dim is None else _one_per_layer(latent_dim, count, "latent_dim", 1)
+
+
+def layer_ropes(rope_dim, count: int) -> list[int]:
+    """Each layer's rope key from convert_model's rope_dim: one size for every layer, or a list of `count` (a plan
+    with a wider rope key in its first layers, shrink/plan.py front_ropes); TypeError/ValueError naming the value."""
+    return _one_per_layer(rope_dim, count, "rope_dim", 0)
+
+
+def convert_model(model, to: str, *, latent_dim: int | list[int] | None = None,
+                  rope_dim: int | list[int] | None = None,
                   num_kv_heads: int | None = None, method: str | None = None,
                   calibration_ids: torch.Tensor | None = None, pair_selection: str = "frequency",
                   balance: bool = False, shared_planes: bool = True, progress=None, inputs: list | None = None,
@@ -190,7 +202,8 @@ def convert_model(model, to: str, *, latent_dim: int | list[int] | None = None, 
     Llama (RoPE GQA) -> "mla": without latent_dim, the exact gqa_to_mla (the latent holds
     pre-RoPE K and V); with latent_dim, gqa_to_mla_decoupled with rope_dim decoupled rotary dims
     (default 2 G * 16, half the pairs). BERT (MHA) -> "gqa" (num_kv_heads, method)
-    or "mla" (latent_dim; one size, or a list of one per layer: a per-layer plan). calibration_ids: token ids
+    or "mla" (latent_dim; one size, or a list of one per layer: a per-layer plan; rope_dim too, one or a list of
+    one per layer, except with rorope-score's shared planes). calibration_ids: token ids
     whose attention inputs whiten the SVDs;
     pair_selection: what keeps rotating in a compressed Llama MLA, one of convert.ROPE_SELECTIONS
     (frequency, norm: rope_dim a multiple of 2 G; rorope, rorope-score: any even rope_dim); a model with
@@ -237,23 +250,28 @@ def convert_model(model, to: str, *, latent_dim: int | list[int] | None = None, 
         G, d = first.num_kv_heads, first.head_dim
         if rope_dim is None:  # the keys whole for a model with per-head q/k norms
             rope_dim = keys_whole_rope_dim(model) or default_rope_dim(G, d)
-        count = check_rope_dim(rope_dim, G, d, pair_selection)
-        options = selection_options(pair_selection, balance)
+        ropes = layer_ropes(rope_dim, len(modules))
+        counts = {id(m): check_rope_dim(r, G, d, pair_selection) for m, r in zip(modules, ropes)}  # module -> its
+        options = selection_options(pair_selection, balance)  # planes (RoRoPE) or pairs per KV head
         if pair_selection not in ROROPE_SELECTIONS:
-            return convert_layers(model, lambda m, x: gqa_to_mla_decoupled(m, latent[id(m)], count, calibration=x,
-                                                                           **options),
+            return convert_layers(model, lambda m, x: gqa_to_mla_decoupled(m, latent[id(m)], counts[id(m)],
+                                                                           calibration=x, **options),
                                   calibration_ids=calibration_ids, progress=progress, inputs=inputs, layers=layers)
         if inputs is None:
             inputs = attention_inputs(model, calibration_ids) if calibration_ids is not None else [None] * len(modules)
         if pair_selection == "rorope-score" and shared_planes:
             picked = [(m, x) for i, (m, x) in enumerate(zip(modules, inputs)) if i in chosen]
-            planes = plane_choice([rorope_plane_scores(m, x) for m, x in picked], count)
+            shared = {counts[id(m)] for m, _ in picked}
+            if len(shared) > 1:
+                raise ValueError(f"rorope-score with shared planes keeps the same planes in every layer: one rope_dim "
+                                 f"for the converted layers, got {sorted(2 * c for c in shared)}")
+            planes = plane_choice([rorope_plane_scores(m, x) for m, x in picked], shared.pop())
             by_layer = {id(m): p for (m, _), p in zip(picked, planes)}
             return convert_layers(model, lambda m, x: gqa_to_mla_decoupled(m, latent[id(m)], None, calibration=x,
                                                                            planes=by_layer[id(m)], **options),
                                   inputs=inputs, progress=progress, layers=layers)
         return convert_layers(model, lambda m, x: gqa_to_mla_decoupled(m, latent[id(m)], None, calibration=x,
-                                                                       rope_planes=count, **options),
+                                                                       rope_planes=counts[id(m)], **options),
                               inputs=inputs, progress=progress, layers=layers)
     if rope_dim is not None:
         raise ValueError("rope_dim applies to RoPE models (Llama); BERT has no RoPE")
