@@ -57,6 +57,10 @@ CASES = {  # name: (model, shrink arguments after the model, the engine's cache 
                           "q8_0,q4_0", "SmolLM2-135M for llama.cpp's q8_0 K and q4_0 V cache"),
     "gemma3-270m-q4_0": ("gemma3-270m", ["--kv-budget", "30%", "--kv-dtype", "q4_0", "--format", "gguf"], "q4_0",
                          "Gemma 3 270M for llama.cpp's q4_0 K and V cache"),
+    # the plain 12.5% GGUF (MLA, deepseek2 in llama.cpp), scored with the cache type it was planned for (None: the
+    # one its report names; issue eighth's fourth target, <= 1.25x)
+    "smollm2-12-gguf": ("smollm2", ["--kv-budget", "12.5%", "--format", "gguf"], None,
+                        "SmolLM2-135M at 12.5% of the bytes as an MLA GGUF, llama.cpp's cache type of its plan"),
     "smollm2-quanto2": ("smollm2", ["--kv-budget", "16%", "--kv-dtype", "quanto2", "--format", "transformers"],
                         "quanto2", "SmolLM2-135M for transformers' QuantizedCache, quanto 2-bit"),
     "smollm2-quanto4": ("smollm2", ["--kv-budget", "30%", "--kv-dtype", "quanto4", "--format", "transformers"],
@@ -138,8 +142,12 @@ def part_run(case: str, seed: int, redo: bool) -> None:
         row["report"]["heal"] = {k: (report.get("heal") or {}).get(k) for k in ("probe", "kept", "distill_steps",
                                                                               "steps_done")}
         row["plan"] = (report.get("plan") or {}).get("chosen")
+        if row["cache"] is None:  # the cache type the plan chose, as the report says to run it
+            k, v = report["llama_cpp"]["cache_type_k"], report["llama_cpp"]["cache_type_v"]
+            row["cache"] = k if k == v else f"{k},{v}"
         save(key, row)
     out = Path(row["out"])
+    cache = row["cache"]
     work = out.parent
     if in_transformers(case):
         row["texts"] = scored_in_transformers(case, out, row["report"]["transformers_cache"]["cache_config"], work)

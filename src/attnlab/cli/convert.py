@@ -123,9 +123,8 @@ def _convert_model(source, to, out, latent_dim, rope_dim, kv_heads, method, cali
             plan = choose(model, ids, parse_budget(kv_budget), fmt=fmt, storages=("bf16",), proxy_ids=proxy_ids,
                           progress=lambda i, label: status.update(f"planning: candidate {i + 1}: {label}"))
         best = plan.best
-        latent_dim, rope_dim, rope_select, balance = (best.latent_dims or best.latent_dim,
-                                                      best.rope_dims or best.rope_dim, best.rope_select,
-                                                      best.balance)  # sizes per layer: rounds 4 and 5
+        latent_dim, rope_dim, rope_select, balance = (best.latent_dims or best.latent_dim, best.rope_dim,
+                                                      best.rope_select, best.balance)  # sizes per layer: round 4
         console.print(f"plan for a KV budget of {plan.budget}: {best.label()} (proxy KL {best.proxy:.4f}; "
                       + "; ".join(f"{c.label()} {c.proxy:.4f}" for c in sorted(plan.measured, key=lambda c: c.proxy)[1:4])
                       + ")")

@@ -98,7 +98,6 @@ class Candidate:
     layers: list[int] | None = None  # the converted layers (None: all); the others keep the original's attention
     kept_dtype: str | None = None  # the storage of the kept layers' cache
     latent_dims: list[int] | None = None  # a per-layer plan's latent size in each layer (round 4); latent_dim: mean
-    rope_dims: list[int] | None = None  # the rope key of each layer where they differ (round 5); rope_dim: mean
 
     @property
     def values(self) -> int:
@@ -119,15 +118,12 @@ class Candidate:
         kept = "" if self.layers is None else f" in {n} global layer{'s' * (n != 1)}, the sliding ones kept in " \
             f"{self.kept_dtype}"
         r = f"{min(self.latent_dims)}-{max(self.latent_dims)} per layer" if self.latent_dims else self.latent_dim
-        p = self.rope_dim if not self.rope_dims else \
-            f"{self.rope_dims[0]} in layers 0-{front_count(self.rope_dims) - 1}, {self.rope_dims[-1]} after"
-        return (f"r={r}{'+1' if self.extra else ''} p={p} {self.rope_select}"
+        return (f"r={r}{'+1' if self.extra else ''} p={self.rope_dim} {self.rope_select}"
                 f"{' +BKV' if self.balance else ''}{' rotated' if self.rotation else ''} {self.kv_dtype}{kept}")
 
     def to_dict(self) -> dict:
-        each = {"values_each_layer": [r + self.extra + p for r, p in zip(self.latent_dims or [self.latent_dim] * len(
-            self.rope_dims or ()), self.rope_dims or [self.rope_dim] * len(self.latent_dims or ()))]}
-        each = each if each["values_each_layer"] else {}
+        each = {"values_each_layer": [r + self.extra + self.rope_dim for r in self.latent_dims]} if self.latent_dims \
+            else {}
         return {**asdict(self), "values_per_token_per_layer": self.values, **each, "label": self.label()}
 
 
@@ -180,7 +176,7 @@ def apply(model, cand: Candidate, calibration_ids: torch.Tensor | None, inputs=N
     if cand.native:  # nothing converted: every layer the original's, its cache in the engine's code
         set_kv_dtype(model, cand.kv_dtype)
         return
-    convert_model(model, "mla", latent_dim=cand.latent_dims or cand.latent_dim, rope_dim=cand.rope_dims or cand.rope_dim,
+    convert_model(model, "mla", latent_dim=cand.latent_dims or cand.latent_dim, rope_dim=cand.rope_dim,
                   calibration_ids=calibration_ids, pair_selection=cand.rope_select, balance=cand.balance,
                   inputs=inputs, layers=cand.layers)
     if cand.latent_norm:
@@ -268,8 +264,7 @@ def plan(teacher, calibration_ids: torch.Tensor, budget: KVBudget, *, fmt: str =
             m.kv_dtype = k
 
     def measure(cand: Candidate, where: Layout | None = None) -> Candidate:
-        if cand.native or cand.latent_dims or cand.rope_dims:  # native: llama.cpp rotates its own cache; rounds 4
-            # and 5: their sizes fitted, their rotation set
+        if cand.native or cand.latent_dims:  # native: llama.cpp rotates its own cache; round 4: sizes fit, rotation set
             pass
         elif few_bit(cand.kv_dtype):  # the latent a few-bit row can afford with this rope key; rotated for the codes
             where = where or every
@@ -437,53 +432,9 @@ def plan(teacher, calibration_ids: torch.Tensor, budget: KVBudget, *, fmt: str =
         if len(set(dims)) > 1:
             measure(Candidate(round(sum(dims) / L), best.rope_dim, best.rope_select, best.balance, best.kv_dtype,
                               False, rotation=best.rotation, round=4, latent_dims=dims))
-    # 5. a wider rope key in the first layers: the uniform winner with FRONT_SHARE of its layers at FRONT_WIDTH times
-    # its rope key, and the latent every layer can then afford (one candidate more, like round 4's: one conversion)
-    uniform = min((c for c in converted() if not c.latent_dims), key=lambda c: c.proxy)
-    ropes = front_ropes(uniform, L, max_rope) if fmt == "attnlab" and not stopped() else []
-    if ropes:
-        def fits(r: int) -> bool:
-            return sum(layer_bytes(r + uniform.extra, p, uniform.kv_dtype, spread) for p in ropes) <= room
-
-        r = uniform.latent_dim
-        while r > 0 and not fits(r):
-            r -= 1
-        if r >= 8:
-            measure(Candidate(r, round(sum(ropes) / L), "rorope" if uniform.rope_select == "rorope-score" else
-                              uniform.rope_select, uniform.balance, uniform.kv_dtype, False, rotation=uniform.rotation,
-                              round=5, rope_dims=ropes))
     best = min(measured, key=lambda c: c.proxy)
     note = "" if len(measured) > 1 else "only one candidate fitted the time given to planning"
     return PlanResult(best, measured, str(budget), original, budget_bytes, note, context, spread)
-
-
-FRONT_SHARE, FRONT_WIDTH = 1 / 6, 2  # round 5: the first sixth of the layers, their rope key twice the winner's
-
-
-def front_ropes(best: Candidate, layers: int, max_rope: int) -> list[int]:
-    """Round 5's rope key for each layer: FRONT_WIDTH times the winner's (even, at most max_rope, what a layer's keys
-    hold) in the first round(FRONT_SHARE x layers) layers (at least one), the winner's in the others; [] where the
-    winner is not a uniform conversion of every layer with a rope key to widen, or the widened key is the same.
-    Why the front: on SmolLM2 at 12.5% of the bytes, after the plain command's heal, the first five of 30 layers
-    given back the original's attention took Python's reference prose from 1.82x to 1.27x (the other 25 took far
-    less), and converting those five alone at r=176 with a rope key of 80 instead of 40 took it from 1.46x to 1.19x,
-    better on the four protocol texts, where a latent of 256 with the rope key of 40 gave 1.34x (docs/real-models.md)."""
-    if best.native or best.latent_dims or best.rope_dims or best.layers is not None or best.rope_dim < 2:
-        return []
-    wide = min(max_rope, FRONT_WIDTH * best.rope_dim)
-    wide -= wide % 2
-    front = max(1, round(FRONT_SHARE * layers))
-    if wide <= best.rope_dim or front >= layers:
-        return []
-    return [wide] * front + [best.rope_dim] * (layers - front)
-
-
-def front_count(rope_dims: list[int]) -> int:
-    """The number of leading layers whose rope key is the first layer's (round 5's front)."""
-    n = 1
-    while n < len(rope_dims) and rope_dims[n] == rope_dims[0]:
-        n += 1
-    return n
 
 
 class _Cut(Exception):
@@ -501,7 +452,7 @@ def per_layer_sizes(best: Candidate, values: int) -> list[int]:
     (the keys and values a latent can hold), each once, in ascending order. Measured on SmolLM2 at 12.5% before any
     heal (benchmarks/transform_code.py --variants per-layer-judge-3): 80/112/160 around 112 won on every text."""
     ceiling = values - best.rope_dim
-    if best.latent_dims or best.rope_dims or best.layers is not None or best.latent_dim >= ceiling:
+    if best.latent_dims or best.layers is not None or best.latent_dim >= ceiling:
         return []
     out = {best.latent_dim}
     for share in PER_LAYER_SHARES:

@@ -1,6 +1,6 @@
-"""A wider rope key in the first layers (issue `eighth`: the planner's round 5): a model converted with a rope key
-per layer, round 5's sizes by hand, and its candidate within the budget. Oracles: the one-size conversion at each
-layer's rope key, the byte count of each layer's own cache (shrink/sizes.py), and the saved model read back."""
+"""A rope key per layer (convert_model(rope_dim=[...]); issue `eighth`: what a wider rope key in the first layers
+does, docs/real-models.md). Oracles: the one-size conversion at each layer's rope key, and the saved model read
+back."""
 import copy
 import re
 
@@ -11,9 +11,6 @@ from tiny_checkpoints import make_checkpoint
 from attnlab import models as hf
 from attnlab.models.adapters import attnlab_modules
 from attnlab.models.convert import convert_model, layer_ropes
-from attnlab.shrink import parse_budget, plan
-from attnlab.shrink.plan import Candidate, front_count, front_ropes
-from attnlab.shrink.sizes import layer_bytes
 
 
 @pytest.fixture(scope="module")
@@ -74,45 +71,3 @@ def test_shared_rorope_score_planes_refuse_rope_keys_that_differ(six):
     with pytest.raises(ValueError, match=re.escape("one rope_dim for the converted layers, got [8, 16]")):
         convert_model(copy.deepcopy(model), "mla", latent_dim=20, rope_dim=[16, 8, 8, 8, 8, 8], calibration_ids=ids,
                       pair_selection="rorope-score")
-
-
-@pytest.mark.parametrize("latent, rope, layers, max_rope, expected", [
-    (176, 40, 30, 192, [80] * 5 + [40] * 25),   # SmolLM2's 12.5% winner: its first sixth at twice the rope key
-    (100, 120, 30, 192, [192] * 5 + [120] * 25),  # capped at what a layer's keys hold
-    (40, 14, 4, 64, [28] + [14] * 3),            # at least one front layer
-    (40, 14, 1, 64, []),                         # one layer: no front apart from the rest
-    (40, 64, 6, 64, []),                         # the whole key already rotates: nothing to widen
-    (40, 0, 6, 64, []),                          # no rope key
-])
-def test_front_ropes_by_hand(latent, rope, layers, max_rope, expected):
-    assert front_ropes(Candidate(latent, rope, "rorope", True, "bf16", False), layers, max_rope) == expected
-    if expected:
-        assert front_count(expected) == max(1, round(layers / 6))
-
-
-def test_front_ropes_leave_per_layer_or_partial_or_native_winners_alone():
-    for kw in (dict(latent_dims=[8, 16]), dict(layers=[0]), dict(layers=[])):
-        assert front_ropes(Candidate(40, 14, "rorope", True, "bf16", False, **kw), 6, 64) == []
-
-
-def test_round_5_is_measured_within_the_budget_with_the_front_widened(six):
-    """plan() measures round 5 after the uniform rounds: its rope keys are front_ropes of the best uniform candidate,
-    its latent the largest whose layers' bytes (each layer's own cache, sizes.layer_bytes) fit the budget, and the
-    model comes back unchanged."""
-    model, ids = six
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    result = plan(model, ids, parse_budget("25%"), storages=("bf16",), window=64, proxy_windows=2)
-    fifth = [c for c in result.measured if c.round == 5]
-    assert len(fifth) == 1
-    c = fifth[0]
-    uniform = min((u for u in result.measured if u.round in (1, 2, 3)), key=lambda u: u.proxy)
-    assert c.rope_dims == front_ropes(uniform, 6, 64) and c.rope_dims[0] > c.rope_dims[-1]
-
-    def total(r):
-        return sum(layer_bytes(r, p, c.kv_dtype) for p in c.rope_dims)
-
-    assert total(c.latent_dim) <= result.budget_bytes < total(c.latent_dim + 1)
-    assert c.bytes_per_token == total(c.latent_dim) and c.proxy is not None
-    assert c.to_dict()["values_each_layer"] == [c.latent_dim + p for p in c.rope_dims]
-    assert "p=" + f"{c.rope_dims[0]} in layers 0-0, {c.rope_dims[-1]} after" in c.label()
-    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
