@@ -16,7 +16,7 @@ from attnlab.models.convert import convert_model, layer_ropes
 @pytest.fixture(scope="module")
 def six(tmp_path_factory):
     """(model, calibration ids (1, 256)) of a 6-layer tiny Llama (2 KV heads of 32: 64 key values a layer)."""
-    folder = tmp_path_factory.mktemp("front") / "llama"
+    folder = tmp_path_factory.mktemp("ropes") / "llama"
     make_checkpoint("llama", folder, initializer_range=0.3, max_position_embeddings=512, num_hidden_layers=6)
     model, _, _ = hf.load_model(str(folder))
     ids = torch.randint(0, model.config.vocab_size, (1, 256), generator=torch.Generator().manual_seed(0))
@@ -44,16 +44,12 @@ def test_a_mixed_rope_model_is_saved_and_read_back_with_its_sizes(six, tmp_path)
     mixed = copy.deepcopy(model)
     ropes = [16, 16, 8, 8, 8, 8]
     convert_model(mixed, "mla", latent_dim=20, rope_dim=ropes, calibration_ids=ids, pair_selection="rorope")
-    hf.save_model(mixed, str(six_source(model)), tmp_path / "out")
+    hf.save_model(mixed, hf.sources_of(model)[0], tmp_path / "out")
     back, _, _ = hf.load_model(str(tmp_path / "out"))
     assert [m.rope_dim for m in attnlab_modules(back)] == ropes
     x = ids[:, :64]
     with torch.no_grad():
         assert torch.equal(back(x).logits, mixed(x).logits)
-
-
-def six_source(model):
-    return hf.sources_of(model)[0]
 
 
 @pytest.mark.parametrize("bad, kind, fragment", [

@@ -250,9 +250,10 @@ def convert_model(model, to: str, *, latent_dim: int | list[int] | None = None,
         G, d = first.num_kv_heads, first.head_dim
         if rope_dim is None:  # the keys whole for a model with per-head q/k norms
             rope_dim = keys_whole_rope_dim(model) or default_rope_dim(G, d)
-        ropes = layer_ropes(rope_dim, len(modules))
-        counts = {id(m): check_rope_dim(r, G, d, pair_selection) for m, r in zip(modules, ropes)}  # module -> its
-        options = selection_options(pair_selection, balance)  # planes (RoRoPE) or pairs per KV head
+        # module -> its rotary planes (RoRoPE) or pairs per KV head (per-head selections), from its rope key
+        counts = {id(m): check_rope_dim(r, G, d, pair_selection)
+                  for m, r in zip(modules, layer_ropes(rope_dim, len(modules)))}
+        options = selection_options(pair_selection, balance)
         if pair_selection not in ROROPE_SELECTIONS:
             return convert_layers(model, lambda m, x: gqa_to_mla_decoupled(m, latent[id(m)], counts[id(m)],
                                                                            calibration=x, **options),
