@@ -15,7 +15,7 @@ from attnlab.models.convert import convert_model, layer_ropes
 
 @pytest.fixture(scope="module")
 def six(tmp_path_factory):
-    """(model, calibration ids (1, 256)) of a 6-layer tiny Llama (2 KV heads of 32: 64 key values a layer)."""
+    """(model, calibration ids (1, 256)) of a 6-layer tiny Llama (2 KV heads of 16: 32 key values a layer)."""
     folder = tmp_path_factory.mktemp("ropes") / "llama"
     make_checkpoint("llama", folder, initializer_range=0.3, max_position_embeddings=512, num_hidden_layers=6)
     model, _, _ = hf.load_model(str(folder))
