@@ -75,9 +75,11 @@ from .sizes import (FEW_BIT, FORMATS, GGUF_STORAGES, KEPT_STORAGES, LLAMA_CPP_CA
                     llama_cpp_types, native_code, original_bytes, original_sizes, parse_budget, planned_bytes,
                     splits, spread_context, storage_ok, values_for)
 
-# rope shares of the values tried by the split round, in this order so that a planning time that
-# runs out keeps the likelier winners (measured on SmolLM2: benchmarks/shrink.py --part proxy)
-SPLIT_SHARES = (0.4, 0.5, 0.35, 0.25, 0.2)
+# rope shares of the values tried by the split round, in this order so that a count of candidates that runs out
+# keeps the likelier winners: at 12.5% of SmolLM2's bytes the 3-bit and the 2-bit latent both win at 0.2 (and the
+# larger shares lose by 0.1-0.4 nats of proxy; docs/real-models.md, "Rank for bits"); where a row holds every value
+# (25%, 50%) round 2's whole-key row wins before any split
+SPLIT_SHARES = (0.2, 0.25, 0.35, 0.4, 0.5)
 
 
 @dataclass
