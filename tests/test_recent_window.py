@@ -130,6 +130,18 @@ def test_the_planner_prices_the_plain_rows_at_a_context():
     assert sizes.layer_bytes(r, p, "int3/g64+c4+w16") == sizes.layer_bytes(r, p, "int3/g64+c4")
 
 
+def test_the_two_bit_latent_the_planner_offers_costs_its_codes_and_scales():
+    """int2/g256+c4+w16, counted by hand per token held: a latent of 256 in one group of 256 (64 bytes of 2-bit codes,
+    a float16 scale and minimum: 4), a rope key of 40 in 4 bits per channel (20 bytes, and each channel's float16
+    scale and minimum per 64 tokens: 160 bytes over 64 tokens, 3 a token rounded up); a latent of 257 takes codes for
+    eight more (widths are packed in eights: 2 bytes) and a second group (4 bytes of meta). The 3-bit latent holds 80
+    values fewer in 2 bytes more."""
+    two = "int2/g256+c4+w16"
+    assert two in sizes.FEW_BIT and two in sizes.STORAGES
+    assert sizes.layer_bytes(256, 40, two) == 64 + 4 + 20 + 3
+    assert sizes.layer_bytes(257, 40, two) == 66 + 8 + 20 + 3
+    assert sizes.layer_bytes(176, 40, "int3/g256+c4+w16") == 66 + 4 + 20 + 3
+
 def test_truncate_keeps_plain_rows_it_held_and_takes_the_others_as_stored():
     m = _mla("int4/g32+r8+w4")
     x = _x(S=10)
