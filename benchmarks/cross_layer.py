@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import sys
 from pathlib import Path
 
@@ -33,7 +32,7 @@ HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 
 from front_layers import VALIDATION  # noqa: E402
-from protocol import TEXTS, TOKENS, WINDOW, load, text_ids  # noqa: E402
+from protocol import TEXTS, TOKENS, WINDOW, load, text_ids, write_json  # noqa: E402
 
 JSON = HERE / "cross_layer.json"
 TWO_BIT_LATENT = 256  # the 2-bit latent in the 3-bit plan's bytes with its rope key of 40 (shrink/sizes.py fit)
@@ -148,9 +147,7 @@ def main() -> None:
             show("untrained", f"r={latent} p={p} {storage} {name}", score(model))
         del model
     out["load_after"] = load()
-    tmp = JSON.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(out, indent=2))
-    tmp.replace(JSON)
+    write_json(JSON, out)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import random
 import sys
 from pathlib import Path
@@ -27,7 +26,7 @@ from pathlib import Path
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 
-from protocol import TEXTS, TOKENS, WINDOW, load, text_ids  # noqa: E402
+from protocol import TEXTS, TOKENS, WINDOW, load, text_ids, write_json  # noqa: E402
 
 JSON = HERE / "front_layers.json"
 VALIDATION = {"argparse.py": str(Path(argparse.__file__)), "Apache-2.0": "/usr/share/common-licenses/Apache-2.0",
@@ -83,9 +82,7 @@ def main() -> None:
                           pair_selection="rorope", balance=True, layers=layers)
             show("front", f"{name} at r={r} p={p}", ratios(model))
     out["load_after"] = load()
-    tmp = JSON.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(out, indent=2))
-    tmp.replace(JSON)
+    write_json(JSON, out)
 
 
 if __name__ == "__main__":

@@ -119,13 +119,18 @@ def rows(path: Path = JSON) -> dict:
     return json.loads(path.read_text()) if path.exists() else {}
 
 
-def save(key: str, row: dict, path: Path = JSON) -> None:
-    """Merge one row into the JSON file by key (written whole under another name, then renamed)."""
-    data = rows(path)
-    data[key] = row
+def write_json(path: Path, data) -> None:
+    """Write data to a JSON file whole under another name, then rename it: never half-written."""
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(data, indent=2))
     tmp.replace(path)
+
+
+def save(key: str, row: dict, path: Path = JSON) -> None:
+    """Merge one row into the JSON file by key (write_json)."""
+    data = rows(path)
+    data[key] = row
+    write_json(path, data)
 
 
 def argv(case: str, seed: int, out: str) -> list[str]:

@@ -142,6 +142,7 @@ def test_the_two_bit_latent_the_planner_offers_costs_its_codes_and_scales():
     assert sizes.layer_bytes(257, 40, two) == 66 + 8 + 20 + 3
     assert sizes.layer_bytes(176, 40, "int3/g256+c4+w16") == 66 + 4 + 20 + 3
 
+
 def test_truncate_keeps_plain_rows_it_held_and_takes_the_others_as_stored():
     m = _mla("int4/g32+r8+w4")
     x = _x(S=10)

@@ -27,8 +27,8 @@ FORMATS = ("attnlab", "deepseek", "gguf", "transformers")
 # takes one scale and minimum per 256 values (rotated first, measured as good as groups of 64), and is offered with a
 # window of 8 as well: what keeps every value of SmolLM2 in 25% of the bytes at 4,096 tokens (docs/real-models.md,
 # "A budget that holds at 4,096 tokens"). The 2-bit latent in the same groups of 256 beside the same rope key: more
-# rank in the same bytes (at 12.5% of SmolLM2's, r=256 against the 3-bit latent's 176; docs/real-models.md, "Rank
-# for bits")
+# rank in the same bytes (at 12.5% of SmolLM2's, beside a rope key of 40, r=256 against the 3-bit latent's 176;
+# docs/real-models.md, "Rank for bits")
 RECENT = 16
 FEW_BIT = (*(f"{s}+w{RECENT}" for s in ("int4/g32+r8", "int2/g32+r8", "int3/g256+c4", "int2/g256+c4", "int4/g32+c4",
                                         "int6/g32+r8")),
