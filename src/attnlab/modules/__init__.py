@@ -10,6 +10,8 @@
 - base.py       what every attention module does before its own math
 - gqa.py        GroupedQueryAttention, and MultiHeadAttention as its G = H case
 - mla.py        MultiHeadLatentAttention: expanded, absorbed and GQA-tiled paths
+- absorbed.py   its absorbed path (Part 12): attention in the latent space, on plain rows, codes or the decode kernel
+- rope_key.py   its rope key per KV head and keys-whole layout (what Qwen3's and Gemma 3's q/k norms convert to)
 - tiling.py     the GQA tiling of an MLA (an exact conversion): found, checked, cached and attended as GQA does
 """
 from .attention import attend, causal_mask

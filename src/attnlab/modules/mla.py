@@ -15,7 +15,8 @@ Two ways to attend, with the same result:
 - absorbed (Part 12): q_nope_h . (W_UK_h c) = (W_UK_h^T q_nope_h) . c, so each
   head's query is moved into the latent space, all H heads attend to the one
   latent in a single product (heads folded into rows), and W_UV_h is applied to
-  the r-dim result afterwards. Nothing is up-projected per cached token.
+  the r-dim result afterwards. Nothing is up-projected per cached token
+  (modules/absorbed.py).
 A key bias on W_UK adds the same number to every score of a query row, which
 softmax ignores; a value bias on W_UV is added back after attention.
 
@@ -40,23 +41,8 @@ by version counter): once W_UK/W_UV stop being that tiling (training), the gener
 paths take over, and a cache filled in the tiled layout is refused. An explicit
 `absorbed=` also takes the general paths.
 
-A *rope key per KV head* (`rope_kv_heads=G`): the rope key is G KV heads' parts of w = rope_dim / G dims each,
-laid out as a rotary embedding holds them (KV head g's rotary pairs are pairs g w/2 ... (g+1) w/2 - 1 of the rope
-key's), and each query head reads only its own KV head's part (`rope_grouping` says which; its other dims are masked
-to zero, so training cannot make them matter). It is what a decoupled conversion that keeps each KV head's own
-rotary pairs produces (convert.gqa_to_mla_decoupled by frequency or norm): the expanded path then dots each head's
-d no-RoPE dims and only its own w rope dims, d + w instead of d + rope_dim (prefill's scores as narrow as the GQA's);
-the absorbed path reads the whole rope key, the masked dims adding zeros.
-
-The *keys-whole* layout (`rope_kv_heads=G`, head_dim 0): the rope key is the whole key of G KV heads
-(rope_dim = G x d), each KV head's d dims laid out as a rotary embedding of d dims would hold them (its
-rotary pairs are pairs g d/2 ... (g+1) d/2 - 1 of the rope key's); a query head has no no-RoPE part and
-reads only its own KV head's d dims of its rope_dim (the others are masked to zero; `rope_grouping` says
-which KV head is its own), and the latent holds only the values. It is what a model with per-head q/k
-norms (Qwen3, Gemma 3) converts to: `qk_norm_eps` then normalises every query head and every KV head of
-the rope key over its d dims before RoPE, exactly as the GQA did, and the cache holds the rope key after
-its norm and RoPE (as it holds post-RoPE keys anyway), so every path reads it as it reads any rope key:
-expanded, absorbed (the Triton kernel included), and every kv_dtype.
+A *rope key per KV head* and the *keys-whole* layout (`rope_kv_heads=G`, the form Qwen3's and Gemma 3's
+per-head q/k norms convert to): modules/rope_key.py.
 
 Quantised storage (`kv_dtype`, modules/cache.py): the cache holds codes and scales, one
 scale per token for c and one for k_R (a tiled module's KVCache: one per token and KV
@@ -72,18 +58,19 @@ import warnings
 import torch
 from torch import nn
 
-from ..kernels import mla_decode
 from . import checks
+from .absorbed import AbsorbedPath
 from .attention import attend
 from .base import AttentionModule
-from .cache import KVCache, LatentCache, QuantisedKV, check_kv_dtype, dense, window_for
-from .heads import check_grouping, kv_head_of
+from .cache import KVCache, LatentCache, check_kv_dtype, dense, window_for
+from .heads import check_grouping
 from .recent import mixed_keys
 from .rope import RotaryEmbedding
-from .tiling import GQATiling, _weights_key
+from .rope_key import RopeKeyPerHead
+from .tiling import GQATiling
 
 
-class MultiHeadLatentAttention(GQATiling, AttentionModule):
+class MultiHeadLatentAttention(GQATiling, RopeKeyPerHead, AbsorbedPath, AttentionModule):
     """Attention whose keys and values are up-projected from a shared low-rank latent.
 
     Args:
@@ -211,69 +198,6 @@ class MultiHeadLatentAttention(GQATiling, AttentionModule):
                 self.W_UV.weight.copy_(up_v)
             self.kv_tiling = kv_tiling
 
-    @staticmethod
-    def _rope_part(num_heads, rope_dim, rope_kv_heads, rope_after_up, kv_tiling) -> int:
-        """w, each KV head's width in the rope key, for rope_kv_heads=G; ValueError naming the values otherwise."""
-        checks.positive_int("rope_kv_heads", rope_kv_heads)
-        G = rope_kv_heads
-        if not rope_dim or rope_dim % G or (rope_dim // G) % 2:
-            raise ValueError(f"rope_kv_heads ({G}) needs rope_dim = G x w with w even (each KV head's part of the "
-                             f"rope key, in rotary pairs), got rope_dim {rope_dim}")
-        if num_heads % G:
-            raise ValueError(f"num_heads ({num_heads}) must be divisible by rope_kv_heads ({G})")
-        if rope_after_up or kv_tiling is not None:
-            raise ValueError("rope_kv_heads (a decoupled rope key per KV head) excludes rope_after_up and kv_tiling")
-        return rope_dim // G
-
-    @property
-    def keys_whole(self) -> bool:
-        """The keys-whole layout (module docstring): the rope key is rope_kv_heads KV heads' whole keys."""
-        return self.rope_kv_heads is not None and not self.head_dim
-
-    def _rope_mask(self, like: torch.Tensor) -> torch.Tensor:
-        """rope_kv_heads: (H, 1, p) ones on each query head's own part of the rope key, zeros elsewhere (made once per
-        device and dtype)."""
-        key = ("mask", like.device, like.dtype)
-        made = self._rope_own or {}
-        mask = made.get(key)
-        if mask is None:
-            mask = torch.zeros(self.num_heads, self.rope_dim, dtype=like.dtype, device=like.device)
-            mask = mask.scatter_(1, self._rope_index(like.device), 1.0)[:, None]  # (H, 1, p)
-            self._rope_own = {**(self._rope_own or {}), key: mask}
-        return mask
-
-    def _rope_index(self, device) -> torch.Tensor:
-        """rope_kv_heads: (H, w) the rope-key dims of each query head's own KV head, in that part's rotary order
-        (made once per device)."""
-        made = self._rope_own or {}  # None in a replica (distributed.replica drops held tensors)
-        cached = made.get(("index", device))
-        if cached is None:
-            parts = self._by_head(torch.arange(self.rope_dim))  # (G, w): the rope key's dims, by KV head
-            own = kv_head_of(self.num_heads, self.rope_kv_heads, self.rope_grouping)  # (H,)
-            cached = parts[own].to(device)  # (H, w)
-            self._rope_own = {**made, ("index", device): cached}
-        return cached
-
-    def _by_head(self, t: torch.Tensor) -> torch.Tensor:
-        """A rope key per KV head: (..., rope_dim) -> (..., G, w), each KV head's dims in its own rotary order."""
-        G = self.rope_kv_heads
-        if self.rope.interleaved:  # pairs (2i, 2i + 1): KV head g holds dims g d ... (g + 1) d - 1
-            return t.unflatten(-1, (G, -1))
-        return t.unflatten(-1, (2, G, -1)).transpose(-3, -2).flatten(-2)  # pairs (i, i + p/2): halves per head
-
-    def _from_heads(self, t: torch.Tensor) -> torch.Tensor:
-        """The inverse of _by_head: (..., G, d) -> (..., rope_dim)."""
-        if self.rope.interleaved:
-            return t.flatten(-2)
-        return t.unflatten(-1, (2, -1)).transpose(-3, -2).flatten(-3)
-
-    def _own_heads(self, q_rope: torch.Tensor) -> torch.Tensor:
-        """A rope key per KV head: each query head's rope part (B, H, L, p) with the other KV heads' dims set to zero
-        (never read, so that training cannot make them matter); keys whole: normalised over its own w dims."""
-        if self.q_head_norm is not None:
-            q_rope = self._from_heads(self.q_head_norm(self._by_head(q_rope)))  # (B, H, L, p), each part normed
-        return q_rope * self._rope_mask(q_rope)  # (B, H, L, p): one product
-
     @property
     def _anchor(self) -> torch.Tensor:
         return self.W_DKV.weight
@@ -357,36 +281,6 @@ class MultiHeadLatentAttention(GQATiling, AttentionModule):
         k_rope = self.rope(k_rope[:, None], positions)[:, 0]  # (B, S, p)
         return torch.cat([c, k_rope], dim=-1)  # (B, S, r+p)
 
-    # -- absorbed weights (Part 12), derived from the parameters and cached --------------------
-    def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """W_UK per head (H, d, r) and W_UV^T per head (H, r, dv), contiguous for batched products.
-
-        Recomputed whenever either weight is replaced or changed in place (an
-        optimizer step, load_state_dict): the key is each tensor's identity and
-        version counter. Not cached while autograd records (the copy would hold
-        a stale graph) or under torch.compile (which traces the computation).
-        """
-        wk, wv = self.W_UK.weight, self.W_UV.weight
-        cacheable = not torch.compiler.is_compiling() and not (
-            torch.is_grad_enabled() and (wk.requires_grad or wv.requires_grad))
-        key = _weights_key((wk, wv)) if cacheable else None
-        if cacheable and self._absorbed_cache is not None and self._absorbed_cache[0] == key:
-            return self._absorbed_cache[1]
-        H, d, dv, r = self.num_heads, self.head_dim, self.v_head_dim, self.latent_dim
-        w_uk = wk.reshape(H, d, r)  # (H, d, r)
-        w_uv_t = wv.reshape(H, dv, r).transpose(1, 2).contiguous()  # (H, r, dv)
-        if cacheable:
-            self._absorbed_cache = (key, (w_uk, w_uv_t))
-        return w_uk, w_uv_t
-
-    def prefers_absorbed(self, query_len: int, key_len: int) -> bool:
-        """Pick the path with fewer multiply-adds for these lengths (absorbed for decode)."""
-        H, d, dv, r, p = self.num_heads, self.head_dim, self.v_head_dim, self.latent_dim, self.rope_dim
-        expanded = key_len * r * H * (d + dv) + query_len * key_len * H * (d + p + dv)
-        absorbed = query_len * H * r * (d + dv) + query_len * key_len * H * (2 * r + p)
-        return absorbed < expanded
-
-    # -- forward -------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, context: torch.Tensor | None = None, *, mask: torch.Tensor | None = None,
                 key_padding_mask: torch.Tensor | None = None, is_causal: bool = False,
                 cache: LatentCache | None = None, positions: torch.Tensor | None = None,
@@ -512,47 +406,6 @@ class MultiHeadLatentAttention(GQATiling, AttentionModule):
         else:
             q = q_nope
         return attend(q, k, v, mask=mask, is_causal=is_causal, scale=self.scale)  # (B, H, L, dv)
-
-    def _absorbed(self, q_nope, q_rope, kv, mask, is_causal):
-        """kv: (B, S, r+p) tensor, or QuantisedKV rows that the kernel reads as stored."""
-        r = self.latent_dim
-        w_uk, w_uv_t = self.absorbed_weights()  # (H, d, r), (H, r, dv)
-        q = q_nope @ w_uk  # (B, H, L, r): W_UK_h^T q_h
-        if self.rope_dim:
-            q = torch.cat([q, q_rope], dim=-1)  # (B, H, L, r+p)
-        b_v = self.W_UV.bias
-        if b_v is None:  # one decode row per sequence on CUDA: the Triton kernel (kernels/mla_decode.py)
-            if not isinstance(kv, QuantisedKV):
-                o = mla_decode.try_decode(q, kv, mask, self.scale, r)  # (B, H, 1, r) or None where it does not apply
-            elif kv.low is None and kv.parts == ((r, self.rope_dim) if self.rope_dim else (r,)):  # what it reads
-                o = mla_decode.try_decode(q, kv.data, mask, self.scale, r, kv_scales=kv.scales, scale_group=kv.group)
-            else:
-                o = None
-            if o is not None:
-                return o @ w_uv_t  # (B, H, 1, dv)
-        if isinstance(kv, QuantisedKV) and kv.foldable and b_v is None:
-            return self._absorbed_codes(q, kv, mask, is_causal) @ w_uv_t  # (B, H, L, dv)
-        kv = dense(kv)  # (B, S, r+p)
-        k = kv[:, None]  # (B, 1, S, r+p): one latent "KV head" for all H query heads
-        v = kv[:, None, :, :r]  # (B, 1, S, r)
-        if b_v is not None:  # carry the softmax weight sum (1, or 0 on a fully masked row) for the value bias
-            v = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)  # (B, 1, S, r+1)
-        o = attend(q, k, v, mask=mask, is_causal=is_causal, scale=self.scale)  # (B, H, L, r[+1])
-        out = o[..., :r] @ w_uv_t  # (B, H, L, dv)
-        if b_v is not None:
-            out = out + o[..., r:] * b_v.view(self.num_heads, 1, self.v_head_dim)  # (B, H, L, dv)
-        return out
-
-    def _absorbed_codes(self, q, kv: QuantisedKV, mask, is_causal):
-        """The absorbed attention on int8/fp8 codes with their scales folded into the scores and the
-        weights (attend's key_scale/value_scale) instead of a dequantised copy of the cache:
-        q . [c s_c, k_R s_R] = (q_c . c) s_c + (q_R . k_R) s_R, and the value is c s_c.
-        q (B, H, L, r+p) -> (B, H, L, r)."""
-        r = self.latent_dim
-        rows = kv.codes()[:, None]  # (B, 1, S, r+p)
-        s = kv.scales.to(kv.dtype)[:, None]  # (B, 1, S, 1 or 2): the latent's scale, the rope key's
-        return attend(q, rows, rows[..., :r], mask=mask, is_causal=is_causal, scale=self.scale,
-                      key_scale=s, key_parts=kv.parts, value_scale=s[..., 0])  # (B, H, L, r)
 
     @classmethod
     def from_transformers(cls, attn: nn.Module, rotary: nn.Module | None = None) -> "MultiHeadLatentAttention":
