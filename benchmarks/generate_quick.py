@@ -20,6 +20,7 @@ import torch
 
 from attnlab.bench import machine_info
 from attnlab.generation.generator import Generator
+from attnlab.io.folders import replace_file
 from attnlab.models import load_smollm2, to_attnlab
 from attnlab.models.adapters import cache_keyword
 
@@ -83,6 +84,4 @@ for r in rows:
           f"{r['prefill_vs_transformers']:.2f} | {r['decode_vs_transformers']:.2f} |")
 result = {"machine": machine_info("cpu"), "command": "python benchmarks/generate_quick.py " + " ".join(sys.argv[1:]),
           "prompt_len": int(ids.shape[1]), "new": args.new, "reps": args.reps, "rows": rows}
-tmp = args.json.with_name(f".{args.json.name}.tmp")
-tmp.write_text(json.dumps(result, indent=2))
-tmp.replace(args.json)
+replace_file(args.json, json.dumps(result, indent=2).encode())

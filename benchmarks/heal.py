@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from attnlab import models as hf
+from attnlab.io.folders import replace_file
 
 HERE = Path(__file__).parent
 JSON = HERE / "heal.json"
@@ -64,9 +65,7 @@ def _save(data: dict) -> None:
                 data[part].setdefault(key, row)
         else:
             data.setdefault(part, rows)
-    tmp = JSON.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(data, indent=2))
-    tmp.replace(JSON)
+    replace_file(JSON, json.dumps(data, indent=2).encode())
 
 
 class Smol:

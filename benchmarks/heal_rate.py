@@ -72,6 +72,7 @@ def main() -> None:
     from attnlab import models as hf
     from attnlab.heal.run import heal_model
     from attnlab.heal.evaluate import evaluate_texts, public
+    from attnlab.io.folders import replace_file
     from attnlab.models.evaluate import read_text_ids
     from attnlab.shrink.pipeline import held_texts
 
@@ -121,10 +122,7 @@ def main() -> None:
         print(f"{row['variant']}: {row['layers_done']} layers done (cut: {row['layer_cut']}), given back "
               f"{row['layers_restored']}, {row['end_to_end_steps']} end-to-end steps; "
               f"judge KL {judge}; top-1 {top1}; development texts' KL {devs}", flush=True)
-    out = Path(args.json)
-    tmp = out.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(rows, indent=2))
-    tmp.replace(out)
+    replace_file(Path(args.json), json.dumps(rows, indent=2).encode())
 
 
 if __name__ == "__main__":

@@ -25,7 +25,6 @@ import math
 import os
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 
@@ -235,11 +234,9 @@ def _finite(x):
 
 def write_json(path: Path, result: dict) -> None:
     """Written to a temporary file beside the target, then renamed: never half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as f:
-        json.dump(_finite(result), f, indent=1)
-        tmp = f.name
-    os.replace(tmp, path)
+    from attnlab.io.folders import replace_file
+
+    replace_file(path, json.dumps(_finite(result), indent=1).encode())
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ import torch
 from attnlab import models as hf
 from attnlab.bench import machine_info
 from attnlab.generation.generator import Generator
+from attnlab.io.folders import replace_file
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--batch", type=int, default=16)
@@ -96,6 +97,4 @@ for r in table:
 result = {"machine": machine_info("cpu"), "command": "python benchmarks/kv_decode.py " + " ".join(sys.argv[1:]),
           "batch": args.batch, "prompt_len": args.prompt_len, "new": args.new, "reps": args.reps,
           "load_before": load_before, "load_after": load_after, "rows": table}
-tmp = args.json.with_name(f".{args.json.name}.tmp")
-tmp.write_text(json.dumps(result, indent=2))
-tmp.replace(args.json)
+replace_file(args.json, json.dumps(result, indent=2).encode())

@@ -9,12 +9,12 @@ attnlab/bench_model.py for what each column measures.
 """
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
 from attnlab.bench import machine_info
 from attnlab.bench.model import markdown, model_suite
+from attnlab.io.folders import replace_file
 
 here = Path(__file__).parent
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -31,7 +31,5 @@ rows = model_suite(quick=args.quick, device=args.device, grid=grid,
 result = {"machine": machine_info(args.device), "command": "python benchmarks/model.py " + " ".join(sys.argv[1:]),
           "quick": args.quick, "model": rows}
 print(markdown(rows))
-tmp = args.json.with_name(args.json.name + ".tmp")
-tmp.write_text(json.dumps(result, indent=2))
-os.replace(tmp, args.json)
+replace_file(args.json, json.dumps(result, indent=2).encode())
 print(f"wrote {args.json}")

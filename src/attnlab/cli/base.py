@@ -15,10 +15,9 @@ class UsageProblem(Exception):
 
 def write_atomic(path: Path, data: bytes) -> None:
     """Write via a temporary file in the same folder, so a failure leaves nothing half-written."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_bytes(data)
-    tmp.replace(path)
+    from ..io.folders import replace_file
+
+    replace_file(path, data)
 
 
 
