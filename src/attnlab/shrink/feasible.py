@@ -159,7 +159,14 @@ def _options(teacher, budget: KVBudget, budget_bytes: float, original: float, fm
             every = layouts(teacher, budget_bytes, context, fmt, [])[0]
             slides = any(w is not None for w in every.windows)
             hint = "; --context counts a sliding layer by its window" if context is None and slides else ""
-            smallest = _smallest(MIN_WHOLE_LATENT, whole, storages, every.counted(context), spread, original)
+            # over every layout a budget could allow (the sliding layers kept in each storage: what they cost is the
+            # room they leave of any budget above it), the one whose smallest rows take the fewest bytes
+            kept = [s for s in KEPT_STORAGES if s in storages]
+            candidates = [(original - lay.room, lay) for lay in layouts(teacher, original, context, fmt, kept)]
+            cost, least = min(candidates, key=lambda c: c[0] + min(
+                layers_bytes(MIN_WHOLE_LATENT, whole, s, c[1].counted(context), spread) for s in storages))
+            smallest = _smallest(MIN_WHOLE_LATENT, whole, storages, least.counted(context), spread, original,
+                                 kept=(cost, least.kept_dtype) if least.layers is not None else None)
             at = _at(context, spread, storages, every.counted(context))
             raise ValueError(f"no plan can meet a KV budget of {budget} ({budget_bytes:.0f} bytes/token{at}): this "
                              f"model's per-head q/k norms keep its keys whole ({whole} values per token in each of the "
@@ -200,13 +207,16 @@ def _at(context: int | None, spread: int, storages, layers: tuple) -> str:
     return ""
 
 
-def _smallest(latent: int, rope: int, storages, layers: tuple, spread: int, original: float) -> str:
+def _smallest(latent: int, rope: int, storages, layers: tuple, spread: int, original: float,
+              kept: tuple[float, str] | None = None) -> str:
     """'N bytes/token (P%)' of the storage whose rows of these sizes take the fewest bytes, and, where a sequence's
-    fixed rows (the protected tokens: a "+c4" rope key's newest group, a "+w<N>" window) are part of them, theirs."""
+    fixed rows (the protected tokens: a "+c4" rope key's newest group, a "+w<N>" window) are part of them, theirs.
+    kept: (bytes, storage) of the layers a layout keeps unconverted (Layout.kept_dtype), added to N and named."""
     totals = {s: layers_bytes(latent, rope, s, layers, spread) for s in storages}
     least = min(totals, key=totals.get)
-    n = totals[least]
+    n = totals[least] + (kept[0] if kept else 0.0)
     fixed = fixed_rows_bytes(latent, rope, least, layers, spread)
     rows = f", of which {fixed:.0f} are the rows a sequence holds unquantised whatever its length ({least}), " \
         f"spread over {spread} tokens" if fixed else ""
-    return f"{n:.0f} bytes/token ({n / original:.1%}){rows}"
+    keeping = f"; {kept[0]:.0f} of them are the sliding layers kept, their cache in {kept[1]}" if kept else ""
+    return f"{n:.0f} bytes/token ({n / original:.1%}){rows}{keeping}"
