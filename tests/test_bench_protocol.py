@@ -109,6 +109,35 @@ def test_a_baseline_is_fair_only_at_the_runs_bytes_with_its_fixed_bytes_spread_o
     assert row["bytes_at_2048"] == 250 and row["fair_baselines"] == ["a", "b"]
 
 
+def test_a_case_counted_at_a_context_meets_the_baselines_by_its_share_of_the_bytes_there(protocol):
+    """Gemma 3 at 32,768 tokens: a run holding 4,392 bytes a token per token held, whose report counts 410 bytes a
+    token at 32,768 tokens against the original's 3,342 there (its sliding layers hold only their window), meets
+    the baselines (one storage in every layer: the same share at any context) as 410/3,342 of the original's 18,432
+    bytes a token, 2,261: a baseline of 2,300 is at equal or more bytes, one of 2,200 is not. A report that counts
+    no bytes at that context is refused with the numbers."""
+    texts = list(protocol.TEXTS)
+
+    def ppl(values):
+        return {n: {"perplexity": v} for n, v in zip(texts, values)}
+
+    case = "gemma3-270m-12-32k"
+    assert protocol.counted_at(case) == 32768 and protocol.counted_at("gemma3-270m-25") == 2048
+    data = {"baselines/gemma3-270m": {"original": {"kv_bytes_per_token": 18432, **ppl([10.0] * 4)},
+                                      "baselines": {"a": {"kv_bytes_per_token": 2200, **ppl([10.1] * 4)},
+                                                    "b": {"kv_bytes_per_token": 2300, **ppl([10.3] * 4)}}}}
+    at = {"context": 32768, "original_16bit": 3342.0, "shrunk": 410.0}
+    for seed in range(3):
+        data[f"run/{case}/seed{seed}"] = {"seed": seed, "command": "attnlab shrink gemma3-270m --out X",
+                                          "kv_bytes_per_token": 4392, "fixed_bytes": 0, "texts": ppl([10.2] * 4),
+                                          "report": {"kv_bytes_per_token": {"at_context": dict(at)}}}
+    row = next(r for r in protocol.table(data) if r["case"] == case)
+    assert row["bytes_at_2048"] == pytest.approx(18432 * 410 / 3342) and row["counted_at"] == 32768
+    assert row["fair_baselines"] == ["b"] and row["beats_on_every_text"] == ["b"]
+    data[f"run/{case}/seed1"]["report"]["kv_bytes_per_token"]["at_context"]["context"] = 4096
+    with pytest.raises(ValueError, match="seed 1: its report counts no bytes at 32,768 tokens"):
+        protocol.table(data)
+
+
 def test_a_repeat_compares_the_plan_and_each_texts_perplexity_with_the_first_run(protocol):
     texts = list(protocol.TEXTS)
     plan = {"rank": 272, "rope_dims": 112}
