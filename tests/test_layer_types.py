@@ -120,6 +120,7 @@ def test_without_a_context_or_a_global_layer_every_layer_is_converted():
     kept = layouts(model, 1e9, CONTEXT)[1:]
     assert [(lay.layers, lay.kept_dtype) for lay in kept] == [((1, 3), "bf16"), ((1, 3), "int8")]
     assert isinstance(kept[0], Layout) and kept[0].room < 1e9
+    assert all(lay.room + lay.kept_bytes == pytest.approx(1e9) and lay.kept_bytes > 0 for lay in kept)
 
 
 def test_a_budget_no_layout_meets_names_the_smallest():

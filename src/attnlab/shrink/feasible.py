@@ -159,14 +159,13 @@ def _options(teacher, budget: KVBudget, budget_bytes: float, original: float, fm
             every = layouts(teacher, budget_bytes, context, fmt, [])[0]
             slides = any(w is not None for w in every.windows)
             hint = "; --context counts a sliding layer by its window" if context is None and slides else ""
-            # over every layout a budget could allow (the sliding layers kept in each storage: what they cost is the
-            # room they leave of any budget above it), the one whose smallest rows take the fewest bytes
+            # over every layout some budget allows (the original's bytes: any kept storage fits under them), the one
+            # whose smallest rows, with what its kept layers take, come to the fewest bytes
             kept = [s for s in KEPT_STORAGES if s in storages]
-            candidates = [(original - lay.room, lay) for lay in layouts(teacher, original, context, fmt, kept)]
-            cost, least = min(candidates, key=lambda c: c[0] + min(
-                layers_bytes(MIN_WHOLE_LATENT, whole, s, c[1].counted(context), spread) for s in storages))
+            least = min(layouts(teacher, original, context, fmt, kept), key=lambda lay: lay.kept_bytes + min(
+                layers_bytes(MIN_WHOLE_LATENT, whole, s, lay.counted(context), spread) for s in storages))
             smallest = _smallest(MIN_WHOLE_LATENT, whole, storages, least.counted(context), spread, original,
-                                 kept=(cost, least.kept_dtype) if least.layers is not None else None)
+                                 kept=(least.kept_bytes, least.kept_dtype) if least.layers is not None else None)
             at = _at(context, spread, storages, every.counted(context))
             raise ValueError(f"no plan can meet a KV budget of {budget} ({budget_bytes:.0f} bytes/token{at}): this "
                              f"model's per-head q/k norms keep its keys whole ({whole} values per token in each of the "

@@ -294,11 +294,12 @@ class Layout:
 
     layers: the converted layers' indices (None: all); the others keep the original's attention, their cache in
     kept_dtype. windows: each converted layer's sliding window (None: global). room: the budget less what the kept
-    layers' caches take at the context."""
+    layers' caches take at the context (kept_bytes)."""
     layers: tuple[int, ...] | None
     kept_dtype: str | None
     windows: tuple
     room: float
+    kept_bytes: float = 0.0
 
     def counted(self, context: int | None) -> tuple:
         """The converted layers as layers_bytes counts them: each one's sliding window at a context, else every layer
@@ -325,7 +326,7 @@ def layouts(teacher, budget_bytes: float, context: int | None, fmt: str = "attnl
         cost = sum(mods[i].init_cache(1, 1, dtype=torch.bfloat16, device="meta", kv_dtype=storage).bytes_at(context)
                    for i in slide)
         if cost < budget_bytes:
-            out.append(Layout(tuple(glob), storage, tuple(windows[i] for i in glob), budget_bytes - cost))
+            out.append(Layout(tuple(glob), storage, tuple(windows[i] for i in glob), budget_bytes - cost, cost))
     return out
 
 
