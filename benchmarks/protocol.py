@@ -5,6 +5,7 @@ a "+c4" rope key's newest group and a "+w16" recent window, spread over them).
 
     python benchmarks/protocol.py baselines --model smollm2        # the original and its quantized caches, every text
     python benchmarks/protocol.py run --case smollm2-25 --seed 0    # one plain command, then every evaluation
+    python benchmarks/protocol.py run --case smollm2-25 --seed 0 --at 1a2b3c4   # a worktree's commit: at/ rows
     python benchmarks/protocol.py repeat --case smollm2-25 --seed 0  # the same command and seed again: same plan?
     python benchmarks/protocol.py long --case smollm2-25 --seed 0    # 4,096-token windows and the passkey check
     python benchmarks/protocol.py report                            # the table: median and worst over seeds and texts
@@ -270,10 +271,14 @@ def run_one(case: str, seed: int, work: Path) -> dict:
     return row
 
 
-def part_run(case: str, seed: int, redo: bool, long: bool) -> None:
+def part_run(case: str, seed: int, redo: bool, long: bool, at: str | None = None) -> None:
+    """One case's plain command and its scores, saved as run/<case>/seed<S>, or at/<case>@<at>/seed<S> when `at`
+    names the commit whose worktree ran it (a design measured beside the command, not the command main gives)."""
     from attnlab import models as hf
 
-    key = f"run/{case}/seed{seed}"
+    if at is not None and not re.fullmatch(r"[0-9a-f]{7,40}", at):
+        raise SystemExit(f"--at takes the commit that ran (7-40 hex digits), not {at!r}")
+    key = f"at/{case}@{at}/seed{seed}" if at else f"run/{case}/seed{seed}"
     if key in rows() and not redo:
         print(f"{key} is in {JSON}; --redo to run it again")
         return
@@ -629,6 +634,7 @@ def main() -> None:
     ap.add_argument("--redo", action="store_true")
     ap.add_argument("--long", action="store_true", help="also 4,096-token windows through the cache and the passkey "
                     "check (minutes per model)")
+    ap.add_argument("--at", help="run: the commit of the worktree on PYTHONPATH; the row goes to at/<case>@<at>/")
     ap.add_argument("--texts-from", help="read the texts from copies in this folder (<name>.txt each)")
     a = ap.parse_args()
     if a.texts_from:
@@ -638,7 +644,7 @@ def main() -> None:
     elif a.part == "run":
         if a.case is None:
             ap.error("run needs --case")
-        part_run(a.case, a.seed, a.redo, a.long)
+        part_run(a.case, a.seed, a.redo, a.long, a.at)
     elif a.part == "repeat":
         if a.case is None:
             ap.error("repeat needs --case")

@@ -34,6 +34,25 @@ def test_the_recorded_argv_is_the_one_that_ran_and_adds_nothing(protocol, tmp_pa
     assert not {"--eval-text", "--text", "--minutes", "--tokens", "--kv-dtype"} & set(ran[0])
 
 
+@pytest.mark.parametrize("at, key", [(None, "run/smollm2-25/seed1"), ("becdf2e", "at/smollm2-25@becdf2e/seed1")])
+def test_a_run_at_a_worktrees_commit_is_saved_under_at(protocol, tmp_path, monkeypatch, at, key):
+    """--at REV: the same plain command (the argv unchanged), its row kept as another commit's, not the case's."""
+    saved = {}
+    monkeypatch.setattr(protocol, "rows", lambda *a: {})
+    monkeypatch.setattr(protocol, "save", lambda k, row, *a: saved.update({k: row}))
+    monkeypatch.setattr(protocol.subprocess, "run", lambda command, **kw: subprocess.CompletedProcess(
+        command, 1, stdout="", stderr="stopped"))
+    monkeypatch.setattr(protocol.tempfile, "mkdtemp", lambda **kw: str(tmp_path))
+    with pytest.raises(SystemExit, match="shrink failed"):
+        protocol.part_run("smollm2-25", 1, False, False, at=at)
+    assert list(saved) == [key] and "--at" not in saved[key]["argv"]
+
+
+def test_a_run_at_anything_but_a_commit_is_refused(protocol):
+    with pytest.raises(SystemExit, match="--at takes the commit that ran .*'main'"):
+        protocol.part_run("smollm2-25", 0, False, False, at="main")
+
+
 def test_the_table_takes_the_median_and_the_worst_over_seeds_and_texts(protocol):
     texts = list(protocol.TEXTS)
 

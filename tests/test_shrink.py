@@ -18,7 +18,7 @@ from attnlab.cli import main
 from attnlab.runtime import Budget, Stopped
 from attnlab.shrink import ShrinkRequest, parse_budget, plan, shrink
 from attnlab.shrink.pipeline import check_request, run_folder
-from attnlab.shrink.plan import Candidate, apply, bytes_per_token, feasible, proxy_kl, teacher_log_probs
+from attnlab.shrink.plan import Candidate, apply, bytes_per_token, feasible, proxy_kl, rank, teacher_log_probs
 from attnlab.shrink.sizes import spread_context
 
 T = 16
@@ -185,9 +185,10 @@ def test_the_plan_in_bits_fits_each_few_bit_candidate_and_rotates_its_latent(tin
         assert c.latent_dim + c.rope_dim == 64 or 2 * layer_bytes(c.latent_dim + 1, c.rope_dim, c.kv_dtype) > budget
         assert c.latent_dim + c.rope_dim <= 64
         assert c.values > max(b.values for b in result.measured if b.kv_dtype == "bf16")  # more values, same bytes
-    # with no time limit the split round tries the two best storages, not only the winner's
-    ranked = sorted({c.kv_dtype: c.proxy for c in sorted(result.measured, key=lambda c: -c.proxy) if c.round < 3}.items(),
-                    key=lambda kv: kv[1])
+    # with no time limit the split round tries the two best storages (by rank: a 2-bit latent's proxy counted
+    # TWO_BIT_MARGIN times), not only the winner's
+    first = {c.kv_dtype: rank(c) for c in sorted(result.measured, key=lambda c: -rank(c)) if c.round < 3}
+    ranked = sorted(first.items(), key=lambda kv: kv[1])
     assert {c.kv_dtype for c in result.measured if c.round == 3} == {ranked[0][0], ranked[1][0]}
     probe = copy.deepcopy(model)
     apply(probe, few[0], cal)
@@ -247,6 +248,34 @@ def test_a_six_bit_latent_beside_an_eight_bit_key_holds_every_value_where_the_by
     assert len(whole) == int(fits)
     if fits:
         assert whole[0].bytes_per_token == 2 * per_layer
+
+
+@pytest.mark.parametrize("storage, bits", [("int2/g256+c4+w16", 2), ("int2/g32+r8", 2), ("int3/g256+c4+w8", 3),
+                                           ("int6/g32+r8+w16", 6), ("bf16", None), ("int8", None), ("q4_0", None),
+                                           ("q8_0,q4_0", None)])
+def test_latent_bits_reads_the_storages_spelling(storage, bits):
+    from attnlab.shrink.sizes import latent_bits
+
+    assert latent_bits(storage) == bits
+
+
+@pytest.mark.parametrize("three_bit, chosen", [(1.1, "int3/g256+c4"), (1.3, "int2/g256+c4")])
+def test_a_two_bit_latent_wins_over_three_bits_only_by_the_margin(tiny, monkeypatch, three_bit, chosen):
+    """The proxy faked by storage (the 2-bit latent's 1.0 in every candidate, the 3-bit latent's `three_bit`, 16 bits'
+    10): with TWO_BIT_MARGIN 1.2 the 3-bit latent is chosen at 1.1 and the 2-bit one at 1.3, and the report lists
+    the chosen candidate first."""
+    import importlib
+
+    planner = importlib.import_module("attnlab.shrink.plan")
+    assert planner.TWO_BIT_MARGIN == 1.2
+    faked = {"int2/g256+c4": 1.0, "int3/g256+c4": three_bit, "bf16": 10.0}
+    monkeypatch.setattr(planner, "proxy_kl", lambda m, *_: faked[hf.attnlab_modules(m)[0].kv_dtype])
+    _, model, tok, text, _ = tiny
+    result = plan(model, _ids(tok, text, 256), parse_budget("40%"), window=T,
+                  storages=("bf16", "int2/g256+c4", "int3/g256+c4"))
+    assert {c.kv_dtype for c in result.measured} == set(faked)
+    assert result.best.kv_dtype == chosen
+    assert result.to_dict()["candidates"][0]["label"] == result.best.label()
 
 
 def test_a_budget_below_every_storage_names_the_smallest_that_can_be_met(tiny):

@@ -118,6 +118,7 @@ def _convert_model(source, to, out, latent_dim, rope_dim, kv_heads, method, cali
     if kv_budget is not None:
         from ..shrink.plan import parse_budget
         from ..shrink.plan import plan as choose
+        from ..shrink.plan import rank
 
         with console.status("planning: measuring candidate cuts on the calibration text") as status:
             plan = choose(model, ids, parse_budget(kv_budget), fmt=fmt, storages=("bf16",), proxy_ids=proxy_ids,
@@ -126,7 +127,7 @@ def _convert_model(source, to, out, latent_dim, rope_dim, kv_heads, method, cali
         latent_dim, rope_dim, rope_select, balance = (best.latent_dims or best.latent_dim, best.rope_dim,
                                                       best.rope_select, best.balance)  # sizes per layer: round 4
         console.print(f"plan for a KV budget of {plan.budget}: {best.label()} (proxy KL {best.proxy:.4f}; "
-                      + "; ".join(f"{c.label()} {c.proxy:.4f}" for c in sorted(plan.measured, key=lambda c: c.proxy)[1:4])
+                      + "; ".join(f"{c.label()} {c.proxy:.4f}" for c in sorted(plan.measured, key=rank)[1:4])
                       + ")")
     n = len(hf.attnlab_modules(model))
     before = hf.kv_bytes_per_token(model)

@@ -87,6 +87,14 @@ def few_bit(storage: str) -> bool:
     return fmt is not None and fmt.low is not None and fmt.low.kind == "asym"
 
 
+def latent_bits(storage: str) -> int | None:
+    """The bits of a latent value in one of attnlab's few-bit storages ("int2/g256+c4+w16": 2); None for any other
+    storage."""
+    from ..modules.cache import check_kv_dtype
+
+    return check_kv_dtype(storage).low.bits if few_bit(storage) else None
+
+
 def llama_cpp_types(storage: str) -> tuple[str, str]:
     """The llama.cpp cache types (--cache-type-k, --cache-type-v) a GGUF storage is planned for: f16 for the 16-bit
     cache, the two of a K/V pair ("q8_0,q4_0"), else the one type twice."""
