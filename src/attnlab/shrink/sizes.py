@@ -78,13 +78,7 @@ def native_code(storage: str, fmt: str) -> bool:
 
 def few_bit(storage: str) -> bool:
     """Whether a storage is one of attnlab's own few-bit groups (int2 to int7, modules/lowbit.py's spelling)."""
-    from ..modules.cache import check_kv_dtype
-
-    try:
-        fmt = check_kv_dtype(storage)
-    except ValueError:
-        return False
-    return fmt is not None and fmt.low is not None and fmt.low.kind == "asym"
+    return latent_bits(storage) is not None
 
 
 def latent_bits(storage: str) -> int | None:
@@ -92,7 +86,11 @@ def latent_bits(storage: str) -> int | None:
     storage."""
     from ..modules.cache import check_kv_dtype
 
-    return check_kv_dtype(storage).low.bits if few_bit(storage) else None
+    try:
+        fmt = check_kv_dtype(storage)
+    except ValueError:
+        return None
+    return fmt.low.bits if fmt is not None and fmt.low is not None and fmt.low.kind == "asym" else None
 
 
 def llama_cpp_types(storage: str) -> tuple[str, str]:
