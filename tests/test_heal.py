@@ -64,6 +64,37 @@ def test_short_heal_lowers_the_distillation_loss_on_held_out_windows(tiny):
     assert not any(p.requires_grad for p in student.parameters())
 
 
+@pytest.mark.parametrize("bf16", [False, True])
+def test_a_cpu_heal_runs_its_steps_in_bf16_where_its_plan_says_and_keeps_float32_weights(tiny, bf16):
+    """HealPlan.bf16 on the CPU: both phases' steps run under bf16 autocast (the attention's projections return
+    bf16, seen by a hook), the trained weights and the teacher stay float32, and the heal still lowers the
+    distillation loss on windows it never trained on; without it every step computes in float32."""
+    _, teacher, _ = tiny
+    student = _student(teacher)
+    held = _windows(8, seed=99)
+    before = distill_loss(teacher, student, held)
+    seen = set()
+    mod = hf.attnlab_modules(student)[0]
+    linear = next(m for m in mod.modules() if isinstance(m, torch.nn.Linear))
+    hook = linear.register_forward_hook(lambda m, i, out: seen.add((torch.is_grad_enabled(), out.dtype)))
+    try:
+        report = heal_model(teacher, student, _windows(32, seed=0), held.reshape(1, -1), _plan(bf16=bf16),
+                            keep_better=False)
+    finally:
+        hook.remove()
+    assert report["status"] == "done" and report["distill_tokens"] == 4 * T * 12
+    trained = {dtype for grad, dtype in seen if grad}  # the steps' forwards (evaluations run without a gradient)
+    assert trained == ({torch.bfloat16} if bf16 else {torch.float32})
+    assert all(p.dtype == torch.float32 for p in student.parameters())
+    assert all(p.dtype == torch.float32 for p in teacher.parameters())
+    assert distill_loss(teacher, student, held) < before
+
+
+def test_bf16_must_be_a_bool():
+    with pytest.raises(ValueError, match="bf16 must be True or False, got 'yes'"):
+        _plan(bf16="yes").check()
+
+
 def test_a_layer_cut_off_after_one_step_moved_at_a_warm_up_rate(tiny):
     """Each layer's schedule warms up: a budget that ends after its first step leaves it near where it began."""
     _, teacher, _ = tiny

@@ -756,6 +756,51 @@ def test_a_plan_that_keeps_every_value_heals_end_to_end_first_with_a_probe(tiny)
         assert p.layer_batch == 8 or p.layer_lr == FEW_STEPS_LR
 
 
+@pytest.mark.parametrize("native", [False, True])
+def test_a_cpu_heal_plan_runs_in_bf16_where_the_cpu_multiplies_it_natively(tiny, monkeypatch, native):
+    """heal_plan sets HealPlan.bf16 for a CPU heal of a plan that cuts rank where runtime.environment.cpu_bf16 says
+    the CPU multiplies bf16 natively (and CPU_BF16 is on), and times its layer step under that autocast: the step's
+    projections return bf16, seen by a hook on the copy it times (deep copies keep forward hooks). A plan that keeps
+    every value heals in float32 there too."""
+    import copy
+    import importlib
+
+    from attnlab.shrink import heal_plan as hp
+
+    environment = importlib.import_module("attnlab.runtime.environment")  # the package re-exports the function
+
+    _, teacher, tok, text, _ = tiny
+    train = _ids(tok, text, 4 * T).reshape(4, T)
+    cut = copy.deepcopy(teacher)
+    hf.convert_model(cut, "mla", latent_dim=12, rope_dim=4)
+    monkeypatch.setattr(environment, "cpu_bf16", lambda cpuinfo=None: native)
+    seen = set()
+    linear = next(m for m in hf.attnlab_modules(cut)[0].modules() if isinstance(m, torch.nn.Linear))
+    linear.register_forward_hook(lambda m, i, out: seen.add(out.dtype))
+    req = ShrinkRequest(source="x", kv_budget="25%", out="o", seq_len=T)
+    plan = hp.heal_plan(req, teacher, cut, train, 300.0)
+    assert plan.bf16 is native and seen == {torch.bfloat16 if native else torch.float32}
+    every = copy.deepcopy(teacher)  # every value kept (only codes differ): float32 whatever the CPU
+    hf.convert_model(every, "mla", latent_dim=32, rope_dim=32, pair_selection="rorope")
+    assert hp.heal_plan(req, teacher, every, train, 300.0).bf16 is False
+    monkeypatch.setattr(hp, "CPU_BF16", False)
+    assert hp.heal_plan(req, teacher, cut, train, 300.0).bf16 is False
+
+
+def test_cpu_bf16_reads_the_flags_line_of_cpuinfo():
+    """runtime.environment.cpu_bf16 on cpuinfo texts written here: AVX-512 BF16 or AMX BF16 among the flags (as a
+    whole word) says yes; AVX-512 alone, a flag that only starts alike, another line naming it, or no flags line says
+    no."""
+    from attnlab.runtime.environment import cpu_bf16
+
+    head = "processor\t: 0\nmodel name\t: Some CPU avx512_bf16 edition\n"
+    assert cpu_bf16(head + "flags\t\t: fpu sse2 avx2 avx512f avx512_bf16 avx512_vnni\n")
+    assert cpu_bf16(head + "flags\t\t: fpu avx512f amx_tile amx_bf16\n")
+    assert not cpu_bf16(head + "flags\t\t: fpu sse2 avx2 avx512f avx512bw avx512_vnni\n")
+    assert not cpu_bf16(head + "flags\t\t: fpu avx512_bf16x\n")
+    assert not cpu_bf16(head)
+
+
 @pytest.mark.parametrize("inputs", ["teacher", "student"])
 def test_the_layer_wise_phase_is_sized_to_its_time_by_hand(tiny, monkeypatch, inputs):
     """heal_plan's sizing on a clock that moves one second a reading: one window of the teacher's hidden states

@@ -17,13 +17,14 @@ Two phases, on token windows (data.py: the user's text, or text the teacher writ
    not fit the time left (Healer._fit_layers): no layer is left untrained by the clock.
 2. End-to-end: KL(teacher || student) of the next-token distributions, training only the
    converted attention weights (or, with lora_rank, LoRA adapters on them through peft,
-   merged back at the end). bf16 autocast on CUDA; float32 on CPU (on the 2-core EPYC of
-   docs/ bf16 autocast measured 1.5x slower than float32). A blow-up guard (guard.py): a step whose
-   loss is above twice the phase's first loss, and twice what the last good weights read on its batch,
-   does not stand: the trained weights go back to those of the last step that read well, no worse than
-   the first (an in-memory copy of the trained parameters, renewed at each such step, and in the
-   checkpoint), the optimizer starts afresh, and the rates are divided by 4 (the guard's lr_scale;
-   state["rollbacks"] records each one, state["hard_batches"] the steps past the first line that stood).
+   merged back at the end). Both phases' steps run under bf16 autocast on CUDA, and on the CPU
+   where the plan says so (HealPlan.bf16: shrink sets it where the CPU multiplies bf16 natively);
+   float32 otherwise. A blow-up guard (guard.py): a step whose loss is above twice the phase's
+   first loss, and twice what the last good weights read on its batch, does not stand: the trained
+   weights go back to those of the last step that read well, no worse than the first (an in-memory
+   copy of the trained parameters, renewed at each such step, and in the checkpoint), the optimizer
+   starts afresh, and the rates are divided by 4 (the guard's lr_scale; state["rollbacks"] records each
+   one, state["hard_batches"] the steps past the first line that stood).
    heal_model judges this phase as a whole (Healer(judge=True), run.py): where it would start, the held-out texts
    are scored and the layer-wise phase's weights kept; if its steps leave the student farther from the teacher on
    any text (guard.worse), those weights come back at the end. With less time left there than one evaluation took,
@@ -144,7 +145,7 @@ class Healer(LayerWise, EndToEnd):
         self.checkpoint = None if checkpoint is None else Path(checkpoint)
         self.checkpoint_seconds, self.progress = checkpoint_seconds, progress
         self.budget = budget if budget is not None else Budget()
-        self.autocast = self.device.type == "cuda"  # bf16 where the hardware has it
+        self.autocast = self.device.type == "cuda" or plan.bf16  # the steps in bf16 (HealPlan.bf16)
         probing = bool(plan.probe and plan.layer_steps)
         self.state = {"phase": "layers" if plan.layer_steps and not probing else "distill", "layer": self.layers[0],
                       "step": 0, "tokens": 0,

@@ -4,8 +4,8 @@ constants a plan is sized with (shrink/heal_plan.py sizes one for a shrink; dist
 Its fields: the windows' length and the batches of both phases, the end-to-end tokens, the layer-wise steps a layer
 and the windows that phase reads, the two learning rates and the warm-up, the seed every batch is drawn from, LoRA,
 the probe (the end-to-end phase first, judged at a share of its steps), where a layer-wise layer reads its inputs,
-whether it ends with a closed-form refit of its output projection,
-and the greedy prompts an evaluation writes. check() refuses a plan that cannot run, naming the field and value.
+whether it ends with a closed-form refit of its output projection, the greedy prompts an evaluation writes, and
+whether the steps run in bf16 on the CPU. check() refuses a plan that cannot run, naming the field and value.
 """
 from __future__ import annotations
 
@@ -55,6 +55,10 @@ class HealPlan:
     # prompts per held-out text whose greedy continuations heal_model's evaluations compare (greedy agreement, a
     # reported figure that no decision reads); 0: none
     prompts: int = 8
+    # both phases' steps (and a layer's check windows) under bf16 autocast on the CPU too (on CUDA they always are):
+    # the weights, the optimizer, the teacher's layer targets and heal_model's evaluations stay float32. shrink sets it where the CPU multiplies bf16 natively
+    # (runtime.environment.cpu_bf16; heal_plan.py says what it measured)
+    bf16: bool = False
 
     def check(self) -> None:
         if self.layer_inputs not in LAYER_INPUTS:
@@ -64,9 +68,9 @@ class HealPlan:
             v = getattr(self, f.name)
             if f.name in ("tokens", "lora_rank") and v is None or f.name == "layer_inputs":
                 continue
-            if f.name == "refit_out":
+            if f.name in ("refit_out", "bf16"):
                 if not isinstance(v, bool):
-                    raise ValueError(f"heal plan: refit_out must be True or False, got {v!r}")
+                    raise ValueError(f"heal plan: {f.name} must be True or False, got {v!r}")
                 continue
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0 or (
                     v == 0 and f.name not in ("layer_steps", "warmup", "seed", "probe", "prompts")):

@@ -5,7 +5,8 @@ A student that keeps every value (only its codes differ from the original's) hea
 that can switch to the layer-wise phase; one cut to low rank heals layer-wise first (LAYER_SHARE of the time), then
 end to end at AFTER_LAYERS_LR. The layer-wise steps a layer are sized from one step of layer 0 timed on the
 teacher's hidden states, with a lower rate where few fit (FEW_STEPS_LR); once running, the layer-wise phase cuts its
-steps to the time it really has where they would not fit (heal.distill.Healer._fit_layers). shrink/pipeline.py calls
+steps to the time it really has where they would not fit (heal.distill.Healer._fit_layers). On a CPU that multiplies
+bf16 natively a plan that cuts rank heals in bf16 (CPU_BF16), as on CUDA, and is timed so. shrink/pipeline.py calls
 heal_plan once, when the heal starts, and the run folder keeps the plan (a resumed run heals to the same plan).
 """
 from __future__ import annotations
@@ -51,6 +52,13 @@ LOW_RANK_INPUTS = "student"
 # 0.341 -> 0.455 in seed 0) and the heal gave them back; from the same layer-wise student 1e-4 lowered it on every
 # judge text (0.224/0.246/0.334 -> 0.216/0.212/0.318) and development text (0.537/0.368/0.310 -> 0.489/0.327/0.265).
 AFTER_LAYERS_LR = 1e-4
+# Whether a CPU heal of a plan that cuts rank runs its steps under bf16 autocast (HealPlan.bf16) where the CPU
+# multiplies bf16 natively (runtime.environment.cpu_bf16). A plan that keeps every value heals in float32: its student
+# starts within bf16's rounding of the teacher (on the tiny test model four bf16 steps lowered the KL and lost top-1
+# agreement, and the verdict gave them back). Measured on the 2-core AMD EPYC (avx512_bf16), torch 2.13, SmolLM2 at 12.5%, alone:
+# a layer-wise step of 4 windows 0.105 s in float32, 0.073 s in bf16; an end-to-end step of 4 windows (teacher and
+# student forward, student backward) 10.0 s against 6.2 (docs/real-models.md, "bf16 steps on a CPU that has them").
+CPU_BF16 = True
 
 
 def heal_plan(req: ShrinkRequest, teacher, student, train: torch.Tensor, seconds: float, device=None):
@@ -60,19 +68,21 @@ def heal_plan(req: ShrinkRequest, teacher, student, train: torch.Tensor, seconds
 
     A layer step is timed on layer 0 (forward and backward, twice, after an untimed first call) on the teacher's hidden
     states of one window, whose computing is timed too; on `device`, the heal's (default: the request's), with the
-    heal's bf16 autocast on CUDA and the GPU's queue drained before each reading (timed on the CPU, a CUDA heal was
-    planned at the CPU's speed). Measured on SmolLM2 at a 50% cut (docs/real-models.md): with
-    few steps per layer a lower rate and smaller batches do better at equal time (20 steps of 4 windows at lr 1e-3 beat
-    10 of 8), with 100 steps the defaults (8 windows, lr 3e-3) do best; at 12.5%, 40 steps of 4 at 2.5e-4 beat 1e-3
-    and 1e-4 (FEW_STEPS_LR). The end-to-end batch is the request's
-    (--batch-size), and the layer-wise batch is rounded up to a whole number of them, so that any number of processes
-    that splits the one splits the other, and a torchrun job plans what one process plans.
+    heal's bf16 autocast (on CUDA; on a CPU that multiplies bf16 natively, CPU_BF16) and the GPU's queue drained
+    before each reading (timed on the CPU, a CUDA heal was planned at the CPU's speed). Measured on SmolLM2 at a 50%
+    cut (docs/real-models.md): with few steps per layer a lower rate and smaller batches do better at equal time (20
+    steps of 4 windows at lr 1e-3 beat 10 of 8), with 100 steps the defaults (8 windows, lr 3e-3) do best; at 12.5%,
+    40 steps of 4 at 2.5e-4 beat 1e-3 and 1e-4 (FEW_STEPS_LR). The end-to-end batch is the request's (--batch-size),
+    and the layer-wise batch is rounded up to a whole number of them, so that any number of processes that splits the
+    one splits the other, and a torchrun job plans what one process plans.
     """
     from ..heal.plan import HealPlan
+    from ..runtime.environment import cpu_bf16
 
+    device = torch.device(device or req.device)
     plan = HealPlan(seq_len=req.seq_len, seed=req.seed, layer_windows=min(64, train.shape[0]), tokens=req.tokens,
-                    batch_size=req.batch_size)
-    plan = _sized(req, plan, teacher, student, train, seconds, torch.device(device or req.device))
+                    batch_size=req.batch_size, bf16=CPU_BF16 and device.type == "cpu" and cpu_bf16())
+    plan = _sized(req, plan, teacher, student, train, seconds, device)
     plan.layer_batch = -(-plan.layer_batch // req.batch_size) * req.batch_size  # whole end-to-end batches
     return plan
 
@@ -87,8 +97,10 @@ def _sized(req: ShrinkRequest, plan, teacher, student, train: torch.Tensor, seco
     codes_only = all(s.kv_values_per_token >= t.kv_values_per_token for s, t in zip(mods, attnlab_modules(teacher)))
     share = LAYER_SHARE  # the layer-wise phase, then the end-to-end phase
     if codes_only:  # every value kept, none cut to low rank: end to end first, the layer-wise phase if it hurts;
-        # the student starts near the teacher, where 3e-4 doubled the end-to-end loss in 8 steps (issue hold)
+        # the student starts near the teacher, where 3e-4 doubled the end-to-end loss in 8 steps (issue hold), and
+        # where bf16's rounding is not small beside what the heal corrects (CPU_BF16): float32 on the CPU
         plan.probe, share, plan.lr = PROBE_SHARE, 1.0 - PROBE_SHARE, EVERY_VALUE_LR
+        plan.bf16 = False
     else:
         plan.layer_inputs, plan.lr = LOW_RANK_INPUTS, AFTER_LAYERS_LR
     if req.layer_steps is not None:
@@ -96,6 +108,7 @@ def _sized(req: ShrinkRequest, plan, teacher, student, train: torch.Tensor, seco
         return plan
     m = copy.deepcopy(mods[0]).to(device).train()
     cuda = device.type == "cuda"
+    bf16 = cuda or plan.bf16  # the heal's autocast (distill.Healer)
 
     def drained():  # CUDA runs a kernel after its call returns: a reading waits for the queue
         if cuda:
@@ -118,8 +131,8 @@ def _sized(req: ShrinkRequest, plan, teacher, student, train: torch.Tensor, seco
     # times what real ones do on SmolLM2 here (0.20 s against 0.08), which sized 11 steps a layer where 40 fit
     x = first.reshape(1, train.shape[1], -1).to(device, m._anchor.dtype).expand(4, -1, -1).contiguous()
 
-    def step():  # as the heal's layer-wise step computes (heal.distill: bf16 autocast on CUDA)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
+    def step():  # as the heal's layer-wise step computes (heal.distill: bf16 autocast on CUDA and where plan.bf16)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
             out = m(x, is_causal=True)
         out.float().pow(2).mean().backward()
 
