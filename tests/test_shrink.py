@@ -278,6 +278,35 @@ def test_a_two_bit_latent_wins_over_three_bits_only_by_the_margin(tiny, monkeypa
     assert result.to_dict()["candidates"][0]["label"] == result.best.label()
 
 
+@pytest.mark.parametrize("count", [None, 12])
+def test_the_best_latent_on_the_other_side_of_the_margin_is_checked_with_bkv_flipped_too(tiny, monkeypatch, count):
+    """The proxy faked by storage and BKV: 16 bits 10 (11 with BKV, so that round 1 leaves BKV off), the 2-bit latent
+    1.0 without BKV and 0.5 with it, the 3-bit latent 1.1 and 0.7. Ranked without BKV the 3-bit latent wins (1.1
+    against 1.2) and its flip gives 0.7; the 2-bit latent's flip (0.5, ranked 0.6) is measured too, one candidate
+    past the count, and wins. Before, only the ranked winner's flip was measured and the 3-bit latent was chosen."""
+    import importlib
+
+    planner = importlib.import_module("attnlab.shrink.plan")
+    table = {("bf16", False): 10.0, ("bf16", True): 11.0, ("int2/g256+c4", False): 1.0, ("int2/g256+c4", True): 0.5,
+             ("int3/g256+c4", False): 1.1, ("int3/g256+c4", True): 0.7}
+    applied = []
+    real_apply = planner.apply
+    monkeypatch.setattr(planner, "apply", lambda m, cand, *a, **k: (applied.append(cand), real_apply(m, cand, *a,
+                                                                                                        **k))[1])
+    monkeypatch.setattr(planner, "proxy_kl", lambda m, *_: table[(applied[-1].kv_dtype, applied[-1].balance)])
+    _, model, tok, text, _ = tiny
+    result = plan(model, _ids(tok, text, 256), parse_budget("20%"), window=T, max_candidates=count,
+                  storages=("bf16", "int2/g256+c4", "int3/g256+c4"))
+    assert result.best.values < 64  # the winner cuts rank (V = 64)
+    assert (result.best.kv_dtype, result.best.balance, result.best.proxy) == ("int2/g256+c4", True, 0.5)
+    *before, own, rival = result.measured
+    assert (own.kv_dtype, own.balance, own.proxy, rival.kv_dtype, rival.balance) == \
+        ("int3/g256+c4", True, 0.7, "int2/g256+c4", True)
+    assert not any(c.balance for c in before if c.kv_dtype != "bf16")
+    if count is not None:
+        assert len(result.measured) == count + 1
+
+
 def test_a_budget_below_every_storage_names_the_smallest_that_can_be_met(tiny):
     _, model, tok, text, _ = tiny
     with pytest.raises(ValueError, match=r"the smallest these storages \(bf16, int2/g32\+r8\) can meet is \d+ "

@@ -34,7 +34,8 @@ fits a few minutes on a CPU:
    the likelier rope shares first (SPLIT_SHARES); where a 2-bit latent wins by proxy, each
    storage whose latent has more bits at about the winner's split (ranked, a 2-bit latent must win by the margin);
    then the winner with BKV the other way
-   (round 1's choice, made at a much smaller row, checked at the winner's size and storage; within the count);
+   (round 1's choice, made at a much smaller row, checked at the winner's size and storage; within the count), and,
+   where the winner cuts rank, the best few-bit candidate on the other side of the 2-bit margin so too (one past it);
 4. asked for (per_layer=True), where the winner cuts rank in attnlab's format: a latent size per layer (issue
    `eighth`, part 2): each layer alone converted to a few sizes around the winner's (per_layer_sizes), the KL each
    costs measured from that layer on (shrink/layer_costs.py), the sizes of least summed KL within the bytes chosen
@@ -156,6 +157,12 @@ class PlanResult:
                 "context": self.context, "fixed_rows_over": self.spread,
                 "original_bytes_per_token_16bit": self.original_bytes_16bit, "note": self.note,
                 "candidates": [c.to_dict() for c in ranked]}
+
+
+def _bkv_flipped(c: Candidate) -> Candidate:
+    """The candidate c with BKV the other way (the same sizes, selection, storage and norm), for the planner's round 3."""
+    return Candidate(c.latent_dim, c.rope_dim, c.rope_select, not c.balance, c.kv_dtype, c.latent_norm, extra=c.extra,
+                     round=3)
 
 
 def rank(cand: Candidate) -> float:
@@ -425,10 +432,20 @@ def plan(teacher, calibration_ids: torch.Tensor, budget: KVBudget, *, fmt: str =
     # where the two differ by a few per cent of the proxy, and at the winner's size and storage by much more (at 12.5%
     # of SmolLM2's bytes, docs/real-models.md); the count keeps a place for it
     best = min(converted(), key=rank)
-    other = Candidate(best.latent_dim, best.rope_dim, best.rope_select, not best.balance, best.kv_dtype,
-                      best.latent_norm, extra=best.extra, round=3)
+    other = _bkv_flipped(best)
     if not spent() and all(c.label() != other.label() for c in measured):
         measure(other)
+    # ... and where the winner cuts rank and a 2-bit latent is on one side of the margin, the best of the other side
+    # with BKV the other way too, one candidate past the count: BKV moves the proxy by a third at 12.5% of SmolLM2's
+    # bytes, so checking one side only let the side whose round 1 chose worse lose on a flip it never had (plain
+    # command, seed 1: the 3-bit latent's flip 0.871 -> 0.626 chose it, the 2-bit one's 0.735 -> 0.473 unmeasured)
+    best = min(converted(), key=rank)
+    rivals = [c for c in converted() if (latent_bits(c.kv_dtype) == 2) != (latent_bits(best.kv_dtype) == 2)
+              and few_bit(c.kv_dtype) and not c.latent_dims]
+    if rivals and best.latent_dim + best.rope_dim < V and not stopped():
+        other = _bkv_flipped(min(rivals, key=rank))
+        if all(c.label() != other.label() for c in measured):
+            measure(other)
     # 4. a latent size per layer, where the winner cuts rank in attnlab's format (the only one that holds layers of
     # different sizes): each layer alone converted to each size of per_layer_sizes(), its KL measured from that layer
     # on (shrink/layer_costs.py), the sizes of least summed KL within the bytes chosen (shrink/per_layer.py), and
