@@ -370,7 +370,7 @@ def test_torchrun_heal_writes_what_one_process_writes(runs, tmp_path, capsys):
     assert not list(tmp_path.glob(".two.attnlab-lock")) and (tmp_path / "two.heal.pt").is_file()
 
 
-def test_torchrun_shrink_plans_once_and_writes_what_one_process_writes(runs, tmp_path, capsys):
+def test_torchrun_shrink_plans_once_and_writes_what_one_process_writes(runs, tmp_path, capsys, monkeypatch):
     """`torchrun --nproc-per-node 2 -m attnlab shrink --shard` (FSDP2: the teacher sharded for the heal, whole again
     for rank 0's baselines after it) against `attnlab shrink` in one process, on the tiny Llama
     (float32), the heal's steps fixed (--tokens, --layer-steps) so that no timing enters: rank 0 alone plans, prints
@@ -381,6 +381,8 @@ def test_torchrun_shrink_plans_once_and_writes_what_one_process_writes(runs, tmp
 
     from attnlab import models as hf
     from attnlab.cli import main
+
+    monkeypatch.setenv("ATTNLAB_CPU_BF16", "0")  # float32 on any CPU: the sums are compared to 1e-4
 
     work = runs[0]
     text, held = tmp_path / "train.txt", tmp_path / "held.txt"
@@ -423,7 +425,7 @@ def test_torchrun_shrink_plans_once_and_writes_what_one_process_writes(runs, tmp
         proc.stderr[-3000:]
 
 
-def test_torchrun_shrink_at_eight_processes_writes_what_one_process_writes(runs, tmp_path, capsys):
+def test_torchrun_shrink_at_eight_processes_writes_what_one_process_writes(runs, tmp_path, capsys, monkeypatch):
     """Any number of processes that divides --batch-size: `torchrun --nproc-per-node 8 -m attnlab shrink --batch-size
     8` (DDP, gloo) on the tiny Llama, the heal pinned (--tokens, --layer-steps), against one process with the same
     arguments: the same heal plan (a layer-wise batch of whole end-to-end batches, so 8 divides it too), the same
@@ -432,6 +434,8 @@ def test_torchrun_shrink_at_eight_processes_writes_what_one_process_writes(runs,
 
     from attnlab import models as hf
     from attnlab.cli import main
+
+    monkeypatch.setenv("ATTNLAB_CPU_BF16", "0")  # float32 on any CPU: the sums are compared to 1e-4
 
     work = runs[0]
     text, held = tmp_path / "train.txt", tmp_path / "held.txt"

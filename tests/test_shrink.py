@@ -812,6 +812,9 @@ def test_a_cpu_heal_plan_runs_in_bf16_where_the_cpu_multiplies_it_natively(tiny,
     every = copy.deepcopy(teacher)  # every value kept (only codes differ): float32 whatever the CPU
     hf.convert_model(every, "mla", latent_dim=32, rope_dim=32, pair_selection="rorope")
     assert hp.heal_plan(req, teacher, every, train, 300.0).bf16 is False
+    monkeypatch.setenv(hp.BF16_VARIABLE, "0")  # ATTNLAB_CPU_BF16=0: float32 on any CPU
+    assert hp.heal_plan(req, teacher, cut, train, 300.0).bf16 is False
+    monkeypatch.delenv(hp.BF16_VARIABLE)
     monkeypatch.setattr(hp, "CPU_BF16", False)
     assert hp.heal_plan(req, teacher, cut, train, 300.0).bf16 is False
 

@@ -12,6 +12,7 @@ heal_plan once, when the heal starts, and the run folder keeps the plan (a resum
 from __future__ import annotations
 
 import copy
+import os
 import time
 from typing import TYPE_CHECKING
 
@@ -55,10 +56,14 @@ AFTER_LAYERS_LR = 1e-4
 # Whether a CPU heal of a plan that cuts rank runs its steps under bf16 autocast (HealPlan.bf16) where the CPU
 # multiplies bf16 natively (runtime.environment.cpu_bf16). A plan that keeps every value heals in float32: its student
 # starts within bf16's rounding of the teacher (on the tiny test model four bf16 steps lowered the KL and lost top-1
-# agreement, and the verdict gave them back). Measured on the 2-core AMD EPYC (avx512_bf16), torch 2.13, SmolLM2 at 12.5%, alone:
-# a layer-wise step of 4 windows 0.105 s in float32, 0.073 s in bf16; an end-to-end step of 4 windows (teacher and
-# student forward, student backward) 10.0 s against 6.2 (docs/real-models.md, "bf16 steps on a CPU that has them").
+# agreement, and the verdict gave them back). Measured on the 2-core AMD EPYC (avx512_bf16), torch 2.13, SmolLM2 at
+# 12.5%, alone: a layer-wise step of 4 windows 0.105 s in float32, 0.073 s in bf16; an end-to-end step of 4 windows
+# (teacher and student forward, student backward) 10.0 s against 6.2 (docs/real-models.md, "bf16 steps on a CPU that
+# has them").
+# ATTNLAB_CPU_BF16=0 in the environment keeps a CPU heal in float32 (to compare with float32 runs: the torchrun tests
+# hold a job to one process's float32 sums).
 CPU_BF16 = True
+BF16_VARIABLE = "ATTNLAB_CPU_BF16"
 
 
 def heal_plan(req: ShrinkRequest, teacher, student, train: torch.Tensor, seconds: float, device=None):
@@ -81,7 +86,8 @@ def heal_plan(req: ShrinkRequest, teacher, student, train: torch.Tensor, seconds
 
     device = torch.device(device or req.device)
     plan = HealPlan(seq_len=req.seq_len, seed=req.seed, layer_windows=min(64, train.shape[0]), tokens=req.tokens,
-                    batch_size=req.batch_size, bf16=CPU_BF16 and device.type == "cpu" and cpu_bf16())
+                    batch_size=req.batch_size, bf16=CPU_BF16 and device.type == "cpu" and cpu_bf16()
+                    and os.environ.get(BF16_VARIABLE, "1") != "0")
     plan = _sized(req, plan, teacher, student, train, seconds, device)
     plan.layer_batch = -(-plan.layer_batch // req.batch_size) * req.batch_size  # whole end-to-end batches
     return plan
