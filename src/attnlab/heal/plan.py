@@ -56,8 +56,9 @@ class HealPlan:
     # reported figure that no decision reads); 0: none
     prompts: int = 8
     # both phases' steps (and a layer's check windows) under bf16 autocast on the CPU too (on CUDA they always are):
-    # the weights, the optimizer, the teacher's layer targets and heal_model's evaluations stay float32. shrink sets it where the CPU multiplies bf16 natively
-    # (runtime.environment.cpu_bf16; heal_plan.py says what it measured)
+    # the weights, the optimizer, the teacher's layer targets and heal_model's evaluations stay float32. shrink sets it
+    # for a plan that cuts rank where the CPU multiplies bf16 natively (runtime.environment.cpu_bf16; heal_plan.py
+    # says what it measured)
     bf16: bool = False
 
     def check(self) -> None:

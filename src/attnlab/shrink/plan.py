@@ -160,7 +160,7 @@ class PlanResult:
 
 
 def _bkv_flipped(c: Candidate) -> Candidate:
-    """The candidate c with BKV the other way (the same sizes, selection, storage and norm), for the planner's round 3."""
+    """The candidate c with BKV the other way (the same sizes, selection, storage and norm): planner round 3."""
     return Candidate(c.latent_dim, c.rope_dim, c.rope_select, not c.balance, c.kv_dtype, c.latent_norm, extra=c.extra,
                      round=3)
 
