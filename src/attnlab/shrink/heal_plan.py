@@ -82,13 +82,10 @@ def heal_plan(req: ShrinkRequest, teacher, student, train: torch.Tensor, seconds
     one splits the other, and a torchrun job plans what one process plans.
     """
     from ..heal.plan import HealPlan
-    from ..runtime.environment import cpu_bf16
 
-    device = torch.device(device or req.device)
     plan = HealPlan(seq_len=req.seq_len, seed=req.seed, layer_windows=min(64, train.shape[0]), tokens=req.tokens,
-                    batch_size=req.batch_size, bf16=CPU_BF16 and device.type == "cpu" and cpu_bf16()
-                    and os.environ.get(BF16_VARIABLE, "1") != "0")
-    plan = _sized(req, plan, teacher, student, train, seconds, device)
+                    batch_size=req.batch_size)
+    plan = _sized(req, plan, teacher, student, train, seconds, torch.device(device or req.device))
     plan.layer_batch = -(-plan.layer_batch // req.batch_size) * req.batch_size  # whole end-to-end batches
     return plan
 
@@ -98,6 +95,7 @@ def _sized(req: ShrinkRequest, plan, teacher, student, train: torch.Tensor, seco
     and the layer-wise steps and batch (a step timed on `device`)."""
     from ..heal.plan import EVERY_VALUE_LR, MIN_LAYER_STEPS
     from ..models.adapters import attnlab_modules
+    from ..runtime.environment import cpu_bf16
 
     mods = attnlab_modules(student)
     codes_only = all(s.kv_values_per_token >= t.kv_values_per_token for s, t in zip(mods, attnlab_modules(teacher)))
@@ -106,9 +104,11 @@ def _sized(req: ShrinkRequest, plan, teacher, student, train: torch.Tensor, seco
         # the student starts near the teacher, where 3e-4 doubled the end-to-end loss in 8 steps (issue hold), and
         # where bf16's rounding is not small beside what the heal corrects (CPU_BF16): float32 on the CPU
         plan.probe, share, plan.lr = PROBE_SHARE, 1.0 - PROBE_SHARE, EVERY_VALUE_LR
-        plan.bf16 = False
     else:
         plan.layer_inputs, plan.lr = LOW_RANK_INPUTS, AFTER_LAYERS_LR
+    # a plan that cuts rank, on a CPU that multiplies bf16 natively, heals in bf16 unless ATTNLAB_CPU_BF16=0 (CPU_BF16)
+    plan.bf16 = CPU_BF16 and not codes_only and device.type == "cpu" and cpu_bf16() and \
+        os.environ.get(BF16_VARIABLE, "1") != "0"
     if req.layer_steps is not None:
         plan.layer_steps = req.layer_steps
         return plan
