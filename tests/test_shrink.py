@@ -786,11 +786,12 @@ def test_a_plan_that_keeps_every_value_heals_end_to_end_first_with_a_probe(tiny)
 
 
 @pytest.mark.parametrize("native", [False, True])
-def test_a_cpu_heal_plan_runs_in_bf16_where_the_cpu_multiplies_it_natively(tiny, monkeypatch, native):
-    """heal_plan sets HealPlan.bf16 for a CPU heal of a plan that cuts rank where runtime.environment.cpu_bf16 says
-    the CPU multiplies bf16 natively (and CPU_BF16 is on), and times its layer step under that autocast: the step's
-    projections return bf16, seen by a hook on the copy it times (deep copies keep forward hooks). A plan that keeps
-    every value heals in float32 there too."""
+def test_a_cpu_heal_plan_runs_in_bf16_where_asked_and_the_cpu_multiplies_it_natively(tiny, monkeypatch, native):
+    """heal_plan sets HealPlan.bf16 for a CPU heal of a plan that cuts rank where it is asked for (CPU_BF16, or
+    ATTNLAB_CPU_BF16=1, which outranks it either way) and runtime.environment.cpu_bf16 says the CPU multiplies bf16
+    natively, and times its layer step under that autocast: the step's projections return bf16, seen by a hook on the
+    copy it times (deep copies keep forward hooks). By default (CPU_BF16 off) the heal is float32, and a plan that
+    keeps every value heals in float32 whatever is asked."""
     import copy
     import importlib
 
@@ -803,19 +804,24 @@ def test_a_cpu_heal_plan_runs_in_bf16_where_the_cpu_multiplies_it_natively(tiny,
     cut = copy.deepcopy(teacher)
     hf.convert_model(cut, "mla", latent_dim=12, rope_dim=4)
     monkeypatch.setattr(environment, "cpu_bf16", lambda cpuinfo=None: native)
+    monkeypatch.delenv(hp.BF16_VARIABLE, raising=False)
     seen = set()
     linear = next(m for m in hf.attnlab_modules(cut)[0].modules() if isinstance(m, torch.nn.Linear))
     linear.register_forward_hook(lambda m, i, out: seen.add(out.dtype))
     req = ShrinkRequest(source="x", kv_budget="25%", out="o", seq_len=T)
+    assert hp.CPU_BF16 is False and hp.heal_plan(req, teacher, cut, train, 300.0).bf16 is False  # the default
+    assert seen == {torch.float32}
+    monkeypatch.setenv(hp.BF16_VARIABLE, "1")  # asked for: bf16 where the CPU has it
+    seen.clear()
     plan = hp.heal_plan(req, teacher, cut, train, 300.0)
     assert plan.bf16 is native and seen == {torch.bfloat16 if native else torch.float32}
     every = copy.deepcopy(teacher)  # every value kept (only codes differ): float32 whatever the CPU
     hf.convert_model(every, "mla", latent_dim=32, rope_dim=32, pair_selection="rorope")
     assert hp.heal_plan(req, teacher, every, train, 300.0).bf16 is False
-    monkeypatch.setenv(hp.BF16_VARIABLE, "0")  # ATTNLAB_CPU_BF16=0: float32 on any CPU
-    assert hp.heal_plan(req, teacher, cut, train, 300.0).bf16 is False
     monkeypatch.delenv(hp.BF16_VARIABLE)
-    monkeypatch.setattr(hp, "CPU_BF16", False)
+    monkeypatch.setattr(hp, "CPU_BF16", True)  # on in the code
+    assert hp.heal_plan(req, teacher, cut, train, 300.0).bf16 is native
+    monkeypatch.setenv(hp.BF16_VARIABLE, "0")  # ATTNLAB_CPU_BF16=0: float32 on any CPU
     assert hp.heal_plan(req, teacher, cut, train, 300.0).bf16 is False
 
 
