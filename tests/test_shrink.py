@@ -786,15 +786,18 @@ def test_a_plan_that_keeps_every_value_heals_end_to_end_first_with_a_probe(tiny)
 
 
 @pytest.mark.parametrize("native", [False, True])
-def test_a_cpu_heal_plan_runs_in_bf16_where_asked_and_the_cpu_multiplies_it_natively(tiny, monkeypatch, native):
-    """heal_plan sets HealPlan.bf16 for a CPU heal of a plan that cuts rank where it is asked for (CPU_BF16, or
-    ATTNLAB_CPU_BF16=1, which outranks it either way) and runtime.environment.cpu_bf16 says the CPU multiplies bf16
-    natively, and times its layer step under that autocast: the step's projections return bf16, seen by a hook on the
-    copy it times (deep copies keep forward hooks). By default (CPU_BF16 off) the heal is float32, and a plan that
-    keeps every value heals in float32 whatever is asked."""
+def test_a_cpu_heal_plan_runs_in_bf16_where_the_time_binds_and_the_cpu_multiplies_it_natively(tiny, monkeypatch,
+                                                                                             native):
+    """heal_plan sets HealPlan.bf16 for a CPU heal of a plan that cuts rank where runtime.environment.cpu_bf16 says the
+    CPU multiplies bf16 natively and the time binds the layer-wise phase (its few-steps schedule, batches of 4 at
+    FEW_STEPS_LR), and then times its layer step under that autocast: the step's projections return bf16, seen by a
+    hook on the copy it times (deep copies keep forward hooks). Where the whole schedule fits (batches of 8) the heal
+    is float32; ATTNLAB_CPU_BF16=1 asks for bf16 there too, =0 never, CPU_BF16 off only where asked; a plan that keeps
+    every value heals in float32 whatever is asked."""
     import copy
     import importlib
 
+    from attnlab.heal.plan import HealPlan
     from attnlab.shrink import heal_plan as hp
 
     environment = importlib.import_module("attnlab.runtime.environment")  # the package re-exports the function
@@ -809,20 +812,27 @@ def test_a_cpu_heal_plan_runs_in_bf16_where_asked_and_the_cpu_multiplies_it_nati
     linear = next(m for m in hf.attnlab_modules(cut)[0].modules() if isinstance(m, torch.nn.Linear))
     linear.register_forward_hook(lambda m, i, out: seen.add(out.dtype))
     req = ShrinkRequest(source="x", kv_budget="25%", out="o", seq_len=T)
-    assert hp.CPU_BF16 is False and hp.heal_plan(req, teacher, cut, train, 300.0).bf16 is False  # the default
-    assert seen == {torch.float32}
-    monkeypatch.setenv(hp.BF16_VARIABLE, "1")  # asked for: bf16 where the CPU has it
-    seen.clear()
-    plan = hp.heal_plan(req, teacher, cut, train, 300.0)
+
+    def planned(seconds, model=cut):
+        seen.clear()
+        return hp.heal_plan(req, teacher, model, train, seconds)
+
+    roomy, tight = planned(300.0), planned(1e-3)  # the tiny model: 100 steps of 8 fit 300 s; none fit 1 ms
+    assert (roomy.layer_batch, roomy.layer_lr, tight.layer_batch, tight.layer_lr) == (8, HealPlan().layer_lr, 4,
+                                                                                        hp.FEW_STEPS_LR)
+    assert roomy.bf16 is False and tight.bf16 is native
+    assert seen == ({torch.float32, torch.bfloat16} if native else {torch.float32})  # float32 timed, then bf16
+    monkeypatch.setenv(hp.BF16_VARIABLE, "1")  # asked for: bf16 whatever the schedule, timed so
+    plan = planned(300.0)
     assert plan.bf16 is native and seen == {torch.bfloat16 if native else torch.float32}
     every = copy.deepcopy(teacher)  # every value kept (only codes differ): float32 whatever the CPU
     hf.convert_model(every, "mla", latent_dim=32, rope_dim=32, pair_selection="rorope")
-    assert hp.heal_plan(req, teacher, every, train, 300.0).bf16 is False
-    monkeypatch.delenv(hp.BF16_VARIABLE)
-    monkeypatch.setattr(hp, "CPU_BF16", True)  # on in the code
-    assert hp.heal_plan(req, teacher, cut, train, 300.0).bf16 is native
+    assert planned(1e-3, every).bf16 is False
     monkeypatch.setenv(hp.BF16_VARIABLE, "0")  # ATTNLAB_CPU_BF16=0: float32 on any CPU
-    assert hp.heal_plan(req, teacher, cut, train, 300.0).bf16 is False
+    assert planned(1e-3).bf16 is False and seen == {torch.float32}
+    monkeypatch.delenv(hp.BF16_VARIABLE)
+    monkeypatch.setattr(hp, "CPU_BF16", False)
+    assert planned(1e-3).bf16 is False
 
 
 def test_cpu_bf16_reads_the_flags_line_of_cpuinfo():

@@ -57,8 +57,8 @@ class HealPlan:
     prompts: int = 8
     # both phases' steps (and a layer's check windows) under bf16 autocast on the CPU too (on CUDA they always are):
     # the weights, the optimizer, the teacher's layer targets and heal_model's evaluations stay float32. shrink sets it
-    # only where asked (shrink/heal_plan.py CPU_BF16, off, or ATTNLAB_CPU_BF16=1) for a plan that cuts rank on a CPU
-    # that multiplies bf16 natively (runtime.environment.cpu_bf16); heal_plan.py says what it measured
+    # for a plan that cuts rank on a CPU that multiplies bf16 natively (runtime.environment.cpu_bf16) where the time
+    # binds its layer-wise phase (shrink/heal_plan.py CPU_BF16 says what it measured)
     bf16: bool = False
 
     def check(self) -> None:

@@ -6,8 +6,8 @@ that can switch to the layer-wise phase; one cut to low rank heals layer-wise fi
 end to end at AFTER_LAYERS_LR. The layer-wise steps a layer are sized from one step of layer 0 timed on the
 teacher's hidden states, with a lower rate where few fit (FEW_STEPS_LR); once running, the layer-wise phase cuts its
 steps to the time it really has where they would not fit (heal.distill.Healer._fit_layers). On a CPU that multiplies
-bf16 natively a plan that cuts rank can heal in bf16, as on CUDA, and is then timed so (CPU_BF16: off by default;
-measured, it did not pay). shrink/pipeline.py calls heal_plan once, when the heal starts, and the run folder keeps
+bf16 natively a plan that cuts rank heals in bf16, as on CUDA, where the time binds its layer-wise phase (CPU_BF16),
+and is then timed so. shrink/pipeline.py calls heal_plan once, when the heal starts, and the run folder keeps
 the plan (a resumed run heals to the same plan).
 """
 from __future__ import annotations
@@ -55,15 +55,18 @@ LOW_RANK_INPUTS = "student"
 # judge text (0.224/0.246/0.334 -> 0.216/0.212/0.318) and development text (0.537/0.368/0.310 -> 0.489/0.327/0.265).
 AFTER_LAYERS_LR = 1e-4
 # Whether a CPU heal of a plan that cuts rank runs its steps under bf16 autocast (HealPlan.bf16) where the CPU
-# multiplies bf16 natively (runtime.environment.cpu_bf16): off. Faster there (the 2-core AMD EPYC, avx512_bf16, torch
-# 2.13, SmolLM2 at 12.5%: a layer-wise step of 4 windows 0.105 s in float32, 0.073 s in bf16; an end-to-end step
-# 10.0 s against 6.2; benchmarks/heal_step.py), but measured under the protocol (docs/real-models.md, "bf16 heal
-# steps given back") it won nothing beyond the seeds' spread on the plain 12.5% command (1.299x, 1.584x against
-# float32's 1.305x, 1.596x) and lost on the worst text with the user's text: seed 2's layer-wise phase ended every
-# layer from the fourth on 1.3-5x farther from the teacher than float32's (KL 0.309 against 0.217), Python docs 1.634x
-# against 1.364x. A plan that keeps every value heals in float32 whatever this says (its student starts within bf16's
-# rounding of the teacher). ATTNLAB_CPU_BF16=1 in the environment turns it on (to measure it), =0 off.
-CPU_BF16 = False
+# multiplies bf16 natively (runtime.environment.cpu_bf16) and the time binds its layer-wise phase (the few-steps
+# schedule, FEW_STEPS_LR: sized from a float32 step, then from a bf16 one). Measured on the 2-core AMD EPYC
+# (avx512_bf16), torch 2.13, SmolLM2 at 12.5%, alone (docs/real-models.md, "bf16 heal steps where the time binds"):
+# a layer-wise step 1.4x faster, an end-to-end step 1.6x (benchmarks/heal_step.py); the plain 10-minute command's
+# heal, 41-48 steps a layer in bf16 against 25-31 in float32, lower on every text in every seed (median 1.299x
+# against 1.336x, worst 1.584x against 1.632x). Where the whole schedule (100 steps of 8 at 3e-3) fits in float32, as
+# with the user's text in 30 minutes, bf16 only buys end-to-end steps, and there it lost seed 2: every layer from the
+# fourth ended its steps 1.3-5x farther from the teacher, Python docs 1.634x against float32's 1.364x. A plan that
+# keeps every value heals in float32 (its student starts within bf16's rounding of the teacher).
+# ATTNLAB_CPU_BF16=1 in the environment asks for bf16 steps whatever the schedule, =0 keeps a heal float32 (to
+# compare with float32 runs: the torchrun tests hold a job to one process's float32 sums).
+CPU_BF16 = True
 BF16_VARIABLE = "ATTNLAB_CPU_BF16"
 
 
@@ -107,27 +110,21 @@ def _sized(req: ShrinkRequest, plan, teacher, student, train: torch.Tensor, seco
         plan.probe, share, plan.lr = PROBE_SHARE, 1.0 - PROBE_SHARE, EVERY_VALUE_LR
     else:
         plan.layer_inputs, plan.lr = LOW_RANK_INPUTS, AFTER_LAYERS_LR
-    # a plan that cuts rank, on a CPU that multiplies bf16 natively, heals in bf16 where CPU_BF16 or ATTNLAB_CPU_BF16
-    # says so (the variable first: "1" on, "0" off)
-    wanted = {"1": True, "0": False}.get(os.environ.get(BF16_VARIABLE, ""), CPU_BF16)
-    plan.bf16 = wanted and not codes_only and device.type == "cpu" and cpu_bf16()
+    # bf16 steps on a CPU that multiplies bf16 natively, for a plan that cuts rank: ATTNLAB_CPU_BF16=1 asks for them
+    # whatever the schedule, =0 never; else (CPU_BF16) where the time binds the layer-wise phase (below)
+    asked = os.environ.get(BF16_VARIABLE, "")
+    native = not codes_only and device.type == "cpu" and cpu_bf16()
+    plan.bf16 = native and asked == "1"
     if req.layer_steps is not None:
         plan.layer_steps = req.layer_steps
         return plan
     m = copy.deepcopy(mods[0]).to(device).train()
     cuda = device.type == "cuda"
-    bf16 = cuda or plan.bf16  # the heal's autocast (distill.Healer)
 
     def drained():  # CUDA runs a kernel after its call returns: a reading waits for the queue
         if cuda:
             torch.cuda.synchronize(device)
         return time.perf_counter()
-
-    def timed(fn, n=2):
-        t0 = drained()
-        for _ in range(n):
-            fn()
-        return (drained() - t0) / n
 
     from ..models.evaluate import attention_inputs
 
@@ -138,19 +135,30 @@ def _sized(req: ShrinkRequest, plan, teacher, student, train: torch.Tensor, seco
     # four rows of the teacher's hidden states, not random ones: random inputs of unit variance cost the step 2.5
     # times what real ones do on SmolLM2 here (0.20 s against 0.08), which sized 11 steps a layer where 40 fit
     x = first.reshape(1, train.shape[1], -1).to(device, m._anchor.dtype).expand(4, -1, -1).contiguous()
-
-    def step():  # as the heal's layer-wise step computes (heal.distill: bf16 autocast on CUDA and where plan.bf16)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-            out = m(x, is_causal=True)
-        out.float().pow(2).mean().backward()
-
-    step()  # the first call allocates: not what a step costs
-    step4 = timed(step) * 1.3  # + the optimizer and the target
     layer_time = share * seconds - window * plan.layer_windows
-    steps8 = layer_time / max(2 * step4 * len(mods), 1e-9)
-    if steps8 >= 50:
-        plan.layer_batch, plan.layer_steps = 8, int(min(100, steps8))
-    else:
-        plan.layer_batch, plan.layer_lr = 4, FEW_STEPS_LR
-        plan.layer_steps = int(max(MIN_LAYER_STEPS, min(60, layer_time / max(step4 * len(mods), 1e-9))))
+
+    def schedule(bf16: bool) -> tuple[int, int, float]:
+        """(layer_batch, layer_steps, layer_lr) from a step timed under the heal's autocast (on CUDA, or bf16)."""
+        def step():  # as the heal's layer-wise step computes (heal.distill: bf16 autocast on CUDA and where plan.bf16)
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda or bf16):
+                out = m(x, is_causal=True)
+            out.float().pow(2).mean().backward()
+
+        step()  # the first call allocates: not what a step costs
+        t0 = drained()
+        for _ in range(2):
+            step()
+        step4 = (drained() - t0) / 2 * 1.3  # + the optimizer and the target
+        steps8 = layer_time / max(2 * step4 * len(mods), 1e-9)
+        if steps8 >= 50:
+            return 8, int(min(100, steps8)), plan.layer_lr
+        return 4, int(max(MIN_LAYER_STEPS, min(60, layer_time / max(step4 * len(mods), 1e-9)))), FEW_STEPS_LR
+
+    sizes = schedule(plan.bf16)
+    if native and not plan.bf16 and asked != "0" and CPU_BF16 and sizes[0] == 4:
+        # the time binds the phase (its few-steps schedule): bf16 buys steps there, where it is kept if it still does
+        faster = schedule(True)
+        if faster[0] == 4:
+            sizes, plan.bf16 = faster, True
+    plan.layer_batch, plan.layer_steps, plan.layer_lr = sizes
     return plan
