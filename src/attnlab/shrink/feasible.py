@@ -6,9 +6,9 @@ are shrink/sizes.py's. Notation as there: L layers, G KV heads, d head size, V =
 """
 from __future__ import annotations
 
-from .sizes import (KEPT_STORAGES, LLAMA_CPP_CACHE, STORAGES, KVBudget, Layout, fit, fixed_rows_bytes,
-                    layer_bytes, layers_bytes, layouts, llama_cpp_pair, native_code, original_bytes, original_sizes,
-                    spread_context, storage_ok, values_for)
+from .sizes import (LLAMA_CPP_CACHE, STORAGES, KVBudget, Layout, fit, fixed_rows_bytes, kept_storages, layer_bytes,
+                    layers_bytes, layouts, llama_cpp_pair, native_code, original_bytes, original_sizes, spread_context,
+                    storage_ok, values_for)
 
 MIN_WHOLE_LATENT = 8  # the smallest latent (values) a keys-whole candidate is given
 
@@ -151,7 +151,7 @@ def _options(teacher, budget: KVBudget, budget_bytes: float, original: float, fm
             raise ValueError(f"no converted plan fits a GGUF of {kind}: its per-head key norms keep the original "
                              "attention")
         options = []
-        for lay in layouts(teacher, budget_bytes, context, fmt, [s for s in KEPT_STORAGES if s in storages]):
+        for lay in layouts(teacher, budget_bytes, context, fmt, kept_storages(storages)):
             per_storage = _keys_whole_storages(lay.counted(context), V, whole, lay.room, storages, spread)
             if per_storage:
                 options.append((lay, per_storage))
@@ -161,7 +161,7 @@ def _options(teacher, budget: KVBudget, budget_bytes: float, original: float, fm
             hint = "; --context counts a sliding layer by its window" if context is None and slides else ""
             # over every layout some budget allows (the original's bytes: any kept storage fits under them), the one
             # whose smallest rows, with what its kept layers take, come to the fewest bytes
-            kept = [s for s in KEPT_STORAGES if s in storages]
+            kept = kept_storages(storages)
             least = min(layouts(teacher, original, context, fmt, kept), key=lambda lay: lay.kept_bytes + min(
                 layers_bytes(MIN_WHOLE_LATENT, whole, s, lay.counted(context), spread) for s in storages))
             smallest = _smallest(MIN_WHOLE_LATENT, whole, storages, least.counted(context), spread, original,
