@@ -124,12 +124,12 @@ def test_without_a_context_or_a_global_layer_every_layer_is_converted():
 
 
 def test_the_kept_layers_take_4_bit_groups_where_the_request_names_them():
-    """The kept layers' cache may be in 4-bit groups where the request names them (`--kv-dtype int4/g32`), not in
-    the plain command's storages. Their bytes are counted by hand: a sliding layer holds window_rows(4, 128) = 8 rows, each G
-    heads of K and of V, a head's 24 values in 4 bits (12 bytes) beside one float16 scale and minimum (its group of
-    32 covers the head), spread over the context; the room that frees goes to the global layers (as many values or
-    more in every storage than with the cache in int8, more in some). A plan keeping them so, applied, measures its
-    bytes as planned and quantises the kept layers' K and V in its forward."""
+    """The kept layers' cache may be in 4-bit groups where the request names them (`--kv-dtype int4/g32`), not in the
+    plain command's storages. Their bytes are counted by hand: a sliding layer holds window_rows(4, 128) = 8 rows,
+    each G heads of K and of V, a head's 24 values in 4 bits (12 bytes) beside one float16 scale and minimum (its
+    group of 32 covers the head), spread over the context; the room that frees goes to the global layers (as many
+    values or more in every storage than with the cache in int8, more in some). A plan keeping them so, applied,
+    measures its bytes as planned and quantises the kept layers' K and V in its forward."""
     from attnlab.shrink.sizes import STORAGES, kept_storages
 
     assert kept_storages(STORAGES) == ["bf16", "int8"]
