@@ -78,14 +78,13 @@ def main() -> None:
         h = Healer(teacher, student, windows, plan, progress=lambda info: seen.append(info))
         return h, seen
 
-    def layer_turn(bf16: bool) -> list[float]:
-        h, seen = healer(bf16, True)
-        h.run(minutes=args.layer_minutes)
-        return [4 * 256 / i["tokens_per_s"] for i in seen][1:]  # the layer's first step computes its inputs
-
-    def e2e_turn(bf16: bool) -> list[float]:
-        h, seen = healer(bf16, False)
-        h.run()
+    def step_turn(bf16: bool, layer: bool) -> list[float]:
+        h, seen = healer(bf16, layer)
+        if layer:
+            h.run(minutes=args.layer_minutes)
+        else:
+            h.run()
+        # the first step left out: a layer's computes its inputs, the first end-to-end one allocates
         return [4 * 256 / i["tokens_per_s"] for i in seen][1:]
 
     a, b = torch.randn(4 * 256, 576), torch.randn(576, 1536)
@@ -101,7 +100,9 @@ def main() -> None:
         return out
 
     rows = []
-    for what, turn in (("product", product_turn), ("layer-wise step", layer_turn), ("end-to-end step", e2e_turn)):
+    turns = (("product", product_turn), ("layer-wise step", lambda bf16: step_turn(bf16, True)),
+             ("end-to-end step", lambda bf16: step_turn(bf16, False)))
+    for what, turn in turns:
         got = {False: [], True: []}
         for _ in range(args.turns):
             for bf16 in (False, True):

@@ -552,7 +552,7 @@ def part_plot(path: Path = HERE / "protocol.png") -> None:
         ax.set_xticks(list(xs), names, rotation=20, fontsize=8)
         title = re.sub(r"( --text \S+)+", " --text T", r["command"].split(" --out")[0].replace("attnlab shrink ", ""))
         share = r[f"bytes_at_{FAIR_CONTEXT}"] / r["original_bytes"]
-        ax.set_title(f"{title}\n{share:.1%} of the bytes at {r.get('counted_at', FAIR_CONTEXT):,} tokens", fontsize=9)
+        ax.set_title(f"{title}\n{share:.1%} of the bytes at {r['counted_at']:,} tokens", fontsize=9)
     for row_axes in axes:
         row_axes[0].set_ylabel("perplexity / the original's")
     axes[0][0].legend(fontsize=7, loc="upper left")

@@ -150,8 +150,8 @@ def _options(teacher, budget: KVBudget, budget_bytes: float, original: float, fm
             kind = getattr(teacher.config, "model_type", "this model")
             raise ValueError(f"no converted plan fits a GGUF of {kind}: its per-head key norms keep the original "
                              "attention")
-        options = []
-        for lay in layouts(teacher, budget_bytes, context, fmt, kept_storages(storages)):
+        options, kept = [], kept_storages(storages)
+        for lay in layouts(teacher, budget_bytes, context, fmt, kept):
             per_storage = _keys_whole_storages(lay.counted(context), V, whole, lay.room, storages, spread)
             if per_storage:
                 options.append((lay, per_storage))
@@ -161,7 +161,6 @@ def _options(teacher, budget: KVBudget, budget_bytes: float, original: float, fm
             hint = "; --context counts a sliding layer by its window" if context is None and slides else ""
             # over every layout some budget allows (the original's bytes: any kept storage fits under them), the one
             # whose smallest rows, with what its kept layers take, come to the fewest bytes
-            kept = kept_storages(storages)
             least = min(layouts(teacher, original, context, fmt, kept), key=lambda lay: lay.kept_bytes + min(
                 layers_bytes(MIN_WHOLE_LATENT, whole, s, lay.counted(context), spread) for s in storages))
             smallest = _smallest(MIN_WHOLE_LATENT, whole, storages, least.counted(context), spread, original,
