@@ -107,6 +107,8 @@ def main() -> None:
         for _ in range(args.turns):
             for bf16 in (False, True):
                 got[bf16] += turn(bf16)
+        if not got[False] or not got[True]:
+            raise SystemExit(f"no {what} was timed past its first: give it more time (--layer-minutes, --e2e-steps)")
         f32, b16 = statistics.median(got[False]), statistics.median(got[True])
         rows.append({"timing": what, "float32_s": f32, "bf16_s": b16, "ratio": f32 / b16,
                      "n": [len(got[False]), len(got[True])]})
