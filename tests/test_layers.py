@@ -3,7 +3,7 @@ the core is free of the extras, and every documented import path still works.
 
 The rule, from the bottom up (a package may import those on lower floors, never a higher one
 and never a sibling on its own floor):
-    kernels < modules < convert, io, runtime < study, models < generation < heal, bench < shrink < cli
+    kernels < modules < convert, io, runtime < study, models < generation, hf < heal, bench < shrink < cli
 Imports inside functions count as much as those at the top of a file: a lazy import that
 climbs is still a climb. `attnlab/moved.py` maps old names to new ones as strings, not imports.
 """
@@ -20,7 +20,7 @@ from attnlab.moved import MOVED
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "attnlab"
 ROOT = SRC.parent.parent
-FLOORS = [("kernels",), ("modules",), ("convert", "io", "runtime"), ("study", "models"), ("generation",),
+FLOORS = [("kernels",), ("modules",), ("convert", "io", "runtime"), ("study", "models"), ("generation", "hf"),
           ("heal", "bench"), ("shrink",), ("cli",)]
 RANK = {pkg: i for i, floor in enumerate(FLOORS) for pkg in floor}
 EXTRAS = ("transformers", "typer", "rich", "matplotlib", "triton", "gguf", "peft", "safetensors", "llama_cpp",
@@ -241,7 +241,7 @@ PINNED = {  # names scripts were written against before the layout of subpackage
                         "gqa_to_mla_decoupled", "selection_options", "probe_error", "ConversionReport"],
     "attnlab.decoupled": ["gqa_to_mla_decoupled", "selection_options", "ROPE_SELECTIONS"],
     "attnlab.usaaio": ["MyMHA", "MyGQA", "GQA_2_MLA", "reduced_matrices", "tiled_rank", "is_gqa_representable"],
-    "attnlab.hf": ["load_smollm2", "to_attnlab", "convert_model", "perplexity", "export_deepseek", "export_gguf"],
+    "attnlab.hf": ["KVCache"],
     "attnlab.models": ["load_smollm2", "load_model", "save_model", "to_attnlab", "convert_model", "perplexity",
                        "kv_bytes_per_token", "load_checkpoint", "export_deepseek", "export_gguf", "convert_checkpoint"],
     "attnlab.generate": ["generate", "sample", "filtered_probs", "check_sampling", "Generator"],

@@ -3,7 +3,7 @@
 Run them (`attnlab.modules`, its names re-exported here), convert between them
 (`attnlab.convert`), and explain them (`attnlab tour`). The subpackages are the
 layers of docs/architecture.md, each importing only those below it:
-kernels < modules < convert, io, runtime < study, models < generation < heal, bench < shrink < cli.
+kernels < modules < convert, io, runtime < study, models < generation, hf < heal, bench < shrink < cli.
 
 The names below and the subpackages are imported when first used (PEP 562), so that
 `import attnlab` and the command line's `--help` do not pay for torch until something needs it.
@@ -20,7 +20,7 @@ _NAMES = {  # name: the module that defines it
     "GroupedQueryAttention": "attnlab.modules.gqa", "MultiHeadAttention": "attnlab.modules.gqa",
     "MultiHeadLatentAttention": "attnlab.modules.mla", "RotaryEmbedding": "attnlab.modules.rope",
 }
-_SUBPACKAGES = ("kernels", "modules", "convert", "io", "runtime", "study", "models", "generation", "heal",
+_SUBPACKAGES = ("kernels", "modules", "convert", "io", "runtime", "study", "models", "generation", "hf", "heal",
                 "bench", "shrink", "cli")
 
 __all__ = list(_NAMES)

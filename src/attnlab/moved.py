@@ -1,6 +1,6 @@
-"""Old import paths, kept working: where each module of the flat layout (and `attnlab.hf`) lives now.
+"""Old import paths, kept working: where each module of the flat layout lives now.
 
-`import attnlab.gqa`, `from attnlab.decoupled import gqa_to_mla_decoupled`, `from attnlab.hf import ...`
+`import attnlab.gqa`, `from attnlab.decoupled import gqa_to_mla_decoupled`
 give the module at its new home (the same object, not a copy), imported only when asked for:
 an import hook installed by attnlab/__init__.py answers for the names in MOVED and for nothing else.
 The dependency rule (tests/test_layers.py) does not apply here: these are names, not imports.
@@ -37,7 +37,6 @@ MOVED = {
     "attnlab.cli_base": "attnlab.cli.base",
     "attnlab.cli_export": "attnlab.cli.export",
     "attnlab.cli_heal": "attnlab.cli.heal",
-    "attnlab.hf": "attnlab.models",
 }
 
 

