@@ -229,3 +229,41 @@ def test_smollm2_generates_in_transformers_what_attnlabs_loop_generates(smollm2,
                              pad_token_id=tok.eos_token_id, eos_token_id=None)
     assert torch.equal(got, want)
     assert kv_dtype == "int8" or not torch.equal(got, plain)  # 4 bits change the text: the codes were read
+
+
+def test_cli_eval_engine_transformers_scores_what_the_runner_scores(tmp_path, capsys):
+    """`attnlab eval --engine transformers`: the rows are TransformersRunner's perplexities over KVCache (the same
+    storage, the same chunks), the reference scored there too; bad combinations are one line, exit 2."""
+    pytest.importorskip("typer")
+    import json
+
+    from tiny_checkpoints import TEXT
+
+    from attnlab import models as hf
+    from attnlab.cli.app import main
+    from attnlab.hf import TransformersRunner
+    from attnlab.models.evaluate import score_windows
+
+    make_checkpoint("llama", tmp_path / "ck", max_position_embeddings=512, head_dim=32)
+    (tmp_path / "a.txt").write_text(TEXT * 2)
+    ck, out = str(tmp_path / "ck"), tmp_path / "rows.json"
+    argv = ["eval", ck, "--engine", "transformers", "--text", str(tmp_path / "a.txt"), "--reference", ck,
+            "--kv-dtype", "q4_0", "--window", "64", "--chunk", "16", "--json", str(out)]
+    assert main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "windows: 64 tokens, through the cache in chunks of 16 tokens, in transformers' forward over " \
+           "attnlab.hf.KVCache" in lines
+    got = json.loads(out.read_text())
+    model, tok, _ = hf.load_model(ck)
+    model = hf.from_attnlab(model)
+    ids = hf.read_text_ids(tok, tmp_path / "a.txt", 2048)
+    mine = score_windows(model, ids, 64, chunk=16, runner=TransformersRunner(model, "q4_0"))
+    ref = score_windows(model, ids, 64, chunk=16, runner=TransformersRunner(model))
+    assert got["engine"] == "transformers" and got["rows"][0]["perplexity"] == mine.perplexity
+    assert got["rows"][0]["reference_perplexity"] == ref.perplexity != mine.perplexity
+    for bad, said in ((["--engine", "vllm"], "--engine must be one of attnlab, transformers, got 'vllm'"),
+                      (["--engine", "transformers", "--kv-dtype", "kivi2"], "kivi2 is an evaluation baseline"),
+                      (["--engine", "transformers", "--one-forward"], "drop --one-forward")):
+        assert main(["eval", ck, "--text", str(tmp_path / "a.txt"), *bad]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and said in err[0], err

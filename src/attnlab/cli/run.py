@@ -9,6 +9,8 @@ import typer
 
 from .base import Busy, UsageProblem, positive
 
+ENGINES = ("attnlab", "transformers")
+
 
 def _numbers(option: str, text: str | None, kind):
     """A comma-separated list of ints or floats, or a UsageProblem naming the option and the value."""
@@ -69,7 +71,11 @@ def eval_(source: str = typer.Argument(..., help="A model (smollm2, gemma3-270m)
           passkey_depths: str = typer.Option("0.1,0.5,0.9", "--passkey-depths", help="Where the key line sits, "
                                              "as fractions of the filler (0 first, 1 last)."),
           passkey_trials: int = typer.Option(1, "--passkey-trials", help="Prompts (keys) per length and depth."),
-          seed: int = typer.Option(0, "--seed", help="Seed of the passkey prompts (keys, filler order).")):
+          seed: int = typer.Option(0, "--seed", help="Seed of the passkey prompts (keys, filler order)."),
+          engine: str = typer.Option("attnlab", "--engine", help="What runs the model: attnlab (its own loop "
+                                     "over attnlab's modules) or transformers (transformers' own forward and "
+                                     "generate over attnlab.hf.KVCache with the same storage; the original "
+                                     "attention only).")):
     """Perplexity of a causal model on texts (one row each, then the worst), its KV-cache bytes per token, and
     passkey retrieval.
 
@@ -80,15 +86,24 @@ def eval_(source: str = typer.Argument(..., help="A model (smollm2, gemma3-270m)
     Example: attnlab eval smollm2-mla256 --text /usr/share/common-licenses/GPL-3 --kv-dtype int8
     Example: attnlab eval smollm2 --reference smollm2 --kv-dtype q4_0 --window 4096 --text /usr/share/common-licenses/GPL-3 --text /usr/share/common-licenses/MPL-2.0 --json q4_0.json
     Example: attnlab eval smollm2 --passkey --passkey-lengths 2048,4096 --kv-dtype q4_0
+    Example: attnlab eval smollm2 --engine transformers --kv-dtype q4_0 --reference smollm2 --text A.txt --text B.txt
     """
     import json
 
     from .. import models as hf
+    from ..hf import TransformersRunner
     from ..io.folders import replace_file
     from ..models.evaluate import default_window, score_windows
     from ..modules.cache import check_kv_dtype
 
     fmt = check_kv_dtype(kv_dtype)  # before loading anything: one line naming the value and the choices
+    if engine not in ENGINES:
+        raise UsageProblem(f"--engine must be one of {', '.join(ENGINES)}, got {engine!r}")
+    if engine == "transformers" and through_cache is False:
+        raise UsageProblem("--engine transformers scores through its cache, as decoding reads it: drop --one-forward")
+    if engine == "transformers" and fmt is not None and fmt.evaluation_only:
+        raise UsageProblem(f"--kv-dtype {kv_dtype} is an evaluation baseline with no cache; --engine transformers "
+                           "reads a cache")
     texts = list(texts or [])
     if not texts and not passkey:
         raise UsageProblem("nothing to do: give --text FILE (repeat it for several) and/or --passkey")
@@ -138,6 +153,11 @@ def eval_(source: str = typer.Argument(..., help="A model (smollm2, gemma3-270m)
         storages = [kv_dtype] if kv_dtype is not None else [m.kv_dtype for m in hf.attnlab_modules(model)]
         kivi = [k for k in storages if k is not None and check_kv_dtype(k).evaluation_only]  # no cache to read
         cached = window > chunk and not kivi if through_cache is None else through_cache
+        stored = hf.kv_bytes_per_token(model, kv_dtype=kv_dtype)  # counted from attnlab's caches of that storage
+        sixteen = hf.kv_bytes_per_token(model, kv_dtype="bf16")
+        storage = storages[0]
+        if engine == "transformers":
+            cached, model = True, _in_transformers(model, source)
         if cached and kivi:
             raise UsageProblem(f"{source} stores its cache as {kivi[0]} (KIVI), which has no cache to score "
                                "through; use --one-forward")
@@ -145,9 +165,10 @@ def eval_(source: str = typer.Argument(..., help="A model (smollm2, gemma3-270m)
             raise UsageProblem(f"--passkey decodes through {source}'s cache, and {kivi[0]} (KIVI) has none")
         step = chunk if cached else None
 
-        def score(m, t, who, path):
+        def score(m, t, who, path, storage=None):
             n = len(hf.windows(t, window))
-            return score_windows(m, t, window, chunk=step, progress=lambda i: busy.update(
+            runner = None if engine == "attnlab" else TransformersRunner(m, storage)
+            return score_windows(m, t, window, chunk=step, runner=runner, progress=lambda i: busy.update(
                 f"{who}: scoring {path.name} ({t.shape[1]} tokens): window {i + 1} of {n}"))
 
         ref_scores = None
@@ -159,6 +180,8 @@ def eval_(source: str = typer.Argument(..., help="A model (smollm2, gemma3-270m)
                 ref_model, ref_tok, _ = hf.load_model(reference)
                 if hf.family(ref_model) != "llama":
                     raise UsageProblem(f"--reference {reference} is not a causal language model")
+                if engine == "transformers":
+                    ref_model = _in_transformers(ref_model, reference)
             for path, t in zip(texts, ids):
                 theirs = hf.read_text_ids(ref_tok, path, max_tokens, min_tokens=2) if ref_tok is not None else t
                 if tuple(theirs.shape) != tuple(t.shape) or bool((theirs != t).any()):
@@ -166,12 +189,12 @@ def eval_(source: str = typer.Argument(..., help="A model (smollm2, gemma3-270m)
                                        "perplexities of different tokens do not compare")
             ref_scores = [score(ref_model, t, reference, path) for path, t in zip(texts, ids)]
             del ref_model
-        if kv_dtype is not None:
+        if kv_dtype is not None and engine == "attnlab":
             hf.set_kv_dtype(model, kv_dtype)
-        scores = [score(model, t, source, path) for path, t in zip(texts, ids)]
+        scores = [score(model, t, source, path, storage) for path, t in zip(texts, ids)]
         report = None
         if passkey:
-            report = _run_passkey(model, tok, lengths, depths, passkey_trials, seed, busy)
+            report = _run_passkey(model, tok, lengths, depths, passkey_trials, seed, busy, engine, storage)
     rows = []
     for i, (path, s) in enumerate(zip(texts, scores)):
         row = {"text": str(path), "tokens": s.tokens, "scored": s.scored, "windows": s.windows,
@@ -181,7 +204,8 @@ def eval_(source: str = typer.Argument(..., help="A model (smollm2, gemma3-270m)
             row["ratio"] = s.perplexity / ref_scores[i].perplexity
         rows.append(row)
     worst = max(rows, key=lambda r: r["ratio" if ref_scores is not None else "perplexity"]) if rows else None
-    how = (f"through the cache in chunks of {chunk} tokens" if cached else "one forward per window")
+    how = (f"through the cache in chunks of {chunk} tokens" if cached else "one forward per window") + \
+        ("" if engine == "attnlab" else ", in transformers' forward over attnlab.hf.KVCache")
     if len(rows) == 1 and ref_scores is None:
         print(f"perplexity: {rows[0]['perplexity']:.4f}")
         print(f"tokens: {rows[0]['tokens']}")
@@ -197,28 +221,46 @@ def eval_(source: str = typer.Argument(..., help="A model (smollm2, gemma3-270m)
         _table(table)
     if rows:
         print(f"windows: {window} tokens, {how}")
-    stored, sixteen = hf.kv_bytes_per_token(model), hf.kv_bytes_per_token(model, kv_dtype="bf16")
     print(f"kv bytes per token: {stored} ({stored / sixteen:.1%} of its 16-bit cache, {sixteen})")
     if kv_dtype is not None:
         print(f"kv storage: {kv_dtype}")
     if report is not None:
         _print_passkey(report)
     if json_out is not None:
-        out = {"model": source, "reference": reference, "kv_dtype": kv_dtype, "window": window,
+        out = {"model": source, "reference": reference, "engine": engine, "kv_dtype": kv_dtype, "window": window,
                "max_tokens": max_tokens, "through_cache": cached, "chunk": chunk if cached else None,
                "kv_bytes_per_token": stored, "rows": rows, "worst": worst,
                "passkey": None if report is None else report.to_dict()}
         replace_file(json_out, (json.dumps(out, indent=2) + "\n").encode())
 
 
-def _run_passkey(model, tok, lengths, depths, trials, seed, busy):
-    """Passkey retrieval with attnlab's generation loop (greedy, through the model's cache and its kv_dtype)."""
+def _in_transformers(model, name: str):
+    """The model in transformers' own attention (models.adapters.from_attnlab), or a UsageProblem for a converted
+    one (an MLA runs in transformers as a DeepSeek-V3 export)."""
+    from .. import models as hf
+
+    kinds = {type(m).__name__ for m in hf.attnlab_modules(model)}
+    if kinds != {"GroupedQueryAttention"}:
+        raise UsageProblem(f"--engine transformers runs a model in its own attention; {name} holds "
+                           f"{', '.join(sorted(kinds))} layers (attnlab export --format deepseek writes one "
+                           "transformers runs)")
+    return hf.from_attnlab(model)
+
+
+def _run_passkey(model, tok, lengths, depths, trials, seed, busy, engine, storage):
+    """Passkey retrieval, greedy: attnlab's generation loop through the model's cache and its kv_dtype, or
+    transformers' generate over attnlab.hf.KVCache in `storage` (engine "transformers")."""
     from ..generation.loop import generate as run_generation
+    from ..hf import KVCache
     from ..models.passkey import run_passkey
 
     eos = getattr(model.generation_config, "eos_token_id", None) or getattr(tok, "eos_token_id", None)
 
     def decode(ids, n):
+        if engine == "transformers":
+            out = model.generate(ids, cache=KVCache(model, storage), max_new_tokens=n, do_sample=False,
+                                 eos_token_id=eos, pad_token_id=eos)
+            return out[0, ids.shape[1]:]
         return run_generation(model, ids, max_new_tokens=n, eos_token_id=eos)[0, ids.shape[1]:]
 
     return run_passkey(model, tok, lengths=lengths, depths=depths, trials=trials, seed=seed, decode=decode,
