@@ -16,7 +16,7 @@ from ..modules.cache import KVCache as _Rows
 from ..modules.storage import check_kv_dtype
 
 GROWTH = 64  # a full layer grows to what it needs plus a 64th of it (at least MIN_ROOM rows): bytes held <= 1.02x
-MIN_ROOM = 128
+MIN_ROOM = 16  # from about 1,000 tokens on; a reallocation copies the rows held, every 16 tokens at most
 
 
 class LayerShape:
@@ -179,6 +179,15 @@ class _KVCacheBase:
         _, layer_class = _classes()
         super().__init__(layers=[layer_class(kv_dtype, s, i) for i, s in enumerate(shapes)])
 
+    @classmethod
+    def from_pretrained(cls, folder, model=None):
+        """The cache a `attnlab shrink --format transformers` folder was planned for (its config.json's "attnlab"
+        entry). model: the model it will serve, refused in one line when its sizes are not the folder's."""
+        config, storage = _planned(folder)
+        if model is not None:
+            _check_same(text_config(model), config, folder)
+        return cls(config, storage)
+
     def crop(self, tokens_to_remove: int) -> None:
         """Forget the last -tokens_to_remove tokens in every layer, or in none (ValueError naming the layer that
         cannot: a sliding layer that dropped those rows)."""
@@ -197,6 +206,37 @@ class _KVCacheBase:
 
     def __repr__(self) -> str:
         return f"KVCache({self.model_type}, kv_dtype={self.kv_dtype!r}, tokens={self.get_seq_length()})"
+
+
+SIZES = ("model_type", "num_hidden_layers", "hidden_size", "num_key_value_heads", "vocab_size")
+
+
+def _planned(folder):
+    """(decoder config, storage) of a folder attnlab wrote with --format transformers; ValueError naming the folder."""
+    from pathlib import Path
+
+    from transformers import AutoConfig
+
+    from ..io.readers import read_json
+
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        raise ValueError(f"{folder} has no config.json: KVCache.from_pretrained reads a folder written by "
+                         "attnlab shrink --format transformers")
+    entry = read_json(path).get("attnlab")
+    if not isinstance(entry, dict) or entry.get("written_by") != "attnlab" or "kv_dtype" not in entry:
+        raise ValueError(f"{path} names no attnlab storage (no \"attnlab\" entry with a kv_dtype): write the folder "
+                         "with attnlab shrink --format transformers, or use KVCache(model, kv_dtype)")
+    return text_config(AutoConfig.from_pretrained(str(folder))), entry["kv_dtype"]
+
+
+def _check_same(model_config, folder_config, folder) -> None:
+    """ValueError naming both values when a model's sizes are not those of the folder the plan was written for."""
+    for name in SIZES:
+        mine, theirs = getattr(model_config, name, None), getattr(folder_config, name, None)
+        if mine != theirs:
+            raise ValueError(f"the cache planned in {folder} is for a model with {name} {theirs!r}; this model has "
+                             f"{mine!r}")
 
 
 @functools.cache
