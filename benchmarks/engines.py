@@ -1,7 +1,6 @@
-"""Each shrink output measured in the engine it is written for: a GGUF in the source's own architecture, healed for one
-of llama.cpp's cache types, scored by llama.cpp itself (llama-cpp-python) beside the untouched model with the same
-flags; a transformers folder healed for transformers' QuantizedCache, scored by transformers itself through that cache
-(benchmarks/hf_cache_ppl.py, a process that imports no attnlab) beside the untouched model with the same cache.
+"""Each GGUF shrink output measured in llama.cpp: a GGUF in the source's own architecture, healed for one of
+llama.cpp's cache types, scored by llama.cpp itself (llama-cpp-python) beside the untouched model with the same
+flags. (A transformers folder runs in transformers over attnlab.hf.KVCache: benchmarks/hf_kvcache.py.)
 
     python benchmarks/engines.py run --case smollm2-q4_0 --seed 0    # the plain command, then llama.cpp scores it
     python benchmarks/engines.py report                              # median and worst over seeds and texts
@@ -20,11 +19,6 @@ What llama.cpp runs, each with a fresh context per window and flash attention (w
 - `shrunk`: the shrink's output with the cache type;
 - `shrunk_q8_0`: the output after llama.cpp's own weight quantizer (llama_model_quantize, Q8_0), the cache type
   again, beside `untouched_q8_0` (the untouched model's Q8_0 copy, the same cache).
-For the transformers cases (smollm2-quanto2, smollm2-quanto4; optimum-quanto installed): the reference is the
-untouched model read from its GGUF by transformers, one forward per window with no cache; `untouched` and `shrunk`
-decode each window token by token through a fresh QuantizedCache of the report's cache_config (transformers keeps
-the newest 128 tokens unquantized; every older one is read back from its codes). The first HF_TOKENS (1,024) tokens
-of each protocol text, windows of 512: a token-by-token decode costs ~70 ms a step on this machine.
 Every GGUF is first de-quantized to F32 by llama.cpp itself (ALL_F32), so that the untouched and the shrunk models
 differ only in what the heal changed (the shrink rewrites the attention tensors it moved in F32 and keeps the rest
 as the source had it: SmolLM2's bundled file is Q4_1, and llama.cpp rounds a Q4_1 projection's input to 8 bits).
@@ -34,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -61,16 +54,7 @@ CASES = {  # name: (model, shrink arguments after the model, the engine's cache 
     # one its report names; issue eighth's fourth target, <= 1.25x)
     "smollm2-12-gguf": ("smollm2", ["--kv-budget", "12.5%", "--format", "gguf"], None,
                         "SmolLM2-135M at 12.5% of the bytes as an MLA GGUF, llama.cpp's cache type of its plan"),
-    "smollm2-quanto2": ("smollm2", ["--kv-budget", "16%", "--kv-dtype", "quanto2", "--format", "transformers"],
-                        "quanto2", "SmolLM2-135M for transformers' QuantizedCache, quanto 2-bit"),
-    "smollm2-quanto4": ("smollm2", ["--kv-budget", "30%", "--kv-dtype", "quanto4", "--format", "transformers"],
-                        "quanto4", "SmolLM2-135M for transformers' QuantizedCache, quanto 4-bit"),
 }
-HF_TOKENS = 1024  # tokens of each protocol text scored in transformers: decoded one token at a time (~70 ms a step)
-
-
-def in_transformers(case: str) -> bool:
-    return "transformers" in CASES[case][1]
 
 
 def rows() -> dict:
@@ -122,7 +106,7 @@ def part_run(case: str, seed: int, redo: bool) -> None:
         return
     if not row or redo or not Path(row.get("out", "")).exists():  # else: shrunk before, scoring cut short
         work = Path(tempfile.mkdtemp(prefix="attnlab-engines-"))
-        out = work / f"{case}-seed{seed}{'' if in_transformers(case) else '.gguf'}"
+        out = work / f"{case}-seed{seed}.gguf"
         command = argv(case, seed, str(out))
         row = {"case": case, "seed": seed, "what": what, "argv": command, "command": " ".join(command),
                "cache": cache, "out": str(out)}
@@ -137,8 +121,7 @@ def part_run(case: str, seed: int, redo: bool) -> None:
             save(key, row)
             raise SystemExit(f"shrink failed: {proc.stderr[-500:]}")
         report = json.loads(out.with_name(out.name + ".shrink.json").read_text())
-        row["report"] = {k: report.get(k) for k in ("kv_bytes_per_token", "llama_cpp", "transformers_cache", "written",
-                                                    "minutes", "work")}
+        row["report"] = {k: report.get(k) for k in ("kv_bytes_per_token", "llama_cpp", "written", "minutes", "work")}
         row["report"]["heal"] = {k: (report.get("heal") or {}).get(k) for k in ("probe", "kept", "distill_steps",
                                                                               "steps_done")}
         row["plan"] = (report.get("plan") or {}).get("chosen")
@@ -149,13 +132,6 @@ def part_run(case: str, seed: int, redo: bool) -> None:
     out = Path(row["out"])
     cache = row["cache"]
     work = out.parent
-    if in_transformers(case):
-        row["texts"] = scored_in_transformers(case, out, row["report"]["transformers_cache"]["cache_config"], work)
-        note_load(row, "load_after_scoring")
-        save(key, row)
-        shutil.rmtree(out, ignore_errors=True)  # a float32 copy of the model: 0.5 GB a seed
-        print(json.dumps({k: v for k, v in row.items() if k not in ("report", "stdout_tail")}, indent=2))
-        return
     teacher, tok, _ = hf.load_model(model_name)
     source = Path(teacher.attnlab_source)
     del teacher
@@ -168,49 +144,6 @@ def part_run(case: str, seed: int, redo: bool) -> None:
     note_load(row, "load_after_scoring")
     save(key, row)
     print(json.dumps({k: v for k, v in row.items() if k not in ("report", "stdout_tail")}, indent=2))
-
-
-def hf_scores(model: Path, ids_file: Path, cache: dict | None, work: Path, gguf_file: str | None = None) -> dict:
-    """{text: perplexity} from benchmarks/hf_cache_ppl.py in its own process (transformers alone, no attnlab)."""
-    result = work / f"scores-{time.monotonic_ns()}.json"
-    command = [sys.executable, str(HERE / "hf_cache_ppl.py"), "--model", str(model), "--ids", str(ids_file),
-               "--json", str(result), "--window", str(WINDOW), *(["--gguf-file", gguf_file] if gguf_file else []),
-               *(["--cache", json.dumps(cache)] if cache else [])]
-    proc = subprocess.run(command, capture_output=True, text=True, stdin=subprocess.DEVNULL)
-    if proc.returncode:
-        raise SystemExit(f"transformers scoring failed: {proc.stderr[-800:]}")
-    scores = json.loads(result.read_text())
-    if scores["attnlab_imported"]:
-        raise SystemExit("the transformers scorer imported attnlab: the measurement would not be transformers' alone")
-    return scores["perplexity"]
-
-
-def scored_in_transformers(case: str, out: Path, cache: dict, work: Path) -> dict:
-    """{text: {reference, untouched, shrunk}} in plain transformers: the untouched model read from its GGUF by
-    transformers (no cache: the reference; through the QuantizedCache: untouched), the shrink's folder through the
-    same cache. The untouched model's scores are the same for every seed: kept in the row untouched/CASE."""
-    from attnlab import models as hf
-
-    teacher, tok, _ = hf.load_model(CASES[case][0])
-    source = Path(teacher.attnlab_source)
-    del teacher
-    ids_file = work / "ids.json"
-    ids_file.write_text(json.dumps({t: text_ids(tok, t, HF_TOKENS).reshape(-1).tolist() for t in TEXTS}))
-    key = f"untouched/{case}"
-    base = rows().get(key)
-    if not base or base.get("cache") != cache or base.get("tokens") != HF_TOKENS:
-        base = {"cache": cache, "tokens": HF_TOKENS, "source": str(source)}
-        note_load(base, "load_before")
-        base["reference"] = hf_scores(source.parent, ids_file, None, work, source.name)
-        base["untouched"] = hf_scores(source.parent, ids_file, cache, work, source.name)
-        note_load(base, "load_after")
-        save(key, base)
-    shrunk = hf_scores(out, ids_file, cache, work)
-    texts = {t: {"reference": base["reference"][t], "untouched": base["untouched"][t], "shrunk": shrunk[t]}
-             for t in TEXTS}
-    for t, v in texts.items():
-        print(f"  {t:<12} " + "  ".join(f"{k} {x:.4f}" for k, x in v.items()), flush=True)
-    return texts
 
 
 def table(data: dict | None = None) -> list[dict]:
@@ -234,8 +167,7 @@ def table(data: dict | None = None) -> list[dict]:
                     ratios["shrunk_q8_0_over_shrunk"].append(p["shrunk_q8_0"] / p["shrunk"])
                     ratios["untouched_q8_0_over_untouched"].append(p["untouched_q8_0"] / p["untouched"])
         row = {"case": case, "what": CASES[case][3], "seeds": sorted(r["seed"] for r in runs),
-               "command": runs[0]["command"].replace(runs[0]["argv"][-1],
-                                                     "OUT" if in_transformers(case) else "OUT.gguf"),
+               "command": runs[0]["command"].replace(runs[0]["argv"][-1], "OUT.gguf"),
                "bytes": runs[0]["report"]["kv_bytes_per_token"],
                "heal_stood": [not r["report"]["heal"].get("kept") for r in runs],  # kept: the unhealed weights
                "rewritten": [len((r["report"].get("written") or {}).get("rewritten", [])) for r in runs]}

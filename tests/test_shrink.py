@@ -389,29 +389,30 @@ def test_a_gguf_budget_below_one_row_of_blocks_names_the_smallest(wide, tiny):
         plan(small, _ids(tok, text, 64), parse_budget("40%"), fmt="gguf", storages=("q4_0",), window=T)
 
 
-def test_transformers_plans_the_original_attention_in_quantized_cache_codes(wide):
-    """--format transformers: only the original attention, in each QuantizedCache code that fits (quanto4 takes 4 bits
-    and 2 x 16 bits per 64 values: 144 of 512 bytes here, 28.1%; quanto2 80, 15.6%); below both, one line naming the
-    smallest."""
+def test_transformers_plans_the_original_attention_in_kvcache_storages(wide):
+    """--format transformers: only the original attention, in each attnlab.hf.KVCache storage that fits (of 256
+    values a token, 512 bytes in 16 bits: q4_0 18 bytes a block of 32, 144; int3/g64 24 bytes and two float16 numbers
+    a group of 64, 112; int2/g32 8 bytes and two float16 numbers a group of 32, 96); below them all, one line naming
+    the smallest."""
     _, model, tok = wide
     cal = tok(TEXT * 10, return_tensors="pt").input_ids[:, :256]
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    result = plan(model, cal, parse_budget("30%"), fmt="transformers", storages=("quanto4", "quanto2"), window=T)
-    assert {c.kv_dtype: c.bytes_per_token for c in result.measured} == {"quanto4": 144, "quanto2": 80}
-    assert all(c.native for c in result.measured) and "QuantizedCache" in result.best.label()
-    only = plan(model, cal, parse_budget("20%"), fmt="transformers", storages=("quanto4", "quanto2"), window=T)
-    assert [c.kv_dtype for c in only.measured] == ["quanto2"]
+    storages = ("q4_0", "int3/g64", "int2/g32")
+    result = plan(model, cal, parse_budget("30%"), fmt="transformers", storages=storages, window=T)
+    assert {c.kv_dtype: c.bytes_per_token for c in result.measured} == {"q4_0": 144, "int3/g64": 112, "int2/g32": 96}
+    assert all(c.native for c in result.measured) and result.best.label().startswith("the original attention")
+    only = plan(model, cal, parse_budget("20%"), fmt="transformers", storages=storages, window=T)
+    assert [c.kv_dtype for c in only.measured] == ["int2/g32"]
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # the teacher came back as it was
     with pytest.raises(ValueError, match=r"below what --format transformers can hold: the original attention in "
-                                         r"transformers' QuantizedCache codes: the smallest, quanto2, takes 80 "
-                                         r"bytes/token \(15.6%\)"):
-        plan(model, cal, parse_budget("10%"), fmt="transformers", storages=("quanto4", "quanto2"), window=T)
+                                         r"attnlab.hf.KVCache's storages: the smallest, int2/g32, takes 96 "
+                                         r"bytes/token \(18.8%\)"):
+        plan(model, cal, parse_budget("10%"), fmt="transformers", storages=storages, window=T)
 
 
 @pytest.mark.parametrize("kw, message", [
-    (dict(storage="q4_0"), r"--kv-dtype for --format transformers is the QuantizedCache code the model is healed for: "
-                           r"auto, quanto4, quanto2 \(quanto backend, 4 or 2 bits\); got 'q4_0'$"),
-    (dict(storage="hqq4"), r"got 'hqq4'; transformers' hqq and fp8 backends are not healed for yet"),
+    (dict(storage="quanto4"), r"--kv-dtype for --format transformers is the attnlab.hf.KVCache storage the model is "
+                              r"planned and healed for: auto, q8_0, .*; got 'quanto4'$"),
     (dict(latent_dim=8, rope_dim=8), r"keeps the original attention: --latent-dim/--rope-dim do not apply"),
     (dict(out="x.gguf"), r"--format transformers writes a folder: --out x.gguf ends in .gguf")])
 def test_transformers_requests_that_cannot_be_met_are_refused_before_any_work(tiny, tmp_path, kw, message):
@@ -424,19 +425,27 @@ def test_transformers_requests_that_cannot_be_met_are_refused_before_any_work(ti
 
 def test_transformers_folder_loads_without_attnlab_and_names_its_cache(wide, tiny, tmp_path):
     """The shrink's folder is the source's class (save_pretrained): transformers alone loads it, in a process that
-    never imports attnlab, and computes what attnlab computes from it; generation_config.json asks for the
-    QuantizedCache the heal went through, as the report says."""
+    never imports attnlab, and computes what attnlab computes from it; its config names the KVCache storage the plan
+    chose, which KVCache.from_pretrained makes, and a model of other sizes is refused."""
+    from transformers import LlamaConfig
+
+    from attnlab.hf import KVCache
+
     folder = wide[0]
     _, _, _, text, held = tiny
     out = tmp_path / "tf"
     report = shrink(_req(folder, out, kv_budget="30%", fmt="transformers", text=[str(text)], eval_text=[str(held)]))
-    assert report["plan"]["chosen"]["kv_dtype"] == "quanto4" and report["runs_in"]["engine"] == "transformers"
-    cache = report["transformers_cache"]["cache_config"]
-    assert cache == {"backend": "quanto", "nbits": 4, "axis_key": 0, "axis_value": 0, "q_group_size": 64,
-                     "residual_length": 128}
-    assert json.loads((out / "generation_config.json").read_text())["cache_config"] == cache
+    chosen = report["plan"]["chosen"]["kv_dtype"]
+    assert report["runs_in"]["engine"] == "transformers" and report["transformers_cache"]["kv_dtype"] == chosen
+    assert json.loads((out / "config.json").read_text())["attnlab"] == {"written_by": "attnlab", "kv_dtype": chosen}
+    cache = KVCache.from_pretrained(out)
+    assert cache.kv_dtype == chosen and len(cache.layers) == 2
+    other = LlamaConfig(hidden_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+                        num_hidden_layers=3, vocab_size=wide[2].vocab_size)
+    with pytest.raises(ValueError, match=r"is for a model with num_hidden_layers 2; this model has 3"):
+        KVCache.from_pretrained(out, other)
     scored = {r["kv_dtype"] for r in report["baselines"]["rows"] if r["perplexity"] is not None}
-    assert "quanto4" in scored  # the untouched model with the same cache: the baseline the report compares with
+    assert scored  # the untouched model's caches at or above the bytes reached, scored beside it
     assert json.loads((tmp_path / "tf.shrink.json").read_text())["transformers_cache"] == report["transformers_cache"]
     ids = torch.arange(3, 40)[None]
     torch.save(ids, tmp_path / "ids.pt")
@@ -453,7 +462,8 @@ def test_transformers_folder_loads_without_attnlab_and_names_its_cache(wide, tin
     assert (got - expected).norm() <= 1e-5 * expected.norm()  # float32, the same model by two code paths
     source, _, _ = hf.load_model(str(folder))
     moved = [n for n, p in ours.state_dict().items() if not torch.equal(p, source.state_dict()[n])]
-    assert moved and all(".attn." in n for n in moved)  # the heal moved attention weights and nothing else
+    assert all(".attn." in n for n in moved)  # a heal moves attention weights and nothing else
+    assert bool(moved) == (not report["heal"].get("kept"))  # and moves some unless the guard gave it back
 
 
 # -- the pipeline ------------------------------------------------------------------------------------------

@@ -93,7 +93,7 @@ def shrink(source: str = typer.Argument(..., help="The model: smollm2, a transfo
                                    "(a DeepseekV3 folder) or gguf (one file llama.cpp runs: from a llama, qwen3 or "
                                    "gemma3 GGUF, the original attention healed for a llama.cpp cache type, in its own "
                                    "architecture, where that measures best; else deepseek2) or transformers (the "
-                                   "source's own class, save_pretrained, healed for transformers' QuantizedCache)."),
+                                   "source's own class, save_pretrained, planned for attnlab.hf.KVCache)."),
            kv_dtype: str = typer.Option("auto", "--kv-dtype", help="Cache storage: auto (attnlab's format may "
                                         "choose 8-bit or 2- to 6-bit latents when they measure better; a GGUF llama.cpp's "
                                         "f16, q8_0, q8_0 K with q4_0 V, q5_0 or q4_0 cache), bf16, int8, int2 to int7 "
@@ -104,7 +104,8 @@ def shrink(source: str = typer.Argument(..., help="The model: smollm2, a transfo
                                         "for --format gguf bf16 (llama.cpp's f16) or a llama.cpp cache type, q8_0, q5_0, "
                                         "q4_1, q4_0, or K and V apart as K,V (q8_0,q4_0: --cache-type-k q8_0 "
                                         "--cache-type-v q4_0; the original attention only); for --format "
-                                        "transformers quanto4 or quanto2 (QuantizedCache, quanto backend)."),
+                                        "transformers a storage of attnlab.hf.KVCache: q8_0, q8_0,q4_0, q5_0, "
+                                        "int4/g32, q4_0, iq4_nl, int3/g64, int2/g32."),
            latent_dim: Optional[int] = typer.Option(None, "--latent-dim", help="Skip the planner: this latent size "
                                                     "(with --rope-dim)."),
            rope_dim: Optional[int] = typer.Option(None, "--rope-dim", help="Skip the planner: this rope size."),

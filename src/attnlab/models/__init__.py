@@ -9,7 +9,7 @@
 - export.py    a converted model as a standard DeepSeek-V3 checkpoint (transformers loads it alone)
 - export_gguf.py  a converted model as a GGUF file llama.cpp runs (deepseek2)
 - export_native.py  a model that kept its attention's shape (healed for llama.cpp's cache codes) as its source GGUF
-- export_transformers.py  the same for transformers: the source's own class (save_pretrained), healed for its QuantizedCache
+- export_transformers.py  the same for transformers: the source's own class (save_pretrained), planned for attnlab.hf.KVCache
 - stream.py    convert a checkpoint folder layer by layer, in bounded memory
 """
 from .adapters import (FAMILIES, BertAttentionAdapter, LlamaAttentionAdapter, TransformersCache, attnlab_modules,
@@ -21,7 +21,7 @@ from .evaluate import (attention_inputs, kv_bytes_per_token, mean_pooled, perple
 from .export import add_latent_norm, add_latent_norms, check_deepseek_request, export_deepseek
 from .export_gguf import check_gguf_exportable, export_gguf, is_attnlab_gguf
 from .export_native import check_native, export_native
-from .export_transformers import export_transformers, quantized_cache_config
+from .export_transformers import export_transformers
 from .load import inspect_checkpoint, is_checkpoint, load_checkpoint
 from .store import LOADERS, MODEL_FORMAT, load_model, save_model, source_paths, sources_of
 from .stream import convert_checkpoint
@@ -32,5 +32,5 @@ __all__ = ["check_convertible", "keys_whole_rope_dim", "FAMILIES", "BertAttentio
            "perplexity", "read_text_ids", "sentence_embeddings", "set_kv_dtype", "sliding_context", "mean_pooled", "top1_agreement", "windows",
            "LOADERS", "MODEL_FORMAT", "load_model", "source_paths", "sources_of",
            "save_model", "add_latent_norm", "add_latent_norms", "check_deepseek_request", "export_deepseek",
-           "check_gguf_exportable", "export_gguf", "is_attnlab_gguf", "kv_fixed_bytes", "check_native", "export_native", "export_transformers", "quantized_cache_config",
+           "check_gguf_exportable", "export_gguf", "is_attnlab_gguf", "kv_fixed_bytes", "check_native", "export_native", "export_transformers",
            "inspect_checkpoint", "is_checkpoint", "load_checkpoint", "convert_checkpoint"]

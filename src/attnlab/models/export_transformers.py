@@ -1,14 +1,13 @@
-"""A transformers folder in the source's own architecture, healed for transformers' QuantizedCache.
+"""A transformers folder in the source's own architecture, planned and healed for an attnlab.hf.KVCache storage.
 
 `attnlab shrink --format transformers` keeps every attention layer's shape (the original attention, only its
-cache coded: shrink/plan.py's native candidates) and heals the weights through the codes of transformers'
-QuantizedCache (quanto backend: modules/lowbit.py's quanto4, quanto2). `export_transformers` writes such a
-model as the folder `save_pretrained` writes for its own class (LlamaForCausalLM, Qwen3ForCausalLM,
-Gemma3ForCausalLM, ...): `AutoModelForCausalLM.from_pretrained(OUT)` loads it with no attnlab import. The
-attnlab modules go back into transformers' attention layers with models.adapters.from_attnlab. Its
-generation_config.json names the cache it was healed for (cache_implementation "quantized" and the
-cache_config transformers passes to QuantizedCache), so that a plain `model.generate(...)` runs with it; the
-config's "attnlab" entry says who wrote it and for which cache. Written atomically (io.folders.write_folder).
+cache coded: shrink/plan.py's native candidates) and heals the weights through the codes of the storage it plans
+(shrink/sizes.py: TRANSFORMERS_CACHE). `export_transformers` writes such a model as the folder `save_pretrained`
+writes for its own class (LlamaForCausalLM, Qwen3ForCausalLM, Gemma3ForCausalLM, ...):
+`AutoModelForCausalLM.from_pretrained(OUT)` loads it with no attnlab import, and `attnlab.hf.KVCache.from_pretrained
+(OUT)` makes the cache it was planned for, from the config's "attnlab" entry (who wrote it, the storage). The
+attnlab modules go back into transformers' attention layers with models.adapters.from_attnlab. Written atomically
+(io.folders.write_folder).
 """
 from __future__ import annotations
 
@@ -16,20 +15,6 @@ import copy
 from pathlib import Path
 
 from .adapters import check_own_attention, family, from_attnlab
-
-RESIDUAL_LENGTH = 128  # transformers' QuantizedCache default: the newest tokens it keeps unquantised
-
-
-def quantized_cache_config(storage: str) -> dict:
-    """The cache_config of transformers' QuantizedCache that an attnlab storage ("quanto4", "quanto2") copies."""
-    from ..modules import lowbit
-
-    low = lowbit.QUANTO_FORMATS.get(storage)
-    if low is None:
-        raise ValueError(f"{storage!r} is not a transformers QuantizedCache code attnlab heals for: "
-                         f"{', '.join(lowbit.QUANTO_FORMATS)}")
-    return {"backend": "quanto", "nbits": low.bits, "axis_key": 0, "axis_value": 0, "q_group_size": low.group,
-            "residual_length": RESIDUAL_LENGTH}
 
 
 def check_transformers_export(model) -> None:
@@ -42,18 +27,16 @@ def check_transformers_export(model) -> None:
 
 def export_transformers(model, folder, tokenizer=None, *, force: bool = False, storage: str | None = None) -> dict:
     """Write an attnlab'd model whose attention kept its shape as a transformers folder (module docstring).
-    storage: the QuantizedCache code it was healed for (its cache_config goes into generation_config.json);
-    None: the default cache. Returns {"path", "architecture", "cache_config"}."""
+    storage: the KVCache storage it was planned for (config.json's "attnlab" entry); None: a plain cache.
+    Returns {"path", "architecture", "kv_dtype"}."""
     from ..io.folders import write_folder
+    from ..modules.storage import check_kv_dtype
     from .store import sources_of
 
     check_transformers_export(model)
-    cache = None if storage is None else quantized_cache_config(storage)
+    check_kv_dtype(storage)
     out = from_attnlab(copy.deepcopy(model))
-    out.config.attnlab = {"written_by": "attnlab", "cache_config": cache}
-    if cache is not None:
-        out.generation_config.cache_implementation = "quantized"
-        out.generation_config.cache_config = dict(cache)
+    out.config.attnlab = {"written_by": "attnlab", "kv_dtype": storage}
 
     def write(tmp: Path) -> None:
         out.save_pretrained(str(tmp))
@@ -62,4 +45,4 @@ def export_transformers(model, folder, tokenizer=None, *, force: bool = False, s
 
     path = write_folder(Path(folder), write, force=force, sources=sources_of(model),
                         info={"what": "transformers export"})
-    return {"path": str(path), "architecture": out.config.model_type, "cache_config": cache}
+    return {"path": str(path), "architecture": out.config.model_type, "kv_dtype": storage}

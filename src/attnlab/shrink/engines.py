@@ -24,14 +24,10 @@ def llama_cpp_cache(storage: str, native: bool = False) -> dict:
 
 
 def transformers_cache(storage: str | None) -> dict:
-    """How to run a --format transformers folder with the QuantizedCache it was healed for."""
-    from ..models.export_transformers import quantized_cache_config
-
-    config = quantized_cache_config(storage)
-    return {"cache_implementation": "quantized", "cache_config": config,
-            "note": "AutoModelForCausalLM.from_pretrained(OUT) (no attnlab import; needs optimum-quanto); its "
-                    "generation_config already asks generate() for QuantizedCache(" +
-                    ", ".join(f"{k}={v!r}" for k, v in config.items()) + ")"}
+    """How to run a --format transformers folder with the attnlab.hf.KVCache storage it was planned and healed for."""
+    return {"kv_dtype": storage,
+            "note": "model = AutoModelForCausalLM.from_pretrained(OUT); model.generate(..., "
+                    "cache=attnlab.hf.KVCache.from_pretrained(OUT)) (its cache in " + str(storage) + ")"}
 
 
 def runs_in(fmt: str, chosen: dict) -> dict:
@@ -47,9 +43,9 @@ def runs_in(fmt: str, chosen: dict) -> dict:
     if fmt == "transformers":
         cache = transformers_cache(chosen.get("kv_dtype"))
         return {"engine": "transformers", "how": cache["note"],
-                "scored_by": "attnlab's copy of transformers' QuantizedCache codes (quanto, checked against "
-                             "optimum-quanto and QuantizedCache: tests/test_transformers_cache.py) on every key and "
-                             "value; benchmarks/engines.py scores the folder in transformers itself"}
+                "scored_by": "attnlab's own loop through the same storage, which transformers' forward over "
+                             "attnlab.hf.KVCache computes to float64's rounding (tests/test_hf_cache.py); attnlab eval "
+                             "OUT --engine transformers scores the folder in transformers itself"}
     cache = llama_cpp_cache(chosen.get("kv_dtype") or "bf16", chosen.get("layers") == [])
     k, v = cache["cache_type_k"], cache["cache_type_v"]
     kind, flags = k if k == v else f"{k} K / {v} V", " " + cache["flags"] if cache["flags"] else ""

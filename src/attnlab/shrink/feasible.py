@@ -133,7 +133,7 @@ def _smallest_native(teacher, fmt: str, storages, context: int | None, original:
     least = min(sizes, key=sizes.get, default=None)
     if least is None:
         return ""
-    engine = "transformers' QuantizedCache codes" if fmt == "transformers" else "llama.cpp's cache types"
+    engine = "attnlab.hf.KVCache's storages" if fmt == "transformers" else "llama.cpp's cache types"
     return (f"the original attention in {engine}: the smallest, {least}, takes {sizes[least]:.0f} bytes/token "
             f"({sizes[least] / original:.1%})")
 

@@ -45,7 +45,7 @@ from ..runtime.budget import Budget, Stopped
 from ..runtime.environment import environment
 from .engines import llama_cpp_cache, runs_in, transformers_cache  # noqa: F401 (re-exported: their old home)
 from .heal_plan import FEW_STEPS_LR, LAYER_SHARE, PROBE_SHARE, heal_plan  # noqa: F401 (re-exported: their old home)
-from .plan import (LLAMA_CPP_CACHE, TRANSFORMERS_CACHE, Candidate, check_format, feasible, few_bit, keys_whole,
+from .plan import (LLAMA_CPP_CACHE, QUANTIZED_CACHE, Candidate, check_format, feasible, few_bit, keys_whole,
                    llama_cpp_types, parse_budget)
 # the request and its check live in request.py; re-exported here, their old home
 from .request import AUTO_STORAGES, ShrinkRequest, check_request, pinned, plan_count, storage_choices  # noqa: F401
@@ -309,7 +309,7 @@ def _shrink(req: ShrinkRequest, resume: bool, force: bool, budget: Budget | None
         show.phase("scoring the original with its cache quantized (llama.cpp types, KIVI), no training")
         state.data["report"]["baselines"] = _baselines(teacher, student, data["held"],
                                                        state.data["report"].get("heal", {}), req.context,
-                                                       TRANSFORMERS_CACHE if req.fmt == "transformers" else ())
+                                                       QUANTIZED_CACHE if req.fmt == "transformers" else ())
         state.save()
 
     # export
@@ -326,7 +326,7 @@ def _shrink(req: ShrinkRequest, resume: bool, force: bool, budget: Budget | None
         if req.fmt == "deepseek":
             hf.export_deepseek(student, out, tokenizer=None if Path(meta["base"]).is_dir() else tok,
                                force=force or resume)
-        elif req.fmt == "transformers":  # the source's own class, save_pretrained, healed for its QuantizedCache
+        elif req.fmt == "transformers":  # the source's own class, save_pretrained, and the KVCache storage
             from ..models.export_transformers import export_transformers
 
             report["written"] = export_transformers(student, out, tok, force=force or resume, storage=best.kv_dtype)
@@ -401,7 +401,7 @@ def _follow(req: ShrinkRequest, world, shard: bool, budget: Budget) -> None:
 def _baselines(teacher, student, held, heal: dict, context: int | None = None, extra: tuple = ()) -> dict:
     """shrink.baselines for the report: every baseline's bytes (at `context`, when the budget was counted there), the
     two cheapest at or above the student's scored on the held-out tokens the heal's final evaluation read (with its
-    window). extra: storages besides shrink.baselines.BASELINES (a transformers folder: QuantizedCache's codes, the
+    window). extra: storages besides shrink.baselines.BASELINES (a transformers folder: transformers' QuantizedCache codes, the
     untouched model with the same cache)."""
     from . import baselines
     from .sizes import planned_bytes, spread_context

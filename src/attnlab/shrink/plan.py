@@ -55,7 +55,7 @@ models/export_native.py), the original attention itself, every value kept and on
 in each of llama.cpp's cache types whose bytes fit (round 0, measured first; native_storages): the file is then the
 original's with the healed attention, run with `--cache-type-k/-v` of that type. A model with per-head q/k norms has
 no other GGUF plan. A transformers folder (`--format transformers`: models/export_transformers.py) holds only such
-plans, the original attention in each of transformers' QuantizedCache codes that fits (quanto4, quanto2).
+plans, the original attention in each storage of attnlab.hf.KVCache that fits (TRANSFORMERS_CACHE).
 
 A model with per-head q/k norms (Qwen3, Gemma 3) has one layout only, its keys whole (convert/decoupled.py):
 the rope key is every KV head's whole key (rope_dim G d, pairs by frequency, no RoRoPE, no BKV) and the
@@ -72,7 +72,7 @@ import torch
 from .feasible import (MIN_WHOLE_LATENT, check_format, feasible, holds_native, keys_whole,  # noqa: F401
                        native_sizes, native_storages, writes_native)
 from .sizes import (FEW_BIT, FORMATS, GGUF_STORAGES, KEPT_STORAGES, LLAMA_CPP_CACHE, NATIVE_CACHE,  # noqa: F401
-                    STORAGES, TRANSFORMERS_CACHE,
+                    QUANTIZED_CACHE, STORAGES, TRANSFORMERS_CACHE,
                     KVBudget, Layout, bytes_per_token, few_bit, fit, fixed_rows_bytes, layer_bytes,
                     latent_bits, layers_bytes, layouts, llama_cpp_pair,
                     llama_cpp_types, native_code, original_bytes, original_sizes, parse_budget, planned_bytes,
@@ -125,8 +125,7 @@ class Candidate:
 
     def label(self) -> str:
         if self.native:
-            engine = "transformers' QuantizedCache (quanto)" if self.kv_dtype in TRANSFORMERS_CACHE else "llama.cpp's"
-            return f"the original attention, its cache in {engine} {self.kv_dtype}"
+            return f"the original attention, its cache in {self.kv_dtype}"
         n = 0 if self.layers is None else len(self.layers)
         kept = "" if self.layers is None else f" in {n} global layer{'s' * (n != 1)}, the sliding ones kept in " \
             f"{self.kept_dtype}"

@@ -62,12 +62,10 @@ def check_request(req: ShrinkRequest) -> None:
         raise ValueError(f"--kv-dtype for --format gguf is the llama.cpp cache type the model is planned and healed "
                          f"for: auto, bf16 (llama.cpp's f16 cache), {', '.join(LLAMA_CPP_CACHE)}, or K and V apart as "
                          f"'q8_0,q4_0' (--cache-type-k q8_0 --cache-type-v q4_0); got {req.storage!r}")
-    if req.storage not in ("auto", *TRANSFORMERS_CACHE) and req.fmt == "transformers":
-        hqq = "; transformers' hqq and fp8 backends are not healed for yet" if req.storage.startswith(("hqq", "fp8")) \
-            else ""
-        raise ValueError(f"--kv-dtype for --format transformers is the QuantizedCache code the model is healed for: "
-                         f"auto, {', '.join(TRANSFORMERS_CACHE)} (quanto backend, 4 or 2 bits); got "
-                         f"{req.storage!r}{hqq}")
+    if req.storage != "auto" and req.fmt == "transformers" and not storage_ok(req.storage, "transformers"):
+        raise ValueError(f"--kv-dtype for --format transformers is the attnlab.hf.KVCache storage the model is "
+                         f"planned and healed for: auto, {', '.join(TRANSFORMERS_CACHE)}, or a K/V pair of "
+                         f"llama.cpp's types; got {req.storage!r}")
     if req.fmt == "transformers" and req.latent_dim is not None:
         raise ValueError("--format transformers keeps the original attention: --latent-dim/--rope-dim do not apply")
     if req.fmt == "transformers" and str(req.out).endswith(".gguf"):

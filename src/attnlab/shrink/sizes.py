@@ -40,15 +40,17 @@ LLAMA_CPP_CACHE = ("q8_0", "q5_0", "q4_1", "q4_0")
 # llama.cpp also takes K and V in different types (--cache-type-k q8_0 --cache-type-v q4_0: "q8_0,q4_0" here), for the
 # original attention only (deepseek2's one latent row lives in its K cache); auto plans the pair users most often pick
 GGUF_STORAGES = ("bf16", "q8_0", "q8_0,q4_0", "q5_0", "q4_0")
-# a transformers folder's cache is transformers' QuantizedCache (quanto backend, modules/lowbit.py: its codes bit for
-# bit); the folder keeps the original attention, so these are the only storages --format transformers plans
-TRANSFORMERS_CACHE = ("quanto4", "quanto2")
+# a transformers folder keeps the original attention; its cache is attnlab.hf.KVCache in one of the storages a GQA
+# cache holds (llama.cpp's types rotated as llama.cpp rotates them), so these are what --format transformers plans
+TRANSFORMERS_CACHE = ("q8_0", "q8_0,q4_0", "q5_0", "int4/g32", "q4_0", "iq4_nl", "int3/g64", "int2/g32")
+# transformers' own QuantizedCache codes (quanto backend, modules/lowbit.py: bit for bit): the baselines beside it
+QUANTIZED_CACHE = ("quanto4", "quanto2")
 NATIVE_CACHE = {"gguf": LLAMA_CPP_CACHE, "transformers": TRANSFORMERS_CACHE}  # the engine's own codes, per format
 
 def storage_ok(storage: str, fmt: str = "attnlab") -> bool:
     """Whether the planner can store a latent cache so in that format: bf16 in every one; in attnlab's own also int8
     and its int2 to int7 groups (any /g<N>, with or without +r8 or +c4, and +w<N>); in a GGUF llama.cpp's cache types; in a
-    transformers folder transformers' QuantizedCache codes (TRANSFORMERS_CACHE)."""
+    transformers folder the storages attnlab.hf.KVCache holds for it (TRANSFORMERS_CACHE)."""
     from ..modules.cache import check_kv_dtype
 
     if storage == "bf16":
@@ -73,7 +75,7 @@ def llama_cpp_pair(storage: str) -> bool:
 def native_code(storage: str, fmt: str) -> bool:
     """Whether a storage is one of the engine's own cache codes for that format (NATIVE_CACHE; for a GGUF also a K/V
     pair of llama.cpp's types), which the original attention can be planned in."""
-    return storage in NATIVE_CACHE.get(fmt, ()) or (fmt == "gguf" and llama_cpp_pair(storage))
+    return storage in NATIVE_CACHE.get(fmt, ()) or (fmt in NATIVE_CACHE and llama_cpp_pair(storage))
 
 
 def few_bit(storage: str) -> bool:
