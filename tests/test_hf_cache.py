@@ -18,20 +18,26 @@ from transformers import DynamicCache  # noqa: E402
 from attnlab.hf import KVCache  # noqa: E402
 from attnlab.modules.storage import round_trip  # noqa: E402
 
-STORAGES = ["int8", "q4_0", "q8_0,q4_0", "int4/g32", "int3/g64"]
+STORAGES = ["int8", "q4_0", "q8_0,q4_0", "int4/g32", "int3/g64", "q4_0+w8", "int3/g64+w16"]
 
 
 class RoundTripCache(DynamicCache):
-    """transformers' DynamicCache, each new key and value row passed through the storage's round trip first."""
+    """transformers' DynamicCache of plain rows; what it hands the attention is each row's round trip through the
+    storage, but for a "+w<N>" storage the newest N rows, which stay plain."""
 
     def __init__(self, config, kv_dtype):
         super().__init__(config=config)
-        self.kv_dtype = kv_dtype
+        base, _, recent = kv_dtype.partition("+w")
+        self.base, self.recent = base, int(recent or 0)
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        k = round_trip(key_states, self.kv_dtype, (key_states.shape[-1],), "key")
-        v = round_trip(value_states, self.kv_dtype, (value_states.shape[-1],), "value")
-        return super().update(k, v, layer_idx, *args, **kwargs)
+        out = []
+        for rows, role in zip(super().update(key_states, value_states, layer_idx, *args, **kwargs), ("key", "value")):
+            coded = round_trip(rows, self.base, (rows.shape[-1],), role)
+            if self.recent:
+                coded[..., -self.recent:, :] = rows[..., -self.recent:, :]
+            out.append(coded)
+        return tuple(out)
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3", "gemma3"])
@@ -127,12 +133,14 @@ def _tensors_reachable(obj) -> dict[int, torch.Tensor]:
     return found
 
 
-@pytest.mark.parametrize("kv_dtype, by_hand", [("q4_0", 2 * 2 * 32 // 32 * 18), ("int8", 2 * 2 * (32 + 4)),
-                                               ("int4/g32", 2 * 2 * (16 + 4)), (None, 2 * 2 * 32 * 4)])
-def test_bytes_held_after_8192_tokens(kv_dtype, by_hand):
+@pytest.mark.parametrize("kv_dtype, by_hand, fixed", [
+    ("q4_0", 2 * 2 * 32 // 32 * 18, 0), ("int8", 2 * 2 * (32 + 4), 0), ("int4/g32", 2 * 2 * (16 + 4), 0),
+    (None, 2 * 2 * 32 * 4, 0), ("int3/g64+w16", 2 * 2 * (32 * 3 // 8 + 4), 16 * 2 * 2 * 32 * 4)])
+def test_bytes_held_after_8192_tokens(kv_dtype, by_hand, fixed):
     """Two full layers of 2 KV heads of 32: every tensor the cache holds, walked, is cache.nbytes, and within 2% of
     the bytes per token by hand (q4_0: 18 bytes a block of 32; int8: a float32 scale a head; int4/g32: two float16
-    numbers a group) times the tokens."""
+    numbers a group; int3/g64: a group is at most a head's 32 values) times the tokens, plus a layer's 16 newest keys
+    and values kept plain (float32)."""
     from transformers import LlamaConfig
 
     config = LlamaConfig(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
@@ -146,7 +154,7 @@ def test_bytes_held_after_8192_tokens(kv_dtype, by_hand):
     walked = sum(t.untyped_storage().nbytes() for t in _tensors_reachable(cache).values())
     assert walked == cache.nbytes
     assert [layer.bytes_per_token for layer in cache.layers] == [by_hand, by_hand]
-    assert 1.0 <= cache.nbytes / (2 * by_hand * 8192) <= 1.02
+    assert 1.0 <= cache.nbytes / (2 * by_hand * 8192 + 2 * fixed) <= 1.02
 
 
 def test_refusals_name_the_values(tmp_path):

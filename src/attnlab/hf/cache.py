@@ -3,6 +3,9 @@
 Each layer keeps one attnlab `modules.cache.KVCache`: the same codes, scales and llama.cpp rotation as attnlab's own
 loop, written once per token when it arrives (the prefill included) and read back dequantised for transformers'
 attention. A full-attention layer grows its buffers in steps (`GROWTH`); a sliding layer keeps its window's rows.
+A "+w<N>" storage also keeps each layer's newest N keys and values plain (modules/recent.py's ring), and every call
+reads those N rows plain: for a decode step that is each query's newest N, as in attnlab's own latent caches; a
+chunk's earlier queries read them as the chunk's last query does.
 The classes are made on first use, so this module imports transformers only then.
 """
 from __future__ import annotations
@@ -13,6 +16,7 @@ import torch
 
 from ..models.load import SUPPORTED as SUPPORTED_MODEL_TYPES
 from ..modules.cache import KVCache as _Rows
+from ..modules.recent import RecentRows
 from ..modules.storage import check_kv_dtype
 
 GROWTH = 64  # a full layer grows to what it needs plus a 64th of it (at least MIN_ROOM rows): bytes held <= 1.02x
@@ -60,7 +64,7 @@ def check_storage(kv_dtype, shapes: list[LayerShape], kind: str) -> None:
     for shape in {repr(s): s for s in shapes}.values():
         try:
             _Rows(object.__new__(_Owner), 1, 1, shape.num_kv_heads, shape.head_dim, shape.v_head_dim,
-                  dtype=torch.float32, device="meta", kv_dtype=fmt.name if fmt else None, window=shape.window)
+                  dtype=torch.float32, device="meta", kv_dtype=fmt.base_name if fmt else None, window=shape.window)
         except ValueError as err:
             raise ValueError(f"KVCache({kv_dtype!r}) for {kind} ({shape}): {err}") from None
 
@@ -79,7 +83,10 @@ class _CodedLayer(_Owner):
         super().__init__()
         self.kv_dtype, self.shape, self.index = kv_dtype, shape, index
         self.is_sliding, self.is_croppable = shape.window is not None, shape.window is None
+        fmt = check_kv_dtype(kv_dtype)
+        self.base, self.recent = (fmt.base_name, fmt.recent) if fmt is not None else (None, None)
         self.rows: _Rows | None = None
+        self.plain: list[RecentRows] = []  # a "+w<N>" storage's newest N keys and values, (B, N, G d) each
         self.keys = self.values = None  # transformers' own layers keep tensors here; this one keeps `rows`
         self.is_initialized = False
 
@@ -91,7 +98,10 @@ class _CodedLayer(_Owner):
                              "this cache belongs to another model")
         max_len = MIN_ROOM if self.shape.window is None else 1 << 62  # a window cache allocates its window only
         self.rows = _Rows(self, B, max_len, G, d, got.v_head_dim, dtype=key_states.dtype, device=key_states.device,
-                          kv_dtype=self.kv_dtype, window=self.shape.window, rotate=True)
+                          kv_dtype=self.base, window=self.shape.window, rotate=True)
+        if self.recent:
+            self.plain = [RecentRows(B, self.recent, G * w, key_states.dtype, key_states.device)
+                          for w in (d, got.v_head_dim)]
         self.device, self.is_initialized = key_states.device, True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -102,10 +112,16 @@ class _CodedLayer(_Owner):
         if rows.window is None and rows.length + n > rows.max_len:
             need = rows.length + n
             rows.reserve(need + max(MIN_ROOM, need // GROWTH))
-        offset = self.get_mask_sizes(n)[1]
+        offset, length = self.get_mask_sizes(n)[1], rows.length
         keys, values = rows.extend(k=key_states, v=value_states)
         skip = offset - rows.key_start  # a window cache may return rows older than the mask reads
-        return keys[..., skip:, :], values[..., skip:, :]
+        out = [keys[..., skip:, :], values[..., skip:, :]]
+        for ring, new, i in zip(self.plain, (key_states, value_states), range(2)):
+            ring.push(length, _flat(new))
+            k = min(ring.size, rows.length, out[i].shape[-2])  # the newest k rows read plain
+            out[i][..., -k:, :] = _heads(ring.rows[:, min(rows.length, ring.size) - k:min(rows.length, ring.size)],
+                                         out[i].shape[1])
+        return out[0], out[1]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         past, window = self.get_seq_length(), self.shape.window
@@ -129,19 +145,26 @@ class _CodedLayer(_Owner):
         if tokens_to_remove > 0:
             raise ValueError(f"crop takes a negative count of tokens to remove, got {tokens_to_remove}")
         if tokens_to_remove and self.rows is not None:
-            self.rows.truncate(self.rows.length + tokens_to_remove)
+            rows, old = self.rows, self.rows.length
+            rows.truncate(old + tokens_to_remove)
+            for ring, stored in zip(self.plain, rows.view()):  # positions the ring lost come back as stored
+                ring.truncate(rows.length, old, _flat(stored), rows.length - rows.held)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        if self.rows is not None:
-            self.rows.select_batch(beam_idx)
+        self._select(beam_idx)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        if self.rows is not None:
-            self.rows.select_batch(torch.as_tensor(indices).reshape(-1))
+        self._select(torch.as_tensor(indices).reshape(-1))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self.rows is not None:
-            self.rows.select_batch(torch.arange(self.rows.batch_size).repeat_interleave(repeats))
+            self._select(torch.arange(self.rows.batch_size).repeat_interleave(repeats))
+
+    def _select(self, indices: torch.Tensor) -> None:
+        if self.rows is not None:
+            self.rows.select_batch(indices)
+            for ring in self.plain:
+                ring.rows = ring.rows.index_select(0, indices.to(ring.rows.device))
 
     def offload(self) -> None:  # the codes stay where they are: they are already the small copy
         return None
@@ -156,12 +179,23 @@ class _CodedLayer(_Owner):
     @property
     def nbytes(self) -> int:
         """Bytes of every tensor this layer holds (codes, scales, rows kept plain)."""
-        return 0 if self.rows is None else sum(t.numel() * t.element_size() for t in self.rows.tensors())
+        held = [] if self.rows is None else self.rows.tensors() + [ring.rows for ring in self.plain]
+        return sum(t.numel() * t.element_size() for t in held)
 
     @property
     def bytes_per_token(self) -> int:
         """Bytes per token held, counted from the storage's own tensors (modules.cache: bytes_per_token)."""
         return self.rows.bytes_per_token if self.rows is not None else 0
+
+
+def _flat(rows: torch.Tensor) -> torch.Tensor:
+    """(B, G, n, d) -> (B, n, G d): a ring's rows."""
+    return rows.transpose(1, 2).flatten(2)
+
+
+def _heads(rows: torch.Tensor, heads: int) -> torch.Tensor:
+    """(B, n, G d) -> (B, G, n, d)."""
+    return rows.unflatten(2, (heads, -1)).transpose(1, 2)
 
 
 class _KVCacheBase:
