@@ -114,14 +114,14 @@ def score(model, ids: torch.Tensor, kind: str) -> tuple[float, int, float]:
     return nll, count, statistics.mean(held)
 
 
-def quality(models: list[str]) -> list[dict]:
+def quality(models: list[str], caches: list[str] | None = None) -> list[dict]:
     from attnlab.models.evaluate import read_text_ids
 
     rows = []
     for name in models:
         model, tok = load(name)
         texts = {t: read_text_ids(tok, path, TOKENS) for t, path in report_texts().items()}
-        kinds = ["dynamic", *STORAGES[name], *(QUANTIZED if name == "smollm2" else ())]
+        kinds = ["dynamic", *(caches or [*STORAGES[name], *(QUANTIZED if name == "smollm2" else ())])]
         base = {}
         for kind in kinds:
             for text, ids in texts.items():
@@ -230,12 +230,20 @@ def memory(prompt_len: int = 16384, new: int = 256) -> list[dict]:
     return rows
 
 
+KEYS = {"quality": ("model", "cache", "text"), "bytes": ("model", "cache"), "speed": ("model", "cache"),
+        "memory": ("model", "cache")}
+
+
 def save(part: str, rows: list[dict], prov: dict) -> None:
-    """Merge this part's rows into JSON (the other parts' rows kept), written whole."""
-    old = json.loads(JSON.read_text()) if JSON.exists() else {}
-    old[part] = {"provenance": finish(prov), "rows": rows}
+    """Merge this run's rows into JSON by key (a row measured again replaced, the others kept), each naming its run's
+    provenance; written whole."""
+    data = json.loads(JSON.read_text()) if JSON.exists() else {}
+    section = data.setdefault(part, {"runs": [], "rows": {}})
+    section["runs"].append(finish(prov))
+    for row in rows:
+        section["rows"]["/".join(str(row[k]) for k in KEYS[part])] = {**row, "run": len(section["runs"]) - 1}
     tmp = JSON.with_suffix(".tmp")
-    tmp.write_text(json.dumps(old, indent=1) + "\n")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
     tmp.replace(JSON)
 
 
@@ -243,6 +251,7 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("part", choices=("quality", "bytes", "speed", "memory", "memory-child"))
     p.add_argument("--models", default="smollm2,gemma3-270m")
+    p.add_argument("--caches", default=None, help="quality: only these kinds (comma-separated) beside DynamicCache")
     p.add_argument("--cache", default="dynamic")
     p.add_argument("--prompt", type=int, default=16384)
     p.add_argument("--new", type=int, default=256)
@@ -253,7 +262,8 @@ def main(argv=None) -> None:
         return
     prov = provenance(["python", "benchmarks/hf_kvcache.py", *(argv or sys.argv[1:])], args.allow_dirty)
     models = args.models.split(",")
-    rows = {"quality": lambda: quality(models), "bytes": lambda: bytes_held(models), "speed": speed,
+    caches = args.caches.split(",") if args.caches else None
+    rows = {"quality": lambda: quality(models, caches), "bytes": lambda: bytes_held(models), "speed": speed,
             "memory": lambda: memory(args.prompt, args.new)}[args.part]()
     save(args.part, rows, prov)
 
