@@ -230,6 +230,51 @@ def memory(prompt_len: int = 16384, new: int = 256) -> list[dict]:
     return rows
 
 
+def table() -> str:
+    """Markdown tables of the rows in JSON: quality (median and worst over the texts, bytes per token over the float32
+    DynamicCache's), bytes, speed, memory."""
+    data = json.loads(JSON.read_text())
+    out = []
+    rows = list(data.get("quality", {}).get("rows", {}).values())
+    for model in dict.fromkeys(r["model"] for r in rows):
+        mine = [r for r in rows if r["model"] == model]
+        texts = list(dict.fromkeys(r["text"] for r in mine))
+        base = {r["text"]: r["bytes_per_token"] for r in mine if r["cache"] == "dynamic"}
+        out += [f"| {model}: cache | bytes/token at 511 tokens (of float32 DynamicCache's) | "
+                + " | ".join(texts) + " | median | worst |", "|---" * (len(texts) + 4) + "|"]
+        caches = sorted({r["cache"] for r in mine if r["cache"] != "dynamic"},
+                        key=lambda c: -next(r["bytes_per_token"] for r in mine if r["cache"] == c))
+        for c in caches:
+            by = {r["text"]: r for r in mine if r["cache"] == c}
+            ratios = [by[t]["ratio"] for t in texts]
+            held = statistics.mean(by[t]["bytes_per_token"] / base[t] for t in texts)
+            kind = f"QuantizedCache {c}" if c in QUANTIZED else f"KVCache {c}"
+            out.append(f"| {kind} | {statistics.mean(by[t]['bytes_per_token'] for t in texts):,.0f} ({held:.1%}) | "
+                       + " | ".join(f"{x:.3f}x" for x in ratios)
+                       + f" | {statistics.median(ratios):.3f}x | {max(ratios):.3f}x |")
+        out.append("")
+    for part, head in (("bytes", "| model | cache | bytes after 8,192 tokens (bf16 rows) | of DynamicCache's |"),
+                       ("speed", "| model | cache | decode tokens/s at 4,096 tokens | of DynamicCache's |"),
+                       ("memory", "| model | cache | peak RSS | above the loaded model | of DynamicCache's | cache |")):
+        prows = list(data.get(part, {}).get("rows", {}).values())
+        if not prows:
+            continue
+        out += [head, "|---" * head.count("|") + "|"[:0]]
+        out[-1] = "|---" * (head.count("|") - 1) + "|"
+        for r in prows:
+            if part == "bytes":
+                out.append(f"| {r['model']} | {r['cache']} | {r['bytes'] / 2**20:.1f} MiB | {r['of_dynamic']:.1%} |")
+            elif part == "speed":
+                out.append(f"| {r['model']} | {r['cache']} | {r['tokens_per_s']:.1f} | {r['of_dynamic']:.2f}x |")
+            else:
+                out.append(f"| {r['model']} | {r['cache']} | {r['rss_peak'] / 2**30:.2f} GiB | "
+                           f"{(r['rss_peak'] - r['rss_loaded']) / 2**30:.2f} GiB | "
+                           f"{r['peak_over_loaded_of_dynamic']:.0%} | {r['cache_bytes'] / 2**20:.0f} MiB "
+                           f"({r['cache_of_dynamic']:.0%}) |")
+        out.append("")
+    return "\n".join(out)
+
+
 KEYS = {"quality": ("model", "cache", "text"), "bytes": ("model", "cache"), "speed": ("model", "cache"),
         "memory": ("model", "cache")}
 
@@ -249,7 +294,7 @@ def save(part: str, rows: list[dict], prov: dict) -> None:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("part", choices=("quality", "bytes", "speed", "memory", "memory-child"))
+    p.add_argument("part", choices=("quality", "bytes", "speed", "memory", "memory-child", "table"))
     p.add_argument("--models", default="smollm2,gemma3-270m")
     p.add_argument("--caches", default=None, help="quality: only these kinds (comma-separated) beside DynamicCache")
     p.add_argument("--cache", default="dynamic")
@@ -257,6 +302,9 @@ def main(argv=None) -> None:
     p.add_argument("--new", type=int, default=256)
     p.add_argument("--allow-dirty", action="store_true", help="a trial on uncommitted code (recorded as dirty)")
     args = p.parse_args(argv)
+    if args.part == "table":
+        print(table())
+        return
     if args.part == "memory-child":
         print(json.dumps(memory_child(args.cache, args.prompt, args.new)))
         return
