@@ -275,3 +275,32 @@ def test_cli_eval_engine_transformers_scores_what_the_runner_scores(tmp_path, ca
         assert main(["eval", ck, "--text", str(tmp_path / "a.txt"), *bad]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and said in err[0], err
+
+
+def test_cli_eval_engine_transformers_passkey_decodes_through_kvcache(tmp_path, capsys):
+    """`--engine transformers --passkey`: the answers are transformers' greedy generate over KVCache in the storage,
+    token for token (the oracle: the same generate over the round-trip DynamicCache)."""
+    pytest.importorskip("typer")
+    import json
+
+    from attnlab import models as hf
+    from attnlab.cli.app import main
+    from attnlab.models.passkey import run_passkey
+
+    make_checkpoint("llama", tmp_path / "ck", max_position_embeddings=512, head_dim=32)
+    out = tmp_path / "passkey.json"
+    assert main(["eval", str(tmp_path / "ck"), "--engine", "transformers", "--passkey", "--passkey-lengths", "300",
+                 "--passkey-depths", "0.5", "--kv-dtype", "q4_0", "--json", str(out)]) == 0
+    got = json.loads(out.read_text())["passkey"]
+    model, tok, _ = hf.load_model(str(tmp_path / "ck"))
+    model = hf.from_attnlab(model)
+    eos = tok.eos_token_id
+
+    def decode(ids, n):
+        with torch.no_grad():
+            return model.generate(ids, cache=RoundTripCache(model.config, "q4_0"), max_new_tokens=n,
+                                  do_sample=False, eos_token_id=eos, pad_token_id=eos)[0, ids.shape[1]:]
+
+    want = run_passkey(model, tok, lengths=[300], depths=[0.5], decode=decode)
+    assert [r["answer"] for r in got["rows"]] == [r["answer"] for r in want.rows] and len(want.rows) == 1
+    assert "passkey accuracy: " in capsys.readouterr().out

@@ -125,7 +125,8 @@ class Candidate:
 
     def label(self) -> str:
         if self.native:
-            return f"the original attention, its cache in {self.kv_dtype}"
+            kind = "llama.cpp's " if self.kv_dtype.split(",")[0] in (*LLAMA_CPP_CACHE, "iq4_nl") else ""
+            return f"the original attention, its cache in {kind}{self.kv_dtype}"
         n = 0 if self.layers is None else len(self.layers)
         kept = "" if self.layers is None else f" in {n} global layer{'s' * (n != 1)}, the sliding ones kept in " \
             f"{self.kept_dtype}"
