@@ -20,7 +20,8 @@ import torch
 from heal import EVALUATION, Smol, _training_text
 
 from attnlab import models as hf
-from attnlab.heal.distill import HealPlan, Healer
+from attnlab.heal.distill import Healer
+from attnlab.heal.plan import HealPlan
 from attnlab.heal.losses import cosine, normalised_mse, warmup_steps
 from attnlab.heal.data import text_windows
 from attnlab.models.evaluate import attention_inputs

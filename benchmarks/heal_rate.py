@@ -46,7 +46,7 @@ def _docstrings() -> str:
 
 
 def _plan(base: dict, variant: str):
-    from attnlab.heal.distill import HealPlan
+    from attnlab.heal.plan import HealPlan
 
     plan = HealPlan(**base)
     kinds = {f.name: f.type for f in fields(HealPlan)}

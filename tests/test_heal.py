@@ -903,7 +903,7 @@ def test_the_layer_wise_guard_never_leaves_a_layer_worse_than_it_started(tiny, l
     """Invariant of the guard: a layer whose check error rose over its steps has exactly its start weights back, one
     that improved keeps its trained weights, and the learning rates follow (down by GUARD_CUT after a give-back, up
     after an improvement). At a rate far too large for this model (3.0) every layer ends worse and all come back."""
-    from attnlab.heal.distill import normalised_mse
+    from attnlab.heal.losses import normalised_mse
     from attnlab.heal.guard import GUARD_CUT
     from attnlab.models.evaluate import attention_inputs
 
@@ -939,7 +939,7 @@ def test_a_layer_the_budget_cuts_off_is_judged_like_a_finished_one(tiny, tmp_pat
     """The budget ends after 3 of layer 0's 8 layer-wise steps: the layer is scored on the guard's check windows and
     gets its start weights back exactly when it reads worse than it started (at 3.0 it does), else keeps the trained
     ones; the checkpoint still holds the steps as taken, so a resume carries on inside the layer."""
-    from attnlab.heal.distill import normalised_mse
+    from attnlab.heal.losses import normalised_mse
     from attnlab.models.evaluate import attention_inputs
     from attnlab.runtime import Budget
 
@@ -1116,23 +1116,13 @@ def test_layer_inputs_must_be_teacher_or_student():
         _plan(layer_inputs="own").check()
 
 
-def test_heal_model_is_importable_where_it_was():
-    """heal_model moved from heal/distill.py to heal/run.py: the old import path gives the same function, and a name
-    distill.py never had is still an AttributeError naming it."""
-    from attnlab.heal import distill, run
-
-    assert distill.heal_model is run.heal_model is heal_model
-    with pytest.raises(AttributeError, match="has no attribute 'nothing_here'"):
-        distill.nothing_here  # noqa: B018
-
-
 @pytest.mark.parametrize("kind", ["llama", "gemma3"])
 def test_the_attention_input_is_read_without_running_the_rest_of_the_layer(tmp_path, kind):
     """The student's own inputs read each layer's attention input from the stream through the model's own block
-    (distill._attention_input), left at the attention: it is the layer's input norm of the stream (Llama's and
+    (layer_inputs._attention_input), left at the attention: it is the layer's input norm of the stream (Llama's and
     Gemma 3's input_layernorm, the oracle), exactly, and neither the MLP nor anything after the attention runs. A
     block that never calls its attention is a ValueError, not a silent wrong input."""
-    from attnlab.heal.distill import _attention_input
+    from attnlab.heal.layer_inputs import _attention_input
     from attnlab.models.adapters import decoder_block, decoder_layers
 
     make_checkpoint(kind, tmp_path / kind)

@@ -219,7 +219,7 @@ def test_round_4_runs_only_when_asked_and_only_for_attnlabs_format(four, tmp_pat
     """plan() without per_layer (what shrink does unless --per-layer) never measures round 4; --per-layer with another
     format, or with explicit sizes, is refused before any work, naming why."""
     from attnlab.shrink import ShrinkRequest
-    from attnlab.shrink.pipeline import check_request
+    from attnlab.shrink.request import check_request
 
     model, ids, _ = four
     result = plan(model, ids, parse_budget("50%"), storages=("bf16",), window=64, proxy_windows=2)

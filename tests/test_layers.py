@@ -5,7 +5,7 @@ The rule, from the bottom up (a package may import those on lower floors, never 
 and never a sibling on its own floor):
     kernels < modules < convert, io, runtime < study, models < generation, hf < heal, bench < shrink < cli
 Imports inside functions count as much as those at the top of a file: a lazy import that
-climbs is still a climb. `attnlab/moved.py` maps old names to new ones as strings, not imports.
+climbs is still a climb.
 """
 import ast
 import json
@@ -16,8 +16,6 @@ from pathlib import Path
 
 import pytest
 
-from attnlab.moved import MOVED
-
 SRC = Path(__file__).resolve().parents[1] / "src" / "attnlab"
 ROOT = SRC.parent.parent
 FLOORS = [("kernels",), ("modules",), ("convert", "io", "runtime"), ("study", "models"), ("generation", "hf"),
@@ -25,7 +23,7 @@ FLOORS = [("kernels",), ("modules",), ("convert", "io", "runtime"), ("study", "m
 RANK = {pkg: i for i, floor in enumerate(FLOORS) for pkg in floor}
 EXTRAS = ("transformers", "typer", "rich", "matplotlib", "triton", "gguf", "peft", "safetensors", "llama_cpp",
           "accelerate", "click", "tokenizers")
-TOP_FILES = {"__init__": -1, "moved": -1, "__main__": len(FLOORS)}  # the root's own files
+TOP_FILES = {"__init__": -1, "__main__": len(FLOORS)}  # the root's own files
 
 
 def module_name(path: Path) -> str:
@@ -95,11 +93,8 @@ def layering_violations(paths) -> list[str]:
         me = module_name(path)
         pkg, rank = floor_of(me)
         for target, line, _ in imports(path):
-            if target in MOVED:
-                bad.append(f"{path.relative_to(ROOT)}:{line} imports {target}, an old name (attnlab/moved.py)")
-                continue
             tpkg, trank = floor_of(target)
-            if me == "attnlab" and tpkg in ("modules", "moved"):  # the root re-exports the core
+            if me == "attnlab" and tpkg == "modules":  # the root re-exports the core
                 continue
             if trank > rank or (trank == rank and tpkg != pkg):
                 bad.append(f"{path.relative_to(ROOT)}:{line}: {pkg} (floor {rank}) imports {target} "
@@ -234,30 +229,17 @@ def test_every_import_path_the_docs_name_still_works():
     assert broken == []
 
 
-PINNED = {  # names scripts were written against before the layout of subpackages (issue 19)
+PINNED = {  # the public names the README and docs show
     "attnlab": ["GroupedQueryAttention", "MultiHeadAttention", "MultiHeadLatentAttention", "KVCache", "LatentCache",
                 "RotaryEmbedding", "attend", "causal_mask"],
     "attnlab.convert": ["gqa_to_mla", "gqa_to_mha", "mla_to_mha", "absorb", "mha_to_gqa", "mha_to_mla", "convert",
                         "gqa_to_mla_decoupled", "selection_options", "probe_error", "ConversionReport"],
-    "attnlab.decoupled": ["gqa_to_mla_decoupled", "selection_options", "ROPE_SELECTIONS"],
-    "attnlab.usaaio": ["MyMHA", "MyGQA", "GQA_2_MLA", "reduced_matrices", "tiled_rank", "is_gqa_representable"],
     "attnlab.hf": ["KVCache"],
     "attnlab.models": ["load_smollm2", "load_model", "save_model", "to_attnlab", "convert_model", "perplexity",
                        "kv_bytes_per_token", "load_checkpoint", "export_deepseek", "export_gguf", "convert_checkpoint"],
-    "attnlab.generate": ["generate", "sample", "filtered_probs", "check_sampling", "Generator"],
-    "attnlab.decoder": ["Generator"],
     "attnlab.heal": ["HealPlan", "Healer", "heal_model", "distill_loss", "warmup_steps", "normalised_mse"],
-    "attnlab.heal_data": ["text_windows", "teacher_windows", "check_pair", "read_ids"],
-    "attnlab.heal_encoder": ["heal_encoder", "sentences_of"],
     "attnlab.io": ["save_module", "load_module", "write_folder"],
-    "attnlab.linalg": ["tile_heads", "low_rank_factors", "is_gqa_representable", "factor_tiled", "svd_factors"],
-    "attnlab.attention": ["attend", "fused_sdpa"],
-    "attnlab.gqa": ["GroupedQueryAttention"],
-    "attnlab.mla": ["MultiHeadLatentAttention"],
-    "attnlab.transforms": ["frequency_mixes", "select_planes", "kv_balance"],
-    "attnlab.presets": ["PRESETS", "kv_footprint"],
     "attnlab.bench": ["machine_info", "median_time", "run_benchmarks"],
-    "attnlab.bench_model": ["model_suite", "markdown"],
     "attnlab.kernels": ["absorbed_decode", "absorbed_decode_reference"],
     "attnlab.cli": ["main", "app"],
 }
@@ -269,14 +251,6 @@ def test_pinned_public_names(module):
 
     m = importlib.import_module(module)
     assert [n for n in PINNED[module] if not hasattr(m, n)] == []
-
-
-def test_old_module_names_are_the_new_modules_themselves():
-    import importlib
-
-    for old, new in MOVED.items():
-        assert importlib.import_module(old) is importlib.import_module(new), old
-        assert importlib.import_module(new).__spec__.name == new  # the module keeps its own identity
 
 
 def test_console_script_and_python_m_run():

@@ -9,7 +9,7 @@ from tiny_checkpoints import make_checkpoint
 from attnlab import models as hf
 from attnlab.runtime import Budget
 from attnlab.shrink import ShrinkRequest, shrink
-from attnlab.shrink.pipeline import pinned, plan_count
+from attnlab.shrink.request import pinned, plan_count
 
 T = 16
 
@@ -121,7 +121,7 @@ def test_the_winner_is_measured_again_with_bkv_the_other_way_inside_the_count(ti
 
 @pytest.mark.parametrize("seed", [-1, 2 ** 31, True])
 def test_a_seed_that_cannot_be_honoured_is_refused_before_any_work(seed):
-    from attnlab.shrink.pipeline import check_request
+    from attnlab.shrink.request import check_request
 
     with pytest.raises(ValueError, match=f"--seed must be an integer from 0 to {2 ** 31 - 1}, got {seed!r}"):
         check_request(ShrinkRequest(source="smollm2", kv_budget="25%", out="o", seed=seed))

@@ -17,7 +17,8 @@ from attnlab import models as hf
 from attnlab.cli import main
 from attnlab.runtime import Budget, Stopped
 from attnlab.shrink import ShrinkRequest, parse_budget, plan, shrink
-from attnlab.shrink.pipeline import check_request, run_folder
+from attnlab.shrink.request import check_request
+from attnlab.shrink.state import run_folder
 from attnlab.shrink.plan import Candidate, apply, bytes_per_token, feasible, proxy_kl, rank, teacher_log_probs
 from attnlab.shrink.sizes import spread_context
 

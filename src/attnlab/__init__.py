@@ -10,10 +10,6 @@ The names below and the subpackages are imported when first used (PEP 562), so t
 """
 import importlib as _importlib
 
-from . import moved as _moved
-
-_moved.install()
-
 _NAMES = {  # name: the module that defines it
     "attend": "attnlab.modules.attention", "causal_mask": "attnlab.modules.attention",
     "KVCache": "attnlab.modules.cache", "LatentCache": "attnlab.modules.cache",

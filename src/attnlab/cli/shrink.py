@@ -143,7 +143,8 @@ def shrink(source: str = typer.Argument(..., help="The model: smollm2, a transfo
     """
     from ..heal.guard import guard_line, probe_line, switch_line
     from ..runtime.budget import Budget, Stopped, stop_on_signals
-    from ..shrink.pipeline import ShrinkRequest, check_request, run_folder
+    from ..shrink.request import ShrinkRequest, check_request
+    from ..shrink.state import run_folder
     from ..shrink.pipeline import shrink as run
 
     from ..heal import distributed as dd

@@ -83,14 +83,11 @@ from ..io.folders import replace_with
 from ..runtime.budget import Budget, Stopped
 from . import distributed as dd
 from . import guard
-from .data import batch_generator as _generator  # noqa: F401 (re-exported)
 from .data import converted_layers
 from .end_to_end import EndToEnd
-from .layer_inputs import LayerInputs, _attention_input, _Read  # noqa: F401 (re-exported: tests reach them here)
 from .layer_wise import LayerWise
-from .losses import cosine, distill_loss, kl_loss, normalised_mse, warmup_steps  # noqa: F401 (re-exported)
-from .plan import EVERY_VALUE_LR, LAYER_INPUTS, MIN_LAYER_STEPS, HealPlan  # noqa: F401 (re-exported)
-from .trainable import LORA_TARGETS, add_lora, freeze_all_but_attention, merge_lora  # noqa: F401 (re-exported)
+from .plan import HealPlan
+from .trainable import add_lora, freeze_all_but_attention, merge_lora
 from .trainable import attention_modules as _modules
 from .trainable import attention_weights, load_attention_weights
 from .trained import TrainedPart
@@ -457,11 +454,3 @@ def _probe_state(probing: bool) -> dict:
     HealPlan.probe of them, and past the warm-up."""
     return {"probe": "pending" if probing else None, "probe_step": None}
 
-
-def __getattr__(name: str):
-    """heal_model moved to run.py (which imports this module): still importable from here."""
-    if name == "heal_model":
-        from . import run
-
-        return getattr(run, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -43,13 +43,12 @@ import torch
 
 from ..runtime.budget import Budget, Stopped
 from ..runtime.environment import environment
-from .engines import llama_cpp_cache, runs_in, transformers_cache  # noqa: F401 (re-exported: their old home)
-from .heal_plan import FEW_STEPS_LR, LAYER_SHARE, PROBE_SHARE, heal_plan  # noqa: F401 (re-exported: their old home)
+from .engines import llama_cpp_cache, runs_in, transformers_cache
+from .heal_plan import heal_plan
 from .plan import (LLAMA_CPP_CACHE, QUANTIZED_CACHE, Candidate, check_format, feasible, few_bit, keys_whole,
                    llama_cpp_types, parse_budget)
-# the request and its check live in request.py; re-exported here, their old home
-from .request import AUTO_STORAGES, ShrinkRequest, check_request, pinned, plan_count, storage_choices  # noqa: F401
-from .state import RUN_FORMAT, RunState, run_folder  # noqa: F401 (re-exported: their old home)
+from .request import ShrinkRequest, check_request, pinned, plan_count, storage_choices
+from .state import RunState, run_folder
 
 CALIBRATION_TOKENS = 2048
 PROXY_TOKENS = 1024  # the planner's scoring windows, after the calibration's

@@ -1,6 +1,6 @@
 """The study's own names (USA-NA-AIO 2025 Round 2, Problem 2), as thin wrappers over attnlab.
 
-    from attnlab.usaaio import *
+    from attnlab.study.usaaio import *
 
 gives MyMHA (Part 5), MyGQA (Part 7), GQA_2_MLA (Part 10), reduced_matrices
 (Part 13), tiled_rank (Part 6) and is_gqa_representable (Part 11). Each one
