@@ -388,7 +388,7 @@ QUANT_CASES = [  # (B, H, S, r, p, kv_dtype, q dtype, splits): r, p off powers o
 
 def _quantised_inputs(B, H, S, r, p, kv_dtype, dtype, device="cpu", seed=5):
     """q, the codes and scales of a cache whose rope part is 9x its latent's size, and the storage format."""
-    from attnlab.modules.cache import check_kv_dtype, quantise
+    from attnlab.modules.storage import check_kv_dtype, quantise
 
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(B, H, r + p, generator=g).to(device, dtype)

@@ -25,7 +25,7 @@ import torch
 from attnlab import GroupedQueryAttention, MultiHeadLatentAttention
 from attnlab.convert.rotate import hadamard, random_orthogonal, rotate_latent
 from attnlab.modules import lowbit
-from attnlab.modules.cache import check_kv_dtype, round_trip
+from attnlab.modules.storage import check_kv_dtype, round_trip
 from conftest import F64, randomize
 from reference import rel_err
 

@@ -25,8 +25,8 @@ import torch
 
 from attnlab import GroupedQueryAttention, MultiHeadAttention, MultiHeadLatentAttention
 from attnlab.kernels import absorbed_decode, absorbed_decode_reference, mla_decode
-from attnlab.modules import cache as cache_mod
-from attnlab.modules.cache import QuantisedKV, check_kv_dtype, quantise
+from attnlab.modules import storage as storage_mod
+from attnlab.modules.storage import QuantisedKV, check_kv_dtype, quantise
 from conftest import F64, randomize
 from reference import rel_err
 
@@ -96,11 +96,11 @@ def test_int8_round_trip_matches_float64_oracle(group):
     near_tie = (torch.remainder(y, 1.0) - 0.5).abs() < 128 * 2.0 ** -24  # float32 division may tip these
     assert torch.equal(codes.double()[~near_tie], want_codes[~near_tie])
     assert (codes.double() - want_codes).abs().max() <= 1
-    back = cache_mod.dequantise(codes, scales, parts, group, torch.float32).double()
+    back = storage_mod.dequantise(codes, scales, parts, group, torch.float32).double()
     # half a step, plus a near tie tipped by float32 division (127 * 2^-24 of a step) and float32 products
     assert (back - x64).abs().le(s * (0.5 + 2.0 ** -16) + x64.abs() * 2.0 ** -23).all()
     assert torch.equal(back[1, 3], torch.zeros_like(back[1, 3]))  # a zero row: scale 0, codes 0
-    per_row = cache_mod.round_trip(x, "int8", (16,))  # one scale for the whole row: the small latent suffers
+    per_row = storage_mod.round_trip(x, "int8", (16,))  # one scale for the whole row: the small latent suffers
     assert rel_err(per_row[..., :10], x[..., :10]) > rel_err(back[..., :10], x64[..., :10])
 
 
@@ -120,15 +120,15 @@ def test_fp8_round_trip_matches_float64_oracle(group):
     near_tie = (torch.remainder(y.abs() / step, 1.0) - 0.5).abs() < 1e-5  # float32 division may tip these
     got = codes.double()
     assert torch.equal(got[~near_tie], want[~near_tie])
-    back = cache_mod.dequantise(codes, scales, parts, group, torch.float32).double()
+    back = storage_mod.dequantise(codes, scales, parts, group, torch.float32).double()
     assert (back - x64).abs().le(s * step / 2 + x64.abs() * 2.0 ** -22).all()  # half an e4m3 ulp, float32 rounding
     assert got[0, 0, 0] != 0 and got[0, 0, 0].abs() < 2.0 ** -6  # kept as a subnormal, not flushed
 
 
 def test_plain_storage_rounds_to_its_dtype():
     x = _rows()
-    assert torch.equal(cache_mod.round_trip(x, "bf16", (16,)), x.to(torch.bfloat16).float())
-    assert torch.equal(cache_mod.round_trip(x, "fp32", (16,)), x)
+    assert torch.equal(storage_mod.round_trip(x, "bf16", (16,)), x.to(torch.bfloat16).float())
+    assert torch.equal(storage_mod.round_trip(x, "fp32", (16,)), x)
 
 
 # -- (b) every path on a quantised cache == the same path on its dequantised values --------------
@@ -197,7 +197,7 @@ def test_twin_reads_quantised_rows_as_their_dequantised_values(kv_dtype):
     kv = torch.randn(B, S, r + p, generator=g)
     fmt = check_kv_dtype(kv_dtype)
     codes, scales = quantise(kv, (r, p), fmt)
-    deq = cache_mod.dequantise(codes, scales, (r, p), fmt.group, torch.float32)
+    deq = storage_mod.dequantise(codes, scales, (r, p), fmt.group, torch.float32)
     keep = torch.rand(B, S, generator=g) > 0.3
     keep[:, -1] = True
     got = absorbed_decode_reference(q, codes, torch.tensor([S, 7]), 0.4, r, keep, kv_scales=scales,
@@ -366,7 +366,7 @@ def test_training_through_a_quantised_storage_reaches_the_key_value_weights(name
     # the oracle: the same loss where the stored values are the unquantised ones plus a fixed offset
     m.zero_grad()
     parts = {}
-    original = cache_mod.round_trip
+    original = storage_mod.round_trip
 
     def fixed_offset(t, fmt, p, role=None):
         parts[t.shape] = (original(t.detach(), fmt, p, role) - t.detach())

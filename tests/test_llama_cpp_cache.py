@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from attnlab.modules import lowbit, storage
-from attnlab.modules.cache import check_kv_dtype, round_trip
+from attnlab.modules.storage import check_kv_dtype, round_trip
 from conftest import F64, randomize
 from reference import IQ4_NL_LEVELS, iq4_nl_block, rel_err
 

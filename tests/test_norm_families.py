@@ -12,7 +12,7 @@ import torch
 
 from attnlab import models as hf
 from attnlab.convert import gqa_to_mla_decoupled
-from attnlab.modules.cache import round_trip
+from attnlab.modules.storage import round_trip
 from attnlab.modules.heads import kv_head_of
 from attnlab.modules.mla import MultiHeadLatentAttention
 from conftest import F64, gqa_ref, randomize

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from attnlab import GroupedQueryAttention, MultiHeadLatentAttention
-from attnlab.modules.cache import LatentCache, check_kv_dtype, round_trip
+from attnlab.modules.cache import LatentCache
+from attnlab.modules.storage import check_kv_dtype, round_trip
 from attnlab.shrink import sizes
 from conftest import randomize
 from reference import rel_err

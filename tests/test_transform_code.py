@@ -15,7 +15,7 @@ import torch
 from attnlab import MultiHeadLatentAttention
 from attnlab.convert.transform_code import allocate_bits, fit_to_row, runs, spelling, transform_code
 from attnlab.modules import lowbit
-from attnlab.modules.cache import check_kv_dtype, round_trip
+from attnlab.modules.storage import check_kv_dtype, round_trip
 from conftest import F64, randomize
 from reference import rel_err
 

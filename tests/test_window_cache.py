@@ -10,7 +10,7 @@ import torch
 
 from attnlab import GroupedQueryAttention
 from attnlab.convert import gqa_to_mla, gqa_to_mla_decoupled
-from attnlab.modules.cache import fp8_supported
+from attnlab.modules.storage import fp8_supported
 from conftest import F64, gqa_ref, randomize
 from reference import rel_err
 

@@ -94,7 +94,7 @@ def eval_(source: str = typer.Argument(..., help="A model (smollm2, gemma3-270m)
     from ..hf import TransformersRunner
     from ..io.folders import replace_file
     from ..models.evaluate import default_window, score_windows
-    from ..modules.cache import check_kv_dtype
+    from ..modules.storage import check_kv_dtype
 
     fmt = check_kv_dtype(kv_dtype)  # before loading anything: one line naming the value and the choices
     if engine not in ENGINES:
@@ -300,7 +300,7 @@ def generate(source: str = typer.Argument(..., help="A model (smollm2, gemma3-27
     from .. import models as hf
     from ..generation.loop import generate as run_generation
     from ..generation.sampling import check_sampling
-    from ..modules.cache import check_kv_dtype
+    from ..modules.storage import check_kv_dtype
 
     check_sampling(temperature, top_k, top_p)
     check_kv_dtype(kv_dtype)

@@ -35,7 +35,7 @@ from __future__ import annotations
 import torch
 
 from ..modules import checks
-from ..modules.cache import check_kv_dtype
+from ..modules.storage import check_kv_dtype
 
 
 def _llama_parts(model):

@@ -160,7 +160,7 @@ class CacheRunner:
 
     def __init__(self, model, max_len: int, *, kv_dtype: str | None = None):
         from ..modules import checks
-        from ..modules.cache import check_kv_dtype
+        from ..modules.storage import check_kv_dtype
 
         checks.positive_int("max_len", max_len)
         check_kv_dtype(kv_dtype)
@@ -279,7 +279,8 @@ def kv_bytes_per_token(model, dtype: torch.dtype | None = None, kv_dtype: str | 
     per token of a sequence that long (a float: a sliding layer's cache holds at most its window and some
     room, and the fixed bytes are spread over the context, _Cache.bytes_at)."""
     from ..modules import lowbit
-    from ..modules.cache import check_kv_dtype, window_rows
+    from ..modules.cache import window_rows
+    from ..modules.storage import check_kv_dtype
 
     asked = check_kv_dtype(kv_dtype)
     total = 0
@@ -316,7 +317,7 @@ def sliding_context(model) -> int | None:
 def set_kv_dtype(model, kv_dtype: str | None):
     """Set kv_dtype (the cache storage, see modules/cache.py) on every attnlab module of a swapped model:
     caches, a Generator and forwards without a cache (perplexity) then use that storage. Returns the model."""
-    from ..modules.cache import check_kv_dtype
+    from ..modules.storage import check_kv_dtype
 
     check_kv_dtype(kv_dtype)  # one error before any module changes
     for m in attnlab_modules(model):

@@ -15,7 +15,7 @@ import torch
 
 from ..kernels import mla_decode
 from .attention import attend
-from .cache import QuantisedKV, dense
+from .storage import QuantisedKV, dense
 from .tiling import _weights_key
 
 

@@ -6,7 +6,8 @@ from torch import nn
 
 from . import checks
 from .attention import with_key_padding
-from .cache import StorageFormat, _Cache, check_kv_dtype, round_trip
+from .cache import _Cache
+from .storage import StorageFormat, check_kv_dtype, round_trip
 from .rope import default_positions
 
 

@@ -16,7 +16,7 @@ twice and then never again. Its tensors never enter a module's state_dict.
 
 Storage (`kv_dtype`: plain, int8/fp8 with scales, few-bit codes) is modules/storage.py's; a cache
 writes each new token's codes and scales once (`extend`) and hands them back as stored (QuantisedKV)
-or dequantised. Its names are importable from here as before. In llama.cpp's block formats a GQA's
+or dequantised. In llama.cpp's block formats a GQA's
 KVCache rotates its keys and values as llama.cpp does (storage.rotation; decided when the cache is made,
 LLAMA_ATTN_ROT_DISABLE included): rows are rotated before they are quantised and rotated back when read
 (QuantisedKV.rotation). A LatentCache, and the KVCache of a GQA-tiled MLA, are not rotated (llama.cpp's
@@ -55,8 +55,7 @@ from torch import nn
 from . import checks, lowbit
 from .key_groups import RopeKeyGroups
 from .recent import RecentRows
-from .storage import (KV_DTYPES, PLAIN, QMAX, SCALE_DTYPE, QuantisedKV, StorageFormat, check_kv_dtype,  # noqa: F401
-                      dense, dequantise, fp8_supported, num_scales, quantise, rotation, round_trip, with_row_scale)
+from .storage import SCALE_DTYPE, QuantisedKV, check_kv_dtype, dense, num_scales, quantise, rotation
 
 WINDOW_ROOM = 64  # rows a window cache allocates beyond its window (at most the window itself)
 

@@ -16,7 +16,8 @@ from torch import nn
 from . import checks
 from .attention import attend
 from .base import AttentionModule
-from .cache import KVCache, window_for, with_row_scale
+from .cache import KVCache, window_for
+from .storage import with_row_scale
 from .heads import check_grouping
 from .rope import RotaryEmbedding
 

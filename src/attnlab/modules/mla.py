@@ -62,7 +62,8 @@ from . import checks
 from .absorbed import AbsorbedPath
 from .attention import attend
 from .base import AttentionModule
-from .cache import KVCache, LatentCache, check_kv_dtype, dense, window_for
+from .cache import KVCache, LatentCache, window_for
+from .storage import check_kv_dtype, dense
 from .heads import check_grouping
 from .recent import mixed_keys
 from .rope import RotaryEmbedding

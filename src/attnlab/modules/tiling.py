@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from .attention import attend
-from .cache import dense, with_row_scale
+from .storage import dense, with_row_scale
 from .heads import gqa_block, tile_heads
 
 

@@ -51,7 +51,7 @@ def storage_ok(storage: str, fmt: str = "attnlab") -> bool:
     """Whether the planner can store a latent cache so in that format: bf16 in every one; in attnlab's own also int8
     and its int2 to int7 groups (any /g<N>, with or without +r8 or +c4, and +w<N>); in a GGUF llama.cpp's cache types; in a
     transformers folder the storages attnlab.hf.KVCache holds for it (TRANSFORMERS_CACHE)."""
-    from ..modules.cache import check_kv_dtype
+    from ..modules.storage import check_kv_dtype
 
     if storage == "bf16":
         return True
@@ -86,7 +86,7 @@ def few_bit(storage: str) -> bool:
 def latent_bits(storage: str) -> int | None:
     """The bits of a latent value in one of attnlab's few-bit storages ("int2/g256+c4+w16": 2); None for any other
     storage."""
-    from ..modules.cache import check_kv_dtype
+    from ..modules.storage import check_kv_dtype
 
     try:
         fmt = check_kv_dtype(storage)
