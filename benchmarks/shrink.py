@@ -105,7 +105,8 @@ def part_proxy(budgets: list[str]) -> None:
     import copy
 
     from attnlab import models as hf
-    from attnlab.shrink.plan import apply, parse_budget, plan, rank_agreement
+    from attnlab.shrink.plan import apply, plan, rank_agreement
+    from attnlab.shrink.sizes import parse_budget
 
     teacher, tok, _ = hf.load_model("smollm2")
     full = hf.read_text_ids(tok, CALIBRATION, 2048 + 1024)

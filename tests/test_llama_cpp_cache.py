@@ -1,7 +1,7 @@
 """attnlab's copies of llama.cpp's quantised K/V caches against llama.cpp itself.
 
 Oracles and invariants:
-(a) the Hadamard rotation llama.cpp applies to a quantised cache (PR #21038): lowbit.hadamard is orthonormal,
+(a) the Hadamard rotation llama.cpp applies to a quantised cache (PR #21038): rotation.hadamard is orthonormal,
     symmetric and equals Sylvester's construction built here by Kronecker products; hadamard_transform is the
     block-diagonal product with it; the rotation sizes by role and head size, and LLAMA_ATTN_ROT_DISABLE, as
     llama.cpp's llama-kv-cache.cpp decides them;
@@ -24,12 +24,12 @@ import os
 import pytest
 import torch
 
-from attnlab.modules import lowbit, storage
+from attnlab.modules import lowbit, rotation, storage
 from attnlab.modules.storage import check_kv_dtype, round_trip
 from conftest import F64, randomize
 from reference import IQ4_NL_LEVELS, iq4_nl_block, rel_err
 
-ROT = lowbit.ROTATION_ENV
+ROT = rotation.ROTATION_ENV
 
 
 @pytest.fixture(autouse=True)
@@ -61,45 +61,45 @@ def _rows(shape=(2, 3, 7, 128), seed=0, dtype=F64):
 # -- (a) the rotation ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize("n", [1, 2, 4, 8, 64, 128, 256])
 def test_hadamard_is_orthonormal_symmetric_and_sylvesters(n):
-    h = lowbit.hadamard(n)
+    h = rotation.hadamard(n)
     assert torch.equal(h, h.T)
     assert torch.allclose(h @ h.T, torch.eye(n, dtype=F64), atol=1e-13, rtol=0)
     assert torch.allclose(h, _sylvester(n), atol=1e-15, rtol=0)
     assert torch.equal(h.abs(), torch.full((n, n), 1 / math.sqrt(n), dtype=F64))  # every entry +-1/sqrt(n)
     x = _rows((4, 3 * n))
-    assert torch.allclose(lowbit.hadamard_transform(x, n), _rotate_explicitly(x, n), atol=1e-12, rtol=0)
-    assert torch.allclose(lowbit.hadamard_transform(lowbit.hadamard_transform(x, n), n), x, atol=1e-12, rtol=0)
+    assert torch.allclose(rotation.hadamard_transform(x, n), _rotate_explicitly(x, n), atol=1e-12, rtol=0)
+    assert torch.allclose(rotation.hadamard_transform(rotation.hadamard_transform(x, n), n), x, atol=1e-12, rtol=0)
 
 
 def test_hadamard_transform_does_not_depend_on_the_rows_beside_a_row():
     """A cache rotates one token at a time, a forward a whole window: the same row must rotate to the same bits."""
     x = _rows((1, 2, 33, 128), dtype=torch.float32)
-    whole = lowbit.hadamard_transform(x, 128)
+    whole = rotation.hadamard_transform(x, 128)
     for t in (0, 17, 32):
-        assert torch.equal(lowbit.hadamard_transform(x[:, :, t:t + 1], 128), whole[:, :, t:t + 1])
+        assert torch.equal(rotation.hadamard_transform(x[:, :, t:t + 1], 128), whole[:, :, t:t + 1])
 
 
 def test_hadamard_refuses_sizes_that_are_not_powers_of_two_and_rows_that_are_not_whole_blocks():
     with pytest.raises(ValueError, match=r"power-of-two size, got 96"):
-        lowbit.hadamard(96)
+        rotation.hadamard(96)
     with pytest.raises(ValueError, match=r"rows of width 96 are not whole blocks of 64"):
-        lowbit.hadamard_transform(torch.zeros(2, 96), 64)
+        rotation.hadamard_transform(torch.zeros(2, 96), 64)
 
 
 def test_rotation_sizes_by_role_and_head_size_as_llama_cpp_decides_them(monkeypatch):
     # K: the largest power of two dividing a head size that is a multiple of 64; V: 64 for any multiple of 64
-    assert [lowbit.rotation_size(d, "key") for d in (64, 96, 128, 192, 256, 32)] == [64, None, 128, 64, 256, None]
-    assert [lowbit.rotation_size(d, "value") for d in (64, 96, 128, 192, 256, 32)] == [64, None, 64, 64, 64, None]
+    assert [rotation.rotation_size(d, "key") for d in (64, 96, 128, 192, 256, 32)] == [64, None, 128, 64, 256, None]
+    assert [rotation.rotation_size(d, "value") for d in (64, 96, 128, 192, 256, 32)] == [64, None, 64, 64, 64, None]
     for text, off in (("1", True), ("2", True), (" 1x", True), ("-1", True), ("0", False), ("", False),
                       ("yes", False), ("0x1", False)):  # C's atoi: "0x1" reads 0
         monkeypatch.setenv(ROT, text)
-        assert lowbit.rotation_disabled() is off, text
-        assert lowbit.rotation_size(128, "key") == (None if off else 128), text
+        assert rotation.rotation_disabled() is off, text
+        assert rotation.rotation_size(128, "key") == (None if off else 128), text
     monkeypatch.delenv(ROT)
     with pytest.raises(ValueError, match=r"role must be 'key' or 'value', got 'query'"):
-        lowbit.rotation_size(64, "query")
+        rotation.rotation_size(64, "query")
     with pytest.raises(ValueError, match=r"head_dim must be a positive int, got 0"):
-        lowbit.rotation_size(0, "key")
+        rotation.rotation_size(0, "key")
 
 
 def test_only_llama_cpps_block_formats_of_a_gqas_heads_are_rotated():

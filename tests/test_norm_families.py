@@ -292,7 +292,7 @@ def test_check_convertible_takes_only_the_keys_whole_of_a_normed_model():
 
 def test_exports_refuse_a_per_head_key_norm_in_one_line():
     from attnlab.models.export import check_deepseek_request, check_exportable
-    from attnlab.shrink.plan import check_format
+    from attnlab.shrink.feasible import check_format
 
     model = tiny_model("gemma3", dtype=torch.float32)
     for fmt, who in (("gguf", "llama.cpp deepseek2"), ("deepseek", "DeepSeek-V3")):
@@ -337,7 +337,8 @@ def test_the_plan_of_a_normed_model_keeps_its_keys_whole():
     frequency, no BKV), each with the largest latent its storage's bytes allow (bf16 cannot hold the keys and a
     latent in half the bytes), within the budget; the winner converts and runs."""
     from attnlab.shrink import parse_budget, plan
-    from attnlab.shrink.plan import apply, bytes_per_token, layer_bytes
+    from attnlab.shrink.plan import apply
+    from attnlab.shrink.sizes import bytes_per_token, layer_bytes
 
     model = tiny_model("qwen3", dtype=torch.float32, attention_std=0.1)
     ids = torch.randint(0, 97, (1, 64), generator=torch.Generator().manual_seed(2))

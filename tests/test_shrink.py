@@ -19,7 +19,9 @@ from attnlab.runtime import Budget, Stopped
 from attnlab.shrink import ShrinkRequest, parse_budget, plan, shrink
 from attnlab.shrink.request import check_request
 from attnlab.shrink.state import run_folder
-from attnlab.shrink.plan import Candidate, apply, bytes_per_token, feasible, proxy_kl, rank, teacher_log_probs
+from attnlab.shrink.feasible import feasible
+from attnlab.shrink.plan import Candidate, apply, proxy_kl, rank, teacher_log_probs
+from attnlab.shrink.sizes import bytes_per_token
 from attnlab.shrink.sizes import spread_context
 
 T = 16
@@ -131,7 +133,7 @@ def test_the_proxy_ranks_two_clearly_different_cuts_as_held_out_perplexity_does(
 def test_gguf_splits_fit_llama_cpps_cache_blocks_within_the_values(values, max_rope):
     """For llama.cpp's q8_0 cache (blocks of 32): the rope key and the latent with its steady channel are
     multiples of 32, never more values than given; where no aligned split exists, the plain one."""
-    from attnlab.shrink.plan import splits
+    from attnlab.shrink.sizes import splits
 
     for r, p in splits(values, (0.2, 0.3, 0.5), max_rope=max_rope, block=32, extra=1):
         assert p % 32 == 0 and (r + 1) % 32 == 0 and r + p <= values and p <= max_rope and r >= 8
@@ -172,7 +174,7 @@ def test_protected_rows_that_alone_exceed_the_budget_are_refused_with_the_number
 def test_the_plan_in_bits_fits_each_few_bit_candidate_and_rotates_its_latent(tiny):
     """A few-bit row's bytes step with its groups: every candidate takes the largest latent that fits (one value
     more would not), its latent rotated; the chosen one converts to a model whose caches allocate those bytes."""
-    from attnlab.shrink.plan import layer_bytes
+    from attnlab.shrink.sizes import layer_bytes
 
     _, model, tok, text, _ = tiny
     cal = _ids(tok, text, 256)
@@ -341,7 +343,7 @@ def test_a_gguf_plan_in_llama_cpps_cache_types_fills_whole_blocks(wide, budget):
     steady channel) and rope key are whole blocks of 32; its bytes are llama.cpp's (34, 22 or 18 bytes a block, per
     layer) within the budget, and one block more would not fit (or would hold more than the V - 2 values a latent and a rope pair can use);
     the chosen plan converts to a model whose caches allocate those bytes."""
-    from attnlab.shrink.plan import GGUF_STORAGES, LLAMA_CPP_CACHE
+    from attnlab.shrink.sizes import GGUF_STORAGES, LLAMA_CPP_CACHE
 
     _, model, tok = wide
     cal = tok(TEXT * 10, return_tensors="pt").input_ids[:, :256]

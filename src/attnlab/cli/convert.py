@@ -116,7 +116,7 @@ def _convert_model(source, to, out, latent_dim, rope_dim, kv_heads, method, cali
                       "measured many times worse (docs/real-models.md)")
     plan = None
     if kv_budget is not None:
-        from ..shrink.plan import parse_budget
+        from ..shrink.sizes import parse_budget
         from ..shrink.plan import plan as choose
         from ..shrink.plan import rank
 

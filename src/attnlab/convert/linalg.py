@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ..modules.heads import GROUPINGS, check_grouping, gqa_block, kv_head_of, tile_heads  # noqa: F401 - re-exported
+from ..modules.heads import gqa_block, tile_heads
 
 
 def matrix_rank(weight, rtol: float | None = None) -> int:

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from ..modules.lowbit import hadamard as lowbit_hadamard
+from ..modules.rotation import hadamard as lowbit_hadamard
 
 F64 = torch.float64
 ROTATIONS = ("random", "hadamard")
@@ -37,7 +37,7 @@ ROTATIONS = ("random", "hadamard")
 
 def hadamard(n: int) -> torch.Tensor:
     """Sylvester's Hadamard matrix of size n (a power of two), scaled to be orthogonal, float64: the one matrix
-    llama.cpp's cache rotation uses too (modules.lowbit.hadamard)."""
+    llama.cpp's cache rotation uses too (modules.rotation.hadamard)."""
     if isinstance(n, int) and not isinstance(n, bool) and n >= 1 and not n & (n - 1):
         return lowbit_hadamard(n, F64)
     raise ValueError(f"a Sylvester Hadamard matrix needs a power-of-two size, got {n!r}; use rotation 'random'")

@@ -82,8 +82,6 @@ from typing import NamedTuple
 
 import torch
 
-from .rotation import ROTATION_ENV, ROTATION_STEP, hadamard, hadamard_transform  # noqa: F401 (re-exported)
-from .rotation import rotation_disabled, rotation_size  # noqa: F401 (re-exported)
 
 META_DTYPE = torch.float16
 BLOCK = 32  # llama.cpp's block, KIVI's group

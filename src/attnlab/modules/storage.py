@@ -20,7 +20,7 @@ Storage (`kv_dtype`; `cache.dtype` stays the activation dtype the cache returns)
   in K, values in V, for a cache that holds them apart (a GQA's; an MLA's one row refuses it). Its StorageFormat is
   the key's with `value` the value's; `for_role` gives the one a role's rows use.
 - llama.cpp's block formats (q8_0, q5_0, q4_1, q4_0, iq4_nl) of a GQA's keys and values are Hadamard-rotated as
-  llama.cpp rotates a quantised cache (modules/lowbit.py: rotation_size): the rows stored are H x, the rows read
+  llama.cpp rotates a quantised cache (modules/rotation.py: rotation_size): the rows stored are H x, the rows read
   back H^T Q(H x), which is what llama.cpp's attention computes with its rotated query and its output rotated
   back. `rotation(fmt, role, parts)` decides it from the role ("key", "value": what a GQA passes; an MLA's
   latent rows pass none and are never rotated, as llama.cpp's deepseek2 does not rotate them) and the head
@@ -53,6 +53,7 @@ import torch
 from torch import nn
 
 from . import lowbit
+from . import rotation as rotations
 
 KV_DTYPES = ("fp32", "bf16", "int8", "fp8", "q8_0", "q5_0", "q4_0", "q4_1", "iq4_nl", "int7", "int6", "int5", "int4",
              "int3", "int2", "kivi4", "kivi2", "quanto4", "quanto2")
@@ -184,7 +185,7 @@ def _with_recent(kv_dtype: str, base: str, size: int) -> StorageFormat:
 def rotation(fmt: StorageFormat | None, role: str | None, parts: tuple[int, ...]) -> int | None:
     """The Hadamard size the rows (..., W) of this storage are rotated with, None for none: llama.cpp's block
     formats of a GQA's heads, role "key" or "value" and parts the heads of a row (one part, or several of one
-    size), by lowbit.rotation_size; never for role None (an MLA's latent rows), plain, int8/fp8, attnlab's
+    size), by rotation.rotation_size; never for role None (an MLA's latent rows), plain, int8/fp8, attnlab's
     few-bit groups or KIVI. ValueError naming the role or the parts otherwise."""
     if fmt is None or fmt.low is None or fmt.low.kind != "block" or role is None:
         return None
@@ -193,12 +194,12 @@ def rotation(fmt: StorageFormat | None, role: str | None, parts: tuple[int, ...]
     if not parts or len(set(parts)) != 1:
         raise ValueError(f"llama.cpp rotates a GQA's {role} heads of one size; parts {tuple(parts)} are not heads of "
                          "one size (an MLA's rows take role None)")
-    return lowbit.rotation_size(parts[0], role)
+    return rotations.rotation_size(parts[0], role)
 
 
 def _rotated(x: torch.Tensor, n: int | None) -> torch.Tensor:
-    """x times H_n block by block (lowbit.hadamard_transform) in float32 (float64 for float64); x when n is None."""
-    return x if n is None else lowbit.hadamard_transform(x.to(torch.promote_types(x.dtype, SCALE_DTYPE)), n)
+    """x times H_n block by block (rotation.hadamard_transform) in float32 (float64 for float64); x when n is None."""
+    return x if n is None else rotations.hadamard_transform(x.to(torch.promote_types(x.dtype, SCALE_DTYPE)), n)
 
 
 # -- quantisation --------------------------------------------------------------------------------

@@ -8,6 +8,7 @@
 """
 from .pipeline import shrink
 from .request import ShrinkRequest, check_request
-from .plan import Candidate, KVBudget, PlanResult, parse_budget, plan
+from .plan import Candidate, PlanResult, plan
+from .sizes import KVBudget, parse_budget
 
 __all__ = ["ShrinkRequest", "check_request", "shrink", "Candidate", "KVBudget", "PlanResult", "parse_budget", "plan"]

@@ -45,8 +45,9 @@ from ..runtime.budget import Budget, Stopped
 from ..runtime.environment import environment
 from .engines import llama_cpp_cache, runs_in, transformers_cache
 from .heal_plan import heal_plan
-from .plan import (LLAMA_CPP_CACHE, QUANTIZED_CACHE, Candidate, check_format, feasible, few_bit, keys_whole,
-                   llama_cpp_types, parse_budget)
+from .feasible import check_format, feasible, keys_whole
+from .plan import Candidate
+from .sizes import LLAMA_CPP_CACHE, QUANTIZED_CACHE, few_bit, llama_cpp_types, parse_budget
 from .request import ShrinkRequest, check_request, pinned, plan_count, storage_choices
 from .state import RunState, run_folder
 
@@ -428,8 +429,7 @@ def final_report(req: ShrinkRequest, state: RunState, teacher, student, meta) ->
     """KV bytes per token before/after, held-out perplexity (teacher, student before/after), agreement, the plan,
     minutes per phase."""
     from ..models.evaluate import kv_bytes_per_token, kv_fixed_bytes, sliding_context
-    from .plan import original_sizes
-    from .sizes import original_bytes, planned_bytes, spread_context
+    from .sizes import original_bytes, original_sizes, planned_bytes, spread_context
 
     L, _, _, V = original_sizes(teacher)
     context = req.context or sliding_context(teacher)  # sliding layers: their bytes per token depend on the context

@@ -69,14 +69,9 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from .feasible import (MIN_WHOLE_LATENT, check_format, feasible, holds_native, keys_whole,  # noqa: F401
-                       native_sizes, native_storages, writes_native)
-from .sizes import (FEW_BIT, FORMATS, GGUF_STORAGES, KEPT_STORAGES, LLAMA_CPP_CACHE, NATIVE_CACHE,  # noqa: F401
-                    QUANTIZED_CACHE, STORAGES, TRANSFORMERS_CACHE,
-                    KVBudget, Layout, bytes_per_token, few_bit, fit, fixed_rows_bytes, layer_bytes,
-                    latent_bits, layers_bytes, layouts, llama_cpp_pair,
-                    llama_cpp_types, native_code, original_bytes, original_sizes, parse_budget, planned_bytes,
-                    splits, spread_context, storage_ok, values_for)
+from .feasible import feasible, keys_whole, native_storages
+from .sizes import (FORMATS, LLAMA_CPP_CACHE, KVBudget, Layout, few_bit, fit, layer_bytes, latent_bits, layers_bytes,
+                    original_sizes, planned_bytes, splits, spread_context, storage_ok)
 
 # rope shares of the values tried by the split round, in this order so that a count of candidates that runs out
 # keeps the likelier winners: at 12.5% of SmolLM2's bytes the 3-bit and the 2-bit latent both win at 0.2 (and the

@@ -8,8 +8,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .plan import (GGUF_STORAGES, LLAMA_CPP_CACHE, STORAGES, TRANSFORMERS_CACHE, llama_cpp_pair, parse_budget,
-                   storage_ok)
+from .sizes import (GGUF_STORAGES, LLAMA_CPP_CACHE, STORAGES, TRANSFORMERS_CACHE, llama_cpp_pair, parse_budget,
+                    storage_ok)
 
 AUTO_STORAGES = {"attnlab": STORAGES, "gguf": GGUF_STORAGES, "deepseek": ("bf16",), "transformers": TRANSFORMERS_CACHE}
 
@@ -54,7 +54,7 @@ class ShrinkRequest:
 
 def check_request(req: ShrinkRequest) -> None:
     """ValueError naming the value for anything the run cannot do, before any work."""
-    from .plan import FORMATS
+    from .sizes import FORMATS
 
     if req.fmt not in FORMATS:
         raise ValueError(f"--format must be one of {', '.join(FORMATS)}, got {req.fmt!r}")
