@@ -2,8 +2,7 @@
 
 Everything here acts on plain weight matrices (torch tensors, or numpy arrays
 where noted) and knows nothing about modules. Head layouts and tilings (strided,
-blocked) are modules/heads.py's; they are re-exported here, where the study's
-Parts 6-11 look for them.
+blocked) are modules/heads.py's.
 
 Notation: H query heads, G key/value heads, C = H // G query heads per KV
 head, d head size, D model width, r latent size.

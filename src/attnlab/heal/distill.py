@@ -46,7 +46,7 @@ from (seed, phase, step) alone, so a run stopped and resumed gives the same weig
 that was never stopped. It keeps a time budget (runtime.Budget: the deadline and the stop
 request every long loop checks, the teacher's hidden states included), checkpoints every few
 minutes, and stops cleanly at a step boundary when asked (request_stop, e.g. from a signal).
-`heal_model` (run.py, importable from here as before) is the whole job inside one budget: evaluate
+`heal_model` (run.py) is the whole job inside one budget: evaluate
 before (a bounded share), train (leaving time for the evaluation after), evaluate after, on one held-out
 text or several (evaluate.evaluate_texts), and keep the converted weights if the healed student is farther
 from the teacher on any of them (guard.worse).
@@ -66,8 +66,7 @@ Without a world (or with one process) nothing of this runs: the one-process path
 The plan (HealPlan and the constants it is sized with) is in plan.py, the losses and the rate schedule in losses.py,
 what trains (and LoRA) in trainable.py; the layer-wise phase's steps and verdicts in layer_wise.py (Healer's LayerWise
 part, which reads each layer's input as layer_inputs.py says), the end-to-end phase's steps and its blow-up guard in
-end_to_end.py (its EndToEnd part); this file holds the state machine, its checkpoints and its loop. Their names are
-importable from here as before.
+end_to_end.py (its EndToEnd part); this file holds the state machine, its checkpoints and its loop.
 """
 from __future__ import annotations
 

@@ -20,8 +20,7 @@ reference quantisers write them (ggml-quants.c, quantize_row_*_ref), bytes per 3
   weights). A block with largest magnitude below 1e-15 stores d = 0.
 The codes are computed with the float32 d, the stored d (and min) are float16: what llama.cpp reads back.
 
-llama.cpp's rotation of a quantised K/V cache (a Hadamard transform of each head's blocks) is in rotation.py;
-its names are importable from here as before.
+llama.cpp's rotation of a quantised K/V cache (a Hadamard transform of each head's blocks) is in rotation.py.
 
 attnlab's own ("int4/g<N>", "int2/g<N>", any of 2 to 7 bits; N = 32 when not given): asymmetric round-to-nearest over groups
 of N channels of each part of a row (the last group of a part may be short). For a range [lo, hi],

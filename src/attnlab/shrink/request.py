@@ -1,7 +1,7 @@
 """What a shrink is asked: ShrinkRequest (the user's arguments; identity() is what a resumed run must share), its
 check before any work (check_request: a ValueError naming the value), and what the request alone decides: the
 storages the planner may choose (storage_choices), whether the heal's work is pinned (pinned) and how many
-candidates the planner measures (plan_count). pipeline.py runs it; its names are importable from there as before.
+candidates the planner measures (plan_count). pipeline.py runs it.
 """
 from __future__ import annotations
 
