@@ -81,6 +81,7 @@ from typing import NamedTuple
 
 import torch
 
+from . import turbo
 
 META_DTYPE = torch.float16
 BLOCK = 32  # llama.cpp's block, KIVI's group
@@ -121,6 +122,7 @@ QUANTO_FORMATS = {"quanto4": LowBit("quanto4", 4, QUANTO_GROUP, True, "quanto"),
 ENGINE_FORMATS = {**KIVI_FORMATS, **QUANTO_FORMATS}  # applied in a forward without a cache; attnlab's caches refuse them
 SPELLING = re.compile(r"(q8_0|q5_0|q4_0|q4_1|iq4_nl|kivi4|kivi2|quanto4|quanto2)"
                       r"|int([2-7])(?:/g([1-9][0-9]*))?(?:\+(r8|c[234]))?")
+TQ_SPELLING = re.compile(r"tq([1-4])")  # TurboQuant's codes (modules/turbo.py): b bits a value, a norm a head
 TC_SPELLING = re.compile(r"tc([2-8]x[1-9][0-9]*(?:-[2-8]x[1-9][0-9]*)*)(?:/g([1-9][0-9]*))?(?:\+(r8|c[234]))?")
 IQ4_NL_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)  # ggml's kvalues_iq4nl
 IQ4_NL_TINY = 1e-15  # GROUP_MAX_EPS: a block whose largest magnitude is below it stores d = 0
@@ -129,6 +131,9 @@ IQ4_NL_TINY = 1e-15  # GROUP_MAX_EPS: a block whose largest magnitude is below i
 def parse(spelling: str) -> LowBit | None:
     """The LowBit of a spelling ("q4_0", "int4", "int2/g64", "int4/g32+r8", "int3/g64+c4", "kivi2",
     "tc4x40-3x56+c4", ...), None for any other."""
+    tq = TQ_SPELLING.fullmatch(spelling)
+    if tq is not None:  # its group is the part: one norm per head (pieces)
+        return LowBit(spelling, int(tq.group(1)), 0, False, "lloyd")
     coded = TC_SPELLING.fullmatch(spelling)
     if coded is not None:
         runs = tuple((int(b), int(n)) for b, n in (run.split("x") for run in coded.group(1).split("-")))
@@ -152,6 +157,12 @@ def pieces(parts: tuple[int, ...], fmt: LowBit) -> list[tuple[int, LowBit]]:
     latent, or a transform-coded row with a rope key and no storage for it."""
     out = []
     for i, (w, f) in enumerate(zip(parts, part_formats(parts, fmt))):
+        if f.kind == "lloyd":
+            if w & (w - 1):
+                raise ValueError(f"{f.code} rotates each head by a Hadamard transform of its size; parts of widths "
+                                 f"{parts} are not all powers of two")
+            out.append((w, f._replace(group=w)))
+            continue
         if not f.segments:
             out.append((w, f))
             continue
@@ -292,6 +303,8 @@ def _codes_and_meta(xg: torch.Tensor, fmt: LowBit, width: int | None = None) -> 
     """Groups xg (..., n, g) float32 -> integer codes (..., n, g) uint8 and meta (..., n, k) float16; `width`, the
     part's channels before _grouped padded its last group (the padding counts in no group's error)."""
     top = (1 << fmt.bits) - 1
+    if fmt.kind == "lloyd":
+        return turbo.encode(xg, fmt.bits)
     if fmt.code == "iq4_nl":
         return _iq4_nl_codes(xg)
     if fmt.kind == "block" and not fmt.zero:
@@ -365,6 +378,8 @@ def _range_meta(lo: torch.Tensor, hi: torch.Tensor, top: int) -> tuple[torch.Ten
 
 def _values(codes: torch.Tensor, meta: torch.Tensor, fmt: LowBit, work: torch.dtype) -> torch.Tensor:
     """codes (..., n, g) and meta (..., n, k) -> values (..., n, g) in `work`."""
+    if fmt.kind == "lloyd":
+        return turbo.decode(codes, meta, fmt.bits, work)
     if fmt.code == "iq4_nl":
         return torch.tensor(IQ4_NL_VALUES, dtype=work, device=codes.device)[codes.long()] * meta.to(work)
     c, meta = codes.to(work), meta.to(work)

@@ -56,7 +56,7 @@ from . import lowbit
 from . import rotation as rotations
 
 KV_DTYPES = ("fp32", "bf16", "int8", "fp8", "q8_0", "q5_0", "q4_0", "q4_1", "iq4_nl", "int7", "int6", "int5", "int4",
-             "int3", "int2", "kivi4", "kivi2", "quanto4", "quanto2")
+             "int3", "int2", "tq4", "tq3", "tq2", "tq1", "kivi4", "kivi2", "quanto4", "quanto2")
 PLAIN = {"fp32": torch.float32, "bf16": torch.bfloat16}
 QMAX = {"int8": 127.0, "fp8": 448.0}  # the largest code: int8 symmetric, float8_e4m3fn's largest finite value
 SCALE_DTYPE = torch.float32
@@ -134,7 +134,7 @@ def check_kv_dtype(kv_dtype) -> StorageFormat | None:
                "'q8_0', 'q5_0', 'q4_0', 'q4_1', 'iq4_nl', 'int2' to 'int7' (or 'int4/g<N>', ..., and after any "
                "of them '+r8' for an MLA's rope key in 8 bits or '+c4', '+c3', '+c2' for it in 4, 3, 2 bits per "
                "channel), runs of a transform-coded latent as 'tc4x40-3x56+c4', any of the quantised ones with '+w<N>' after it "
-               "(an MLA's newest N rows kept plain), 'kivi4', 'kivi2', 'quanto4', "
+               "(an MLA's newest N rows kept plain), TurboQuant's 'tq1' to 'tq4', 'kivi4', 'kivi2', 'quanto4', "
                "'quanto2', a K/V pair of llama.cpp's types such as 'q8_0,q4_0', or None")
     if not isinstance(kv_dtype, str):
         raise TypeError(f"kv_dtype must be one of {choices}, got {type(kv_dtype).__name__} ({kv_dtype!r})")
