@@ -308,7 +308,8 @@ def main(argv=None) -> None:
     if args.part == "memory-child":
         print(json.dumps(memory_child(args.cache, args.prompt, args.new)))
         return
-    prov = provenance(["python", "benchmarks/hf_kvcache.py", *(argv or sys.argv[1:])], args.allow_dirty)
+    prov = provenance(["python", "benchmarks/hf_kvcache.py", *(argv or sys.argv[1:])], args.allow_dirty,
+                      (str(JSON.relative_to(HERE.parent)),))
     models = args.models.split(",")
     caches = args.caches.split(",") if args.caches else None
     rows = {"quality": lambda: quality(models, caches), "bytes": lambda: bytes_held(models), "speed": speed,

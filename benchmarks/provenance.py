@@ -11,12 +11,13 @@ ROOT = Path(__file__).resolve().parent.parent
 ENV_PREFIXES = ("ATTNLAB_", "OMP_", "MKL_", "OPENBLAS_", "LLAMA_", "CUDA_VISIBLE", "PYTORCH_")
 
 
-def commit(allow_dirty: bool = False) -> str:
-    """The checked-out commit; SystemExit naming the changed files when the tree is dirty (unless allowed)."""
+def commit(allow_dirty: bool = False, results: tuple[str, ...] = ()) -> str:
+    """The checked-out commit; SystemExit naming the changed files when the tree is dirty (unless allowed). results:
+    the benchmark's own results files (relative to the root), whose changes are its rows, not code."""
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
                            text=True).stdout.split("\n")
-    dirty = [line[3:] for line in dirty if line.strip()]
+    dirty = [line[3:] for line in dirty if line.strip() and line[3:] not in results]
     if dirty and not allow_dirty:
         raise SystemExit(f"the tree has uncommitted changes ({', '.join(dirty[:5])}): commit them first, so the row "
                          "names the code that made it (or pass --allow-dirty for a trial run, recorded as dirty)")
@@ -53,11 +54,11 @@ def versions() -> dict:
     return out
 
 
-def provenance(argv: list[str], allow_dirty: bool = False) -> dict:
+def provenance(argv: list[str], allow_dirty: bool = False, results: tuple[str, ...] = ()) -> dict:
     """Everything a row needs to be re-measured: call before the work; finish() adds the load after."""
     import torch
 
-    return {"argv": argv, "commit": commit(allow_dirty), "cpu": cpu_model(), "cores": os.cpu_count(),
+    return {"argv": argv, "commit": commit(allow_dirty, results), "cpu": cpu_model(), "cores": os.cpu_count(),
             "torch_threads": torch.get_num_threads(), "versions": versions(),
             "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith(ENV_PREFIXES)},
             "load_before": load()}
