@@ -116,11 +116,11 @@ class _CodedLayer(_Owner):
         keys, values = rows.extend(k=key_states, v=value_states)
         skip = offset - rows.key_start  # a window cache may return rows older than the mask reads
         out = [keys[..., skip:, :], values[..., skip:, :]]
-        for ring, new, i in zip(self.plain, (key_states, value_states), range(2)):
+        for i, (ring, new) in enumerate(zip(self.plain, (key_states, value_states))):
             ring.push(length, _flat(new))
-            k = min(ring.size, rows.length, out[i].shape[-2])  # the newest k rows read plain
-            out[i][..., -k:, :] = _heads(ring.rows[:, min(rows.length, ring.size) - k:min(rows.length, ring.size)],
-                                         out[i].shape[1])
+            held = min(rows.length, ring.size)  # the ring's rows, oldest first
+            k = min(held, out[i].shape[-2])  # the newest k rows read plain
+            out[i][..., -k:, :] = _heads(ring.rows[:, held - k:held], out[i].shape[1])
         return out[0], out[1]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 import torch
 
 from ..models.adapters import cache_keyword
-from .cache import text_config
 
 
 class TransformersRunner:
@@ -12,16 +11,15 @@ class TransformersRunner:
     call, as decoding reads the cache; models.evaluate.score_windows(..., runner=) scores with it. Batch of one."""
 
     def __init__(self, model, kv_dtype=None):
-        from .cache import _classes
-
-        text_config(model)  # TypeError for what is not a transformers model
-        self.model, self.kv_dtype, self._cache_class = model, kv_dtype, _classes()[0]
+        self.model, self.kv_dtype = model, kv_dtype
+        self.reset()  # KVCache refuses what is not a transformers model of a family attnlab knows
         self._keyword = cache_keyword(model.forward)
-        self.reset()
 
     def reset(self) -> None:
         """A fresh cache: every token forgotten."""
-        self.cache = self._cache_class(self.model, self.kv_dtype)
+        from .cache import KVCache
+
+        self.cache = KVCache(self.model, self.kv_dtype)
         self.length = 0
 
     @torch.no_grad()
