@@ -6,6 +6,9 @@ attention. A full-attention layer grows its buffers in steps (`GROWTH`); a slidi
 A "+w<N>" storage also keeps each layer's newest N keys and values plain (modules/recent.py's ring), and every call
 reads those N rows plain: for a decode step that is each query's newest N, as in attnlab's own latent caches; a
 chunk's earlier queries read them as the chunk's last query does.
+A DeepSeek-V3 folder (an MLA attnlab wrote) passes each layer's normalised latent and rope key: its layers hold
+`modules.cache.LatentCache` rows [latent, rope key] in the MLA's storage ("int3/g256+c4+w8"), the latent's first
+`latent_channels` channels only (an export's constant channel, which kv_b_proj ignores, reads back as 0).
 The classes are made on first use, so this module imports transformers only then.
 """
 from __future__ import annotations
@@ -14,10 +17,11 @@ import functools
 
 import torch
 
-from ..models.load import SUPPORTED as SUPPORTED_MODEL_TYPES
+from ..models.load import SUPPORTED as GQA_TYPES
 from ..modules.cache import KVCache as _Rows
+from ..modules.cache import LatentCache as _LatentRows
 from ..modules.recent import RecentRows
-from ..modules.storage import check_kv_dtype
+from ..modules.storage import check_kv_dtype, dense
 
 GROWTH = 64  # a full layer grows to what it needs plus a 64th of it (at least MIN_ROOM rows): bytes held <= 1.02x
 MIN_ROOM = 16  # from about 1,000 tokens on; a reallocation copies the rows held, every 16 tokens at most
@@ -37,6 +41,25 @@ class LayerShape:
                 + ("" if self.window is None else f", window {self.window}"))
 
 
+class LatentShape:
+    """What one MLA layer's cache holds: the latent (its first `coded` channels kept) and the rope key; constant:
+    the K of an export's constant channel (channel `coded`), None without one."""
+
+    def __init__(self, latent_dim: int, rope_dim: int, coded: int, constant: float | None = None):
+        self.latent_dim, self.rope_dim, self.coded, self.constant = latent_dim, rope_dim, coded, constant
+        self.window = None
+
+    def __eq__(self, other) -> bool:
+        return vars(self) == vars(other)
+
+    def __repr__(self) -> str:
+        return f"a latent of {self.latent_dim} ({self.coded} kept) and a rope key of {self.rope_dim}"
+
+
+MLA_TYPES = ("deepseek_v3",)
+SUPPORTED_MODEL_TYPES = (*GQA_TYPES, *MLA_TYPES)  # GQA families attnlab loads; MLA: its DeepSeek exports
+
+
 def text_config(model_or_config):
     """The decoder config of a transformers model or config; TypeError for anything else."""
     config = getattr(model_or_config, "config", model_or_config)
@@ -50,6 +73,8 @@ def layer_shapes(config) -> list[LayerShape]:
     kind = getattr(config, "model_type", None)
     if kind not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"KVCache knows the attention of {', '.join(SUPPORTED_MODEL_TYPES)}; got model_type {kind!r}")
+    if kind in MLA_TYPES:
+        return latent_shapes(config)
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
@@ -58,11 +83,29 @@ def layer_shapes(config) -> list[LayerShape]:
     return [LayerShape(kv_heads, head_dim, head_dim, window if t == "sliding_attention" else None) for t in types]
 
 
+def latent_shapes(config) -> list[LatentShape]:
+    """Each layer's LatentShape from a DeepSeek-V3 config and its "attnlab" entry (models/export.py: attnlab_entry)."""
+    r, L = config.kv_lora_rank, config.num_hidden_layers
+    entry = getattr(config, "attnlab", None) or {}
+    coded = entry.get("latent_channels", r)
+    if not isinstance(coded, int) or not 0 < coded <= r:
+        raise ValueError(f"config's attnlab latent_channels must be an int in 1..{r} (kv_lora_rank), got {coded!r}")
+    constants = entry.get("latent_constants", [None] * L)
+    if len(constants) != L or (constants[0] is not None and coded != r - 1):
+        raise ValueError(f"config's attnlab latent_constants must be {L} numbers, one a layer, with latent_channels "
+                         f"= kv_lora_rank - 1 = {r - 1}; got {len(constants)} with latent_channels {coded}")
+    return [LatentShape(r, config.qk_rope_head_dim, coded, k) for k in constants]
+
+
 def check_storage(kv_dtype, shapes: list[LayerShape], kind: str) -> None:
     """ValueError in one line unless every layer's cache can hold this storage (made on the meta device)."""
     fmt = check_kv_dtype(kv_dtype)
     for shape in {repr(s): s for s in shapes}.values():
         try:
+            if isinstance(shape, LatentShape):
+                _LatentRows(object.__new__(_Owner), 1, 1, shape.coded, shape.rope_dim, dtype=torch.float32,
+                            device="meta", kv_dtype=kv_dtype)
+                continue
             _Rows(object.__new__(_Owner), 1, 1, shape.num_kv_heads, shape.head_dim, shape.v_head_dim,
                   dtype=torch.float32, device="meta", kv_dtype=fmt.base_name if fmt else None, window=shape.window)
         except ValueError as err:
@@ -188,6 +231,68 @@ class _CodedLayer(_Owner):
         return self.rows.bytes_per_token if self.rows is not None else 0
 
 
+class _LatentLayer(_CodedLayer):
+    """One MLA layer of KVCache: update(latent (B, 1, S, r), rope key (B, 1, S, p)) as DeepSeek-V3 passes them."""
+
+    def __init__(self, kv_dtype, shape: LatentShape, index: int):
+        super().__init__(kv_dtype, shape, index)
+        self.recent = None  # the LatentCache keeps its own window (modules/recent.py)
+        self.factor = None  # with a constant channel: the norm's factor (B, 1, 1), from the first token written
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        B, heads, _, r = key_states.shape
+        got = (heads, r, value_states.shape[-1])
+        if got != (1, self.shape.latent_dim, self.shape.rope_dim):
+            raise ValueError(f"KVCache layer {self.index} was made for {self.shape}, got (heads, latent, rope key) "
+                             f"{got}: this cache belongs to another model")
+        self.rows = _LatentRows(self, B, MIN_ROOM, self.shape.coded, self.shape.rope_dim, dtype=key_states.dtype,
+                                device=key_states.device, kv_dtype=self.kv_dtype)
+        self.device, self.is_initialized = key_states.device, True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Code the new [latent, rope key] rows; return every row's latent (B, 1, S, r) and rope key (B, 1, S, p)."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        rows, shape = self.rows, self.shape
+        n, need = key_states.shape[-2], rows.length + key_states.shape[-2]
+        if need > rows.max_len:
+            rows.reserve(need + max(MIN_ROOM, need // GROWTH))
+        latent = key_states[:, 0, :, :shape.coded]
+        if shape.constant is not None:  # the MLA's own latent: the norm's factor undone by the constant channel
+            held = key_states[:, 0, :, shape.coded:shape.coded + 1] / shape.constant  # (B, n, 1): the factor
+            latent = latent / held
+            if self.factor is None:  # every token's factor is this one to within 2^-24 (models/export.py)
+                self.factor = held[:, :1]
+        new = torch.cat([latent, value_states[:, 0]], dim=-1)  # (B, n, coded + p)
+        if rows.recent:  # every query reads the newest rows plain, as the chunk's last query does
+            stored, plain, _ = rows.extend_recent(new)
+            out = dense(stored).clone()
+            k = min(rows.recent, out.shape[1])
+            out[:, -k:] = plain[:, -k:].to(out.dtype)
+        else:
+            (out,) = rows.extend(kv=new)
+        latent = out.new_zeros(out.shape[0], 1, out.shape[1], shape.latent_dim)
+        latent[:, 0, :, :shape.coded] = out[..., :shape.coded] if self.factor is None else \
+            out[..., :shape.coded] * self.factor
+        return latent, out[:, None, :, shape.coded:]
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop takes a negative count of tokens to remove, got {tokens_to_remove}")
+        if tokens_to_remove and self.rows is not None:
+            self.rows.truncate(self.rows.length + tokens_to_remove)
+
+    def reset(self) -> None:
+        super().reset()
+        self.factor = None
+
+    def _select(self, indices: torch.Tensor) -> None:
+        if self.rows is not None:
+            self.rows.select_batch(indices)
+        if self.factor is not None:
+            self.factor = self.factor.index_select(0, indices.to(self.factor.device))
+
+
 def _flat(rows: torch.Tensor) -> torch.Tensor:
     """(B, G, n, d) -> (B, n, G d): a ring's rows."""
     return rows.transpose(1, 2).flatten(2)
@@ -210,8 +315,9 @@ class _KVCacheBase:
         shapes = layer_shapes(config)
         check_storage(kv_dtype, shapes, config.model_type)
         self.kv_dtype, self.model_type = kv_dtype, config.model_type
-        _, layer_class = _classes()
-        super().__init__(layers=[layer_class(kv_dtype, s, i) for i, s in enumerate(shapes)])
+        _, layer_class, latent_class = _classes()
+        super().__init__(layers=[(latent_class if isinstance(s, LatentShape) else layer_class)(kv_dtype, s, i)
+                                 for i, s in enumerate(shapes)])
 
     @classmethod
     def from_pretrained(cls, folder, model=None):
@@ -242,7 +348,8 @@ class _KVCacheBase:
         return f"KVCache({self.model_type}, kv_dtype={self.kv_dtype!r}, tokens={self.get_seq_length()})"
 
 
-SIZES = ("model_type", "num_hidden_layers", "hidden_size", "num_key_value_heads", "vocab_size")
+SIZES = ("model_type", "num_hidden_layers", "hidden_size", "num_key_value_heads", "vocab_size", "kv_lora_rank",
+         "qk_rope_head_dim")
 
 
 def _planned(folder):
@@ -275,12 +382,13 @@ def _check_same(model_config, folder_config, folder) -> None:
 
 @functools.cache
 def _classes():
-    """(KVCache, its layer class), each with transformers' base mixed in (imported here, on first use)."""
+    """(KVCache, its GQA layer class, its MLA layer class), each with transformers' base mixed in (imported here, on first use)."""
     from transformers.cache_utils import Cache, CacheLayerMixin
 
     layer = type("CodedLayer", (_CodedLayer, CacheLayerMixin), {"__module__": __name__})
+    latent = type("LatentLayer", (_LatentLayer, CacheLayerMixin), {"__module__": __name__})
     cache = type("KVCache", (_KVCacheBase, Cache), {"__module__": __name__, "__doc__": _KVCacheBase.__doc__})
-    return cache, layer
+    return cache, layer, latent
 
 
 def __getattr__(name: str):

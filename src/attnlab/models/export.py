@@ -343,6 +343,21 @@ def deepseek_config(src: dict, m: MultiHeadLatentAttention, *, dtype: str) -> di
     }
 
 
+def attnlab_entry(m: MultiHeadLatentAttention, constants: list[float]) -> dict:
+    """config.json's "attnlab" entry, which attnlab.hf.KVCache reads: the latent channels a cache keeps (not the
+    constant one, which kv_b_proj ignores), each layer's constant K where it has one (its cache codes latent * K /
+    constant channel: the MLA's own latent) and the storage m's cache was planned in."""
+    entry = {"written_by": "attnlab", "latent_channels": m.latent_dim}
+    if constants:
+        entry["latent_constants"] = constants
+    return entry if m.kv_dtype is None else {**entry, "kv_dtype": m.kv_dtype}
+
+
+def layer_constant(m: MultiHeadLatentAttention) -> list[float]:
+    """[K] of a layer exported with the constant channel (constant_channel), [] for one with a latent norm."""
+    return [] if m.kv_norm is not None else [constant_channel(m)[0]]
+
+
 def check_source_config(src: dict) -> None:
     if src.get("mlp_bias"):
         raise ValueError("the source MLP has biases (mlp_bias); DeepSeek's dense MLP has none")
@@ -432,7 +447,8 @@ def export_deepseek(model, folder, tokenizer=None, *, force: bool = False,
     src = model.config.to_dict()
     src["tie_word_embeddings"] = bool(getattr(model.config, "tie_word_embeddings", False))
     dtype = str(modules[0]._anchor.dtype).removeprefix("torch.")
-    config = deepseek_config(src, modules[0], dtype=dtype)
+    constants = [k for m in modules for k in layer_constant(m)]
+    config = {**deepseek_config(src, modules[0], dtype=dtype), "attnlab": attnlab_entry(modules[0], constants)}
     base = model.model
 
     def write(tmp: Path) -> None:

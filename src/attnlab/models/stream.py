@@ -29,11 +29,13 @@ from .export import (
     NEEDS_LATENT,
     ShardWriter,
     add_latent_norm,
+    attnlab_entry,
     check_exportable,
     check_source_config,
     copy_tokenizer,
     deepseek_attention_tensors,
     deepseek_config,
+    layer_constant,
 )
 from .load import NOT_CONVERTED, inspect_checkpoint, open_shards
 
@@ -227,6 +229,7 @@ def convert_checkpoint(source, out, *, latent_dim: int | None, rope_dim: int | N
     dtype = tensors.get("model.layers.0.self_attn.q_proj.weight").dtype
     tied = bool(getattr(hf_cfg, "tie_word_embeddings", False))
     errors: list[float] = []
+    constants: list[float] = []  # each layer's constant channel K (models/export.py: attnlab_entry)
     planes = None
     if pair_selection == "rorope-score":
         from .convert import plane_choice
@@ -257,6 +260,7 @@ def convert_checkpoint(source, out, *, latent_dim: int | None, rope_dim: int | N
             check_exportable([first or mla, mla])
             first = first or mla
             errors.append(err)
+            constants.extend(layer_constant(mla))
             p = f"model.layers.{i}."
             for k, v in deepseek_attention_tensors(mla, p + "self_attn.").items():
                 shards.add(k, v.to(dtype))
@@ -273,7 +277,8 @@ def convert_checkpoint(source, out, *, latent_dim: int | None, rope_dim: int | N
             shards.add("lm_head.weight", tensors.get("lm_head.weight"))
         shards.close()
         src = dict(cfg, tie_word_embeddings=tied)
-        config = deepseek_config(src, first, dtype=str(dtype).removeprefix("torch."))
+        config = {**deepseek_config(src, first, dtype=str(dtype).removeprefix("torch.")),
+                  "attnlab": attnlab_entry(first, constants)}
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         copy_tokenizer(folder, tmp)
 

@@ -395,11 +395,9 @@ class _Cache:
         return self.stored()
 
     def _check_reshapable(self, what: str) -> None:
-        """ValueError unless every tensor of this cache has one row per token and per sequence (no rope key groups,
-        no recent ring, no fixed_slot view), which reserve() and select_batch() require."""
-        if self._channel or self._recent is not None or self._slot is not None:
-            raise ValueError(f"{what} needs a cache whose tensors hold one row per token; kv_dtype "
-                             f"{self.kv_dtype!r} keeps rows apart (a rope key's groups or a recent window)")
+        """ValueError for a fixed_slot view, whose rows reserve() and select_batch() would leave behind."""
+        if self._slot is not None:
+            raise ValueError(f"{what} needs the cache itself, not a fixed_slot view of it")
 
     def reserve(self, max_len: int) -> None:
         """Room for max_len tokens in place: the buffers reallocated and the rows held copied (a window cache keeps its
@@ -415,6 +413,8 @@ class _Cache:
                 new = old.new_zeros(*old.shape[:-2], capacity, old.shape[-1])
                 new[..., :held, :] = old[..., :held, :]
                 setattr(self, name, new)
+            for groups in self._channel.values():
+                groups.reserve(max_len)
         self.max_len, self.capacity = max_len, capacity
 
     def select_batch(self, indices: torch.Tensor) -> None:
@@ -426,6 +426,10 @@ class _Cache:
             raise ValueError(f"indices must be a non-empty 1-D tensor, got shape {tuple(indices.shape)}")
         for name in self._row_names():
             setattr(self, name, getattr(self, name).index_select(0, indices))
+        for groups in self._channel.values():
+            groups.select(indices)
+        if self._recent is not None:
+            self._recent.rows = self._recent.rows.index_select(0, indices)
         self.batch_size = indices.numel()
 
     def batch_view(self, batch_size: int) -> "_Cache":

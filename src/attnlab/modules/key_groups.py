@@ -49,6 +49,18 @@ class RopeKeyGroups:
         part.meta, part.recent = self.meta[:batch_size], self.recent[:batch_size]
         return part
 
+    def reserve(self, max_len: int) -> None:
+        """Meta rows for max_len tokens, the groups held copied (_Cache.reserve)."""
+        groups = -(-max_len // lowbit.KEY_TOKENS)
+        meta = self.meta.new_zeros(*self.meta.shape[:-2], groups, self.meta.shape[-1])
+        kept = min(groups, self.meta.shape[-2])
+        meta[..., :kept, :] = self.meta[..., :kept, :]
+        self.meta = meta
+
+    def select(self, indices: torch.Tensor) -> None:
+        """Keep the sequences at `indices` (_Cache.select_batch)."""
+        self.meta, self.recent = self.meta.index_select(0, indices), self.recent.index_select(0, indices)
+
     def _latent_width(self) -> int:
         return lowbit.packed_row(self.parts[:1], lowbit.per_token(self.low))
 
