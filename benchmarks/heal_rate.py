@@ -1,5 +1,5 @@
 """Heal one converted student under variants of its heal plan, and score each on the heal's judge texts and on two
-development texts nothing reads (docs/real-models.md, "A layer-wise rate that generalises").
+development texts nothing reads (docs/decisions.md).
 
 The student and its data come from a shrink run stopped after its conversion (Ctrl-C once the log says "evaluating
 the converted model before training"; the run folder OUT.shrink-run keeps data.safetensors, student/ and the heal

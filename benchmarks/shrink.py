@@ -7,7 +7,7 @@
     python benchmarks/shrink.py --part bits                         # few-bit latent storages: groups, rope bits, rotation
     python benchmarks/shrink.py --part keys                         # every value kept: the key per token or per channel
     python benchmarks/shrink.py --part plot                         # benchmarks/kv_bytes_vs_ppl.png from the rows
-    python benchmarks/shrink.py --part report                       # the tables of docs/real-models.md
+    python benchmarks/shrink.py --part report                       # the tables of docs/models.md
 
 Run it alone on the machine (it records the load average before and after each figure and warns
 above 1). Rows go to benchmarks/shrink.json, merged by key.
@@ -19,7 +19,7 @@ Texts, none overlapping another:
   calibrated or trained on). The shrink commands run exactly as recorded in each row's "argv" (rows before
   2026-11-25 ran with a hidden `--eval-text Apache-2.0` that their "command" left out). The headline figures,
   on four texts and three seeds, are benchmarks/protocol.py's;
-- the proxy part calibrates on MPL-2.0 (its first 2048 tokens) as docs/real-models.md's ablation
+- the proxy part calibrates on MPL-2.0 (its first 2048 tokens) as docs/models.md's ablation
   did, so its before-training perplexities compare with that table's, and scores the candidates
   on MPL-2.0's next 1024 tokens (the planner's proxy, shrink.plan.plan's proxy_ids).
 """
@@ -337,7 +337,7 @@ def part_keys() -> None:
 
 
 def part_report() -> None:
-    """The rows of shrink.json as Markdown tables (what docs/real-models.md shows)."""
+    """The rows of shrink.json as Markdown tables (what docs/models.md shows)."""
     from attnlab.shrink.baselines import at_or_above
 
     data = json.loads(JSON.read_text()) if JSON.exists() else {}

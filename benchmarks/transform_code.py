@@ -5,7 +5,7 @@ before any heal: SmolLM2-135M, every layer converted, the same bytes.
     python benchmarks/transform_code.py --variants uniform+refit   # some variants again (rows merged by key)
 
 Variants (each with rotation seeds 0, 1, 2; 2,880 bytes/token is 12.5% of the original's 23,040):
-- `uniform`: the planner's 12.5% plan (docs/real-models.md): latent 112 and rope key 76 (RoRoPE by frequency, BKV),
+- `uniform`: the planner's 12.5% plan (docs/decisions.md): latent 112 and rope key 76 (RoRoPE by frequency, BKV),
   the latent rotated by a seeded random orthogonal matrix and stored in 3 bits (int3/g64+c4: groups of 64 channels,
   the rope key in 4 bits per channel over 64 tokens);
 - `tc-latent`, `tc-kv`: the same conversion with every value the row can hold in its latent (308 + 76), then

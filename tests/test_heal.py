@@ -1141,7 +1141,7 @@ def test_the_attention_input_is_read_without_running_the_rest_of_the_layer(tmp_p
 
 def test_a_plan_without_prompts_evaluates_no_greedy_text_and_judges_alike(tiny):
     """HealPlan.prompts = 0: heal_model's evaluations generate no greedy continuation (40 of the 48 s an evaluation of a
-    12.5% SmolLM2 heal's texts took, docs/real-models.md, "Time for the heal's steps") and
+    12.5% SmolLM2 heal's texts took, docs/decisions.md) and
     report no greedy agreement, and the figures its decisions read (KL, top-1 agreement: guard.worse) are those of an
     evaluation with prompts, to the bit."""
     _, teacher, _ = tiny

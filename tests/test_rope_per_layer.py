@@ -1,5 +1,5 @@
 """A rope key per layer (convert_model(rope_dim=[...]); issue `eighth`: what a wider rope key in the first layers
-does, docs/real-models.md). Oracles: the one-size conversion at each layer's rope key, and the saved model read
+does, docs/decisions.md). Oracles: the one-size conversion at each layer's rope key, and the saved model read
 back."""
 import copy
 import re

@@ -869,7 +869,7 @@ def test_the_layer_wise_phase_is_sized_to_its_time_by_hand(tiny, monkeypatch, in
     times that with the optimizer. The steps a layer are what is left of LAYER_SHARE of the time over the steps' cost,
     computed here by hand, whichever inputs the phase reads (the stream a phase on the student's own inputs carries
     is not counted: counting it cut the plain 12.5% command's steps from 60 to 36-42 a layer and made it worse,
-    docs/real-models.md)."""
+    docs/decisions.md)."""
     import copy
     import itertools
 

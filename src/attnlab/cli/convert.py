@@ -113,7 +113,7 @@ def _convert_model(source, to, out, latent_dim, rope_dim, kv_heads, method, cali
         calibrated_on = f"{ids.shape[1]} tokens of {calibrated_on}"
     elif lossy and not use_calibration:
         console.print("[yellow]warning:[/yellow] --no-calibration: the cut is chosen on the weights alone, which "
-                      "measured many times worse (docs/real-models.md)")
+                      "measured many times worse (docs/decisions.md)")
     plan = None
     if kv_budget is not None:
         from ..shrink.sizes import parse_budget
@@ -237,7 +237,7 @@ def convert(source: str = typer.Argument(..., help="An attnlab checkpoint folder
                                             help="mla of a RoPE model: what keeps rotating: frequency, norm "
                                                  "(pairs per KV head), rorope (mixed planes by frequency: GGUF within "
                                                  "its rope limit) or rorope-score (mixed planes by score, allocated "
-                                                 "for all layers at once; DeepSeek export) (docs/real-models.md). "
+                                                 "for all layers at once; DeepSeek export) (docs/decisions.md). "
                                                  "Default rorope-score; frequency for Qwen3/Gemma 3 (keys whole)."),
             balance: Optional[bool] = typer.Option(None, "--balance/--no-balance", metavar="",
                                                    help="mla of a RoPE model: balance K and V before the joint SVD "

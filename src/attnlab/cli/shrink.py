@@ -132,7 +132,7 @@ def shrink(source: str = typer.Argument(..., help="The model: smollm2, a transfo
            per_layer: bool = typer.Option(False, "--per-layer", help="Also plan a latent size per layer (each "
                                           "layer alone at three sizes, about 1.5 minutes on SmolLM2-135M, taken from "
                                           "the heal; --format attnlab). Measured at 12.5% it did not beat one size "
-                                          "for all, in 10 minutes nor with a text in 30 (docs/real-models.md)."),
+                                          "for all, in 10 minutes nor with a text in 30 (docs/decisions.md)."),
            shard: bool = SHARD, collective_timeout: float = COLLECTIVE_TIMEOUT):
     """Shrink a model's KV cache to a budget: plan, convert, heal and export in one run.
 
@@ -185,7 +185,7 @@ def shrink(source: str = typer.Argument(..., help="The model: smollm2, a transfo
             raise UsageProblem(str(e)) from None
     if no_calibration and place.main:
         console.print("[yellow]warning:[/yellow] --no-calibration: the cut is chosen on the weights alone, which "
-                      "measured many times worse before healing (docs/real-models.md)")
+                      "measured many times worse before healing (docs/decisions.md)")
     from transformers.utils import logging as hf_logging
 
     from ..io.folders import output_lock

@@ -64,7 +64,7 @@ def gqa_to_mla_decoupled(gqa: GroupedQueryAttention, latent_dim: int, rope_pairs
     softmax scale stays 1/sqrt(d). KV values per token: latent_dim + 2 * G * rope_pairs.
     pair_selection: "frequency" (default) keeps the fastest-turning pairs; "norm" (needs
     calibration inputs) keeps, per KV head, the pairs with the largest mean |q| * |k| on
-    them, the 2-norm criterion of MHA2MLA (on SmolLM2 it measured worse: docs/real-models.md).
+    them, the 2-norm criterion of MHA2MLA (on SmolLM2 it measured worse: docs/decisions.md).
     rorope: mix each frequency's G key planes by their principal directions first (transforms.py;
     exact, folded into the queries), then keep rotation for some of the G * d/2 mixed planes:
     `rope_planes` of them (any number; rope_dim = 2 * rope_planes), or G * rope_pairs when

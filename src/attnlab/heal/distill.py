@@ -29,14 +29,14 @@ Two phases, on token windows (data.py: the user's text, or text the teacher writ
    are scored and the layer-wise phase's weights kept; if its steps leave the student farther from the teacher on
    any text (guard.worse), those weights come back at the end. With less time left there than one evaluation took,
    the phase is not run: steps that cannot be judged are not taken (on SmolLM2 at 12.5% six such steps took
-   held-out perplexity from about 37 to 59.6, docs/real-models.md).
+   held-out perplexity from about 37 to 59.6, docs/decisions.md).
 With a probe (HealPlan.probe, what shrink plans for a student that keeps every value) the order turns
 round: the end-to-end phase runs first, and heal_model scores the held-out texts after that share of
 its steps; if the student moved away from the teacher there (guard.worse: the KL to the teacher rose,
 or top-1 agreement fell, on any held-out text), the converted weights come back and the layer-wise
 phase takes the rest of the time, with no end-to-end phase after it (Healer.settle_probe); its steps a
 layer are fitted to that time once its first layer is timed (Healer._fit_layers). Measured:
-SmolLM2's every-value plans heal end to end, Gemma 3 270M's only layer-wise (docs/real-models.md).
+SmolLM2's every-value plans heal end to end, Gemma 3 270M's only layer-wise (docs/decisions.md).
 
 `Healer` runs the phases as one resumable state machine: the plan, step, phase, layer,
 weights, optimizer state and training windows go into one checkpoint file (torch.save,

@@ -1,6 +1,6 @@
 """What keeps a heal from leaving the model worse than it was converted: the layer-wise guard's rule and state, the
 end-to-end phase's blow-up guard, and heal_model's keep-better test, which also judges the end-to-end probe (the
-Healer of distill.py and heal_model of run.py apply them; docs/real-models.md says why).
+Healer of distill.py and heal_model of run.py apply them; docs/decisions.md says why).
 
 The layer-wise guard scores each layer on WINDOWS check windows before and after its steps. A layer that ended
 worse gets its start weights back and the later learning rates are divided by GUARD_CUT; one that ended better
@@ -228,7 +228,7 @@ def worse(before: dict | None, after: dict | None) -> bool:
 
     Why not perplexity. This test was perplexity alone until the measurements below, on the grounds that every
     target and baseline of a shrink is stated in it, and that on Gemma 3 270M at 50% a heal took held-out perplexity
-    from 0.988x the teacher's to 1.040x while top-1 agreement rose (docs/real-models.md). But the heal's job is to make
+    from 0.988x the teacher's to 1.040x while top-1 agreement rose (docs/decisions.md). But the heal's job is to make
     the student the original model again, and a student's perplexity on one text measures how well it fits that
     text, not how close it stays to the original. On SmolLM2-135M a heal took top-1 agreement with the original
     0.770 -> 0.717 while perplexity on the text it was judged on fell 19.7 -> 18.1, so the old test kept it; on four
@@ -243,7 +243,7 @@ def worse(before: dict | None, after: dict | None) -> bool:
     the most likely token, both ways, where the teacher's two most likely tokens are nearly tied, so the count of
     agreeing positions moves with no real change. The rule before was a fall of at most 0.005 (argued, not measured:
     about 10 positions of 2,048, an order of magnitude below the fall above, 0.053). Measured against it (SmolLM2 at
-    12.5% with three kinds of text, docs/real-models.md): the end-to-end phase lowered the KL on all three judged
+    12.5% with three kinds of text, docs/decisions.md): the end-to-end phase lowered the KL on all three judged
     texts, top-1 on the 512-token Python source fell 4 and 7 positions, and the phase was given back; kept (a
     tolerance of 0.02), it was better on every protocol text by 0.05-0.09 in perplexity ratio. A net fall of a few
     positions of 512 is within what chance flips give; the sign test asks how far the losses outnumber the gains

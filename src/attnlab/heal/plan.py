@@ -15,7 +15,7 @@ from dataclasses import dataclass, fields
 # student starts next to the teacher (only its cache codes differ), and AdamW moves every weight by about the rate
 # per step whatever the gradient's size: on SmolLM2-135M at the default 3e-4 the end-to-end loss rose from 0.05 to
 # 0.20 in 8 steps. HealPlan.lr's default stays 3e-4, the best of 1e-4 / 3e-4 / 1e-3 measured for a low-rank plan,
-# which starts far from the teacher (docs/real-models.md); should 1e-4 still blow up, the blow-up guard cuts it.
+# which starts far from the teacher (docs/decisions.md); should 1e-4 still blow up, the blow-up guard cuts it.
 EVERY_VALUE_LR = 1e-4
 # The fewest layer-wise steps a layer that a heal plans or fits to its time (a layer's schedule warms up over
 # warmup_steps of them; fewer move a layer little)
@@ -49,7 +49,7 @@ class HealPlan:
     # the layer-wise phase ends each layer with a closed-form refit of its W_O (convert.refit.refit_out): least
     # squares from the layer's heads' outputs, on the phase's windows and its inputs as layer_inputs says, to the
     # teacher's attention output; the layer's guard judges steps and refit together. Measured on SmolLM2 at 12.5%
-    # (docs/real-models.md, "Where the loss is after the heal, a closed-form W_O, ..."): each layer's error falls,
+    # (docs/decisions.md): each layer's error falls,
     # the model's KL on other text rises; no plan that shrink makes sets it
     refit_out: bool = False
     # prompts per held-out text whose greedy continuations heal_model's evaluations compare (greedy agreement, a

@@ -254,7 +254,7 @@ class _LatentLayer(_CodedLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         rows, shape = self.rows, self.shape
-        n, need = key_states.shape[-2], rows.length + key_states.shape[-2]
+        need = rows.length + key_states.shape[-2]
         if need > rows.max_len:
             rows.reserve(need + max(MIN_ROOM, need // GROWTH))
         latent = key_states[:, 0, :, :shape.coded]

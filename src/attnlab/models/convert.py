@@ -187,7 +187,7 @@ def layer_latents(latent_dim, count: int) -> list | None:
 
 def layer_ropes(rope_dim, count: int) -> list[int]:
     """Each layer's rope key from convert_model's rope_dim: one size for every layer, or a list of `count` (the
-    first layers with a wider one, measured in docs/real-models.md); TypeError/ValueError naming the value."""
+    first layers with a wider one, measured in docs/decisions.md); TypeError/ValueError naming the value."""
     return _one_per_layer(rope_dim, count, "rope_dim", 0)
 
 

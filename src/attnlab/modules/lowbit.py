@@ -29,7 +29,7 @@ x = code * d + m. The range is the group's [min, max] shrunk about its middle by
 CLIP_RATIOS (1, 0.95, ..., 0.6) whose read-back has the least squared error over the group (computed in
 float32): with 2-4 bits one outlier otherwise spends the few levels on the space between it and the rest
 (SmolLM2, no training: every value in 4-bit values beside a 4-bit key per channel 1.047x -> 1.022x, the
-12.5% plan 2.30x -> 2.15x; docs/real-models.md). The codes are computed with the stored m and d, so a read
+12.5% plan 2.30x -> 2.15x; docs/decisions.md). The codes are computed with the stored m and d, so a read
 returns the nearest level the storage holds (a value outside the range, its end). Only how a group's range
 is chosen differs from plain min-max; the stored bytes and their reading are the same.
 
@@ -43,7 +43,7 @@ variance is, none for a component cut); the storage only reads the widths and bi
 An MLA's rope key per channel ("+c4", e.g. "int3/g64+c4"): the latent as above, per token, and the rope
 key k_R in 4 asymmetric bits per channel over groups of KEY_TOKENS (64) tokens, KIVI's layout for keys. A
 RoPE'd key has outlier channels that keep their size from token to token, so one scale per channel and group
-of tokens fits it where one per token and group of channels does not (docs/real-models.md: at 25% of
+of tokens fits it where one per token and group of channels does not (docs/models.md: at 25% of
 SmolLM2's bytes, 1.07x perplexity per channel against 1.12-1.30x per token, rotated or not). A group's
 scales need all its tokens: a cache keeps the newest, incomplete group in its activation dtype and quantises
 a group when its last token arrives (modules/cache.py); bytes per token count the steady state, the codes

@@ -2,7 +2,7 @@
 threads, and the processor (and GPU) it ran on. A run's report keeps it beside the figures, so that two runs of the
 same command and seed that differ can be told apart by what they ran on (a library's version can change a model's
 numerics, and the text a model writes for itself follows them; a time-budgeted heal does as much work as the
-processor allows in its minutes, and at 12.5% its result follows its steps closely: docs/real-models.md).
+processor allows in its minutes, and at 12.5% its result follows its steps closely: docs/decisions.md).
 """
 from __future__ import annotations
 

@@ -127,7 +127,7 @@ def held_texts(data: dict) -> list[torch.Tensor]:
 
 
 def _explicit(req: ShrinkRequest, whole: bool = False) -> Candidate:
-    """The candidate of explicit sizes: the best measured choices otherwise (docs/real-models.md), the format's norm;
+    """The candidate of explicit sizes: the best measured choices otherwise (docs/decisions.md), the format's norm;
     whole: a model with per-head q/k norms, whose keys stay whole (pairs by frequency, no RoRoPE, no BKV)."""
     storage = "bf16" if req.storage == "auto" else req.storage
     select = "frequency" if whole else "rorope" if req.fmt == "gguf" else "rorope-score"

@@ -42,7 +42,7 @@ fits a few minutes on a CPU:
    (shrink/per_layer.py) and measured as one more candidate. Before any heal on SmolLM2 at 12.5% such a plan beat
    the uniform one on every protocol text; in the plain 10-minute shrink, with the heal after it and 1.4-1.8 of the
    run's 10 minutes spent on it, it did not beat it by more than the seeds' spread, and with the user's text in 30
-   minutes it lost on the worst text (seed 0; docs/real-models.md), so shrink does not ask for it.
+   minutes it lost on the worst text (seed 0; docs/decisions.md), so shrink does not ask for it.
 Within the constraints of the output format: a DeepSeek export needs the same frequencies in
 every layer (RoRoPE by score is chosen for all layers at once); a GGUF needs distinct kept
 frequencies that llama.cpp can turn (RoRoPE by frequency, rope_dim within gguf_rope_limit) and
@@ -75,14 +75,14 @@ from .sizes import (FORMATS, LLAMA_CPP_CACHE, KVBudget, Layout, few_bit, fit, la
 
 # rope shares of the values tried by the split round, in this order so that a count of candidates that runs out
 # keeps the likelier winners: at 12.5% of SmolLM2's bytes the 3-bit and the 2-bit latent both win at 0.2 (and the
-# larger shares lose by 0.1-0.4 nats of proxy; docs/real-models.md, "Rank for bits"); where a row holds every value
+# larger shares lose by 0.1-0.4 nats of proxy; docs/decisions.md); where a row holds every value
 # (25%, 50%) round 2's whole-key row wins before any split
 SPLIT_SHARES = (0.2, 0.25, 0.35, 0.4, 0.5)
 # A latent in 2 bits is ranked as if its proxy were this many times what it measured: it wins over a latent in more
 # bits only by a margin. The proxy is the KL of the untrained conversion, where more rank counts most; a heal trains
 # away much of what a rank cut loses and little of what 2-bit codes lose (the heal passes the codes' values forward,
-# their gradient straight through). Fitted on three commands on SmolLM2 (docs/real-models.md, "Ranked with a
-# margin"): the 2-bit plan's proxy was below the 3-bit plan's by a factor 1.36 (12.5%, no text, 10 minutes) and 1.26
+# their gradient straight through). Fitted on three commands on SmolLM2 (docs/decisions.md):
+# the 2-bit plan's proxy was below the 3-bit plan's by a factor 1.36 (12.5%, no text, 10 minutes) and 1.26
 # (6.25% with text, 30 minutes), and healed it won on every text; by 1.13 (12.5% with text, 30 minutes), and healed it
 # lost in the median and on the worst text. Any factor between 1.13 and 1.26 ranks those three as they ended.
 TWO_BIT_MARGIN = 1.2
@@ -228,7 +228,7 @@ def plan(teacher, calibration_ids: torch.Tensor, budget: KVBudget, *, fmt: str =
     every candidate and comes back unchanged. calibration_ids (1, N): calibration text. proxy_ids
     (1, M): text the candidates are scored on, in up to `proxy_windows` windows of `window` tokens;
     it should be other text than the calibration's (scored in-sample, a candidate that fits the
-    calibration text closely is favoured: on SmolLM2 at 50%, docs/real-models.md); None scores on
+    calibration text closely is favoured: on SmolLM2 at 50%, docs/decisions.md); None scores on
     the calibration text's first windows. storages: which cache
     storages may be chosen (8-bit only for fmt "attnlab"). time_budget (runtime.Budget): once
     spent, no new candidate starts (the best so far wins; at least one is measured); a stop request ends the search
@@ -242,7 +242,7 @@ def plan(teacher, calibration_ids: torch.Tensor, budget: KVBudget, *, fmt: str =
     every token held in every layer, the cache a fixed-shape engine allocates, with what a sequence holds whatever its
     length spread over spread_context's tokens); a model with sliding and global layers then also
     tries its global layers converted and its sliding ones kept (layouts()). per_layer: run round 4 (off by default,
-    and shrink leaves it off: measured with the heal after it, it did not beat the uniform plan, docs/real-models.md);
+    and shrink leaves it off: measured with the heal after it, it did not beat the uniform plan, docs/decisions.md);
     layer_ids (1, K): the text its per-layer costs are measured on, in windows of `window` (None: the proxy windows).
     """
     from ..convert.report import unreported
@@ -413,7 +413,7 @@ def plan(teacher, calibration_ids: torch.Tensor, budget: KVBudget, *, fmt: str =
     # ... and where a 2-bit latent wins by proxy, which rank() counts TWO_BIT_MARGIN times, every few-bit storage
     # whose latent has more bits at the rope share of SPLIT_SHARES nearest the winner's (the best of them by round 2
     # first): with the user's text at 12.5% of SmolLM2's bytes the 3-bit latent's best split is not among the two
-    # best storages' (docs/real-models.md, "Ranked with a margin")
+    # best storages' (docs/decisions.md)
     best = min(converted(), key=lambda c: c.proxy)
     if latent_bits(best.kv_dtype) == 2:
         near = min(SPLIT_SHARES, key=lambda x: abs(x - best.rope_dim / best.values))
@@ -425,7 +425,7 @@ def plan(teacher, calibration_ids: torch.Tensor, budget: KVBudget, *, fmt: str =
                     at_split(storage, r, p)
     # ... and the winner with BKV the other way: round 1 chose it at a 16-bit row a fraction of the winner's size,
     # where the two differ by a few per cent of the proxy, and at the winner's size and storage by much more (at 12.5%
-    # of SmolLM2's bytes, docs/real-models.md); the count keeps a place for it
+    # of SmolLM2's bytes, docs/decisions.md); the count keeps a place for it
     best = min(converted(), key=rank)
     other = _bkv_flipped(best)
     if not spent() and all(c.label() != other.label() for c in measured):

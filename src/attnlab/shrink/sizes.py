@@ -20,15 +20,15 @@ import torch
 
 FORMATS = ("attnlab", "deepseek", "gguf", "transformers")
 # latent in 4 or 2 bits (groups of 32) with the rope key in 8 bits per token; or latent in 3 or 4 bits with the rope
-# key in 4 bits per channel over groups of 64 tokens (KIVI's key layout; docs/real-models.md); last, a 6-bit latent
+# key in 4 bits per channel over groups of 64 tokens (KIVI's key layout; docs/decisions.md); last, a 6-bit latent
 # beside the 8-bit rope key: what holds every value of a GQA between 4 bits (41% of SmolLM2's bytes) and 8 (51%).
 # Each keeps its newest RECENT rows plain as well (+w16: each query reads them unquantised, modules/recent.py), a
-# fixed cost a sequence that the budget counts (docs/real-models.md, "A recent window kept plain"). The 3-bit latent
+# fixed cost a sequence that the budget counts (docs/decisions.md). The 3-bit latent
 # takes one scale and minimum per 256 values (rotated first, measured as good as groups of 64), and is offered with a
-# window of 8 as well: what keeps every value of SmolLM2 in 25% of the bytes at 4,096 tokens (docs/real-models.md,
-# "A budget that holds at 4,096 tokens"). The 2-bit latent in the same groups of 256 beside the same rope key: more
+# window of 8 as well: what keeps every value of SmolLM2 in 25% of the bytes at 4,096 tokens (docs/decisions.md).
+# The 2-bit latent in the same groups of 256 beside the same rope key: more
 # rank in the same bytes (at 12.5% of SmolLM2's, beside a rope key of 40, r=256 against the 3-bit latent's 176;
-# docs/real-models.md, "Rank for bits")
+# docs/decisions.md)
 RECENT = 16
 FEW_BIT = (*(f"{s}+w{RECENT}" for s in ("int4/g32+r8", "int2/g32+r8", "int3/g256+c4", "int2/g256+c4", "int4/g32+c4",
                                         "int6/g32+r8")),
@@ -297,8 +297,8 @@ def planned_bytes(model, context: int | None = None, spread: int | None = None) 
 # (the plain command names bf16 and int8; `--kv-dtype int4/g32` names 4 bits in groups of 32, a scale and minimum
 # each, for every layer's cache). Offered to the plain command beside its few-bit latents (87c257a) it took Gemma 3's
 # 15 sliding layers from 137 bytes a token at 32,768 tokens to 84, the values' latent from 8 to 56-88 and the median
-# at 18% from 2.29x to 1.10x, but the worst text by less than the seeds' spread (docs/real-models.md, "Where issue
-# `eighth` ends"): not a default
+# at 18% from 2.29x to 1.10x, but the worst text by less than the seeds' spread (docs/decisions.md):
+# not a default
 KEPT_STORAGES = ("bf16", "int8", "int4/g32")
 
 
