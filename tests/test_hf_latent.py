@@ -127,3 +127,33 @@ def test_refusals_name_the_values():
     cache = KVCache(config, "int8")
     with pytest.raises(ValueError, match="made for a latent of 24"):
         cache.update(torch.zeros(1, 1, 3, 32), torch.zeros(1, 1, 3, 8), 0)
+
+
+def test_cli_eval_engine_transformers_scores_a_deepseek_folder_in_its_planned_storage(converted, tmp_path, capsys):
+    """`attnlab eval OUT --engine transformers` on an MLA folder: transformers loads it alone, its rows are
+    TransformersRunner's over KVCache in the storage the folder names, and its bytes those of that storage."""
+    pytest.importorskip("typer")
+    import json
+
+    from tiny_checkpoints import TEXT
+    from transformers import AutoTokenizer
+
+    from attnlab.cli.app import main
+    from attnlab.hf.cache import storage_bytes
+    from attnlab.models.evaluate import read_text_ids
+
+    _, model, root = converted
+    _, folder = _export(model, root, "int3/g8+c4")
+    (tmp_path / "a.txt").write_text(TEXT * 2)
+    out = tmp_path / "rows.json"
+    assert main(["eval", str(folder), "--engine", "transformers", "--text", str(tmp_path / "a.txt"), "--window",
+                 "40", "--chunk", "8", "--json", str(out)]) == 0
+    assert "kv storage: int3/g8+c4" in capsys.readouterr().out.splitlines()
+    got = json.loads(out.read_text())
+    ds = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ids = read_text_ids(AutoTokenizer.from_pretrained(folder), tmp_path / "a.txt", 2048)
+    mine = score_windows(ds, ids, 40, chunk=8, runner=TransformersRunner(ds, "int3/g8+c4"))
+    assert got["kv_dtype"] == "int3/g8+c4" and got["rows"][0]["perplexity"] == mine.perplexity
+    # 2 layers of a 24-value latent in 3 bits (3 groups of 8: 9 bytes, 6 float16 numbers) and a rope key of 8 in 4
+    # bits per channel over groups of 64 tokens (4 bytes, a 64th of 16 float16 numbers, rounded up to a byte)
+    assert got["kv_bytes_per_token"] == storage_bytes(ds, "int3/g8+c4") == 2 * (9 + 12 + 4 + 1)

@@ -392,31 +392,69 @@ def test_a_gguf_budget_below_one_row_of_blocks_names_the_smallest(wide, tiny):
         plan(small, _ids(tok, text, 64), parse_budget("40%"), fmt="gguf", storages=("q4_0",), window=T)
 
 
-def test_transformers_plans_the_original_attention_in_kvcache_storages(wide):
-    """--format transformers: only the original attention, in each attnlab.hf.KVCache storage that fits (of 256
-    values a token, 512 bytes in 16 bits: q4_0 18 bytes a block of 32, 144; int3/g64 24 bytes and two float16 numbers
-    a group of 64, 112; int2/g32 8 bytes and two float16 numbers a group of 32, 96); below them all, one line naming
-    the smallest."""
+def test_transformers_plans_the_original_attention_and_mlas_in_kvcache_storages(wide):
+    """--format transformers: the original attention in each attnlab.hf.KVCache storage that fits (of 256 values a
+    token, 512 bytes in 16 bits: q4_0 18 bytes a block of 32, 144; int3/g64 24 bytes and two float16 numbers a group
+    of 64, 112; int2/g32 8 bytes and two float16 numbers a group of 32, 96), and MLAs whose latent takes attnlab's
+    storages (no constant channel cached: KVCache keeps the MLA's latent); below every one, one line naming both
+    smallest."""
     _, model, tok = wide
     cal = tok(TEXT * 10, return_tensors="pt").input_ids[:, :256]
     before = {k: v.clone() for k, v in model.state_dict().items()}
     storages = ("q4_0", "int3/g64", "int2/g32")
-    result = plan(model, cal, parse_budget("30%"), fmt="transformers", storages=storages, window=T)
-    assert {c.kv_dtype: c.bytes_per_token for c in result.measured} == {"q4_0": 144, "int3/g64": 112, "int2/g32": 96}
-    assert all(c.native for c in result.measured) and result.best.label().startswith("the original attention")
-    only = plan(model, cal, parse_budget("20%"), fmt="transformers", storages=storages, window=T)
-    assert [c.kv_dtype for c in only.measured] == ["int2/g32"]
+    budget = parse_budget("30%")
+    result = plan(model, cal, budget, fmt="transformers", storages=storages, window=T)
+    native = {c.kv_dtype: c.bytes_per_token for c in result.measured if c.native}
+    assert native == {"q4_0": 144, "int3/g64": 112, "int2/g32": 96}
+    mla = [c for c in result.measured if not c.native]
+    assert mla and {c.kv_dtype for c in mla} == {"int3/g64", "int2/g32"}
+    assert all(c.bytes_per_token == 2 * _few_bit_row(c.latent_dim, c.rope_dim, c.kv_dtype) <= 0.3 * 512 for c in mla)
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # the teacher came back as it was
-    with pytest.raises(ValueError, match=r"below what --format transformers can hold: the original attention in "
-                                         r"attnlab.hf.KVCache's storages: the smallest, int2/g32, takes 96 "
-                                         r"bytes/token \(18.8%\)"):
-        plan(model, cal, parse_budget("10%"), fmt="transformers", storages=storages, window=T)
+    with pytest.raises(ValueError, match=r"the smallest these storages \(int3/g64, int2/g32\) can meet is .*; nor does "
+                                         r"the original attention in attnlab.hf.KVCache's storages: the smallest, "
+                                         r"int2/g32, takes 96 bytes/token \(18.8%\)"):
+        plan(model, cal, parse_budget("3%"), fmt="transformers", storages=storages, window=T)
+
+
+def _few_bit_row(latent: int, rope: int, storage: str) -> int:
+    """Bytes of one [latent | rope key] row in attnlab's asymmetric groups, by hand: each part in groups of N (the
+    last may be short), its codes packed 8 values in `bits` bytes (a part padded to a multiple of 8), two float16
+    numbers a group."""
+    bits, group = int(storage[3]), int(storage.split("/g")[1])
+    return sum(-(-n // 8) * bits + 4 * -(-n // group) for n in (latent, rope))
+
+
+def test_a_transformers_shrink_below_every_gqa_code_writes_a_deepseek_mla_kvcache_serves(wide, tiny, tmp_path):
+    """At 15% no GQA storage fits (the smallest takes 18.8%): the plan is an MLA, written as DeepSeek-V3 whose
+    config names the latent's storage; transformers alone loads it, and it generates through that KVCache."""
+    from transformers import AutoModelForCausalLM
+
+    from attnlab.hf import KVCache
+
+    _, _, _, text, held = tiny
+    out = tmp_path / "mla"
+    report = shrink(_req(wide[0], out, kv_budget="15%", fmt="transformers", text=[str(text)], eval_text=[str(held)]))
+    chosen = report["plan"]["chosen"]
+    config = json.loads((out / "config.json").read_text())
+    assert chosen["layers"] is None and config["model_type"] == "deepseek_v3"
+    assert config["attnlab"]["kv_dtype"] == chosen["kv_dtype"] == report["transformers_cache"]["kv_dtype"]
+    assert config["attnlab"]["latent_channels"] == chosen["latent_dim"]
+    assert report["written"]["architecture"] == "deepseek_v3" and "DeepseekV3" in report["runs_in"]["how"]
+    code = ("import sys; from transformers import AutoModelForCausalLM; "
+            f"print(type(AutoModelForCausalLM.from_pretrained({str(out)!r})).__name__, 'attnlab' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.split() == ["DeepseekV3ForCausalLM", "False"], done.stderr[-2000:]
+    model = AutoModelForCausalLM.from_pretrained(out)
+    cache = KVCache.from_pretrained(out, model)
+    ids = torch.arange(3, 40)[None]
+    got = model.generate(ids, cache=cache, max_new_tokens=8, min_new_tokens=8, do_sample=False)
+    assert got.shape == (1, 45) and cache.get_seq_length() == 44
+    assert sum(layer.bytes_per_token for layer in cache.layers) == report["kv_bytes_per_token"]["shrunk"]
 
 
 @pytest.mark.parametrize("kw, message", [
     (dict(storage="quanto4"), r"--kv-dtype for --format transformers is the attnlab.hf.KVCache storage the model is "
                               r"planned and healed for: auto, q8_0, .*; got 'quanto4'$"),
-    (dict(latent_dim=8, rope_dim=8), r"keeps the original attention: --latent-dim/--rope-dim do not apply"),
     (dict(out="x.gguf"), r"--format transformers writes a folder: --out x.gguf ends in .gguf")])
 def test_transformers_requests_that_cannot_be_met_are_refused_before_any_work(tiny, tmp_path, kw, message):
     req = _req(tiny[0], tmp_path / "o", fmt="transformers")
@@ -437,7 +475,8 @@ def test_transformers_folder_loads_without_attnlab_and_names_its_cache(wide, tin
     folder = wide[0]
     _, _, _, text, held = tiny
     out = tmp_path / "tf"
-    report = shrink(_req(folder, out, kv_budget="30%", fmt="transformers", text=[str(text)], eval_text=[str(held)]))
+    report = shrink(_req(folder, out, kv_budget="30%", fmt="transformers", storage="q4_0", text=[str(text)],
+                         eval_text=[str(held)]))
     chosen = report["plan"]["chosen"]["kv_dtype"]
     assert report["runs_in"]["engine"] == "transformers" and report["transformers_cache"]["kv_dtype"] == chosen
     assert json.loads((out / "config.json").read_text())["attnlab"] == {"written_by": "attnlab", "kv_dtype": chosen}

@@ -74,8 +74,8 @@ def eval_(source: str = typer.Argument(..., help="A model (smollm2, gemma3-270m)
           seed: int = typer.Option(0, "--seed", help="Seed of the passkey prompts (keys, filler order)."),
           engine: str = typer.Option("attnlab", "--engine", help="What runs the model: attnlab (its own loop "
                                      "over attnlab's modules) or transformers (transformers' own forward and "
-                                     "generate over attnlab.hf.KVCache with the same storage; the original "
-                                     "attention only).")):
+                                     "generate over attnlab.hf.KVCache with the same storage; a --format "
+                                     "transformers folder in the storage it was planned for, its MLA included).")):
     """Perplexity of a causal model on texts (one row each, then the worst), its KV-cache bytes per token, and
     passkey retrieval.
 
@@ -132,9 +132,13 @@ def eval_(source: str = typer.Argument(..., help="A model (smollm2, gemma3-270m)
         max_tokens = max(2048, window or 0)
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()  # stderr holds errors (and the terminal's spinner) only
+    planned = _planned(source) if engine == "transformers" else {}
+    if kv_dtype is None and planned.get("kv_dtype"):  # the storage a --format transformers folder was planned for
+        kv_dtype = planned["kv_dtype"]
+    mla = planned.get("model_type") == "deepseek_v3"  # an MLA as DeepSeek-V3: transformers loads it itself
     with Busy(f"loading {source}") as busy:
-        model, tok, meta = hf.load_model(source)
-        if hf.family(model) != "llama":
+        model, tok = _load_deepseek(source) if mla else hf.load_model(source)[:2]
+        if not mla and hf.family(model) != "llama":
             raise UsageProblem("eval scores causal language models (smollm2 and its conversions)")
         limit = getattr(model.config, "max_position_embeddings", None)
         if window is None:
@@ -150,14 +154,17 @@ def eval_(source: str = typer.Argument(..., help="A model (smollm2, gemma3-270m)
             from ..models.passkey import passkey_prompts
 
             passkey_prompts(model, tok, lengths=lengths, depths=depths, trials=passkey_trials, seed=seed)
-        storages = [kv_dtype] if kv_dtype is not None else [m.kv_dtype for m in hf.attnlab_modules(model)]
+        storages = [kv_dtype] if kv_dtype is not None or mla else [m.kv_dtype for m in hf.attnlab_modules(model)]
         kivi = [k for k in storages if k is not None and check_kv_dtype(k).evaluation_only]  # no cache to read
         cached = window > chunk and not kivi if through_cache is None else through_cache
-        stored = hf.kv_bytes_per_token(model, kv_dtype=kv_dtype)  # counted from attnlab's caches of that storage
-        sixteen = hf.kv_bytes_per_token(model, kv_dtype="bf16")
+        if mla:  # counted from the caches KVCache makes for the folder
+            from ..hf.cache import storage_bytes
+            stored, sixteen = storage_bytes(model, kv_dtype), storage_bytes(model, "bf16")
+        else:  # counted from attnlab's caches of that storage
+            stored, sixteen = hf.kv_bytes_per_token(model, kv_dtype=kv_dtype), hf.kv_bytes_per_token(model, kv_dtype="bf16")
         storage = storages[0]
         if engine == "transformers":
-            cached, model = True, _in_transformers(model, source)
+            cached, model = True, model if mla else _in_transformers(model, source)
         if cached and kivi:
             raise UsageProblem(f"{source} stores its cache as {kivi[0]} (KIVI), which has no cache to score "
                                "through; use --one-forward")
@@ -232,6 +239,28 @@ def eval_(source: str = typer.Argument(..., help="A model (smollm2, gemma3-270m)
                "kv_bytes_per_token": stored, "rows": rows, "worst": worst,
                "passkey": None if report is None else report.to_dict()}
         replace_file(json_out, (json.dumps(out, indent=2) + "\n").encode())
+
+
+def _planned(source: str) -> dict:
+    """{"model_type", "kv_dtype"} of a folder attnlab wrote for transformers (config.json's "attnlab" entry), else {}."""
+    import json
+
+    path = Path(source) / "config.json"
+    if not path.is_file():
+        return {}
+    config = json.loads(path.read_text())
+    entry = config.get("attnlab")
+    if not isinstance(entry, dict) or entry.get("written_by") != "attnlab":
+        return {}
+    return {"model_type": config.get("model_type"), "kv_dtype": entry.get("kv_dtype")}
+
+
+def _load_deepseek(source: str):
+    """(model, tokenizer) of a DeepSeek-V3 folder attnlab wrote, loaded by transformers alone (float32)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    return AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval(), AutoTokenizer.from_pretrained(source)
 
 
 def _in_transformers(model, name: str):

@@ -97,6 +97,23 @@ def latent_shapes(config) -> list[LatentShape]:
     return [LatentShape(r, config.qk_rope_head_dim, coded, k) for k in constants]
 
 
+def storage_bytes(model_or_config, kv_dtype) -> int:
+    """Bytes per token of one sequence KVCache(model, kv_dtype) holds in every layer (steady state; a window cache's
+    and the plain rows' fixed bytes left out), counted from caches made on the meta device."""
+    config = text_config(model_or_config)
+    total = 0
+    for shape in layer_shapes(config):
+        if isinstance(shape, LatentShape):
+            rows = _LatentRows(object.__new__(_Owner), 1, 1, shape.coded, shape.rope_dim, dtype=torch.float32,
+                               device="meta", kv_dtype=kv_dtype)
+        else:
+            fmt = check_kv_dtype(kv_dtype)
+            rows = _Rows(object.__new__(_Owner), 1, 1, shape.num_kv_heads, shape.head_dim, shape.v_head_dim,
+                         dtype=torch.float32, device="meta", kv_dtype=fmt.base_name if fmt else None, rotate=True)
+        total += rows.bytes_per_token
+    return total
+
+
 def check_storage(kv_dtype, shapes: list[LayerShape], kind: str) -> None:
     """ValueError in one line unless every layer's cache can hold this storage (made on the meta device)."""
     fmt = check_kv_dtype(kv_dtype)

@@ -23,11 +23,13 @@ def llama_cpp_cache(storage: str, native: bool = False) -> dict:
                     f"{', flash_attn=True' if flags else ''})"}
 
 
-def transformers_cache(storage: str | None) -> dict:
-    """How to run a --format transformers folder with the attnlab.hf.KVCache storage it was planned and healed for."""
-    return {"kv_dtype": storage,
+def transformers_cache(storage: str | None, native: bool = True) -> dict:
+    """How to run a --format transformers folder with the attnlab.hf.KVCache storage it was planned and healed for;
+    native: the source's own class, else an MLA as DeepseekV3ForCausalLM."""
+    what = "" if native else "DeepseekV3ForCausalLM, an MLA whose latent "
+    return {"kv_dtype": storage, "architecture": "source" if native else "deepseek_v3",
             "note": "model = AutoModelForCausalLM.from_pretrained(OUT); model.generate(..., "
-                    "cache=attnlab.hf.KVCache.from_pretrained(OUT)) (its cache in " + str(storage) + ")"}
+                    f"cache=attnlab.hf.KVCache.from_pretrained(OUT)) ({what}cache in {storage})"}
 
 
 def runs_in(fmt: str, chosen: dict) -> dict:
@@ -41,7 +43,7 @@ def runs_in(fmt: str, chosen: dict) -> dict:
                 "no attnlab import; vLLM loads the same folder)",
                 "scored_by": "attnlab's MLA with a 16-bit cache (the same weights; tests/test_export.py compares them)"}
     if fmt == "transformers":
-        cache = transformers_cache(chosen.get("kv_dtype"))
+        cache = transformers_cache(chosen.get("kv_dtype"), chosen.get("layers") == [])
         return {"engine": "transformers", "how": cache["note"],
                 "scored_by": "attnlab's own loop through the same storage, which transformers' forward over "
                              "attnlab.hf.KVCache computes to float64's rounding (tests/test_hf_cache.py); attnlab eval "

@@ -7,7 +7,7 @@ are shrink/sizes.py's. Notation as there: L layers, G KV heads, d head size, V =
 from __future__ import annotations
 
 from .sizes import (LLAMA_CPP_CACHE, STORAGES, KVBudget, Layout, fit, fixed_rows_bytes, kept_storages, layer_bytes,
-                    layers_bytes, layouts, llama_cpp_pair, native_code, original_bytes, original_sizes, spread_context,
+                    layers_bytes, latent_storages, layouts, native_code, original_bytes, original_sizes, spread_context,
                     storage_ok, values_for)
 
 MIN_WHOLE_LATENT = 8  # the smallest latent (values) a keys-whole candidate is given
@@ -99,15 +99,13 @@ def feasible(teacher, budget: KVBudget, fmt: str = "attnlab", storages=STORAGES,
                          f"{original:.0f} bytes/token (16-bit{at}): nothing to cut")
     storages = [s for s in storages if storage_ok(s, fmt)] or ["bf16"]
     native = native_storages(teacher, budget_bytes, fmt, storages, context)
-    if fmt == "transformers":  # a transformers folder holds the original attention only
-        if native:
-            return original, budget_bytes, []
-        raise ValueError(f"a KV budget of {budget} ({budget_bytes:.0f} bytes/token{at}) is below what --format "
-                         f"transformers can hold: {_smallest_native(teacher, fmt, storages, context, original)}")
-    converted = [s for s in storages if not llama_cpp_pair(s)]  # a K/V pair: the original attention only
+    converted = latent_storages(storages, fmt)  # a K/V pair, a GQA's own codes: the original attention only
     if not converted:
         if native:
             return original, budget_bytes, []
+        if fmt == "transformers":
+            raise ValueError(f"a KV budget of {budget} ({budget_bytes:.0f} bytes/token{at}) is below what "
+                             f"{', '.join(storages)} holds: {_smallest_native(teacher, fmt, storages, context, original)}")
         if not holds_native(teacher, fmt):
             raise ValueError(f"a K/V pair ({', '.join(storages)}) is planned only for the original attention in its "
                              "own architecture, which --format gguf writes from a llama, qwen3 or gemma3 GGUF; this "
@@ -146,9 +144,10 @@ def _options(teacher, budget: KVBudget, budget_bytes: float, original: float, fm
     whole = keys_whole(teacher)
     if whole is not None:
         check_format(teacher, fmt)
-        if fmt != "attnlab":  # a GGUF in the source's own architecture: no MLA can hold the key norms
+        if fmt != "attnlab":  # a GGUF or transformers folder in the source's own architecture: no MLA holds them
             kind = getattr(teacher.config, "model_type", "this model")
-            raise ValueError(f"no converted plan fits a GGUF of {kind}: its per-head key norms keep the original "
+            what = "a GGUF" if fmt == "gguf" else f"--format {fmt}"
+            raise ValueError(f"no converted plan fits {what} of {kind}: its per-head key norms keep the original "
                              "attention")
         options, kept = [], kept_storages(storages)
         for lay in layouts(teacher, budget_bytes, context, fmt, kept):

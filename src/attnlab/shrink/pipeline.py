@@ -47,7 +47,7 @@ from .engines import llama_cpp_cache, runs_in, transformers_cache
 from .heal_plan import heal_plan
 from .feasible import check_format, feasible, keys_whole
 from .plan import Candidate
-from .sizes import LLAMA_CPP_CACHE, QUANTIZED_CACHE, few_bit, llama_cpp_types, parse_budget
+from .sizes import LLAMA_CPP_CACHE, QUANTIZED_CACHE, cached_extra, few_bit, llama_cpp_types, parse_budget
 from .request import ShrinkRequest, check_request, pinned, plan_count, storage_choices
 from .state import RunState, run_folder
 
@@ -132,7 +132,7 @@ def _explicit(req: ShrinkRequest, whole: bool = False) -> Candidate:
     storage = "bf16" if req.storage == "auto" else req.storage
     select = "frequency" if whole else "rorope" if req.fmt == "gguf" else "rorope-score"
     return Candidate(req.latent_dim, req.rope_dim, select, not whole,
-                     storage, req.fmt == "gguf", extra=int(req.fmt != "attnlab"),
+                     storage, req.fmt == "gguf", extra=cached_extra(req.fmt),
                      rotation="random" if few_bit(storage) or storage in LLAMA_CPP_CACHE else None)
 
 
@@ -326,10 +326,14 @@ def _shrink(req: ShrinkRequest, resume: bool, force: bool, budget: Budget | None
         if req.fmt == "deepseek":
             hf.export_deepseek(student, out, tokenizer=None if Path(meta["base"]).is_dir() else tok,
                                force=force or resume)
-        elif req.fmt == "transformers":  # the source's own class, save_pretrained, and the KVCache storage
+        elif req.fmt == "transformers" and best.native:  # the source's own class and the KVCache storage
             from ..models.export_transformers import export_transformers
 
             report["written"] = export_transformers(student, out, tok, force=force or resume, storage=best.kv_dtype)
+        elif req.fmt == "transformers":  # an MLA: DeepSeek-V3, its config naming the KVCache storage of the latent
+            path = hf.export_deepseek(student, out, tokenizer=None if Path(meta["base"]).is_dir() else tok,
+                                      force=force or resume)
+            report["written"] = {"path": str(path), "architecture": "deepseek_v3", "kv_dtype": best.kv_dtype}
         elif best.native:  # the source's own architecture, the attention tensors the heal moved rewritten
             from ..models.export_native import export_native
 
@@ -451,7 +455,8 @@ def final_report(req: ShrinkRequest, state: RunState, teacher, student, meta) ->
                                    **planned, **at_context},
             **({"llama_cpp": llama_cpp_cache(chosen.get("kv_dtype") or "bf16", chosen.get("layers") == [])}
                if req.fmt == "gguf" else {}),
-            **({"transformers_cache": transformers_cache(chosen.get("kv_dtype"))} if req.fmt == "transformers" else {}),
+            **({"transformers_cache": transformers_cache(chosen.get("kv_dtype"), chosen.get("layers") == [])}
+               if req.fmt == "transformers" else {}),
             "runs_in": runs_in(req.fmt, chosen), "plan": plan, "heal_plan": state.data["heal_plan"],
             "held_out": {"teacher": heal.get("teacher"), "before": heal.get("before"), "after": heal.get("after")},
             "baselines": state.data["report"].get("baselines"),

@@ -54,8 +54,9 @@ For a GGUF whose source is a GGUF llama.cpp runs in its own architecture (llama,
 models/export_native.py), the original attention itself, every value kept and only its cache coded, is a candidate
 in each of llama.cpp's cache types whose bytes fit (round 0, measured first; native_storages): the file is then the
 original's with the healed attention, run with `--cache-type-k/-v` of that type. A model with per-head q/k norms has
-no other GGUF plan. A transformers folder (`--format transformers`: models/export_transformers.py) holds only such
-plans, the original attention in each storage of attnlab.hf.KVCache that fits (TRANSFORMERS_CACHE).
+no other GGUF plan. A transformers folder (`--format transformers`) holds such plans, the original attention in each
+GQA storage of attnlab.hf.KVCache that fits (TRANSFORMERS_CACHE; models/export_transformers.py), and converted ones
+as a DeepSeek folder does, whose KVCache keeps the MLA's latent in attnlab's storages (models/export.py).
 
 A model with per-head q/k norms (Qwen3, Gemma 3) has one layout only, its keys whole (convert/decoupled.py):
 the rope key is every KV head's whole key (rope_dim G d, pairs by frequency, no RoRoPE, no BKV) and the
@@ -70,8 +71,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from .feasible import feasible, keys_whole, native_storages
-from .sizes import (FORMATS, LLAMA_CPP_CACHE, KVBudget, Layout, few_bit, fit, layer_bytes, latent_bits, layers_bytes,
-                    original_sizes, planned_bytes, splits, spread_context, storage_ok)
+from .sizes import (FORMATS, LLAMA_CPP_CACHE, KVBudget, Layout, cached_extra, few_bit, fit, layer_bytes, latent_bits,
+                    layers_bytes, original_sizes, planned_bytes, splits, spread_context, storage_ok)
 
 # rope shares of the values tried by the split round, in this order so that a count of candidates that runs out
 # keeps the likelier winners: at 12.5% of SmolLM2's bytes the 3-bit and the 2-bit latent both win at 0.2 (and the
@@ -263,8 +264,9 @@ def plan(teacher, calibration_ids: torch.Tensor, budget: KVBudget, *, fmt: str =
     selections = [("rorope", True), ("rorope", False)] if fmt == "gguf" else \
         [("rorope-score", True), ("rorope", True), ("rorope-score", False), ("rorope", False)]
     # DeepSeek and llama.cpp always normalise the latent: a GGUF gets the steady channel now (the heal trains it), a
-    # DeepSeek folder its exact constant channel at export; either caches one value more per token and layer
-    norm, extra = fmt == "gguf", int(fmt != "attnlab")
+    # DeepSeek folder its exact constant channel at export; either caches one value more per token and layer (a
+    # transformers folder's KVCache does not: cached_extra)
+    norm, extra = fmt == "gguf", cached_extra(fmt)
     aligned = {"block": 32, "extra": extra} if fmt == "gguf" else {}  # llama.cpp's q8_0 cache blocks
 
     def split(values: int, shares, storage: str) -> list[tuple[int, int]]:

@@ -11,7 +11,8 @@ from pathlib import Path
 from .sizes import (GGUF_STORAGES, LLAMA_CPP_CACHE, STORAGES, TRANSFORMERS_CACHE, llama_cpp_pair, parse_budget,
                     storage_ok)
 
-AUTO_STORAGES = {"attnlab": STORAGES, "gguf": GGUF_STORAGES, "deepseek": ("bf16",), "transformers": TRANSFORMERS_CACHE}
+AUTO_STORAGES = {"attnlab": STORAGES, "gguf": GGUF_STORAGES, "deepseek": ("bf16",),
+                 "transformers": (*TRANSFORMERS_CACHE, *(s for s in STORAGES if s not in TRANSFORMERS_CACHE))}
 
 
 def storage_choices(storage: str, fmt: str = "attnlab") -> tuple[str, ...]:
@@ -64,10 +65,8 @@ def check_request(req: ShrinkRequest) -> None:
                          f"'q8_0,q4_0' (--cache-type-k q8_0 --cache-type-v q4_0); got {req.storage!r}")
     if req.storage != "auto" and req.fmt == "transformers" and not storage_ok(req.storage, "transformers"):
         raise ValueError(f"--kv-dtype for --format transformers is the attnlab.hf.KVCache storage the model is "
-                         f"planned and healed for: auto, {', '.join(TRANSFORMERS_CACHE)}, or a K/V pair of "
-                         f"llama.cpp's types; got {req.storage!r}")
-    if req.fmt == "transformers" and req.latent_dim is not None:
-        raise ValueError("--format transformers keeps the original attention: --latent-dim/--rope-dim do not apply")
+                         f"planned and healed for: auto, {', '.join(TRANSFORMERS_CACHE)}, a K/V pair of llama.cpp's "
+                         f"types (the original attention), or one of attnlab's (an MLA); got {req.storage!r}")
     if req.fmt == "transformers" and str(req.out).endswith(".gguf"):
         raise ValueError(f"--format transformers writes a folder: --out {req.out} ends in .gguf (that is --format "
                          "gguf)")

@@ -40,22 +40,25 @@ LLAMA_CPP_CACHE = ("q8_0", "q5_0", "q4_1", "q4_0")
 # llama.cpp also takes K and V in different types (--cache-type-k q8_0 --cache-type-v q4_0: "q8_0,q4_0" here), for the
 # original attention only (deepseek2's one latent row lives in its K cache); auto plans the pair users most often pick
 GGUF_STORAGES = ("bf16", "q8_0", "q8_0,q4_0", "q5_0", "q4_0")
-# a transformers folder keeps the original attention; its cache is attnlab.hf.KVCache in one of the storages a GQA
-# cache holds (llama.cpp's types rotated as llama.cpp rotates them), so these are what --format transformers plans
+# a transformers folder holds the original attention with attnlab.hf.KVCache in one of the storages a GQA cache holds
+# (llama.cpp's types rotated as llama.cpp rotates them), or an MLA written as DeepSeek-V3 whose KVCache holds its
+# latent in one of attnlab's own (STORAGES): --format transformers plans both
 TRANSFORMERS_CACHE = ("q8_0", "q8_0,q4_0", "q5_0", "int4/g32", "q4_0", "iq4_nl", "int3/g64", "int2/g32")
 # transformers' own QuantizedCache codes (quanto backend, modules/lowbit.py: bit for bit): the baselines beside it
 QUANTIZED_CACHE = ("quanto4", "quanto2")
 NATIVE_CACHE = {"gguf": LLAMA_CPP_CACHE, "transformers": TRANSFORMERS_CACHE}  # the engine's own codes, per format
 
 def storage_ok(storage: str, fmt: str = "attnlab") -> bool:
-    """Whether the planner can store a latent cache so in that format: bf16 in every one; in attnlab's own also int8
+    """Whether the planner can store a cache so in that format: bf16 in every one; in attnlab's own also int8
     and its int2 to int7 groups (any /g<N>, with or without +r8 or +c4, and +w<N>); in a GGUF llama.cpp's cache types; in a
-    transformers folder the storages attnlab.hf.KVCache holds for it (TRANSFORMERS_CACHE)."""
+    transformers folder attnlab's own and the GQA storages of attnlab.hf.KVCache (TRANSFORMERS_CACHE)."""
     from ..modules.storage import check_kv_dtype
 
     if storage == "bf16":
         return True
-    if fmt != "attnlab":
+    if fmt == "transformers" and native_code(storage, fmt):
+        return True
+    if fmt not in ("attnlab", "transformers"):
         return native_code(storage, fmt)
     try:
         fmt = check_kv_dtype(storage)
@@ -64,6 +67,20 @@ def storage_ok(storage: str, fmt: str = "attnlab") -> bool:
     if fmt is not None and fmt.code == "int8" and fmt.group is None:
         return True  # int8 per part (with or without a recent window)
     return fmt.low is not None and fmt.low.kind == "asym" and not fmt.low.segments  # runs: chosen per layer, not asked
+
+
+def latent_storages(storages, fmt: str) -> list[str]:
+    """The storages a converted (MLA) candidate may take in that format: in a transformers folder attnlab's own (its
+    KVCache holds a DeepSeek-V3 latent so), elsewhere all but a K/V pair (the original attention's only)."""
+    if fmt == "transformers":
+        return [s for s in storages if storage_ok(s, "attnlab")]
+    return [s for s in storages if not llama_cpp_pair(s)]
+
+
+def cached_extra(fmt: str) -> int:
+    """Latent channels an export caches beyond the MLA's: DeepSeek's constant channel and a GGUF's steady one (1); a
+    transformers folder's KVCache keeps the MLA's latent only (0)."""
+    return int(fmt in ("deepseek", "gguf"))
 
 
 def llama_cpp_pair(storage: str) -> bool:
