@@ -1,12 +1,13 @@
-"""The README's results and docs/results.md, written from the results files, with benchmarks/frontier.png.
+"""The README's results and docs/results.md, written from the results files, with benchmarks/figures/frontier.png.
 
     python benchmarks/report.py           # write README.md's marked blocks, docs/results.md and frontier.png
     python benchmarks/report.py --check   # exit 1, naming the file, where README.md or docs/results.md is stale
 
-Nothing here measures. Every figure is read from benchmarks/protocol.json (the plain shrink commands and the
-baselines: protocol.table), benchmarks/engines.json (GGUF outputs in llama.cpp: engines.table) and
-benchmarks/hf_kvcache.json (transformers: hf_kvcache.table). The README holds only what lies between its
-`<!-- NAME: begin -->` and `<!-- NAME: end -->` markers; the rest of it is prose, edited by hand.
+Nothing here measures. Every figure is read from benchmarks/results/protocol.json (the plain shrink commands and the
+baselines: quality/protocol.py's table), benchmarks/results/engines.json (GGUF outputs in llama.cpp:
+engines/engines.py's table) and benchmarks/results/hf_kvcache.json (transformers: quality/hf_kvcache.py's table).
+The README holds only what lies between its `<!-- NAME: begin -->` and `<!-- NAME: end -->` markers; the rest of it
+is prose, edited by hand.
 """
 from __future__ import annotations
 
@@ -21,15 +22,15 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-sys.path.insert(0, str(HERE))
+sys.path[:0] = [str(HERE / "quality"), str(HERE / "engines")]  # the scripts whose tables this reads
 import engines  # noqa: E402
 import hf_kvcache  # noqa: E402
 import protocol  # noqa: E402
-from protocol import FAIR_CONTEXT, TEXTS  # noqa: E402
+from protocol import FAIR_CONTEXT, REPORT_TEXTS, TRAINING_TEXTS  # noqa: E402
 
 README = ROOT / "README.md"
 RESULTS = ROOT / "docs" / "results.md"
-PICTURE = HERE / "frontier.png"
+PICTURE = HERE / "figures" / "frontier.png"
 # the README's rows: the plain commands on a CPU, one per budget (the GPU case and designs not kept stay in docs)
 README_CASES = ("smollm2-50", "smollm2-25", "smollm2-12", "smollm2-12-text", "smollm2-6-text", "gemma3-270m-25",
                 "gemma3-270m-18-32k")
@@ -60,8 +61,8 @@ def protocol_data() -> tuple[dict, dict[str, dict]]:
 
 def case_row(table: dict[str, dict], case: str) -> dict:
     if case not in table:
-        raise ValueError(f"benchmarks/protocol.json has no finished run of case {case!r}: "
-                         f"python benchmarks/protocol.py run --case {case} --seed S")
+        raise ValueError(f"benchmarks/results/protocol.json has no finished run of case {case!r}: "
+                         f"python benchmarks/quality/protocol.py run --case {case} --seed S")
     return table[case]
 
 
@@ -72,7 +73,7 @@ def runs(data: dict, case: str) -> list[dict]:
 
 def over_original(entry: dict, original: dict) -> dict[str, float]:
     """Perplexity over the original's on each protocol text."""
-    return {n: entry[n]["perplexity"] / original[n]["perplexity"] for n in TEXTS}
+    return {n: entry[n]["perplexity"] / original[n]["perplexity"] for n in REPORT_TEXTS}
 
 
 def baselines(data: dict, model: str) -> dict[str, dict]:
@@ -80,8 +81,8 @@ def baselines(data: dict, model: str) -> dict[str, dict]:
     text, their median and worst."""
     key = f"baselines/{model}"
     if key not in data:
-        raise ValueError(f"benchmarks/protocol.json has no {key!r}: python benchmarks/protocol.py baselines "
-                         f"--model {model}")
+        raise ValueError(f"benchmarks/results/protocol.json has no {key!r}: "
+                         f"python benchmarks/quality/protocol.py baselines --model {model}")
     original = data[key]["original"]
     out = {}
     for name, entry in data[key]["baselines"].items():
@@ -159,7 +160,8 @@ def hf_share(model: str, cache: str) -> float:
     mine = [r["bytes_per_token"] for r in rows.values() if r["model"] == model and r["cache"] == cache]
     plain = [r["bytes_per_token"] for r in rows.values() if r["model"] == model and r["cache"] == "dynamic"]
     if not mine or not plain:
-        raise ValueError(f"benchmarks/hf_kvcache.json has no quality rows of {model} in {cache!r} and DynamicCache")
+        raise ValueError(f"benchmarks/results/hf_kvcache.json has no quality rows of {model} in {cache!r} and "
+                         "DynamicCache")
     return statistics.median(mine) / (statistics.median(plain) / 2)
 
 
@@ -169,7 +171,8 @@ def speed_range() -> tuple[float, float, int]:
     rows = [r for r in data.get("speed", {}).get("rows", {}).values()
             if r["cache"] != "dynamic" and r["cache"] not in hf_kvcache.QUANTIZED]
     if not rows:
-        raise ValueError("benchmarks/hf_kvcache.json has no speed rows: python benchmarks/hf_kvcache.py speed")
+        raise ValueError("benchmarks/results/hf_kvcache.json has no speed rows: "
+                         "python benchmarks/quality/hf_kvcache.py speed")
     return min(r["of_dynamic"] for r in rows), max(r["of_dynamic"] for r in rows), rows[0]["context"]
 
 
@@ -198,7 +201,7 @@ def results_block(data: dict, table: dict) -> list[str]:
     """The conditions in one sentence, then one row per README case."""
     rows = [case_row(table, c) for c in README_CASES]
     seeds = sorted({len(r["seeds"]) for r in rows})
-    lines = wrap(f"Perplexity over the original's on {len(TEXTS)} held-out texts of different kinds (first "
+    lines = wrap(f"Perplexity over the original's on {len(REPORT_TEXTS)} held-out texts of different kinds (first "
                  f"{protocol.TOKENS:,} tokens, windows of {protocol.WINDOW}), {'-'.join(map(str, seeds))} seeds "
                  f"each, on a {machines(data, README_CASES)}; KV bytes at {FAIR_CONTEXT:,} tokens; beside the best "
                  "cache of the untouched model at the two smallest sizes with equal or more bytes:") + [""]
@@ -222,8 +225,8 @@ def losses(data: dict, table: dict) -> list[str]:
     qb, eb = best_baseline(quarter, small), best_baseline(eighth, small)
     gguf = next((r for r in engines.table() if r["case"] == "smollm2-12-gguf"), None)
     if gguf is None:
-        raise ValueError("benchmarks/engines.json has no smollm2-12-gguf rows: python benchmarks/engines.py run "
-                         "--case smollm2-12-gguf --seed S")
+        raise ValueError("benchmarks/results/engines.json has no smollm2-12-gguf rows: "
+                         "python benchmarks/engines/engines.py run --case smollm2-12-gguf --seed S")
     lo, hi, context = speed_range()
     upper = [c for c in README_CASES if share(case_row(table, c)) >= 0.25]
     heals = [given_back(r) for c in upper for r in runs(data, c)]
@@ -294,10 +297,10 @@ def md_runs(data: dict, table: dict) -> list[str]:
         for run in runs(data, row["case"]):
             ratios = over_original(run["texts"], original)
             body.append([str(run["seed"]), run.get("machine") or "-", str(run.get("commit") or "-"),
-                         f"{run['wall_minutes']:.1f}", *(x(ratios[n]) for n in TEXTS)])
-        body.append(["median", "", "", "", *(x(row["per_text_median"][n]) for n in TEXTS)])
+                         f"{run['wall_minutes']:.1f}", *(x(ratios[n]) for n in REPORT_TEXTS)])
+        body.append(["median", "", "", "", *(x(row["per_text_median"][n]) for n in REPORT_TEXTS)])
         out += [f"`{command(row)}` ({protocol.CASES[row['case']][2]}):", ""]
-        out += md_table(["seed", "machine", "commit", "minutes", *TEXTS], body) + [""]
+        out += md_table(["seed", "machine", "commit", "minutes", *REPORT_TEXTS], body) + [""]
     return out
 
 
@@ -306,10 +309,10 @@ def md_baselines(data: dict) -> list[str]:
     for model, (name, _) in MODELS.items():
         stats = baselines(data, model)
         original = data[f"baselines/{model}"]["original"]["kv_bytes_per_token"]
-        body = [[n, f"{s['bytes']:,} ({s['share']:.1%})", *(x(s["ratios"][t]) for t in TEXTS), x(s["median"]),
-                 x(s["worst"])] for n, s in sorted(stats.items(), key=lambda kv: -kv[1]["bytes"])]
-        out += md_table([f"{name} ({original:,} bytes/token in 16 bits)", "bytes/token", *TEXTS, "median", "worst"],
-                        body) + [""]
+        body = [[n, f"{s['bytes']:,} ({s['share']:.1%})", *(x(s["ratios"][t]) for t in REPORT_TEXTS),
+                 x(s["median"]), x(s["worst"])] for n, s in sorted(stats.items(), key=lambda kv: -kv[1]["bytes"])]
+        out += md_table([f"{name} ({original:,} bytes/token in 16 bits)", "bytes/token", *REPORT_TEXTS, "median",
+                         "worst"], body) + [""]
     return out
 
 
@@ -353,20 +356,20 @@ def md_provenance() -> list[str]:
 
 def results_md(data: dict, table: dict) -> str:
     """The whole of docs/results.md."""
-    texts = "; ".join(f"{n}, {kind}" for n, (_, kind) in TEXTS.items())
-    training = ", ".join(Path(t).name for t in protocol.TRAINING_TEXTS)
+    texts = "; ".join(f"{n}, {t.kind}" for n, t in REPORT_TEXTS.items())
+    training = ", ".join(Path(t.path).name for t in TRAINING_TEXTS)
     at = sum(1 for k in protocol.rows() if k.startswith("at/"))
     lines = [
         "# Results", "",
-        *wrap("Written by `python benchmarks/report.py` from benchmarks/protocol.json, benchmarks/engines.json and "
-              "benchmarks/hf_kvcache.json; do not edit it by hand. `python benchmarks/report.py --check` says "
+        *wrap("Written by `python benchmarks/report.py` from benchmarks/results/protocol.json, engines.json and "
+              "hf_kvcache.json; do not edit it by hand. `python benchmarks/report.py --check` says "
               "whether it is current. docs/evaluation.md says how each figure is measured."), "",
         "## The plain shrink commands", "",
-        *wrap(f"`python benchmarks/protocol.py run --case C --seed S` runs each command as a user types it and scores "
-              f"it on {len(TEXTS)} held-out texts: {texts}. Each text's first {protocol.TOKENS:,} tokens, windows "
-              f"of {protocol.WINDOW}. Nothing was trained, calibrated or chosen on them. The commands with `--text T` "
-              f"train on other files: {training} (protocol.py's TRAINING_TEXTS). The seeds' spread is the largest "
-              "difference between two seeds on one text. "
+        *wrap(f"`python benchmarks/quality/protocol.py run --case C --seed S` runs each command as a user types it "
+              f"and scores it on {len(REPORT_TEXTS)} held-out texts: {texts}. Each text's first "
+              f"{protocol.TOKENS:,} tokens, windows of {protocol.WINDOW}. Nothing was trained, calibrated or chosen on "
+              f"them. The commands with `--text T` train on other files: {training} (benchmarks/texts.py's "
+              "TRAINING_TEXTS). The seeds' spread is the largest difference between two seeds on one text. "
               f"A figure is perplexity over the original model's on the same text. Bytes per token are counted at "
               f"{FAIR_CONTEXT:,} tokens (what a sequence holds whatever its length spread over them), or at the "
               "command's `--context`. The nearest baseline is the best, on each text, of those at the fewest bytes "
@@ -374,25 +377,26 @@ def results_md(data: dict, table: dict) -> str:
         "", *md_summary(data, table), "",
         "### Each seed on each text", "", *md_runs(data, table),
         *wrap(f"protocol.json also keeps {at} rows of designs measured and not kept (its at/ keys); "
-              "`python benchmarks/protocol.py report` lists them."), "",
+              "`python benchmarks/quality/protocol.py report` lists them."), "",
         "## The baselines: the original model's cache quantized", "",
-        *wrap("`python benchmarks/protocol.py baselines --model M`: llama.cpp's cache types (its Hadamard rotation "
-              "included) and KIVI-style codes, on the original model in attnlab, the same texts and windows."), "",
+        *wrap("`python benchmarks/quality/protocol.py baselines --model M`: llama.cpp's cache types (its Hadamard "
+              "rotation included) and KIVI-style codes, on the original model in attnlab, the same texts and "
+              "windows."), "",
         *md_baselines(data),
         "## In llama.cpp", "",
-        *wrap("`python benchmarks/engines.py run --case C --seed S`: each `--format gguf` output scored by llama.cpp "
-              "itself, beside the untouched model with the same cache flags, over the untouched model with its f16 "
-              "cache. 'Heal stood': the seeds whose guard kept the heal."), "",
+        *wrap("`python benchmarks/engines/engines.py run --case C --seed S`: each `--format gguf` output scored by "
+              "llama.cpp itself, beside the untouched model with the same cache flags, over the untouched model "
+              "with its f16 cache. 'Heal stood': the seeds whose guard kept the heal."), "",
         *md_engines(), "",
         "## In transformers", "",
-        *wrap("`python benchmarks/hf_kvcache.py quality|bytes|speed|memory`: the original attention in transformers, "
-              "with attnlab.hf.KVCache and transformers' QuantizedCache beside DynamicCache. Quality is over "
-              "DynamicCache's perplexity, fed in chunks of 128 through the cache; QuantizedCache keeps its newest "
-              "128 tokens plain, up to a quarter of a 512-token window."), "",
+        *wrap("`python benchmarks/quality/hf_kvcache.py quality|bytes|speed|memory`: the original attention in "
+              "transformers, with attnlab.hf.KVCache and transformers' QuantizedCache beside DynamicCache. Quality "
+              "is over DynamicCache's perplexity, fed in chunks of 128 through the cache; QuantizedCache keeps its "
+              "newest 128 tokens plain, up to a quarter of a 512-token window."), "",
         *hf_table(), "",
         "Where each was measured:", "", *md_provenance(), "",
         "## The picture", "",
-        *wrap("benchmarks/frontier.png: KV bytes per token over a 16-bit cache against perplexity over the "
+        *wrap("benchmarks/figures/frontier.png: KV bytes per token over a 16-bit cache against perplexity over the "
               "original's (the point: the median; the whisker: the worst text). attnlab's plain commands at their "
               f"bytes at {FAIR_CONTEXT:,} tokens; the baselines of protocol.json at theirs; quanto and hqq at the "
               "bytes transformers' caches hold at the end of the 512-token windows scored (a residual kept plain "
@@ -422,7 +426,8 @@ def frontier_lines(data: dict, model: str) -> dict[str, list[tuple[str, float, f
 
 
 def frontier(data: dict, table: dict, path: Path = PICTURE) -> None:
-    """benchmarks/frontier.png: one panel per model, attnlab's plain commands as points, each baseline as a line."""
+    """benchmarks/figures/frontier.png: one panel per model, attnlab's plain commands as points, each baseline as a
+    line."""
     import matplotlib
 
     matplotlib.use("Agg")

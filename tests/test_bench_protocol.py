@@ -1,5 +1,5 @@
-"""benchmarks/protocol.py records exactly the argv it ran (no flag added behind the user's back), and its table takes
-the median and the worst over seeds and texts, beside each text's best baseline at equal or more bytes."""
+"""benchmarks/quality/protocol.py records exactly the argv it ran (no flag added behind the user's back), and its table
+takes the median and the worst over seeds and texts, beside each text's best baseline at equal or more bytes."""
 import importlib.util
 import subprocess
 from pathlib import Path
@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(scope="module")
 def protocol():
-    spec = importlib.util.spec_from_file_location("protocol_bench", ROOT / "benchmarks" / "protocol.py")
+    spec = importlib.util.spec_from_file_location("protocol_bench", ROOT / "benchmarks" / "quality" / "protocol.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -54,7 +54,7 @@ def test_a_run_at_anything_but_a_commit_is_refused(protocol):
 
 
 def test_the_table_takes_the_median_and_the_worst_over_seeds_and_texts(protocol):
-    texts = list(protocol.TEXTS)
+    texts = list(protocol.REPORT_TEXTS)
 
     def ppl(values):
         return {n: {"perplexity": v} for n, v in zip(texts, values)}
@@ -87,7 +87,7 @@ def test_the_table_takes_the_median_and_the_worst_over_seeds_and_texts(protocol)
 def test_the_worst_is_labelled_with_the_text_it_was_scored_on_not_the_worst_median(protocol):
     """One seed's bad text (tech docs 1.06x) is the worst figure while another text has the highest median
     (licence, 1.03x in every seed): the worst figure names tech docs, the worst median licence."""
-    texts = list(protocol.TEXTS)
+    texts = list(protocol.REPORT_TEXTS)
 
     def ppl(values):
         return {n: {"perplexity": v} for n, v in zip(texts, values)}
@@ -107,7 +107,7 @@ def test_the_worst_is_labelled_with_the_text_it_was_scored_on_not_the_worst_medi
 def test_a_baseline_is_fair_only_at_the_runs_bytes_with_its_fixed_bytes_spread_over_2048_tokens(protocol):
     """A run holding 250 bytes/token and 61,440 bytes a sequence whatever its length (a recent window, a "+c4" rope
     key's newest group) holds 280 at 2,048 tokens: a baseline of 270 is not at equal or more bytes, one of 300 is."""
-    texts = list(protocol.TEXTS)
+    texts = list(protocol.REPORT_TEXTS)
 
     def ppl(values):
         return {n: {"perplexity": v} for n, v in zip(texts, values)}
@@ -134,7 +134,7 @@ def test_a_case_counted_at_a_context_meets_the_baselines_by_its_share_of_the_byt
     the baselines (one storage in every layer: the same share at any context) as 410/3,342 of the original's 18,432
     bytes a token, 2,261: a baseline of 2,300 is at equal or more bytes, one of 2,200 is not. A report that counts
     no bytes at that context is refused with the numbers."""
-    texts = list(protocol.TEXTS)
+    texts = list(protocol.REPORT_TEXTS)
 
     def ppl(values):
         return {n: {"perplexity": v} for n, v in zip(texts, values)}
@@ -158,7 +158,7 @@ def test_a_case_counted_at_a_context_meets_the_baselines_by_its_share_of_the_byt
 
 
 def test_a_repeat_compares_the_plan_and_each_texts_perplexity_with_the_first_run(protocol):
-    texts = list(protocol.TEXTS)
+    texts = list(protocol.REPORT_TEXTS)
     plan = {"rank": 272, "rope_dims": 112}
     first = {"plan": plan, "texts": {n: {"perplexity": 10.0} for n in texts}}
     again = {"plan": dict(plan), "texts": {n: {"perplexity": 10.0} for n in texts}}
@@ -171,12 +171,21 @@ def test_a_repeat_compares_the_plan_and_each_texts_perplexity_with_the_first_run
     assert protocol.compare_repeat(first, again)["same_plan"] is False
 
 
+def test_a_text_that_is_not_the_one_measured_is_refused_naming_it(protocol, tmp_path, monkeypatch):
+    """benchmarks/texts.py's SHA-256 is checked when a report text is read: a copy that differs stops the run."""
+    for name, text in protocol.REPORT_TEXTS.items():
+        monkeypatch.setitem(protocol.REPORT_TEXTS, name, text)  # texts_from replaces them; restored after the test
+    for name in protocol.REPORT_TEXTS:
+        (tmp_path / f"{name}.txt").write_text("not the text")
+    protocol.texts_from(str(tmp_path))
+    expected = protocol.REPORT_TEXTS["python-docs"].sha256
+    with pytest.raises(ValueError, match=rf"python-docs\.txt: sha256 [0-9a-f]{{64}}, expected {expected}"):
+        protocol.text_hashes()
+
+
 @pytest.fixture(scope="module")
 def engines():
-    import sys
-
-    sys.path.insert(0, str(ROOT / "benchmarks"))  # engines.py imports protocol.py and llama_cpp_cache.py beside it
-    spec = importlib.util.spec_from_file_location("engines_bench", ROOT / "benchmarks" / "engines.py")
+    spec = importlib.util.spec_from_file_location("engines_bench", ROOT / "benchmarks" / "engines" / "engines.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -184,8 +193,8 @@ def engines():
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_the_engine_commands_are_the_plain_gguf_command_and_the_engines_flag(engines, seed):
-    """The argv of benchmarks/engines.py: the plain command, the output format and the cache type the user serves
-    with (the one flag the engine needs), and nothing else."""
+    """The argv of benchmarks/engines/engines.py: the plain command, the output format and the cache type the user
+    serves with (the one flag the engine needs), and nothing else."""
     argv = engines.argv("smollm2-q4_0", seed, "OUT.gguf")
     assert argv == ["attnlab", "shrink", "smollm2", "--kv-budget", "30%", "--kv-dtype", "q4_0", "--format", "gguf",
                     *(["--seed", "1"] if seed else []), "--out", "OUT.gguf"]
@@ -193,7 +202,7 @@ def test_the_engine_commands_are_the_plain_gguf_command_and_the_engines_flag(eng
 
 def test_the_engine_table_is_the_median_and_the_worst_of_each_ratio(engines):
     """Two seeds, each text: ratios over the reference computed by hand (1.1, 1.2 / 1.0, 1.3 ...)."""
-    texts = list(engines.TEXTS)
+    texts = list(engines.REPORT_TEXTS)
 
     def run(seed, shrunk):
         return {"seed": seed, "command": "attnlab shrink smollm2 --out X", "argv": ["X"], "texts": {

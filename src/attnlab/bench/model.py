@@ -1,4 +1,4 @@
-"""The whole-model benchmark (`attnlab bench --suite model`, benchmarks/model.py): serving speed of
+"""The whole-model benchmark (`attnlab bench --suite model`): serving speed of
 converted models against the model they came from, every figure of a table measured in one process.
 
 Rows (variants): transformers "eager" and "sdpa" (unconverted, their own DynamicCache, the loop

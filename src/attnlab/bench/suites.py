@@ -1,4 +1,4 @@
-"""All of `attnlab bench`: run the named suites, one result dict (the CLI and benchmarks/run.py render it)."""
+"""All of `attnlab bench`: run the named suites, one result dict (the CLI renders it)."""
 from __future__ import annotations
 
 import json

@@ -20,7 +20,7 @@ def bench(suite: list[str] = typer.Option(["decode", "deepseek", "prefill", "mem
           plot: Optional[Path] = typer.Option(None, "--plot", help="PNG of decode time against context.")):
     """Time attnlab against torch and transformers in one process; print tables of medians and ratios.
 
-    Example: attnlab bench --suite decode --suite deepseek --json benchmarks/results.json
+    Example: attnlab bench --suite decode --suite deepseek --json benchmarks/results/bench.json
     """
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 

@@ -6,7 +6,7 @@ this for orthogonal T). Here T comes from the latent's statistics on calibration
 error is counted in. metric "kv": the error of the keys and values it is read as, |W_U e|^2 with
 W_U = [W_UK; W_UV], so with G = W_U^T W_U and M = E[c c^T] (the second moment over the calibration tokens, float64),
 G^1/2 M G^1/2 = Q diag(lambda) Q^T and T = Q^T G^1/2 (G's null space, read by no head, gets variance 0); metric
-"latent" (the default; it measured better, benchmarks/transform_code.py): the latent's own error, T = Q^T from
+"latent" (the default; it measured better, benchmarks/quality/transform_code.py): the latent's own error, T = Q^T from
 M = Q diag(lambda) Q^T (plain PCA, an orthogonal T; the calibrated conversion's latent is already weighted as the
 keys and values are read, BKV's balance included, which the kv metric would undo). Either way the
 eigenvalues are taken in decreasing order: the cached components are uncorrelated on that text, component i of mean

@@ -54,5 +54,5 @@ def runs_in(fmt: str, chosen: dict) -> dict:
     arch = "its source's architecture" if cache["architecture"] == "source" else "deepseek2"
     return {"engine": "llama.cpp", "how": f"llama-cli -m OUT{flags} ({arch})",
             "scored_by": f"attnlab's copy of llama.cpp's {kind} cache (rotation and block codes, checked against "
-                         "llama.cpp: tests/test_llama_cpp_cache.py); benchmarks/engines.py scores the file in "
+                         "llama.cpp: tests/test_llama_cpp_cache.py); benchmarks/engines/engines.py scores the file in "
                          "llama.cpp itself"}

@@ -58,7 +58,7 @@ AFTER_LAYERS_LR = 1e-4
 # multiplies bf16 natively (runtime.environment.cpu_bf16) and the time binds its layer-wise phase (the few-steps
 # schedule, FEW_STEPS_LR: sized from a float32 step, then from a bf16 one). Measured on the 2-core AMD EPYC
 # (avx512_bf16), torch 2.13, SmolLM2 at 12.5%, alone (docs/decisions.md):
-# a layer-wise step 1.26x faster, an end-to-end step 1.76x (benchmarks/heal_step.py); the plain command's
+# a layer-wise step 1.26x faster, an end-to-end step 1.76x (benchmarks/speed/heal_step.py); the plain command's
 # heal, 41-48 steps a layer in bf16 against 25-31 in float32, lower on every text in every seed (median 1.299x
 # against 1.336x, worst 1.584x against 1.632x). Where the whole schedule (100 steps of 8 at 3e-3) fits in float32, as
 # with the user's text in 30 minutes, bf16 only buys end-to-end steps, and there it lost seed 2: every layer from the

@@ -497,7 +497,8 @@ def per_layer_sizes(best: Candidate, values: int) -> list[int]:
     original caches; [] otherwise, and for a per-layer or partly converted winner): the winner's latent as it is and
     PER_LAYER_SHARES of it rounded to multiples of PER_LAYER_STEP, at least PER_LAYER_STEP and at most values - its rope key
     (the keys and values a latent can hold), each once, in ascending order. Measured on SmolLM2 at 12.5% before any
-    heal (benchmarks/transform_code.py --variants per-layer-judge-3): 80/112/160 around 112 won on every text."""
+    heal (benchmarks/quality/transform_code.py --variants per-layer-judge-3): 80/112/160 around 112 won on every
+    text."""
     ceiling = values - best.rope_dim
     if best.latent_dims or best.layers is not None or best.latent_dim >= ceiling:
         return []
