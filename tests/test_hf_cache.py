@@ -135,12 +135,15 @@ def _tensors_reachable(obj) -> dict[int, torch.Tensor]:
 
 @pytest.mark.parametrize("kv_dtype, by_hand, fixed", [
     ("q4_0", 2 * 2 * 32 // 32 * 18, 0), ("int8", 2 * 2 * (32 + 4), 0), ("int4/g32", 2 * 2 * (16 + 4), 0),
-    (None, 2 * 2 * 32 * 4, 0), ("int3/g64+w16", 2 * 2 * (32 * 3 // 8 + 4), 16 * 2 * 2 * 32 * 4)])
+    (None, 2 * 2 * 32 * 4, 0), ("int3/g64+w16", 2 * 2 * (32 * 3 // 8 + 4), 16 * 2 * 2 * 32 * 4),
+    # values: 64 in 4 bits and two groups' float16 scale and minimum; keys: 64 in 4 bits and a 64th of each channel's
+    # float16 scale and minimum; the keys' newest 64 tokens plain (float32)
+    ("int4/g32+c4", 32 + 8 + 32 + 64 * 2 * 2 // 64, 64 * 64 * 4)])
 def test_bytes_held_after_8192_tokens(kv_dtype, by_hand, fixed):
     """Two full layers of 2 KV heads of 32: every tensor the cache holds, walked, is cache.nbytes, and within 2% of
     the bytes per token by hand (q4_0: 18 bytes a block of 32; int8: a float32 scale a head; int4/g32: two float16
     numbers a group; int3/g64: a group is at most a head's 32 values) times the tokens, plus a layer's 16 newest keys
-    and values kept plain (float32)."""
+    and values kept plain (float32); with a rope-key part, values and keys as an MLA's latent and rope key."""
     from transformers import LlamaConfig
 
     config = LlamaConfig(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
@@ -304,3 +307,33 @@ def test_cli_eval_engine_transformers_passkey_decodes_through_kvcache(tmp_path, 
     want = run_passkey(model, tok, lengths=[300], depths=[0.5], decode=decode)
     assert [r["answer"] for r in got["rows"]] == [r["answer"] for r in want.rows] and len(want.rows) == 1
     assert "passkey accuracy: " in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("kv_dtype", ["int4/g32+c4", "int3/g64+c4+w16", "int4/g32+r8"])
+def test_a_storage_with_a_rope_key_part_codes_values_rotated_and_keys_as_the_rope_key(kv_dtype):
+    """A GQA layer in such a storage: fed in chunks of 7, the rows it returns are the forward-without-cache round
+    trip (modules/lowbit.py) of [values times H per head | keys]: keys per channel over whole groups of 64 tokens
+    with +c4, the newest incomplete group as it came; with +w16 the newest 16 keys and values as they came (float64)."""
+    from transformers import LlamaConfig
+
+    from attnlab.modules import lowbit
+    from attnlab.modules.rotation import hadamard
+    from attnlab.modules.storage import check_kv_dtype
+
+    config = LlamaConfig(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                         num_hidden_layers=1, vocab_size=10)
+    cache = KVCache(config, kv_dtype)
+    g = torch.Generator().manual_seed(0)
+    k, v = (torch.randn(1, 2, 100, 32, generator=g, dtype=torch.float64) for _ in range(2))
+    for s in range(0, 100, 7):
+        got_k, got_v = cache.update(k[:, :, s:s + 7], v[:, :, s:s + 7], 0)
+    H = torch.block_diag(hadamard(32), hadamard(32))  # each head's values rotated
+    flat = lambda t: t.transpose(1, 2).flatten(2)  # noqa: E731  (1, S, 2 x 32)
+    fmt = check_kv_dtype(kv_dtype)
+    row = lowbit.round_trip(torch.cat([flat(v) @ H, flat(k)], -1), (64, 64), fmt.low)
+    want_v, want_k = row[..., :64] @ H, row[..., 64:]
+    if fmt.recent:
+        want_v[:, -16:], want_k[:, -16:] = flat(v)[:, -16:], flat(k)[:, -16:]
+    assert torch.allclose(flat(got_v), want_v, rtol=0, atol=1e-12)
+    assert torch.allclose(flat(got_k), want_k, rtol=0, atol=1e-12)
+    assert not torch.allclose(flat(got_v), flat(v), rtol=0, atol=1e-3)  # the values were coded

@@ -21,6 +21,7 @@ from ..models.load import SUPPORTED as GQA_TYPES
 from ..modules.cache import KVCache as _Rows
 from ..modules.cache import LatentCache as _LatentRows
 from ..modules.recent import RecentRows
+from ..modules.rotation import hadamard_transform, rotate_back
 from ..modules.storage import check_kv_dtype, dense
 
 GROWTH = 64  # a full layer grows to what it needs plus a 64th of it (at least MIN_ROOM rows): bytes held <= 1.02x
@@ -100,31 +101,29 @@ def latent_shapes(config) -> list[LatentShape]:
 def storage_bytes(model_or_config, kv_dtype) -> int:
     """Bytes per token of one sequence KVCache(model, kv_dtype) holds in every layer (steady state; a window cache's
     and the plain rows' fixed bytes left out), counted from caches made on the meta device."""
-    config = text_config(model_or_config)
-    total = 0
-    for shape in layer_shapes(config):
-        if isinstance(shape, LatentShape):
-            rows = _LatentRows(object.__new__(_Owner), 1, 1, shape.coded, shape.rope_dim, dtype=torch.float32,
-                               device="meta", kv_dtype=kv_dtype)
-        else:
-            fmt = check_kv_dtype(kv_dtype)
-            rows = _Rows(object.__new__(_Owner), 1, 1, shape.num_kv_heads, shape.head_dim, shape.v_head_dim,
-                         dtype=torch.float32, device="meta", kv_dtype=fmt.base_name if fmt else None, rotate=True)
-        total += rows.bytes_per_token
-    return total
+    return sum(_meta_rows(shape, kv_dtype).bytes_per_token for shape in layer_shapes(text_config(model_or_config)))
+
+
+def _meta_rows(shape, kv_dtype):
+    """The attnlab cache a layer of this shape holds in this storage, made on the meta device (ValueError if none)."""
+    owner = object.__new__(_Owner)
+    if isinstance(shape, LatentShape):
+        return _LatentRows(owner, 1, 1, shape.coded, shape.rope_dim, dtype=torch.float32, device="meta",
+                           kv_dtype=kv_dtype)
+    G = shape.num_kv_heads
+    if joint(kv_dtype):
+        return _LatentRows(owner, 1, 1, G * shape.v_head_dim, G * shape.head_dim, dtype=torch.float32,
+                           device="meta", kv_dtype=kv_dtype)
+    fmt = check_kv_dtype(kv_dtype)
+    return _Rows(owner, 1, 1, G, shape.head_dim, shape.v_head_dim, dtype=torch.float32, device="meta",
+                 kv_dtype=fmt.base_name if fmt else None, window=shape.window, rotate=True)
 
 
 def check_storage(kv_dtype, shapes: list[LayerShape], kind: str) -> None:
     """ValueError in one line unless every layer's cache can hold this storage (made on the meta device)."""
-    fmt = check_kv_dtype(kv_dtype)
     for shape in {repr(s): s for s in shapes}.values():
         try:
-            if isinstance(shape, LatentShape):
-                _LatentRows(object.__new__(_Owner), 1, 1, shape.coded, shape.rope_dim, dtype=torch.float32,
-                            device="meta", kv_dtype=kv_dtype)
-                continue
-            _Rows(object.__new__(_Owner), 1, 1, shape.num_kv_heads, shape.head_dim, shape.v_head_dim,
-                  dtype=torch.float32, device="meta", kv_dtype=fmt.base_name if fmt else None, window=shape.window)
+            _meta_rows(shape, kv_dtype)
         except ValueError as err:
             raise ValueError(f"KVCache({kv_dtype!r}) for {kind} ({shape}): {err}") from None
 
@@ -248,6 +247,75 @@ class _CodedLayer(_Owner):
         return self.rows.bytes_per_token if self.rows is not None else 0
 
 
+def _extend_rows(rows: _LatentRows, new: torch.Tensor) -> torch.Tensor:
+    """Write new rows (B, n, w) into a LatentCache, grown as needed; every row it holds (B, S, w) as queries read
+    them: dequantised, a "+w<N>" storage's newest N plain (for every query of the call, as for its last)."""
+    need = rows.length + new.shape[1]
+    if need > rows.max_len:
+        rows.reserve(need + max(MIN_ROOM, need // GROWTH))
+    if not rows.recent:
+        return rows.extend(kv=new)[0]
+    stored, plain, _ = rows.extend_recent(new)
+    out = dense(stored).clone()
+    k = min(rows.recent, out.shape[1])
+    out[:, -k:] = plain[:, -k:].to(out.dtype)
+    return out
+
+
+class _JointLayer(_CodedLayer):
+    """A GQA layer of KVCache in a storage with a rope-key part ("int3/g256+c4+w16"): each token's row is [its values,
+    Hadamard-rotated per head | its keys], the values coded as an MLA's latent and the keys as its rope key (per
+    channel over groups of 64 tokens with "+c4": KIVI's key layout), in one LatentCache."""
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        B, G, _, d = key_states.shape
+        got = LayerShape(G, d, value_states.shape[-1], self.shape.window)
+        if got != self.shape:
+            raise ValueError(f"KVCache layer {self.index} was made for {self.shape}, got keys of {got}: "
+                             "this cache belongs to another model")
+        self.rows = _LatentRows(self, B, MIN_ROOM, G * got.v_head_dim, G * d, dtype=key_states.dtype,
+                                device=key_states.device, kv_dtype=self.kv_dtype)
+        self.device, self.is_initialized = key_states.device, True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Code the new rows; return every row's keys and values (B, G, S, d), as queries read them."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        G, dv = self.shape.num_kv_heads, self.shape.v_head_dim
+        values = _flat(value_states)  # (B, n, G dv)
+        if VALUE_ROTATION:
+            values = hadamard_transform(values, _rotation_size(dv))
+        out = _extend_rows(self.rows, torch.cat([values, _flat(key_states)], dim=-1))  # (B, S, G dv + G d)
+        values = out[..., :G * dv]
+        if VALUE_ROTATION:
+            values = rotate_back(values, _rotation_size(dv))
+        return _heads(out[..., G * dv:], G), _heads(values, G)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0  # every row held; a sliding layer's mask keeps its window
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop takes a negative count of tokens to remove, got {tokens_to_remove}")
+        if tokens_to_remove and self.rows is not None:
+            self.rows.truncate(self.rows.length + tokens_to_remove)
+
+
+VALUE_ROTATION = True  # rotate each value head (Hadamard) before its codes: one outlier spreads over the head
+
+
+def _rotation_size(width: int) -> int:
+    """The largest power of two dividing a head's width: the Hadamard block its values rotate in."""
+    return width & -width
+
+
+def joint(kv_dtype) -> bool:
+    """Whether a GQA layer stores this storage as _JointLayer's rows: a few-bit code with a rope-key part."""
+    fmt = check_kv_dtype(kv_dtype)
+    low = None if fmt is None else fmt.low
+    return low is not None and (low.rope_channel or low.rope_bits is not None)
+
+
 class _LatentLayer(_CodedLayer):
     """One MLA layer of KVCache: update(latent (B, 1, S, r), rope key (B, 1, S, p)) as DeepSeek-V3 passes them."""
 
@@ -271,23 +339,13 @@ class _LatentLayer(_CodedLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         rows, shape = self.rows, self.shape
-        need = rows.length + key_states.shape[-2]
-        if need > rows.max_len:
-            rows.reserve(need + max(MIN_ROOM, need // GROWTH))
         latent = key_states[:, 0, :, :shape.coded]
         if shape.constant is not None:  # the MLA's own latent: the norm's factor undone by the constant channel
             held = key_states[:, 0, :, shape.coded:shape.coded + 1] / shape.constant  # (B, n, 1): the factor
             latent = latent / held
             if self.factor is None:  # every token's factor is this one to within 2^-24 (models/export.py)
                 self.factor = held[:, :1]
-        new = torch.cat([latent, value_states[:, 0]], dim=-1)  # (B, n, coded + p)
-        if rows.recent:  # every query reads the newest rows plain, as the chunk's last query does
-            stored, plain, _ = rows.extend_recent(new)
-            out = dense(stored).clone()
-            k = min(rows.recent, out.shape[1])
-            out[:, -k:] = plain[:, -k:].to(out.dtype)
-        else:
-            (out,) = rows.extend(kv=new)
+        out = _extend_rows(rows, torch.cat([latent, value_states[:, 0]], dim=-1))  # (B, S, coded + p)
         latent = out.new_zeros(out.shape[0], 1, out.shape[1], shape.latent_dim)
         latent[:, 0, :, :shape.coded] = out[..., :shape.coded] if self.factor is None else \
             out[..., :shape.coded] * self.factor
@@ -332,8 +390,9 @@ class _KVCacheBase:
         shapes = layer_shapes(config)
         check_storage(kv_dtype, shapes, config.model_type)
         self.kv_dtype, self.model_type = kv_dtype, config.model_type
-        _, layer_class, latent_class = _classes()
-        super().__init__(layers=[(latent_class if isinstance(s, LatentShape) else layer_class)(kv_dtype, s, i)
+        _, layer_class, latent_class, joint_class = _classes()
+        gqa = joint_class if joint(kv_dtype) else layer_class
+        super().__init__(layers=[(latent_class if isinstance(s, LatentShape) else gqa)(kv_dtype, s, i)
                                  for i, s in enumerate(shapes)])
 
     @classmethod
@@ -399,13 +458,14 @@ def _check_same(model_config, folder_config, folder) -> None:
 
 @functools.cache
 def _classes():
-    """(KVCache, its GQA layer class, its MLA layer class), each with transformers' base mixed in (imported here, on first use)."""
+    """(KVCache, its GQA layer class, its MLA layer class, its GQA layer of [values | keys] rows), each with transformers' base mixed in (imported here, on first use)."""
     from transformers.cache_utils import Cache, CacheLayerMixin
 
     layer = type("CodedLayer", (_CodedLayer, CacheLayerMixin), {"__module__": __name__})
     latent = type("LatentLayer", (_LatentLayer, CacheLayerMixin), {"__module__": __name__})
+    rows = type("JointLayer", (_JointLayer, CacheLayerMixin), {"__module__": __name__})
     cache = type("KVCache", (_KVCacheBase, Cache), {"__module__": __name__, "__doc__": _KVCacheBase.__doc__})
-    return cache, layer, latent
+    return cache, layer, latent, rows
 
 
 def __getattr__(name: str):
