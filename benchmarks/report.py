@@ -238,9 +238,10 @@ def losses(data: dict, table: dict) -> list[str]:
         f"At 12.5% the plain command gives {x(eighth['median'])} median, {x(eighth['worst'])} worst; your text and "
         f"30 minutes bring it to {x(text['median'])}, {x(text['worst'])}. {label(eb)} at {small[eb]['share']:.1%} "
         f"gives {x(small[eb]['median'])}, {x(small[eb]['worst'])}.",
-        "The plans above are MLA conversions and run in attnlab's own loop: transformers' `attnlab.hf.KVCache` "
-        "serves only the original attention, and as a llama.cpp GGUF the 12.5% plan gives "
-        f"{x(gguf['shrunk']['median'])} median, {x(gguf['shrunk']['worst'])} worst.",
+        "The plans above are MLA conversions. transformers runs SmolLM2's as DeepSeek-V3 over `attnlab.hf.KVCache` "
+        "(`--format transformers`), but not Gemma 3's or Qwen3's (their per-head key norms have no DeepSeek form); "
+        f"as a llama.cpp GGUF the 12.5% plan gives {x(gguf['shrunk']['median'])} median, "
+        f"{x(gguf['shrunk']['worst'])} worst.",
         f"`attnlab.hf.KVCache` decodes at {lo:.2f}-{hi:.2f}x DynamicCache's speed at {context:,} tokens on a CPU: "
         "each step reads every row back dequantised.",
         "On a CPU the heal does not pay at 25% and above: the guard gave back its end-to-end steps, or all of it, "

@@ -62,6 +62,11 @@ CASES = {  # name: (model, shrink arguments after the model, what it checks)
     "smollm2-50": ("smollm2", ["--kv-budget", "50%"], "SmolLM2-135M at 50% of the bytes, the plain command"),
     "smollm2-12": ("smollm2", ["--kv-budget", "12.5%"], "SmolLM2-135M at 12.5% of the bytes, the plain command"),
     "gemma3-270m-25": ("gemma3-270m", ["--kv-budget", "25%"], "Gemma 3 270M at 25% of the bytes, the plain command"),
+    # the same budget written for transformers and scored there, through attnlab.hf.KVCache (score_in_transformers)
+    "smollm2-25-transformers": ("smollm2", ["--kv-budget", "25%", "--format", "transformers"],
+                                "SmolLM2-135M at 25% of the bytes for transformers, scored in transformers"),
+    "smollm2-12-transformers": ("smollm2", ["--kv-budget", "12.5%", "--format", "transformers"],
+                                "SmolLM2-135M at 12.5% of the bytes for transformers, scored in transformers"),
     # the budget counted at a long context, where Gemma's sliding layers hold 576 rows of 32,768 and its 3 global
     # layers most of the bytes (issue eighth's last target, <= 1.10x); compared with the baselines by its share of
     # the original's bytes there (fair_bytes)
@@ -169,6 +174,30 @@ def score(model, tok, long: bool = False) -> dict:
     return out
 
 
+def score_in_transformers(out: str, long: bool = False) -> dict:
+    """score() for a --format transformers folder, in transformers' own forward over KVCache.from_pretrained(out):
+    each window fed in chunks of WINDOW // 4, as decoding reads the cache (a plain cache gives one forward's figures
+    to float64's rounding: tests/test_hf_cache.py), and with `long` LONG_TOKENS in chunks of LONG_CHUNK."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from attnlab.hf import KVCache, TransformersRunner
+    from attnlab.models.evaluate import score_windows
+
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(out)
+    runner = TransformersRunner(model, KVCache.from_pretrained(out, model).kv_dtype)
+    result = {}
+    for name in REPORT_TEXTS:
+        ids = text_ids(tok, name, TOKENS)
+        result[name] = {"perplexity": score_windows(model, ids, WINDOW, chunk=WINDOW // 4, runner=runner).perplexity}
+        if long:
+            ids = text_ids(tok, name, LONG_TOKENS)
+            result[name]["perplexity_4096"] = score_windows(model, ids, LONG_TOKENS, chunk=LONG_CHUNK,
+                                                            runner=runner).perplexity
+    return result
+
+
 PASSKEY_LENGTHS, PASSKEY_DEPTHS = (2048, 4096), (0.1, 0.5, 0.9)
 
 
@@ -266,14 +295,26 @@ def part_run(case: str, seed: int, redo: bool, long: bool, at: str | None = None
     if row["returncode"]:
         save(key, row)
         raise SystemExit(f"shrink failed: {row.get('stderr', '')[-500:]}")
-    model, tok, meta = hf.load_model(row["out"])
-    report = meta.get("shrink") or {}
+    if "transformers" in CASES[case][1]:  # a transformers folder, its report beside it
+        model = tok = None
+        report = json.loads(Path(row["out"] + ".shrink.json").read_text())
+    else:
+        model, tok, meta = hf.load_model(row["out"])
+        report = meta.get("shrink") or {}
     row["report"] = {k: report.get(k) for k in ("kv_bytes_per_token", "held_out", "minutes", "work", "heal_plan",
                                                    "environment")}
     row["report"]["heal"] = {k: (report.get("heal") or {}).get(k) for k in
                              ("probe", "kept", "rollbacks", "hard_batches", "layers_restored", "distill_steps",
                               "steps_done", "layer_cut", "layer_steps_fitted", "layer_wise", "end_to_end")}
     row["plan"] = (report.get("plan") or {}).get("chosen")
+    if model is None:
+        row["kv_bytes_per_token"] = report["kv_bytes_per_token"]["shrunk"]
+        row["fixed_bytes"] = fixed_bytes(row)
+        row["texts"] = score_in_transformers(row["out"], long)
+        row["texts_sha256"] = text_hashes()
+        save(key, row)
+        print(json.dumps({k: v for k, v in row.items() if k not in ("report", "stdout_tail")}, indent=2))
+        return
     row["kv_bytes_per_token"] = hf.kv_bytes_per_token(model)
     row["fixed_bytes"] = fixed_bytes(row)
     row["texts"] = score(model, tok, long)
