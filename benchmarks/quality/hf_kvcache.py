@@ -159,7 +159,7 @@ def speed(context: int = 4096, steps: int = 16, reps: int = 3) -> list[dict]:
     """Decode steps at `context` tokens: the prompt's keys and values handed to each kind of cache, then `steps`
     one-token forwards timed; kinds alternate, reps times; the median step."""
     model, tok = load("smollm2")
-    kinds = ["dynamic", "q4_0", "int4/g32", "int3/g64", "q8_0", "quanto4"]
+    kinds = ["dynamic", "q4_0", "int4/g32", "int3/g64", "q8_0", "int4/g32+c4+w16", "quanto4"]
     ids = torch.randint(100, 40000, (1, context + steps), generator=torch.Generator().manual_seed(0))
     prompt = make_cache(model, "dynamic")
     with torch.no_grad():
