@@ -63,6 +63,15 @@ def _models(work: Path):
     return teacher, student
 
 
+def _local_share(model) -> float:
+    """The share of a model's parameter values this rank holds (1.0 unsharded; about 1/N under FSDP2 shards)."""
+    from torch.distributed.tensor import DTensor
+
+    params = list(model.parameters())
+    held = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in params)
+    return held / max(1, sum(p.numel() for p in params))
+
+
 def _run(teacher, student, *, world=None, shard=False, stop_at=None, checkpoint=None, restore=None,
          inputs="teacher"):
     """Heal in place; (status, the loss after every step, the state, rows): rows["model"] and rows["layer0"] list
@@ -83,8 +92,7 @@ def _run(teacher, student, *, world=None, shard=False, stop_at=None, checkpoint=
                     checkpoint=checkpoint, progress=progress)
     if restore is not None:
         healer.restore(Healer.read(restore))
-    from attnlab.heal.distributed import local_share
-    rows["teacher_share"] = local_share(teacher)
+    rows["teacher_share"] = _local_share(teacher)
     hooks = [m.register_forward_pre_hook(lambda mod, args, kw, key=key: rows[key].append(
         (args[0] if args else kw["input_ids"]).shape[0]), with_kwargs=True)
         for key, m in (("model", teacher), ("layer0", attnlab_modules(teacher)[0]))]

@@ -9,7 +9,6 @@ head, d head size, D model width, r latent size.
 """
 from __future__ import annotations
 
-import math
 
 import numpy as np
 import torch
@@ -86,10 +85,6 @@ def fold_output(w_o: torch.Tensor, w_uv: torch.Tensor, num_heads: int) -> torch.
     r = w_uv.shape[1]
     per_head = w_o.reshape(dim, num_heads, dv).transpose(0, 1) @ w_uv.reshape(num_heads, dv, r)  # (H, D_1, r)
     return per_head.transpose(0, 1).reshape(dim, num_heads * r)  # (D_1, H*r)
-
-
-def default_scale(head_dim: int) -> float:
-    return 1.0 / math.sqrt(head_dim)
 
 
 FACTOR_METHODS = ("select", "block-svd", "tiled-svd")

@@ -143,14 +143,9 @@ def spread_order(n: int) -> list[int]:
 
 
 def text_windows(tok, paths, seq_len: int, *, holdout: float = 0.1, eval_paths=None):
-    """(training windows (N, T), held-out ids (1, M)) from text files.
-
-    Without eval_paths the last `holdout` of each file's tokens is held out (the held-out parts one after the
-    other, at least one window in all: where a tenth of each is less, each file gives the same larger share);
-    with them, those files are the held-out text and all of `paths` trains. The training windows are cut from
-    the files' training parts one after the other and put in spread_order, so that the first windows (those a
-    shrink plan calibrates on) come from every part of the text.
-    """
+    """(training windows (N, T), held-out ids (1, M)) from text files: the last `holdout` of each file held out (at
+    least one window in all), or the eval_paths files as the held-out text. The training windows are put in
+    spread_order, so that the first ones (what a shrink plan calibrates on) come from every part of the text."""
     paths = [str(p) for p in paths]
     parts = _file_ids(tok, paths)
     if eval_paths:
@@ -200,18 +195,10 @@ def _watch(budget, began: float, steps: int, n: int):
 
 def teacher_windows(teacher, tok, count: int, seq_len: int, *, seed: int = 0, batch_size: int = 8,
                     prompts=PROMPTS, progress=None, budget=None, offset: int = 0) -> torch.Tensor:
-    """Up to `count` windows (n, seq_len) of text the teacher writes from the prompts (sampled, seeded).
-
-    Written batch_size windows at a time with attnlab's generation loop. budget (runtime.Budget):
-    a batch starts only if the last batch's time still fits (the windows written so far are
-    returned, at least one batch). With a deadline every batch is timed after its first 1/16 of
-    steps (at least 2): if the whole batch would not fit what is left, it is dropped and started
-    again with as many windows as fit at the cost per window just measured (at least one), so
-    that a slow model (Gemma 3 270M: about 3 minutes for 32 windows of 256 tokens on 2 cores)
-    cannot spend a short budget on one batch. A stop request raises runtime.Stopped, also in a batch.
-    offset: where these windows start in a longer seeded sequence (window i is sampled from the stream of
-    seed and offset + the first window of its batch), so that two calls write other samples than one.
-    """
+    """Up to `count` windows (n, seq_len) of text the teacher writes from the prompts (sampled, seeded), batch_size
+    at a time. budget: a batch starts only where the last one's time still fits, and one timed past its first 1/16
+    of steps to overrun what is left starts again with the windows that fit (at least one batch is written). A stop
+    request raises runtime.Stopped. offset: where these windows start in a longer seeded sequence."""
     from ..generation.loop import generate
     from ..runtime.budget import Stopped
 
@@ -268,17 +255,10 @@ def teacher_windows(teacher, tok, count: int, seq_len: int, *, seed: int = 0, ba
 def training_data(teacher, tok, seq_len: int, *, text=None, eval_text=None, windows: int = 64, seed: int = 0,
                   budget=None, share: float = 0.3, batch_size: int = 16, fixed: int = 0,
                   progress=None) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """(training windows (N, T), held-out ids (1, M), what was used) for a heal run.
-
-    With `text` files: text_windows (each file's last tenth held out unless `eval_text` is given). Without:
-    the teacher writes up to `windows` windows, batch_size at a time; unless `eval_text` is given, it first
-    writes one window from each of the HELD_OUT_PROMPTS last prompts, which no training window starts from,
-    as the held-out text. The held-out windows and the first `fixed` training windows (what a plan is
-    calibrated and scored on) are written whatever the clock says, so that they are the same on a fast
-    machine and a slow one; the rest within `share` of the budget (what is left of it at the time of the
-    call): a slow machine trains on fewer windows, never on other planning text. budget None: every window.
-    progress(i, n) counts windows.
-    """
+    """(training windows (N, T), held-out ids (1, M), what was used) for a heal run: text_windows of `text`, or
+    windows the teacher writes (the held-out ones first, from the HELD_OUT_PROMPTS last prompts). The held-out windows
+    and the first `fixed` training ones are written whatever the clock says; the rest within `share` of the budget
+    (None: every window). progress(i, n) counts windows."""
     from ..runtime.budget import Stopped
 
     if text:

@@ -28,15 +28,13 @@ Two phases, on token windows (data.py: the user's text, or text the teacher writ
    heal_model judges this phase as a whole (Healer(judge=True), run.py): where it would start, the held-out texts
    are scored and the layer-wise phase's weights kept; if its steps leave the student farther from the teacher on
    any text (guard.worse), those weights come back at the end. With less time left there than one evaluation took,
-   the phase is not run: steps that cannot be judged are not taken (on SmolLM2 at 12.5% six such steps took
-   held-out perplexity from about 37 to 59.6, docs/decisions.md).
+   the phase is not run: steps that cannot be judged are not taken (docs/decisions.md).
 With a probe (HealPlan.probe, what shrink plans for a student that keeps every value) the order turns
 round: the end-to-end phase runs first, and heal_model scores the held-out texts after that share of
 its steps; if the student moved away from the teacher there (guard.worse: the KL to the teacher rose,
 or top-1 agreement fell, on any held-out text), the converted weights come back and the layer-wise
 phase takes the rest of the time, with no end-to-end phase after it (Healer.settle_probe); its steps a
-layer are fitted to that time once its first layer is timed (Healer._fit_layers). Measured:
-SmolLM2's every-value plans heal end to end, Gemma 3 270M's only layer-wise (docs/decisions.md).
+layer are fitted to that time once its first layer is timed (Healer._fit_layers).
 
 `Healer` runs the phases as one resumable state machine: the plan, step, phase, layer,
 weights, optimizer state and training windows go into one checkpoint file (torch.save,
@@ -109,17 +107,10 @@ def _check_split(world: dd.World, plan: HealPlan, windows: torch.Tensor) -> None
 
 
 class Healer(LayerWise, EndToEnd):
-    """Layer-wise then end-to-end distillation of `student` from `teacher`, resumable (module docstring).
-
-    windows: (N, T) training token ids. checkpoint: a file path (None: no checkpoints).
-    budget: a runtime.Budget (its deadline and stop request); default none of either.
-    progress(info) is called after every step with a dict (phase, step, total, loss, tokens, ...).
-    world: a distributed.World of N > 1 ranks (init_world under torchrun) to train data-parallel,
-    each rank on its device (world.device); shard=True wraps the trained part with FSDP2 instead
-    of DDP. Default: one process, no collective.
-    judge: stop where an end-to-end phase would follow the layer-wise one (run() returns "switch"), so that
-    heal_model can score the layer-wise student and keep its weights (keep_layer_wise) or end there (end_at_switch).
-    """
+    """Layer-wise then end-to-end distillation of `student` from `teacher`, resumable (module docstring). windows:
+    (N, T) training ids; checkpoint: a file (None: none); budget: a runtime.Budget; progress(info) after every step.
+    world: N > 1 ranks to train data-parallel (shard=True: FSDP2, else DDP). judge: run() returns "switch" where an
+    end-to-end phase would follow the layer-wise one, for heal_model to judge (keep_layer_wise, end_at_switch)."""
 
     def __init__(self, teacher, student, windows: torch.Tensor, plan: HealPlan, *, device="cpu",
                  checkpoint=None, checkpoint_seconds: float = 300.0, progress=None, budget: Budget | None = None,
@@ -307,17 +298,10 @@ class Healer(LayerWise, EndToEnd):
 
     # -- the loop ------------------------------------------------------------------------------
     def run(self, minutes: float | None = None, *, reserve: float = 0.0) -> str:
-        """Train until the plan is done, the budget is spent or a stop is requested.
-
-        minutes: a budget for this call (within the Healer's own); reserve: seconds to leave
-        unspent at the end (the evaluation that follows). A step starts only if the last step's
-        time plus the reserve still fits. Returns "done", "budget" (resumable), "stopped", "probe" when the
-        end-to-end phase reached the plan's probe point (settle_probe, then run again), or, for a Healer made with
-        judge=True, "switch" where an end-to-end phase would start after the layer-wise one (keep_layer_wise or
-        end_at_switch, then run again). A
-        checkpoint is written at the end in every case, and every checkpoint_seconds on the way.
-        Over N ranks every decision is agreed (any rank's stop or deadline stops all at one step).
-        """
+        """Train until the plan is done, the budget is spent or a stop is requested, leaving `reserve` seconds; a
+        checkpoint at the end and every checkpoint_seconds. Returns "done", "budget" (resumable), "stopped", "probe"
+        at the plan's probe point (settle_probe, then run again) or "switch" (judge=True: keep_layer_wise or
+        end_at_switch, then run again). Over N ranks every decision is agreed."""
         plan, s = self.plan, self.state
         budget = self.budget if minutes is None else self.budget.share(seconds=60.0 * minutes)
         if plan.tokens is None and budget.deadline is None:
@@ -368,9 +352,8 @@ class Healer(LayerWise, EndToEnd):
                 s["total_steps"] = dd.broadcast_object(total, patient=False) if self.world.distributed else total
             if phase == "distill" and s["probe"] == "pending" and s["probe_step"] is None \
                     and s["total_steps"] is not None:
-                # that share of the phase's steps, and never inside the warm-up: a phase can look well at a warm-up
-                # rate and go wrong at the full one (Gemma 3 270M at 25%: held-out 24.91 -> 24.30 at step 4 of 8,
-                # 30.53 at step 10); a phase too short for that has no probe (keep_better rules at its end)
+                # that share of the phase's steps, and never inside the warm-up (docs/decisions.md: the probe); a
+                # phase too short for that has no probe (keep_better rules at its end)
                 s["probe_step"] = max(plan.warmup + 1, round(plan.probe * s["total_steps"]))
             if self.progress:
                 self.progress({**self._info(phase, loss, step_time),

@@ -334,12 +334,8 @@ def _holds_tensor(value) -> bool:
 
 
 def replica(module: nn.Module) -> nn.Module:
-    """A deep copy of a module (parameters, buffers, settings) without the tensors it holds beside them.
-
-    Those are caches derived from its weights (an MLA's absorbed weights, made under no_grad; a
-    view whose base an optimizer step has changed cannot even be deep-copied): the copy starts
-    without them and derives its own.
-    """
+    """A deep copy of a module (parameters, buffers, settings) without the caches derived from its weights (an MLA's
+    absorbed weights): the copy derives its own."""
     state = ("_parameters", "_buffers", "_modules")
     held = [(sub, name, value) for sub in module.modules() for name, value in vars(sub).items()
             if name not in state and _holds_tensor(value)]
@@ -401,15 +397,6 @@ def whole(model: nn.Module, gathered: bool = True) -> None:
             unit.unshard()
         else:
             unit.reshard()
-
-
-def local_share(model: nn.Module) -> float:
-    """The share of a model's parameter values this rank holds (1.0 unsharded; about 1/N under FSDP2 shards)."""
-    from torch.distributed.tensor import DTensor
-
-    params = list(model.parameters())
-    held = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in params)
-    return held / max(1, sum(p.numel() for p in params))
 
 
 def sharded(module: nn.Module) -> bool:

@@ -7,21 +7,11 @@ the student's and the teacher's mean-pooled, normalised sentence embeddings
 """
 from __future__ import annotations
 
-import re
-
 import torch
 
 from .data import batch_generator as _generator
 from .losses import cosine, warmup_steps
 from .trainable import freeze_all_but_attention
-
-
-def sentences_of(path, min_chars: int = 30, max_chars: int = 300) -> list[str]:
-    """The sentences of a text file (split after . ! ? followed by white space), whitespace collapsed."""
-    from pathlib import Path
-
-    text = re.sub(r"\s+", " ", Path(path).read_text(encoding="utf-8", errors="replace"))
-    return [s.strip() for s in re.split(r"(?<=[.!?])\s+", text) if min_chars <= len(s.strip()) <= max_chars]
 
 
 def heal_encoder(teacher, student, tok, sentences: list[str], *, steps: int = 200, batch_size: int = 16,

@@ -12,6 +12,17 @@ between evaluations: their memory would grow with the windows), its most likely 
 kept. Which positions agree is kept too, packed ("top1_positions": positions_code), so that two evaluations of the
 same windows can be compared position by position (flips: the keep-better test's sign test, guard.worse).
 evaluate_texts scores several held-out texts (of different kinds) and combines them over all their tokens.
+
+evaluate_pair's figures: "kl", the mean over every scored position (each predicts the next token) of KL(teacher ||
+student) in nats (float64 sums: kl_sum); "top1_agreement", the share of those positions where both models' most
+likely tokens are equal; "perplexity", exp of the student's mean next-token loss ("tokens" positions in "windows"
+windows of `window` tokens, default 512 or the model's context where shorter). Its budget: a window is scored if the
+last one's time still fits (the first always), greedy agreement is left out if the budget runs out first, a stop
+request raises runtime.Stopped. Its reference (the "before" evaluation): the same windows, the teacher's cached most
+likely tokens and greedy continuations reused. Over N ranks (world) window i is scored by rank i mod N in rounds whose
+start every rank agrees on, the sums reduced and the teacher's answers gathered: every rank returns one process's
+result, up to the order of its sums. greedy_agreement's "prefix" is the mean share of new tokens before the first
+difference, "tokens" the share of equal positions; over N ranks each continues its share of the prompts.
 """
 from __future__ import annotations
 
@@ -37,15 +48,10 @@ def decodes(model) -> bool:
 
 def greedy_agreement(teacher, student, prompts: torch.Tensor, new_tokens: int = 64, *, budget=None,
                      teacher_tokens: torch.Tensor | None = None, world=None) -> dict:
-    """Both models continue the same prompts (B, P) greedily for new_tokens; how alike are the continuations?
-
-    "prefix": mean fraction of the new tokens before the first difference (strict: one
-    different token ends the agreement); "tokens": mean fraction of positions that are equal; "prompts": B.
-    teacher_tokens: the teacher's continuations from an earlier call ("teacher_tokens" of its
-    result), so that only the student generates. world (distributed.World of N > 1 ranks): each rank
-    continues its share of the prompts (World.part) and the rows are gathered, so every rank returns the
-    figures of all B prompts; the caller passes no budget then (a rank must not stop alone between collectives).
-    """
+    """Both models continue the same prompts (B, P) greedily for new_tokens: how alike the continuations are
+    ("prefix", "tokens", "prompts": B; module docstring). teacher_tokens: the teacher's continuations from an earlier
+    call, so that only the student generates. world: the prompts split over the ranks, every rank gets all B figures
+    (no budget then: a rank must not stop alone between collectives)."""
     B, P = prompts.shape
     split = world is not None and world.distributed
     rows = world.part(B) if split else slice(None)
@@ -97,28 +103,10 @@ def _prompts(held_out: torch.Tensor, prompts: int, prompt_len: int) -> torch.Ten
 def evaluate_pair(teacher, student, held_out: torch.Tensor, *, prompts: int = 8, prompt_len: int = 32,
                   new_tokens: int = 64, window: int | None = None, budget=None, reference: dict | None = None,
                   world=None) -> dict:
-    """The student against the teacher on held-out token ids (1, M): KL, top-1 agreement, perplexity, greedy agreement.
-
-    "kl": the mean over every scored position (each predicts the next token; the last of a window too) of
-    KL(teacher || student) of the two next-token distributions, in nats (float64 sums: kl_sum); "top1_agreement": the
-    share of those positions where both models' most likely tokens are equal; "perplexity": exp of the student's mean
-    next-token loss on the held-out tokens ("tokens" positions in "windows" windows; each window predicts all its
-    tokens but the first). The teacher runs on every window, also with a reference (the KL needs its distributions,
-    which are not cached: see the module docstring).
-
-    budget (runtime.Budget): a window is scored if the last one's time still fits (the first always); greedy agreement
-    is left out if the budget runs out before it ends; a stop request raises runtime.Stopped. reference: the result of
-    an earlier call (the "before" evaluation): the same windows are scored, the teacher's cached most likely tokens
-    and greedy continuations are reused, and greedy agreement runs if it ran then. The result holds the teacher's
-    perplexity on the scored windows (without a reference) and `tokens`, the held-out tokens scored. window: tokens
-    per window, default 512 or the model's context where that is shorter (models.evaluate.default_window).
-
-    world (distributed.World of N > 1 ranks, every rank calling with the same arguments): the windows are scored in
-    rounds of N, window i by rank i mod N, each round started only if every rank's last window still fits (the
-    decision agreed over the ranks); the sums of the log-likelihoods and counts are reduced over the ranks, the
-    teacher's answers gathered, and the prompts of greedy agreement split (greedy_agreement), so every rank
-    returns the one result, equal to one process's on the same windows up to the order of its sums.
-    """
+    """The student against the teacher on held-out token ids (1, M): "kl", "top1_agreement", "perplexity", greedy
+    agreement, "tokens" and "windows" (module docstring). budget: windows scored while they fit; reference: an earlier
+    result, whose windows and teacher answers are reused; window: tokens per window; world: the windows split over
+    the ranks, every rank returning the one result. Without a reference the result holds the teacher's perplexity."""
     split = world is not None and world.distributed
     size, rank = (world.size, world.rank) if split else (1, 0)
     window = default_window(student) if window is None else window
@@ -226,16 +214,10 @@ def held_out_texts(held_out) -> list[torch.Tensor]:
 
 def evaluate_texts(teacher, student, texts, *, budget=None, reference: dict | None = None, world=None,
                    **kw) -> dict:
-    """evaluate_pair on each held-out text (held_out_texts: one tensor or a list), and the figures over all of them.
-
-    The result has the keys of one evaluate_pair, each over every scored position (or predicted token, for perplexity)
-    of every text: "kl" and "top1_agreement" the means over all positions, "perplexity" exp of the mean loss over all
-    predicted tokens ("teacher_perplexity" alike), "tokens" and "windows" the sums, "greedy_agreement" the means over
-    the prompts of all texts (only when every text has one); and "texts", each text's own evaluate_pair result, in
-    order. With one text the figures are that text's. budget: each text gets an equal part of what is left when its
-    turn comes; reference: an earlier result of this function (each text is scored against its own part of it).
-    kw goes to evaluate_pair (window, prompts, prompt_len, new_tokens).
-    """
+    """evaluate_pair on each held-out text (one tensor or a list), and the figures over all of them: the keys of one
+    evaluate_pair over every scored position of every text (sums for "tokens" and "windows"; greedy agreement only
+    where every text has one), and "texts", each text's own result. budget: each text an equal part of what is left
+    at its turn; reference: an earlier result of this function. kw goes to evaluate_pair."""
     texts = held_out_texts(texts)
     refs = None if reference is None else reference.get("texts") or [reference]  # an older, one-text reference
     if refs is not None and len(refs) != len(texts):

@@ -9,19 +9,15 @@ lists (initial_state), so checkpoints hold it as they hold the rest.
 
 The blow-up guard: an end-to-end step whose loss exceeds BLOW_UP times the phase's first loss, and BLOW_UP times
 what the last good weights read on the same batch, does not stand; the trained weights go back to those of the last
-step that read well (good: no worse than the first, so a slow climb before the jump goes too), the optimizer starts
-afresh and the rates are divided by GUARD_CUT (rolled_back; measured on SmolLM2, a plan that kept every value: the
-end-to-end loss rose from 0.05 to 0.20 in 8 steps at lr 3e-4 and nothing of the heal was kept). The second reading
-is taken only past the first line: with text of several kinds a batch can be hard for any weights (measured: a first
-batch of 0.065 and later ones of 0.14-0.19 rolled back 8 steps that had done no harm, and cut the rate to 1/65536),
-and such a step stands (hard_batch records it).
+step that read well (good), the optimizer starts afresh and the rates are divided by GUARD_CUT (rolled_back). The
+second reading is taken only past the first line; a step whose batch reads as high on the good weights is a hard
+batch, and stands (hard_batch records it).
 
 The keep-better test (worse) compares the student with the teacher, not with the text: KL and top-1 agreement on
-every held-out text, never perplexity alone (its docstring says why); a fall of top-1 agreement counts only when the
-positions it lost outnumber those it gained beyond chance (a sign test at TOP1_ALPHA: flips, sign_test).
-heal_model applies it three ways: the converted student against the healed one, the probe of an end-to-end phase
-run first, and the layer-wise phase's student against the end-to-end phase's after it (switch_line says what that
-verdict was).
+every held-out text, never perplexity; a fall of top-1 agreement counts only when the positions it lost outnumber
+those it gained beyond chance (a sign test at TOP1_ALPHA: flips, sign_test). heal_model applies it three ways: the
+converted student against the healed one, the probe of an end-to-end phase run first, and the layer-wise phase's
+student against the end-to-end phase's after it (switch_line says what that verdict was).
 """
 from __future__ import annotations
 
@@ -67,19 +63,15 @@ def after_layer(state: dict, layer: int, before: float, after: float) -> bool:
 
 def good(state: dict, loss: float) -> bool:
     """Whether the weights an end-to-end step reads `loss` on are the blow-up guard's new fallback: the phase's first
-    step, or a loss no higher than its. Not merely below the BLOW_UP line: weights that crept up to just under it
-    read above it on the next harder batch, and a rollback to them would stand where the climb left off (a tiny model
-    at a large rate: 1.97, 2.58, 3.74, 3.87, ...)."""
+    step, or a loss no higher than its (not merely below the BLOW_UP line, so that a slow climb goes back too)."""
     losses = state["distill_losses"]
     return not losses or loss <= losses[0]
 
 
 def past_line(state: dict, loss: float) -> bool:
-    """Whether the end-to-end step about to be taken at state["step"] reads past the blow-up line: its loss (on the
-    weights the steps so far left) is above BLOW_UP times the phase's first loss. Never the first step, and never the
-    step right after a rollback: its weights are the last good ones (they read no worse than the first step on their
-    batch), so a high loss there is its batch's, not the training's (rolling back again would give the same weights
-    back and stall); it stands. Past the line, blown_up asks what the last good weights read on the same batch."""
+    """Whether the end-to-end step at state["step"] reads past the blow-up line: its loss above BLOW_UP times the
+    phase's first. Never the first step, nor the step right after a rollback: its weights are the last good ones, so
+    a high loss there is its batch's and it stands. Past the line, blown_up asks the last good weights."""
     losses, rollbacks = state["distill_losses"], state["rollbacks"]
     if not losses or (rollbacks and rollbacks[-1]["step"] == state["step"]):
         return False
@@ -214,42 +206,9 @@ def sign_test(lost: int, gained: int) -> float:
 
 
 def worse(before: dict | None, after: dict | None) -> bool:
-    """Whether a healed student is worse than the converted one: farther from the teacher on any held-out text.
-
-    before, after: evaluations of the same windows (heal.evaluate: one evaluate_pair result, or evaluate_texts' with
-    "texts", compared text by text). Worse when, on any text, the mean KL(teacher || student) per position rose (any
-    rise), or top-1 agreement with the teacher fell beyond chance: the positions where the student stopped agreeing
-    outnumber those where it started (evaluate.flips) so far that flips with no preferred direction would lose as
-    many with a chance below TOP1_ALPHA (sign_test). Perplexity never decides: a student whose perplexity fell while
-    its KL rose is worse, one whose perplexity rose while its KL fell (and its top-1 agreement held) is not. An
-    evaluation without "kl" (a checkpoint from an older attnlab) is judged on top-1 agreement alone, one without its
-    positions by a fall of more than TOP1_TOLERANCE. heal_model's keep-better test and the end-to-end probe's verdict
-    both use it.
-
-    Why not perplexity. This test was perplexity alone until the measurements below, on the grounds that every
-    target and baseline of a shrink is stated in it, and that on Gemma 3 270M at 50% a heal took held-out perplexity
-    from 0.988x the teacher's to 1.040x while top-1 agreement rose (docs/decisions.md). But the heal's job is to make
-    the student the original model again, and a student's perplexity on one text measures how well it fits that
-    text, not how close it stays to the original. On SmolLM2-135M a heal took top-1 agreement with the original
-    0.770 -> 0.717 while perplexity on the text it was judged on fell 19.7 -> 18.1, so the old test kept it; on four
-    other held-out texts it was 1.10-1.15x worse than the original. A student whose perplexity on the judged text
-    falls while it moves away from the teacher has drifted towards that text, and other text pays for it. The KL is
-    the quantity the end-to-end phase lowers, here measured on text it did not train on, and it does not reward such
-    drift; several held-out texts of different kinds (heal_model's held_out list) catch a drift that one kind of text
-    would not. A heal like Gemma's above is now kept if it brought the student closer to the teacher by these
-    measures, whatever its perplexity did.
-
-    Why a sign test on top-1 agreement, not a fixed tolerance. A student moving towards the teacher in KL still flips
-    the most likely token, both ways, where the teacher's two most likely tokens are nearly tied, so the count of
-    agreeing positions moves with no real change. The rule before was a fall of at most 0.005 (argued, not measured:
-    about 10 positions of 2,048, an order of magnitude below the fall above, 0.053). Measured against it (SmolLM2 at
-    12.5% with three kinds of text, docs/decisions.md): the end-to-end phase lowered the KL on all three judged
-    texts, top-1 on the 512-token Python source fell 4 and 7 positions, and the phase was given back; kept (a
-    tolerance of 0.02), it was better on every protocol text by 0.05-0.09 in perplexity ratio. A net fall of a few
-    positions of 512 is within what chance flips give; the sign test asks how far the losses outnumber the gains
-    for their number, on each text's size: 108 positions net of 2,048 read as harm at any sensible level, 7 of 512
-    do not unless nearly every flip went one way. A rise of the KL has no tolerance: the same weights give the same
-    KL on the same windows, and a heal that does not keep the student at least as close to the teacher on every
-    text has not earned its weights.
-    """
+    """Whether a healed student is worse than the converted one: on any held-out text its mean KL(teacher ||
+    student) rose, or its top-1 agreement fell beyond chance (sign_test below TOP1_ALPHA on evaluate.flips).
+    before, after: evaluations of the same windows (evaluate_pair's, or evaluate_texts' with "texts"). Perplexity
+    never decides. Without "kl" (an older checkpoint) top-1 alone decides; without positions, a fall past
+    TOP1_TOLERANCE."""
     return reason(before, after) is not None

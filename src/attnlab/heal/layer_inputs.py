@@ -37,7 +37,7 @@ class _Read(Exception):
 def _attention_input(block, layer, h: torch.Tensor) -> torch.Tensor:
     """The normed input (b, T, dim) a decoder layer's attention reads from the residual stream h, as the model's own
     block computes it (models.adapters.decoder_block), the layer left there: its attention, output norms and MLP are
-    not run (on SmolLM2 they were 97% of the pass)."""
+    not run."""
     def read(x):
         raise _Read(x)
     try:
@@ -52,14 +52,10 @@ class LayerInputs:
     """The layer-wise phase's inputs, a part of distill.Healer (module docstring)."""
 
     def _layer_inputs(self, chunk: int = 8):
-        """Each layer's attention input (n, T, dim) on the first layer_windows windows, from the teacher, and those of
-        the guard's check windows (the next guard.WINDOWS, held out from the phase's batches where the text has them).
-
-        Computed `chunk` windows at a time, checking the budget in between (runtime.Stopped). Over N ranks each
-        computes its share of the windows (World.part) and the shares are gathered, so every rank holds them all (the
-        batches draw from all); every rank makes the same number of teacher calls, since under FSDP2 each is a
-        collective (a rank whose share ran out makes one on a window it drops).
-        """
+        """Each layer's attention input (n, T, dim) from the teacher on the first layer_windows windows, and on the
+        guard's check windows (the next guard.WINDOWS), `chunk` windows at a time between budget checks. Over N ranks
+        each computes its share and the shares are gathered; every rank makes the same number of teacher calls (each
+        is a collective under FSDP2)."""
         if self._inputs is None:
             from ..models.evaluate import attention_inputs
 

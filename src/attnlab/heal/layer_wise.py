@@ -94,13 +94,9 @@ class LayerWise(LayerInputs):
 
     def _fit_layers(self, budget: Budget, reserve: float, seconds: float, overhead: float = 0.0) -> None:
         """Once the phase's first layer is done, the steps a layer for the layers still to come, so that they all fit
-        what the budget has left but `reserve` at `seconds` a step (that layer's, timed from its second step to its
-        end check) and `overhead` a layer (what carrying the student's stream into a layer costs, layer_inputs
-        "student"), at most the plan's and at least MIN_LAYER_STEPS. Set once, in the state (checkpoints hold it;
-        over N ranks rank 0's figure). Without it the plan's steps, sized from one timed step before the phase ran,
-        ran out of time 21 layers of 30 into SmolLM2's 25% heal after a probe switched to this phase, and 26 and 28
-        of 30 into the 12.5% heal on a slower CPU (the stream carried into each layer was not in the sizing): the
-        layers after them were never trained."""
+        what the budget has left but `reserve` at `seconds` a step and `overhead` a layer (carrying the student's
+        stream in), at most the plan's and at least MIN_LAYER_STEPS. Set once, in the state (checkpoints hold it;
+        over N ranks rank 0's figure)."""
         s = self.state
         to_come = [i for i in self.layers if i >= s["layer"]] if s["phase"] == "layers" else []
         if not to_come or budget.deadline is None or s["layer_steps"] is not None:
@@ -154,12 +150,10 @@ class LayerWise(LayerInputs):
         s["layer_start_error"], self._start_weights = None, None
 
     def judge_cut_layer(self) -> dict | None:
-        """A layer the budget or a stop cut off inside its layer-wise steps, judged as _guard judges a finished one:
-        when it reads worse on the check windows than it started, its start weights come back (a few steps at a
-        warm-up rate can leave a layer far from both). Returns {"layer", "steps", "of", "before", "after",
-        "restored"}, or None when no layer was cut (or its check windows are not at hand: a resumed run stopped
-        before its first step). The state and the checkpoint are left as they were: a resume carries on inside the
-        layer, from the weights the steps left."""
+        """A layer the budget or a stop cut off inside its layer-wise steps, judged as _guard judges a finished one
+        (worse on the check windows: its start weights back). Returns {"layer", "steps", "of", "before", "after",
+        "restored"}, or None when no layer was cut or its check windows are not at hand. The state and checkpoint are
+        left as they were: a resume carries on inside the layer."""
         s = self.state
         if s["phase"] != "layers" or not s["step"] or self._start_weights is None or s["layer_start_error"] is None \
                 or self._check_x is None:

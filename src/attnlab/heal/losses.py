@@ -33,12 +33,8 @@ def kl_loss(teacher_logits: torch.Tensor, student_logits: torch.Tensor) -> torch
 
 
 def normalised_mse(out: torch.Tensor, target: torch.Tensor, *, world: dd.World | None = None) -> torch.Tensor:
-    """mean((out - target)^2) / mean(target^2): the layer-wise phase's loss, comparable across layers.
-
-    world (N > 1 ranks, each with its equal share of the batch): the denominator is the whole
-    batch's mean(target^2) (an all_reduce of the detached sum and count), so the mean over ranks
-    of this rank's loss, and DDP's averaged gradient, are the one-process ones.
-    """
+    """mean((out - target)^2) / mean(target^2): the layer-wise phase's loss, comparable across layers. Over N ranks
+    (world) the denominator is the whole batch's, so DDP's averaged gradient is the one-process one."""
     o, t = _wide(out), _wide(target)
     if world is None or not world.distributed:
         power = t.pow(2).mean()

@@ -11,11 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-# The end-to-end rate for a plan that keeps every value (HealPlan.lr; shrink sets it where it sets the probe). Such a
-# student starts next to the teacher (only its cache codes differ), and AdamW moves every weight by about the rate
-# per step whatever the gradient's size: on SmolLM2-135M at the default 3e-4 the end-to-end loss rose from 0.05 to
-# 0.20 in 8 steps. HealPlan.lr's default stays 3e-4, the best of 1e-4 / 3e-4 / 1e-3 measured for a low-rank plan,
-# which starts far from the teacher (docs/decisions.md); should 1e-4 still blow up, the blow-up guard cuts it.
+# The end-to-end rate for a plan that keeps every value (HealPlan.lr; shrink sets it where it sets the probe): such a
+# student starts next to the teacher, where HealPlan.lr's default (for a low-rank plan) blew up (docs/decisions.md)
 EVERY_VALUE_LR = 1e-4
 # The fewest layer-wise steps a layer that a heal plans or fits to its time (a layer's schedule warms up over
 # warmup_steps of them; fewer move a layer little)
@@ -46,11 +43,8 @@ class HealPlan:
     # fitted alone); "student", the student's own, through the layers before it as the phase left them (each layer
     # fitted to the teacher's output from what it will really read, so that it can make up for the errors before it)
     layer_inputs: str = "teacher"
-    # the layer-wise phase ends each layer with a closed-form refit of its W_O (convert.refit.refit_out): least
-    # squares from the layer's heads' outputs, on the phase's windows and its inputs as layer_inputs says, to the
-    # teacher's attention output; the layer's guard judges steps and refit together. Measured on SmolLM2 at 12.5%
-    # (docs/decisions.md): each layer's error falls,
-    # the model's KL on other text rises; no plan that shrink makes sets it
+    # the layer-wise phase ends each layer with a closed-form refit of its W_O (convert.refit.refit_out) to the
+    # teacher's attention output, judged by the layer's guard with its steps; off in every plan (docs/decisions.md)
     refit_out: bool = False
     # prompts per held-out text whose greedy continuations heal_model's evaluations compare (greedy agreement, a
     # reported figure that no decision reads); 0: none
@@ -58,7 +52,7 @@ class HealPlan:
     # both phases' steps (and a layer's check windows) under bf16 autocast on the CPU too (on CUDA they always are):
     # the weights, the optimizer, the teacher's layer targets and heal_model's evaluations stay float32. shrink sets it
     # for a plan that cuts rank on a CPU that multiplies bf16 natively (runtime.environment.cpu_bf16) where the time
-    # binds its layer-wise phase (shrink/heal_plan.py CPU_BF16 says what it measured)
+    # binds its layer-wise phase (shrink/heal_plan.py CPU_BF16)
     bf16: bool = False
 
     def check(self) -> None:

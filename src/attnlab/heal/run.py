@@ -7,6 +7,29 @@ end-to-end phase would follow it (_switch), evaluate after, keep the layer-wise 
 left the student farther from the teacher on any text, and the converted weights where the healed student is
 farther from it than they were (guard.worse both). The report holds every figure and every
 decision's reason. Over a torchrun job every rank calls it alike (distributed.py).
+
+heal_model's arguments and report:
+- held_out: token ids (1, M), or a list of them (several texts; every decision then needs the student no farther from
+  the teacher on every one). report["before"], ["after"] (and ["healed"], ["probe"]) hold evaluate.evaluate_texts'
+  figures: over all the texts' tokens under the keys of one text ("kl", "top1_agreement", "perplexity", "tokens",
+  "windows", ...) and "texts", each text's own; report["teacher"] the teacher's perplexity, alike.
+- budget: a runtime.Budget (or minutes: a new one). The evaluation before training gets at most eval_share of what is
+  left; training stops early enough to leave that time for the one after. A stop request is honoured at the next step
+  or evaluation window: the checkpoint is written and the status is "stopped". report["trained_steps"] counts this
+  call's steps (0: nothing trained).
+- resume: continue from `checkpoint` (its plan, student, teacher and number of held-out texts must be this run's).
+  stop_hook(healer) is called once the Healer exists (e.g. to wire a signal to request_stop).
+- world, shard: data-parallel over a torchrun job (Healer). Rank 0 reads the checkpoint and sends it to the others;
+  the evaluations split each text's windows and prompts over the ranks, so every rank takes the same decisions. With
+  shard the teacher is sharded for the training and comes back whole.
+- keep_better: a healed student worse than the converted one (guard.worse) gets the converted weights back:
+  report["kept"] says why, report["healed"] holds the healed student's figures, report["after"] the model returned.
+  An end-to-end phase after a layer-wise one is then judged as a whole (_switch): report["layer_wise"] holds the
+  layer-wise student's figures and the verdict, report["end_to_end"] the student its weights replaced; with less time
+  left there than the evaluation before training took, no end-to-end step is taken. Not with LoRA (plan.lora_rank).
+- the guards (guard.py): report["layers_restored"], ["lr_scale"], ["rollbacks"], ["hard_batches"], ["layer_cut"]
+  (a layer cut off inside its steps, judged alike: Healer.judge_cut_layer) and ["layer_steps_fitted"] (the steps a
+  layer Healer._fit_layers fitted to the time; None: the plan's).
 """
 from __future__ import annotations
 
@@ -31,49 +54,9 @@ def heal_model(teacher, student, windows: torch.Tensor, held_out, plan: HealPlan
                resume: bool = False, checkpoint_seconds: float = 300.0, progress=None, evaluate: bool = True,
                stop_hook=None, eval_share: float = 0.1, world: dd.World | None = None, shard: bool = False,
                keep_better: bool = True) -> dict:
-    """Measure, heal (Healer), measure again, all inside one budget; returns the report. The student heals in place.
-
-    held_out: the held-out text the student is judged on: token ids (1, M), or a list or tuple of such tensors
-    (several texts, e.g. of different kinds: the decisions below then need the student no farther from the teacher on
-    every one). Each evaluation (evaluate.evaluate_texts) scores every text; report["before"], report["after"] (and
-    report["healed"], report["probe"]) hold the figures over all the texts' tokens under the keys of one text
-    ("kl": mean KL(teacher || student) per position, "top1_agreement", "perplexity", "tokens", "windows", ...) and
-    "texts": each text's own, in order; report["teacher"] holds the teacher's perplexity over all of them and "texts":
-    [{"perplexity"}] each text's. With one text the figures are that text's.
-    budget: a runtime.Budget (or minutes: a new one). The evaluation before training gets at most
-    eval_share of what is left (it scores as many held-out windows as fit, at least one per text, each text an equal
-    part); training then stops early enough to leave the time that evaluation took for the one after it. A stop
-    request (Ctrl-C, request_stop) is honoured at the next step or evaluation window: the checkpoint
-    is written and the report's status is "stopped". report["trained_steps"] counts the steps of
-    this call; 0 means nothing was trained (the budget was spent first).
-    resume: continue from `checkpoint` (its plan, student and teacher must be this run's, and the same number of
-    held-out texts).
-    stop_hook(healer) is called once the Healer exists (e.g. to wire a signal to request_stop).
-    world, shard: data-parallel over a torchrun job (Healer). Every rank calls heal_model with the same held-out
-    texts: rank 0 reads the checkpoint and sends it to the others; the evaluations split each text's windows and
-    prompts over the ranks (evaluate_pair's world), every rank gets the same figures and so the same decisions, and a
-    stop during the first one on any rank stops all.
-    With shard the teacher is sharded in place for the training (Healer) and comes back whole: gathered on every
-    rank, an FSDP2 module that runs without collectives.
-    keep_better: when the healed student is worse than the converted one before training (guard.worse: on any
-    held-out text its KL to the teacher rose, or its top-1 agreement fell by more than guard.TOP1_TOLERANCE;
-    perplexity alone never decides), put the converted weights back (they are the better model): report["kept"]
-    says why and report["healed"] holds the healed student's figures; report["after"] is then the model returned.
-    The layer-wise guard (module docstring) acts within the heal; report["layers_restored"] names the layers it
-    gave their start weights back and report["lr_scale"] the factor it left on the learning rates;
-    report["rollbacks"] lists the end-to-end steps the blow-up guard rolled back ({"step", "loss", "start",
-    "good_loss", "lr_scale"} each), report["hard_batches"] those past its first line that stood ({"step", "loss",
-    "good_loss"}: their batch read as high on the last good weights). A heal that ends (budget or stop) inside a
-    layer's layer-wise steps has that layer judged by the same rule (Healer.judge_cut_layer; report["layer_cut"],
-    None when no layer was cut);
-    report["layer_steps_fitted"] holds the steps a layer Healer._fit_layers fitted to the time (None: the plan's).
-    With keep_better, an end-to-end phase after a layer-wise one is judged as a whole (_switch): report["layer_wise"]
-    holds the layer-wise student's figures where it would start ("evaluation", no greedy text) and the verdict; when
-    its steps left the student farther from the teacher on any text (guard.worse), the layer-wise weights come back
-    and report["end_to_end"] holds the figures of the student they replaced. With less time left there than the
-    evaluation before training took, no end-to-end step is taken. Not with LoRA (plan.lora_rank): its adapters are
-    merged at the end, and weights kept with them attached would not load into the merged modules.
-    """
+    """Measure, heal (Healer), measure again, all inside one budget; returns the report (module docstring: the
+    arguments and the report's keys). The student heals in place; with keep_better it comes back converted where the
+    heal left it farther from the teacher on any held-out text."""
     from .data import check_pair
     from .evaluate import evaluate_texts, held_out_texts, public
 

@@ -17,12 +17,9 @@ from . import distributed as dd
 
 
 class TrainedPart:
-    """The trained part of `student` for one phase and layer at a time (module docstring).
-
-    attn: the student's own attention modules, in order (what checkpoints hold); layers: the indices of those the
-    heal trains (default all; a layer the conversion kept is not). After wrap(): `owner` is the
-    module whose parameters the optimizer holds (FSDP2: the twins, as a ModuleList), `part` the one a step calls.
-    """
+    """The trained part of `student` for one phase and layer at a time (module docstring). attn: the student's
+    attention modules in order; layers: those the heal trains (default all). After wrap(): `owner` holds the
+    parameters the optimizer updates (FSDP2: the twins), `part` is what a step calls."""
 
     def __init__(self, student: nn.Module, attn: list[nn.Module], world: dd.World, shard: bool, device,
                  layers=None):

@@ -122,9 +122,6 @@ def perplexity(model, input_ids: torch.Tensor, window: int = 512, stride: int | 
     return float(torch.exp(torch.tensor(total / count)))
 
 
-CACHE_CHUNK = 512  # tokens per forward when scoring through the cache
-
-
 def causal_parts(model, what: str = "scoring through the cache"):
     """(embed_tokens, decoder layers, final norm, lm_head, attnlab modules, decoder block) of an attnlab'd
     Llama-family causal LM (the parts generation.Generator and CacheRunner drive), or a ValueError naming what is

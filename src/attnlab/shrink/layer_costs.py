@@ -1,5 +1,5 @@
 """What changing one layer alone costs the model: the KL to the original's next-token distributions on a few
-windows, for every layer and option of a per-layer plan (issue `eighth`, part 2; the choice: shrink/per_layer.py).
+windows, for every layer and option of a per-layer plan (the planner's round 4; the choice: shrink/per_layer.py).
 
 A per-layer plan needs L x O single-layer measurements. Each runs the model on the same windows, but the layers
 before the changed one are the original's, so their outputs on each window are recorded once (Prefix) and played

@@ -1,5 +1,5 @@
-"""One option per layer within a byte budget: the multiple-choice knapsack the per-layer plan solves (issue `eighth`,
-part 2).
+"""One option per layer within a byte budget: the multiple-choice knapsack the per-layer plan solves (the planner's
+round 4).
 
 Each layer l has options o (a latent size and storage, say), each with a cost c[l][o] (what it does to the model,
 measured with that layer alone changed: the KL to the original on a few windows) and a size s[l][o] (bytes per

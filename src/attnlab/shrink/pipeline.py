@@ -1,13 +1,15 @@
 """`shrink`: a KV budget in, a healed model in the requested format out, in one run inside one time budget.
 What the request is and how it is checked: request.py.
 
-A thin pipeline over the library (the same functions the separate commands call):
-    load -> data -> plan -> convert -> heal -> export
+A thin pipeline over the library (the same functions the separate commands call), one function a phase, each taking
+the run (_Run: the request, its RunState, its budget, what the phases before made) and handing it on:
+    load -> data -> plan -> convert -> heal -> baselines -> export (with the report)
 - data: the user's text (calibration: its first CALIBRATION_TOKENS tokens of windows spread over every file,
   heal.data.spread_order; held out: --eval-text, else each file's last tenth), or, without text, text the
-  teacher writes itself (seeded) for calibration and training, and other samples of it as held-out text; the calibration, proxy and held-out windows are
-  written whatever the clock says (the same on any machine), further training windows within a
-  bounded share of the budget; beside them heal.data.judge_texts, held-out text of other kinds;
+  teacher writes itself (seeded) for calibration and training, and other samples of it as held-out text; the
+  calibration, proxy and held-out windows are written whatever the clock says (the same on any machine), further
+  training windows within a bounded share of the budget; beside them heal.data.judge_texts, held-out text of other
+  kinds;
 - plan: shrink.plan.plan converts candidates calibrated on the calibration text and scores them
   on the next windows of the training text (skipped when the sizes are given explicitly), at most
   plan_count(--minutes) of them: a count, never the clock, so that a loaded machine makes the same plan
@@ -17,14 +19,16 @@ A thin pipeline over the library (the same functions the separate commands call)
 - convert: models.convert_model, then (for DeepSeek and GGUF) a latent norm fitted on the
   calibration text (models.add_latent_norms) that the heal then trains;
 - heal: heal.heal_model (layer-wise, then end-to-end KL), its plan sized to the time (shrink/heal_plan.py);
+- baselines: the original with its cache quantized without training (shrink/baselines.py), at or above the bytes
+  reached, scored on the heal's held-out windows;
 - export: models.save_model, export_deepseek, export_gguf, export_native or export_transformers; where each
   output runs (shrink/engines.py) goes into the report.
 One budget (runtime.Budget) covers every phase from the start, loading included; each phase gets
 a bounded share and the heal keeps back what the final evaluation and the export need. One
 resumable state (shrink/state.py): a run folder beside the output (OUT.shrink-run) holds state.json (the request,
 the phase reached, the plan, minutes per phase), the data, the converted student (student/), the heal's
-checkpoint and the healed student (healed/), each written atomically when its phase ends; `resume=True` continues from the last
-phase that ended (a request with other arguments is refused), and the folder is deleted once the
+checkpoint and the healed student (healed/), each written atomically when its phase ends; `resume=True` continues
+from the last phase that ended (a request with other arguments is refused), and the folder is deleted once the
 output is written. A stop request (Ctrl-C) ends the run at the next step or window with its
 state saved; kill -9 loses at most the phase (or heal steps since the last checkpoint) in flight.
 Under torchrun (`world`), rank 0 alone runs every phase but the heal and holds the run folder; at the
@@ -36,7 +40,7 @@ from __future__ import annotations
 import copy
 import json
 import shutil
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -53,10 +57,6 @@ from .state import RunState, run_folder
 
 CALIBRATION_TOKENS = 2048
 PROXY_TOKENS = 1024  # the planner's scoring windows, after the calibration's
-# planning's share of the time left after the data, before plan_count replaced it: the planner now measures a
-# number of candidates set by --minutes, never by the clock (a loaded machine chose other plans); kept for callers
-PLAN_SHARE = 0.25
-PHASES = ("data", "plan", "convert", "heal", "export")
 
 
 # -- the phases ------------------------------------------------------------------------------------------
@@ -107,7 +107,7 @@ def _data(req: ShrinkRequest, teacher, tok, budget: Budget, show) -> dict[str, t
 
 
 LAYER_WINDOW = 256  # the planner's window (plan()'s default): --per-layer's costs read one of the run's own text
-# and one made of the kinds of heal.data.planning_texts, half a window of each (two windows: 1.6 minutes on SmolLM2)
+# and one made of the kinds of heal.data.planning_texts, half a window of each
 
 
 def _layer_text(data: dict, tok) -> torch.Tensor:
@@ -139,13 +139,9 @@ def _explicit(req: ShrinkRequest, whole: bool = False) -> Candidate:
 def shrink(req: ShrinkRequest, *, resume: bool = False, force: bool = False, budget: Budget | None = None,
            display=None, world=None, shard: bool = False) -> dict | None:
     """Run the pipeline (module docstring); returns the report. Raises runtime.Stopped when stopped (state saved).
-
-    world (heal.distributed.World of N > 1 processes, under torchrun): rank 0 alone loads the data, plans,
-    converts, writes the state and the output; the others load the teacher and wait; at the heal rank 0
-    hands them the plan, the data and the converted student (hand_off) and every rank heals its share
-    of each batch (DDP, or FSDP2 with shard=True). Ranks other than 0 return None after the heal; an
-    error on rank 0 before the hand-off reaches them as the same error.
-    """
+    world: a torchrun job of N > 1 processes: rank 0 alone plans, converts and writes, every rank heals its share of
+    each batch (DDP, or FSDP2 with shard=True); the others return None, and an error on rank 0 before the hand-off
+    reaches them as the same error."""
     from ..heal import distributed as dd
 
     world = world if world is not None else dd.World()
@@ -167,22 +163,60 @@ def shrink(req: ShrinkRequest, *, resume: bool = False, force: bool = False, bud
     return report
 
 
+@dataclass
+class _Run:
+    """What a shrink's phases share and hand on: the request, its state on disk, its budget and display, and what the
+    phases made so far (the teacher, the data, the chosen candidate, the student)."""
+    req: ShrinkRequest
+    state: RunState
+    budget: Budget
+    show: object
+    overwrite: bool  # --force or --resume: the output may be replaced
+    readers: list
+    world: object = None
+    shard: bool = False
+    handed: dict | None = None
+    teacher: object = None
+    tok: object = None
+    meta: dict = field(default_factory=dict)
+    data: dict = field(default_factory=dict)
+    best: Candidate | None = None
+    student: object = None
+
+    def minutes(self, start: float) -> float:
+        """Minutes since `start` on the budget's clock."""
+        return (self.budget.clock() - start) / 60
+
+    @property
+    def distributed(self) -> bool:
+        return self.world is not None and self.world.distributed
+
+
 def _shrink(req: ShrinkRequest, resume: bool, force: bool, budget: Budget | None, display, *, world=None,
             shard: bool = False, handed: dict | None = None) -> dict:
     """shrink() in one process, or as rank 0 of a torchrun job (world, shard; handed["done"] once the others have
-    the hand-off)."""
+    the hand-off): its phases in order, each handing the run on."""
+    run = _begin(req, resume, force, budget, display, world=world, shard=shard, handed=handed)
+    _phase_load(run)
+    _phase_data(run)
+    _phase_plan(run)
+    _phase_convert(run)
+    _phase_heal(run)
+    _phase_baselines(run)
+    return _phase_export(run)
+
+
+def _begin(req: ShrinkRequest, resume: bool, force: bool, budget: Budget | None, display, *, world, shard: bool,
+           handed: dict | None) -> _Run:
+    """The request checked, its budget, the output checked, and the run folder: loaded to resume, else cleared."""
     from .. import models as hf
-    from ..heal.plan import HealPlan
-    from ..heal.run import heal_model
     from ..io.folders import check_output
     from ..models.export_gguf import is_attnlab_gguf
-    from .plan import plan as choose
 
     check_request(req)
     budget = budget if budget is not None else Budget(req.minutes)
     if pinned(req):  # the work is pinned: the clock cuts nothing (stop requests still hold)
         budget = budget.unbounded()
-    show = display or _Lines(budget)
     out, folder = Path(req.out), run_folder(req.out)
     readers = [*hf.source_paths(req.source), *req.text, *req.eval_text]
     check_output(out, force=force or resume, sources=readers,
@@ -194,13 +228,15 @@ def _shrink(req: ShrinkRequest, resume: bool, force: bool, budget: Budget | None
         check_output(folder, force=force, sources=readers, what="the run folder")
         if folder.exists():
             shutil.rmtree(folder)
-    clock = budget.clock
+    return _Run(req, state, budget, display or _Lines(budget), force or resume, readers, world, shard, handed)
 
-    def phase_time(start):
-        return (clock() - start) / 60
 
-    t = clock()
-    show.phase(f"loading {req.source}")
+def _phase_load(run: _Run) -> None:
+    """The teacher and its tokenizer, checked for what the request asks of them before any text is written."""
+    from .. import models as hf
+
+    req, t = run.req, run.budget.clock()
+    run.show.phase(f"loading {req.source}")
     teacher, tok, meta = hf.load_model(req.source)
     if hf.family(teacher) != "llama":
         raise ValueError("shrink cuts causal language models (Llama, Mistral, Qwen2); for an encoder, use "
@@ -215,139 +251,177 @@ def _shrink(req: ShrinkRequest, resume: bool, force: bool, budget: Budget | None
         raise ValueError(f"--seq-len {req.seq_len} exceeds the model's context (max_position_embeddings {limit})")
     if req.latent_dim is None:
         feasible(teacher, parse_budget(req.kv_budget), req.fmt, storage_choices(req.storage, req.fmt), req.context)
-    state.data["minutes"]["load"] = state.data["minutes"].get("load", 0.0) + phase_time(t)
-    budget.check()
+    minutes = run.state.data["minutes"]
+    minutes["load"] = minutes.get("load", 0.0) + run.minutes(t)
+    run.teacher, run.tok, run.meta = teacher, tok, meta
+    run.budget.check()
 
-    # data
+
+def _phase_data(run: _Run) -> None:
+    """The token windows (_data), or the ones a resumed run wrote."""
+    state = run.state
     if state.done("data"):
-        data = state.load_data()
-    else:
-        t = clock()
-        data = _data(req, teacher, tok, budget, show)
-        # the windows asked of the teacher's own text; with --text every window of the text is read (none asked)
-        state.data["work"] = {"training_windows": int(data["train"].shape[0]),
-                              "windows_asked": None if req.text else req.windows}
-        state.save_data(data)
-        state.finish("data", phase_time(t))
-    calibration = data["calibration"] if req.calibration else None
+        run.data = state.load_data()
+        return
+    t = run.budget.clock()
+    run.data = _data(run.req, run.teacher, run.tok, run.budget, run.show)
+    # the windows asked of the teacher's own text; with --text every window of the text is read (none asked)
+    state.data["work"] = {"training_windows": int(run.data["train"].shape[0]),
+                          "windows_asked": None if run.req.text else run.req.windows}
+    state.save_data(run.data)
+    state.finish("data", run.minutes(t))
 
-    # plan
+
+def _phase_plan(run: _Run) -> None:
+    """The chosen candidate: the request's explicit sizes, or the planner's choice (shrink/plan.py)."""
+    from .plan import plan as choose
+
+    req, state, data = run.req, run.state, run.data
     if not state.done("plan"):
-        t = clock()
+        t = run.budget.clock()
         if req.latent_dim is not None:
-            chosen = {"chosen": _explicit(req, keys_whole(teacher) is not None).to_dict(), "explicit": True}
+            chosen = {"chosen": _explicit(req, keys_whole(run.teacher) is not None).to_dict(), "explicit": True}
         else:
-            show.phase("planning: measuring candidate conversions on the calibration text")
-            result = choose(teacher, data["calibration"], parse_budget(req.kv_budget), fmt=req.fmt,
+            run.show.phase("planning: measuring candidate conversions on the calibration text")
+            result = choose(run.teacher, data["calibration"], parse_budget(req.kv_budget), fmt=req.fmt,
                             storages=storage_choices(req.storage, req.fmt), calibrate=req.calibration,
-                            proxy_ids=data.get("proxy"), time_budget=budget.unbounded(), context=req.context,
+                            proxy_ids=data.get("proxy"), time_budget=run.budget.unbounded(), context=req.context,
                             max_candidates=plan_count(req.minutes), per_layer=req.per_layer,
-                            layer_ids=_layer_text(data, tok) if req.per_layer else None,
-                            progress=lambda i, label: show.phase(f"planning: candidate {i + 1}: {label}"))
-            if budget.stop_requested:  # a search cut short is not the plan of this request: nothing saved
+                            layer_ids=_layer_text(data, run.tok) if req.per_layer else None,
+                            progress=lambda i, label: run.show.phase(f"planning: candidate {i + 1}: {label}"))
+            if run.budget.stop_requested:  # a search cut short is not the plan of this request: nothing saved
                 raise Stopped("stop")
             chosen = result.to_dict()
         state.data["plan"] = chosen
-        state.finish("plan", phase_time(t))
-    best = Candidate(**{k: v for k, v in state.data["plan"]["chosen"].items()
-                        if k in Candidate.__dataclass_fields__})
-    budget.check()
+        state.finish("plan", run.minutes(t))
+    run.best = Candidate(**{k: v for k, v in state.data["plan"]["chosen"].items()
+                            if k in Candidate.__dataclass_fields__})
+    run.budget.check()
 
-    # convert
-    student_dir = folder / "student"
-    if state.done("convert"):
-        student, _, _ = hf.load_model(str(student_dir))
+
+def _phase_convert(run: _Run) -> None:
+    """The student: a copy of the teacher converted to the chosen candidate, saved as student/ in the run folder."""
+    from .. import models as hf
+    from .plan import apply
+
+    student_dir = run.state.folder / "student"
+    if run.state.done("convert"):
+        run.student, _, _ = hf.load_model(str(student_dir))
     else:
-        t = clock()
-        show.phase(f"converting: {best.label()}")
-        from .plan import apply
+        t = run.budget.clock()
+        run.show.phase(f"converting: {run.best.label()}")
+        run.student = copy.deepcopy(run.teacher)
+        apply(run.student, run.best, run.data["calibration"] if run.req.calibration else None)
+        hf.save_model(run.student, run.meta["base"], student_dir, force=True, sources=run.readers)
+        run.state.finish("convert", run.minutes(t))
+    run.budget.check()
 
-        student = copy.deepcopy(teacher)
-        apply(student, best, calibration)
-        hf.save_model(student, meta["base"], student_dir, force=True, sources=readers)
-        state.finish("convert", phase_time(t))
-    budget.check()
 
-    # heal
-    if not state.done("heal"):
-        t = clock()
-        reserve = (30.0 if req.fmt != "attnlab" else 10.0) + BASELINE_SECONDS  # baselines and export, after it
-        heal_device = world.device if world is not None and world.distributed else req.device
-        if state.data["heal_plan"] is None:
-            state.data["heal_plan"] = asdict(heal_plan(req, teacher, student, data["train"],
-                                                       max(0.0, budget.left() - reserve), heal_device))
-            state.save()
-        plan = HealPlan(**state.data["heal_plan"])
-        show.phase("evaluating the converted model before training")
-        checkpoint = folder / "heal.pt"
-        resume_heal = checkpoint.is_file()
-        if world is not None and world.distributed:
-            hand_off(student_dir, data, {"heal_plan": state.data["heal_plan"], "resume": resume_heal,
-                                         "reserve": reserve, "checkpoint": str(checkpoint)})
-            handed["done"] = True
-        report = heal_model(teacher, student, data["train"], held_texts(data), plan,
-                            device=heal_device, budget=_heal_budget(budget, reserve), checkpoint=checkpoint,
-                            resume=resume_heal,
-                            progress=show.step, world=world, shard=shard, keep_better=not req.keep_worse)
-        state.data["report"]["heal"] = report
-        state.data["minutes"]["heal"] = state.data["minutes"].get("heal", 0.0) + phase_time(t)
+def _phase_heal(run: _Run) -> None:
+    """The student healed (heal.heal_model) to its heal plan, saved as healed/; a resumed run's healed/ loaded.
+    Under torchrun rank 0 hands the others the student and the data first. ValueError when no step ran."""
+    from .. import models as hf
+    from ..heal.plan import HealPlan
+    from ..heal.run import heal_model
+
+    req, state, budget, folder = run.req, run.state, run.budget, run.state.folder
+    if state.done("heal"):
+        run.student, _, _ = hf.load_model(str(folder / "healed"))
+        return
+    t = budget.clock()
+    reserve = (30.0 if req.fmt != "attnlab" else 10.0) + BASELINE_SECONDS  # baselines and export, after it
+    heal_device = run.world.device if run.distributed else req.device
+    if state.data["heal_plan"] is None:
+        state.data["heal_plan"] = asdict(heal_plan(req, run.teacher, run.student, run.data["train"],
+                                                   max(0.0, budget.left() - reserve), heal_device))
         state.save()
-        if report["status"] == "stopped":
-            raise Stopped("stop")
-        if not report["steps_done"]:
-            raise ValueError(f"nothing was trained: the budget ({req.minutes} min) was spent before the first heal "
-                             f"step ({budget.elapsed() / 60:.1f} min went to loading, data, planning and "
-                             "converting); nothing written (give more --minutes; --resume keeps what is done)")
-        if report["status"] == "budget" or report["status"] == "done":
-            hf.save_model(student, meta["base"], folder / "healed", force=True, sources=readers)
-            state.finish("heal", 0.0)
-    else:
-        student, _, _ = hf.load_model(str(folder / "healed"))
+    plan = HealPlan(**state.data["heal_plan"])
+    run.show.phase("evaluating the converted model before training")
+    checkpoint = folder / "heal.pt"
+    resume_heal = checkpoint.is_file()
+    if run.distributed:
+        hand_off(folder / "student", run.data, {"heal_plan": state.data["heal_plan"], "resume": resume_heal,
+                                                "reserve": reserve, "checkpoint": str(checkpoint)})
+        run.handed["done"] = True
+    report = heal_model(run.teacher, run.student, run.data["train"], held_texts(run.data), plan,
+                        device=heal_device, budget=_heal_budget(budget, reserve), checkpoint=checkpoint,
+                        resume=resume_heal, progress=run.show.step, world=run.world, shard=run.shard,
+                        keep_better=not req.keep_worse)
+    state.data["report"]["heal"] = report
+    state.data["minutes"]["heal"] = state.data["minutes"].get("heal", 0.0) + run.minutes(t)
+    state.save()
+    if report["status"] == "stopped":
+        raise Stopped("stop")
+    if not report["steps_done"]:
+        raise ValueError(f"nothing was trained: the budget ({req.minutes} min) was spent before the first heal "
+                         f"step ({budget.elapsed() / 60:.1f} min went to loading, data, planning and "
+                         "converting); nothing written (give more --minutes; --resume keeps what is done)")
+    if report["status"] == "budget" or report["status"] == "done":
+        hf.save_model(run.student, run.meta["base"], folder / "healed", force=True, sources=run.readers)
+        state.finish("heal", 0.0)
 
-    # the training-free baselines at or above the bytes reached, on the windows the heal scored
-    if "baselines" not in state.data["report"]:
-        show.phase("scoring the original with its cache quantized (llama.cpp types, KIVI), no training")
-        state.data["report"]["baselines"] = _baselines(teacher, student, data["held"],
-                                                       state.data["report"].get("heal", {}), req.context,
-                                                       QUANTIZED_CACHE if req.fmt == "transformers" else ())
-        state.save()
 
-    # export
-    t = clock()
-    show.phase(f"writing {out} ({req.fmt})")
+def _phase_baselines(run: _Run) -> None:
+    """The training-free baselines at or above the bytes reached, on the windows the heal scored (once a run)."""
+    state, req = run.state, run.req
+    if "baselines" in state.data["report"]:
+        return
+    run.show.phase("scoring the original with its cache quantized (llama.cpp types, KIVI), no training")
+    state.data["report"]["baselines"] = _baselines(run.teacher, run.student, run.data["held"],
+                                                   state.data["report"].get("heal", {}), req.context,
+                                                   QUANTIZED_CACHE if req.fmt == "transformers" else ())
+    state.save()
+
+
+def _phase_export(run: _Run) -> dict:
+    """The report (final_report) and the output in the requested format, then the run folder deleted; returns the
+    report. A stop request here ends the run before anything is written."""
+    from .. import models as hf
+    from ..io.folders import replace_file
+
+    req, budget, out = run.req, run.budget, Path(run.req.out)
+    t = budget.clock()
+    run.show.phase(f"writing {out} ({req.fmt})")
     if budget.stop_requested:  # honoured at the phase boundary; the export itself is short and atomic
         raise Stopped("stop")
-    report = final_report(req, state, teacher, student, meta)
+    report = final_report(req, run.state, run.teacher, run.student, run.meta)
     if req.fmt == "attnlab":
-        hf.save_model(student, meta["base"], out, extra={"shrink": report}, force=force or resume, sources=readers)
+        hf.save_model(run.student, run.meta["base"], out, extra={"shrink": report}, force=run.overwrite,
+                      sources=run.readers)
     else:
-        sidecar = out.with_name(out.name + ".shrink.json")
-        check_output(sidecar, force=force or resume, sources=readers, ours=_is_report)
-        if req.fmt == "deepseek":
-            hf.export_deepseek(student, out, tokenizer=None if Path(meta["base"]).is_dir() else tok,
-                               force=force or resume)
-        elif req.fmt == "transformers" and best.native:  # the source's own class and the KVCache storage
-            from ..models.export_transformers import export_transformers
-
-            report["written"] = export_transformers(student, out, tok, force=force or resume, storage=best.kv_dtype)
-        elif req.fmt == "transformers":  # an MLA: DeepSeek-V3, its config naming the KVCache storage of the latent
-            path = hf.export_deepseek(student, out, tokenizer=None if Path(meta["base"]).is_dir() else tok,
-                                      force=force or resume)
-            report["written"] = {"path": str(path), "architecture": "deepseek_v3", "kv_dtype": best.kv_dtype}
-        elif best.native:  # the source's own architecture, the attention tensors the heal moved rewritten
-            from ..models.export_native import export_native
-
-            report["written"] = export_native(student, out, force=force or resume,
-                                              cache_types=llama_cpp_types(best.kv_dtype))
-        else:
-            hf.export_gguf(student, out, tokenizer=tok, force=force or resume)
-        report["minutes"]["export"] = phase_time(t)
-        from ..io.folders import replace_file
-        replace_file(sidecar, json.dumps(report, indent=2).encode())
-    report["minutes"]["export"] = phase_time(t)
+        _write_export(run, out, report)
+        report["minutes"]["export"] = run.minutes(t)
+        replace_file(out.with_name(out.name + ".shrink.json"), json.dumps(report, indent=2).encode())
+    report["minutes"]["export"] = run.minutes(t)
     report["minutes"]["total"] = budget.elapsed() / 60
-    shutil.rmtree(folder, ignore_errors=True)
+    shutil.rmtree(run.state.folder, ignore_errors=True)
     return report
+
+
+def _write_export(run: _Run, out: Path, report: dict) -> None:
+    """A format other than attnlab's: its sidecar report checked first, then the DeepSeek folder, transformers
+    folder, or GGUF (in the source's own architecture, or deepseek2); what was written goes into `report`."""
+    from .. import models as hf
+    from ..io.folders import check_output
+
+    req, best, student, tok, force = run.req, run.best, run.student, run.tok, run.overwrite
+    tokenizer = None if Path(run.meta["base"]).is_dir() else tok
+    check_output(out.with_name(out.name + ".shrink.json"), force=force, sources=run.readers, ours=_is_report)
+    if req.fmt == "deepseek":
+        hf.export_deepseek(student, out, tokenizer=tokenizer, force=force)
+    elif req.fmt == "transformers" and best.native:  # the source's own class and the KVCache storage
+        from ..models.export_transformers import export_transformers
+
+        report["written"] = export_transformers(student, out, tok, force=force, storage=best.kv_dtype)
+    elif req.fmt == "transformers":  # an MLA: DeepSeek-V3, its config naming the KVCache storage of the latent
+        path = hf.export_deepseek(student, out, tokenizer=tokenizer, force=force)
+        report["written"] = {"path": str(path), "architecture": "deepseek_v3", "kv_dtype": best.kv_dtype}
+    elif best.native:  # the source's own architecture, the attention tensors the heal moved rewritten
+        from ..models.export_native import export_native
+
+        report["written"] = export_native(student, out, force=force, cache_types=llama_cpp_types(best.kv_dtype))
+    else:
+        hf.export_gguf(student, out, tokenizer=tok, force=force)
 
 
 BASELINE_SECONDS = 30.0  # kept back from the heal: two teacher passes over the held-out windows
@@ -405,8 +479,8 @@ def _follow(req: ShrinkRequest, world, shard: bool, budget: Budget) -> None:
 def _baselines(teacher, student, held, heal: dict, context: int | None = None, extra: tuple = ()) -> dict:
     """shrink.baselines for the report: every baseline's bytes (at `context`, when the budget was counted there), the
     two cheapest at or above the student's scored on the held-out tokens the heal's final evaluation read (with its
-    window). extra: storages besides shrink.baselines.BASELINES (a transformers folder: transformers' QuantizedCache codes, the
-    untouched model with the same cache)."""
+    window). extra: storages besides shrink.baselines.BASELINES (a transformers folder: transformers' QuantizedCache
+    codes, the untouched model with the same cache)."""
     from . import baselines
     from .sizes import planned_bytes, spread_context
 

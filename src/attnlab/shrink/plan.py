@@ -3,65 +3,47 @@
 Notation: L layers, G KV heads, d head size; V = 2 G d values per token and layer in the original
 GQA cache; a compressed MLA caches r (latent) + p (rope key) values per token and layer.
 
-A budget is a fraction of the original's cache (`50%`, `0.5`) or bytes per token for the whole
-model (`6000`). Both are measured against the original's cache stored in 16 bits (2 V L bytes
-per token), the storage engines and attnlab serve in. Without `--context` a plan counts every token held in every
-layer, and what a sequence holds whatever its length (a "+c4" rope key's newest group, a "+w16" window's rows, in 16
-bits) spread over sizes.DEFAULT_CONTEXT tokens (4,096, or the model's max_position_embeddings where shorter): the
-budget holds for sequences that long and longer. A candidate is a conversion (r, p, what
-keeps rotating, BKV, a fitted latent norm) and a cache storage (16-bit; where the output format is
-attnlab's own also 8-bit with per-token scales, and 4- or 2-bit latents in groups of 32 with the
-rope key in 8 bits, or 3- and 4-bit latents with the rope key in 4 bits per channel (modules/lowbit.py),
-their latent rotated first by an orthogonal matrix folded into the weights, convert/rotate.py); it
-meets the budget when its measured bytes per token do. A few-bit row's
-bytes step with its groups, so each few-bit candidate takes the largest latent that fits (fit()), up to V - p (the keys and
-values it holds; beyond that a latent adds bytes, not information).
+A budget is a fraction of the original's cache (`50%`, `0.5`) or bytes per token for the whole model (`6000`), both
+against the original's cache in 16 bits (2 V L bytes per token). Without `--context` a plan counts every token held in
+every layer, and what a sequence holds whatever its length (a "+c4" rope key's newest group, a "+w16" window's rows,
+in 16 bits) spread over sizes.DEFAULT_CONTEXT tokens (4,096, or max_position_embeddings where shorter).
+A candidate is a conversion (r, p, what keeps rotating, BKV, a fitted latent norm) and a cache storage: 16-bit; for
+attnlab's own format also 8-bit with per-token scales, and few-bit latents (modules/lowbit.py) rotated first by an
+orthogonal matrix folded into the weights (convert/rotate.py). A few-bit candidate takes the largest latent that fits
+(fit()), up to V - p. A candidate meets the budget when its measured bytes per token do.
 
-What a budget allows is checked before any work (shrink/feasible.py: the layouts and the values per token each
-storage fits, or a one-line error naming the smallest budget these storages can meet); the search runs over that.
-Candidates are ranked by a cheap proxy of held-out perplexity: the mean KL(teacher || student) of the next-token
-distributions on the calibration windows (text the conversion was calibrated on, not the text anything is evaluated
-on), a 2-bit latent's counted TWO_BIT_MARGIN times (rank(): the proxy sees the conversion before its heal, which
-trains away more of a rank cut than of 2-bit codes). Each candidate converts the teacher's own attention modules
-(the conversions never change their input) with calibration inputs computed once, is measured, and is swapped out
-again: nothing is copied. The search, in four rounds so that it
-fits a few minutes on a CPU:
-1. what keeps rotating and BKV, at a rope share of about 30% of the values;
-2. storage: the winner in 8, 4, 3 and 2 bits against 16 (more values in the same bytes), before the
-   split so that a short planning time never leaves it out; and each few-bit storage that can hold
-   every value (the whole key as the rope key, the values as the latent) at that;
-3. the split between latent and rope key, for the winner's selection and its two best storages,
-   the likelier rope shares first (SPLIT_SHARES); where a 2-bit latent wins by proxy, each
-   storage whose latent has more bits at about the winner's split (ranked, a 2-bit latent must win by the margin);
-   then the winner with BKV the other way
-   (round 1's choice, made at a much smaller row, checked at the winner's size and storage; within the count), and,
-   where the winner cuts rank, the best few-bit candidate on the other side of the 2-bit margin so too (one past it);
-4. asked for (per_layer=True), where the winner cuts rank in attnlab's format: a latent size per layer (issue
-   `eighth`, part 2): each layer alone converted to a few sizes around the winner's (per_layer_sizes), the KL each
-   costs measured from that layer on (shrink/layer_costs.py), the sizes of least summed KL within the bytes chosen
-   (shrink/per_layer.py) and measured as one more candidate. Before any heal on SmolLM2 at 12.5% such a plan beat
-   the uniform one on every protocol text; in the plain 10-minute shrink, with the heal after it and 1.4-1.8 of the
-   run's 10 minutes spent on it, it did not beat it by more than the seeds' spread, and with the user's text in 30
-   minutes it lost on the worst text (seed 0; docs/decisions.md), so shrink does not ask for it.
-Within the constraints of the output format: a DeepSeek export needs the same frequencies in
-every layer (RoRoPE by score is chosen for all layers at once); a GGUF needs distinct kept
-frequencies that llama.cpp can turn (RoRoPE by frequency, rope_dim within gguf_rope_limit) and
-a latent norm (fitted here, trained by the heal), and its sizes are made multiples of 32 where
-they allow it (llama.cpp's q8_0 KV cache stores rows in blocks of 32); attnlab's own format
-takes any of them.
+What a budget allows is checked before any work (shrink/feasible.py). Candidates are ranked by rank(): the mean
+KL(teacher || student) of the next-token distributions on windows the calibration did not use, a 2-bit latent's
+counted TWO_BIT_MARGIN times. Each candidate converts the teacher's own attention modules with calibration inputs
+computed once, is measured and swapped out again: nothing is copied. The rounds (methods of _Planner):
+0. the original attention in each engine cache code that fits (natives);
+1. what keeps rotating and BKV, at a rope share of about 30% of the values (selection);
+2. the winner in each other storage, then each few-bit storage that can hold every value (storage);
+3. the split between latent and rope key for the winner's two best storages, SPLIT_SHARES in order (split_shares);
+   where a 2-bit latent wins, each storage of more bits at about its split (more_bits); the winner with BKV the other
+   way, and where it cuts rank the best candidate on the other side of the 2-bit margin so too (bkv_checks);
+4. asked for (per_layer=True), where the winner cuts rank in attnlab's format: a latent size per layer, each layer's
+   cost measured alone (shrink/layer_costs.py), chosen within the bytes (shrink/per_layer.py) and measured as one
+   more candidate (per_layer). Off by default (docs/decisions.md).
+Within the constraints of the output format: a DeepSeek export needs the same frequencies in every layer (RoRoPE by
+score chosen for all layers at once); a GGUF needs distinct kept frequencies that llama.cpp can turn (RoRoPE by
+frequency, rope_dim within gguf_rope_limit), a latent norm (fitted here, trained by the heal), and sizes in multiples
+of 32 where they allow it (llama.cpp's q8_0 blocks); attnlab's own format takes any of them.
 
-For a GGUF whose source is a GGUF llama.cpp runs in its own architecture (llama, qwen3, gemma3:
-models/export_native.py), the original attention itself, every value kept and only its cache coded, is a candidate
-in each of llama.cpp's cache types whose bytes fit (round 0, measured first; native_storages): the file is then the
-original's with the healed attention, run with `--cache-type-k/-v` of that type. A model with per-head q/k norms has
-no other GGUF plan. A transformers folder (`--format transformers`) holds such plans, the original attention in each
-GQA storage of attnlab.hf.KVCache that fits (TRANSFORMERS_CACHE; models/export_transformers.py), and converted ones
-as a DeepSeek folder does, whose KVCache keeps the MLA's latent in attnlab's storages (models/export.py).
+Round 0 plans the original attention, only its cache coded: for a GGUF whose source llama.cpp runs in its own
+architecture (llama, qwen3, gemma3: models/export_native.py) in each of llama.cpp's cache types that fits, and for a
+transformers folder in each GQA storage of attnlab.hf.KVCache that fits (TRANSFORMERS_CACHE). A transformers folder
+also holds converted plans, as a DeepSeek folder does. A model with per-head q/k norms (Qwen3, Gemma 3) has one layout
+only, its keys whole (convert/decoupled.py): the rope key is every KV head's whole key and the latent holds the
+values, in each storage with the largest latent the bytes allow, measured in one round (keys_whole).
 
-A model with per-head q/k norms (Qwen3, Gemma 3) has one layout only, its keys whole (convert/decoupled.py):
-the rope key is every KV head's whole key (rope_dim G d, pairs by frequency, no RoRoPE, no BKV) and the
-latent holds the values. Its candidates are that layout in each storage with the largest latent the bytes
-allow (fit(), at most G d: every value), measured in one round; only attnlab's format holds its norms.
+plan()'s arguments: calibration_ids (1, N), the calibration text; proxy_ids (1, M), the text candidates are scored on,
+in up to `proxy_windows` windows of `window` tokens (None: the calibration text's first windows); storages, those that
+may be chosen; time_budget (runtime.Budget), once spent or at a stop request no new candidate starts (one is always
+measured); max_candidates, no more candidates than this, in the same order (round 4 comes after them); progress(i,
+label), called before each candidate; calibrate=False, conversions on the weights alone; context, bytes per token
+counted at that sequence length (None: every token held); per_layer, run round 4; layer_ids (1, K), the text round
+4's costs read (None: the proxy windows).
 """
 from __future__ import annotations
 
@@ -74,18 +56,9 @@ from .feasible import feasible, keys_whole, native_storages
 from .sizes import (FORMATS, LLAMA_CPP_CACHE, KVBudget, Layout, cached_extra, few_bit, fit, layer_bytes, latent_bits,
                     layers_bytes, original_sizes, planned_bytes, splits, spread_context, storage_ok)
 
-# rope shares of the values tried by the split round, in this order so that a count of candidates that runs out
-# keeps the likelier winners: at 12.5% of SmolLM2's bytes the 3-bit and the 2-bit latent both win at 0.2 (and the
-# larger shares lose by 0.1-0.4 nats of proxy; docs/decisions.md); where a row holds every value
-# (25%, 50%) round 2's whole-key row wins before any split
+# rope shares of the values tried by round 3, the likelier winners first, so that a count that runs out keeps them
 SPLIT_SHARES = (0.2, 0.25, 0.35, 0.4, 0.5)
-# A latent in 2 bits is ranked as if its proxy were this many times what it measured: it wins over a latent in more
-# bits only by a margin. The proxy is the KL of the untrained conversion, where more rank counts most; a heal trains
-# away much of what a rank cut loses and little of what 2-bit codes lose (the heal passes the codes' values forward,
-# their gradient straight through). Fitted on three commands on SmolLM2 (docs/decisions.md):
-# the 2-bit plan's proxy was below the 3-bit plan's by a factor 1.36 (12.5%, no text, 10 minutes) and 1.26
-# (6.25% with text, 30 minutes), and healed it won on every text; by 1.13 (12.5% with text, 30 minutes), and healed it
-# lost in the median and on the worst text. Any factor between 1.13 and 1.26 ranks those three as they ended.
+# A 2-bit latent is ranked as if its proxy were this many times what it measured (rank(); docs/decisions.md)
 TWO_BIT_MARGIN = 1.2
 
 
@@ -223,265 +196,312 @@ def plan(teacher, calibration_ids: torch.Tensor, budget: KVBudget, *, fmt: str =
          progress=None, calibrate: bool = True, proxy_ids: torch.Tensor | None = None,
          context: int | None = None, max_candidates: int | None = None, per_layer: bool = False,
          layer_ids: torch.Tensor | None = None) -> PlanResult:
-    """Choose the conversion and storage that meet `budget` with the lowest proxy (module docstring).
-
-    teacher: an attnlab'd Llama-family model (unconverted); it is converted and restored for
-    every candidate and comes back unchanged. calibration_ids (1, N): calibration text. proxy_ids
-    (1, M): text the candidates are scored on, in up to `proxy_windows` windows of `window` tokens;
-    it should be other text than the calibration's (scored in-sample, a candidate that fits the
-    calibration text closely is favoured: on SmolLM2 at 50%, docs/decisions.md); None scores on
-    the calibration text's first windows. storages: which cache
-    storages may be chosen (8-bit only for fmt "attnlab"). time_budget (runtime.Budget): once
-    spent, no new candidate starts (the best so far wins; at least one is measured); a stop request ends the search
-    the same way. max_candidates: no more candidates than this, in the same order: a cut that does not depend on the
-    clock, so that the same request makes the same plan on a fast machine and a loaded one (what shrink uses: its
-    time_budget has no deadline); round 4 comes after them whatever the count: one candidate more, whose costs take a
-    fixed number of single-layer conversions (layers x its sizes), never the clock.
-    progress(i, label) is called before each candidate. calibrate=False converts every candidate on
-    the weights alone (what --no-calibration will do), still ranking them on the calibration text.
-    context: bytes per token are counted at that sequence length (a sliding layer's cache holds its window; None:
-    every token held in every layer, the cache a fixed-shape engine allocates, with what a sequence holds whatever its
-    length spread over spread_context's tokens); a model with sliding and global layers then also
-    tries its global layers converted and its sliding ones kept (layouts()). per_layer: run round 4 (off by default,
-    and shrink leaves it off: measured with the heal after it, it did not beat the uniform plan, docs/decisions.md);
-    layer_ids (1, K): the text its per-layer costs are measured on, in windows of `window` (None: the proxy windows).
-    """
-    from ..convert.report import unreported
-    from ..models.adapters import attnlab_modules, replace_attention
-    from ..models.evaluate import attention_inputs
-
+    """Choose the conversion and storage that meet `budget` with the lowest proxy, in rounds (module docstring: the
+    arguments). The teacher is converted and restored for every candidate and comes back unchanged. ValueError for
+    an unknown format or a max_candidates that is not a positive integer."""
     if fmt not in FORMATS:
         raise ValueError(f"format must be one of {', '.join(FORMATS)}, got {fmt!r}")
-    L, G, d, V = original_sizes(teacher)
-    original, budget_bytes, options = feasible(teacher, budget, fmt, storages, context)
-    storages = [s for s in storages if storage_ok(s, fmt)] or ["bf16"]
-    native = native_storages(teacher, budget_bytes, fmt, storages, context)
-    spread = spread_context(teacher, context)  # where the fixed rows are counted (the context, or the default)
-    max_rope = G * d
-    if fmt == "gguf" and options:
-        from ..models.export_gguf import gguf_rope_limit
-        max_rope = min(max_rope, gguf_rope_limit(teacher))
-    selections = [("rorope", True), ("rorope", False)] if fmt == "gguf" else \
-        [("rorope-score", True), ("rorope", True), ("rorope-score", False), ("rorope", False)]
-    # DeepSeek and llama.cpp always normalise the latent: a GGUF gets the steady channel now (the heal trains it), a
-    # DeepSeek folder its exact constant channel at export; either caches one value more per token and layer (a
-    # transformers folder's KVCache does not: cached_extra)
-    norm, extra = fmt == "gguf", cached_extra(fmt)
-    aligned = {"block": 32, "extra": extra} if fmt == "gguf" else {}  # llama.cpp's q8_0 cache blocks
+    planner = _Planner(teacher, budget, fmt, storages, context, time_budget=time_budget, progress=progress)
+    planner.prepare(calibration_ids, proxy_ids, proxy_windows, window, calibrate)
+    if max_candidates is not None and (isinstance(max_candidates, bool) or not isinstance(max_candidates, int) or
+                                       max_candidates < 1):
+        raise ValueError(f"max_candidates must be a positive integer, got {max_candidates!r}")
+    planner.max_candidates = max_candidates
+    return planner.run(per_layer, layer_ids)
 
-    def split(values: int, shares, storage: str) -> list[tuple[int, int]]:
+
+class _Planner:
+    """One search: what the budget and format allow, the proxy's windows and the teacher's log-probabilities on
+    them, the candidates measured, and the count and clock that end it. Its rounds are methods (module docstring)."""
+
+    def __init__(self, teacher, budget: KVBudget, fmt: str, storages, context: int | None, *, time_budget,
+                 progress):
+        self.teacher, self.budget, self.fmt, self.context = teacher, budget, fmt, context
+        self.time_budget, self.progress, self.max_candidates = time_budget, progress, None
+        self.L, self.G, self.d, self.V = original_sizes(teacher)
+        self.original, self.budget_bytes, self.options = feasible(teacher, budget, fmt, storages, context)
+        storages = [s for s in storages if storage_ok(s, fmt)] or ["bf16"]
+        self.native = native_storages(teacher, self.budget_bytes, fmt, storages, context)
+        self.spread = spread_context(teacher, context)  # where the fixed rows are counted (the context, or default)
+        self.max_rope = self.G * self.d
+        if fmt == "gguf" and self.options:
+            from ..models.export_gguf import gguf_rope_limit
+            self.max_rope = min(self.max_rope, gguf_rope_limit(teacher))
+        self.selections = [("rorope", True), ("rorope", False)] if fmt == "gguf" else \
+            [("rorope-score", True), ("rorope", True), ("rorope-score", False), ("rorope", False)]
+        # a GGUF's latent norm gets its steady channel now, a DeepSeek folder its constant channel at export: either
+        # caches one value more per token and layer (cached_extra)
+        self.norm, self.extra = fmt == "gguf", cached_extra(fmt)
+        self.aligned = {"block": 32, "extra": self.extra} if fmt == "gguf" else {}  # llama.cpp's q8_0 cache blocks
+        self.measured: list[Candidate] = []
+
+    def prepare(self, calibration_ids: torch.Tensor, proxy_ids, proxy_windows: int, window: int,
+                calibrate: bool) -> None:
+        """The teacher's modules as they came, the calibration inputs, and the proxy windows with their reference."""
+        from ..models.adapters import attnlab_modules
+        from ..models.evaluate import attention_inputs
+
+        self.originals = list(attnlab_modules(self.teacher))
+        self.storages_before = [m.kv_dtype for m in self.originals]
+        inputs = attention_inputs(self.teacher, calibration_ids)
+        self.calibration = (calibration_ids, inputs) if calibrate else (None, None)
+        self.window = window
+        self.windows = _windows((calibration_ids if proxy_ids is None else proxy_ids)[0], window, proxy_windows)
+        self.reference = teacher_log_probs(self.teacher, self.windows)
+
+    # -- what the rounds share -------------------------------------------------------------------------------
+    def split(self, values: int, shares, storage: str) -> list[tuple[int, int]]:
         """(latent, rope) pairs of a row of `values` (the extra channel included) in that storage."""
-        return splits(values - extra, shares, max_rope=max_rope, strict=storage in LLAMA_CPP_CACHE, **aligned)
+        return splits(values - self.extra, shares, max_rope=self.max_rope, strict=storage in LLAMA_CPP_CACHE,
+                      **self.aligned)
 
-    originals = list(attnlab_modules(teacher))
-    storages_before = [m.kv_dtype for m in originals]
-    inputs = attention_inputs(teacher, calibration_ids)
-    windows = _windows((calibration_ids if proxy_ids is None else proxy_ids)[0], window, proxy_windows)
-    reference = teacher_log_probs(teacher, windows)
-    measured: list[Candidate] = []
+    def convert(self, cand: Candidate) -> None:
+        """The teacher converted in place to `cand`, calibrated unless the plan was asked not to be."""
+        ids, inputs = self.calibration
+        apply(self.teacher, cand, ids, inputs=inputs)
 
-    def restore() -> None:  # the teacher as it came, after a candidate or a single-layer change
-        replace_attention(teacher, originals)
-        for m, k in zip(originals, storages_before):  # a kept layer is the teacher's own module
+    def restore(self) -> None:
+        """The teacher as it came, after a candidate or a single-layer change."""
+        from ..models.adapters import replace_attention
+
+        replace_attention(self.teacher, self.originals)
+        for m, k in zip(self.originals, self.storages_before):  # a kept layer is the teacher's own module
             m.kv_dtype = k
 
-    def measure(cand: Candidate, where: Layout | None = None) -> Candidate:
+    def measure(self, cand: Candidate, where: Layout | None = None) -> Candidate:
+        """Fit `cand` to the room, convert the teacher to it, count its bytes and score its proxy; then restore."""
+        from ..convert.report import unreported
+
         if cand.native or cand.latent_dims:  # native: llama.cpp rotates its own cache; round 4: sizes fit, rotation set
             pass
         elif few_bit(cand.kv_dtype):  # the latent a few-bit row can afford with this rope key; rotated for the codes
-            where = where or every
-            cand.latent_dim = fit(cand.latent_dim, cand.rope_dim, cand.kv_dtype, where.counted(context),
-                                  where.room, cand.extra, ceiling=V - cand.rope_dim, context=spread)  # <= V held
+            where = where or self.every
+            cand.latent_dim = fit(cand.latent_dim, cand.rope_dim, cand.kv_dtype, where.counted(self.context),
+                                  where.room, cand.extra, ceiling=self.V - cand.rope_dim, context=self.spread)
             if cand.latent_dim < 1:  # this rope key alone takes the room (at a context: its fixed rows); not a plan
                 return cand
             cand.rotation = None if cand.latent_norm else "random"
         elif cand.kv_dtype in LLAMA_CPP_CACHE:  # llama.cpp's blocks too: rotated past the norm (convert/rotate.py)
             cand.rotation = "random"
-        if progress:
-            progress(len(measured), cand.label())
+        if self.progress:
+            self.progress(len(self.measured), cand.label())
         try:
             with unreported():  # a candidate is scored and dropped: its conversion report is not read
-                apply(teacher, cand, calibration_ids if calibrate else None, inputs=inputs if calibrate else None)
+                self.convert(cand)
             # what the caches allocate; a DeepSeek export's constant channel comes on top of the attnlab model
-            added = L * (layer_bytes(3, 2, cand.kv_dtype) - layer_bytes(2, 2, cand.kv_dtype)) if fmt == "deepseek" \
-                else 0
-            cand.bytes_per_token = planned_bytes(teacher, context, spread) + added
-            if cand.bytes_per_token > budget_bytes:
+            added = self.L * (layer_bytes(3, 2, cand.kv_dtype) - layer_bytes(2, 2, cand.kv_dtype)) \
+                if self.fmt == "deepseek" else 0
+            cand.bytes_per_token = planned_bytes(self.teacher, self.context, self.spread) + added
+            if cand.bytes_per_token > self.budget_bytes:
                 raise RuntimeError(f"planner bug: {cand.label()} takes {cand.bytes_per_token} bytes/token, over the "
-                                     f"budget's {budget_bytes:.0f}")
-            cand.proxy = proxy_kl(teacher, windows, reference)
+                                   f"budget's {self.budget_bytes:.0f}")
+            cand.proxy = proxy_kl(self.teacher, self.windows, self.reference)
         finally:
-            restore()
-        measured.append(cand)
+            self.restore()
+        self.measured.append(cand)
         return cand
 
-    if max_candidates is not None and (isinstance(max_candidates, bool) or not isinstance(max_candidates, int) or
-                                       max_candidates < 1):
-        raise ValueError(f"max_candidates must be a positive integer, got {max_candidates!r}")
+    def converted(self) -> list[Candidate]:
+        """The candidates measured that convert (what the rounds after round 0 build on)."""
+        return [c for c in self.measured if not c.native]
 
-    def converted() -> list[Candidate]:  # what the rounds after round 0 build on
-        return [c for c in measured if not c.native]
+    def stopped(self) -> bool:
+        """The planning clock ran out, or a stop was requested."""
+        tb = self.time_budget
+        return tb is not None and (tb.expired() or tb.stop_requested)
 
-    def stopped() -> bool:  # the planning clock, or a stop request
-        return time_budget is not None and (time_budget.expired() or time_budget.stop_requested)
-
-    def spent(reserve: int = 0) -> bool:  # reserve: candidates kept back for a later step of the same count
-        if not measured:
+    def spent(self, reserve: int = 0) -> bool:
+        """No new candidate may start; `reserve` keeps places back for a later step of the same count."""
+        if not self.measured:
             return False
-        return (max_candidates is not None and len(measured) >= max_candidates - reserve) or stopped()
+        return (self.max_candidates is not None and len(self.measured) >= self.max_candidates - reserve) or \
+            self.stopped()
 
-    # 0. the original attention in each engine cache code that fits (a GGUF in the source's own architecture, a
-    # transformers folder)
-    for storage in native:
-        if not spent():
-            measure(Candidate(G * d, G * d, "original", False, storage, False, round=0, layers=[], kept_dtype=storage))
-    if not options:
-        best = min(measured, key=rank)
-        note = "" if len(measured) == len(native) else "planning ended (its time or its count) before every storage"
-        return PlanResult(best, measured, str(budget), original, budget_bytes,
-                          note or "no converted layout fits: the original attention, its cache in the engine's codes",
-                          context, spread)
-    every, per_storage = options[0]  # every layer converted (the only layout of a model that plans in rounds)
-    room = every.room
+    def measure_new(self, cand: Candidate) -> None:
+        """Measure `cand` unless a candidate of its label was measured."""
+        if all(c.label() != cand.label() for c in self.measured):
+            self.measure(cand)
 
-    converted_layers = every.counted(context)  # as layers_bytes counts them
+    def result(self, best: Candidate, note: str) -> PlanResult:
+        return PlanResult(best, self.measured, str(self.budget), self.original, self.budget_bytes, note,
+                          self.context, self.spread)
 
-    whole = keys_whole(teacher)
-    if whole is not None:  # per-head q/k norms: the keys whole in each storage and layout, nothing else to choose
+    # -- the search ------------------------------------------------------------------------------------------
+    def run(self, per_layer: bool, layer_ids: torch.Tensor | None) -> PlanResult:
+        """Round 0, then (where a converted layout fits) the keys-whole round or rounds 1 to 4; the best by rank()."""
+        self.natives()
+        if not self.options:
+            return self.natives_result()
+        self.every, self.per_storage = self.options[0]  # every layer converted (the only layout rounds 1-4 use)
+        self.room = self.every.room
+        self.converted_layers = self.every.counted(self.context)  # as layers_bytes counts them
+        whole = keys_whole(self.teacher)
+        if whole is not None:
+            return self.keys_whole(whole)
+        self.selection()
+        if not self.converted():  # round 0 took every candidate allowed
+            return self.result(min(self.measured, key=rank),
+                               "planning ended (its time or its count) after the original's cache types")
+        self.storage()
+        by_storage = self.split_shares()
+        self.more_bits(by_storage)
+        self.bkv_checks()
+        if per_layer and self.fmt == "attnlab":
+            self.per_layer(layer_ids)
+        note = "" if len(self.measured) > 1 else "only one candidate fitted the time given to planning"
+        return self.result(min(self.measured, key=rank), note)
+
+    def natives(self) -> None:
+        """Round 0: the original attention in each engine cache code that fits (native_storages)."""
+        G, d = self.G, self.d
+        for storage in self.native:
+            if not self.spent():
+                self.measure(Candidate(G * d, G * d, "original", False, storage, False, round=0, layers=[],
+                                       kept_dtype=storage))
+
+    def natives_result(self) -> PlanResult:
+        """The plan where no converted layout fits: round 0's best."""
+        best = min(self.measured, key=rank)
+        note = "" if len(self.measured) == len(self.native) else \
+            "planning ended (its time or its count) before every storage"
+        return self.result(best, note or "no converted layout fits: the original attention, its cache in the "
+                                         "engine's codes")
+
+    def keys_whole(self, whole: int) -> PlanResult:
+        """The one round of a model with per-head q/k norms: the keys whole (rope key `whole`) in each storage and
+        layout, the latent as large as the bytes allow."""
+        options = self.options
         todo = [(lay, storage, v) for i in range(max(len(ps) for _, ps in options))
                 for lay, ps in options for storage, v in list(ps.items())[i:i + 1]]  # each storage in every layout
         for lay, storage, v in todo:
-            if not spent():
-                measure(Candidate(v - whole, whole, "frequency", False, storage, False,
-                                  rotation="random" if few_bit(storage) else None, round=1,
-                                  layers=None if lay.layers is None else list(lay.layers), kept_dtype=lay.kept_dtype),
-                        lay)
-        best = min(measured, key=rank)
-        note = "" if len(measured) == len(todo) else "planning ended (its time or its count) before every storage"
-        return PlanResult(best, measured, str(budget), original, budget_bytes,
-                          note or "per-head q/k norms: the keys whole (rope key G x d), the latent holds the values",
-                          context, spread)
+            if not self.spent():
+                self.measure(Candidate(v - whole, whole, "frequency", False, storage, False,
+                                       rotation="random" if few_bit(storage) else None, round=1,
+                                       layers=None if lay.layers is None else list(lay.layers),
+                                       kept_dtype=lay.kept_dtype), lay)
+        best = min(self.measured, key=rank)
+        note = "" if len(self.measured) == len(todo) else "planning ended (its time or its count) before every storage"
+        return self.result(best, note or "per-head q/k norms: the keys whole (rope key G x d), the latent holds the "
+                                         "values")
 
-    first = "bf16" if "bf16" in per_storage else next(iter(per_storage))
-    v0 = per_storage[first]
-    # 1. what keeps rotating, BKV
-    for sel, bkv in selections:
-        if spent():
-            break
-        for r, p in split(v0, (0.3,), first)[:1]:
-            measure(Candidate(r, p, sel, bkv, first, norm, extra=extra, round=1))
-    if not converted():  # round 0 took every candidate allowed
-        return PlanResult(min(measured, key=rank), measured, str(budget), original, budget_bytes,
-                          "planning ended (its time or its count) after the original's cache types", context, spread)
-    best = min(converted(), key=rank)
-    # 2. storage: the winner in the other storage, at its own number of values (before the split: 8 bits can
-    # nearly double the values in the same bytes, which matters more than the split, and must not be cut by time)
-    share = best.rope_dim / best.values
-    for storage, v in per_storage.items():
-        if storage == first or spent():
-            continue
-        for r, p in split(v, (share,), storage)[:1]:
-            measure(Candidate(r, p, best.rope_select, best.balance, storage, norm, extra=extra, round=2))
-    # ... and, where a few-bit storage can hold every value (the whole key as the rope key, the values as the
-    # latent: nothing cut to low rank, only codes), that row: at 50% and 25% of SmolLM2's bytes it won
-    whole_key = G * d
-    for storage in per_storage:
-        if few_bit(storage) and not spent() and whole_key <= max_rope and \
-                layers_bytes(V - whole_key + extra, whole_key, storage, converted_layers, spread) <= room and \
-                all((c.latent_dim, c.rope_dim, c.kv_dtype) != (V - whole_key, whole_key, storage) for c in measured):
-            measure(Candidate(V - whole_key, whole_key, best.rope_select, best.balance, storage, norm, extra=extra,
-                              round=2))
-    best = min(converted(), key=lambda c: c.proxy)
-    # 3. the split, for the winner's selection and its two best storages by proxy (a few-bit row spends its bytes
-    # differently from an 8-bit one: the best split of one says little of the other's), interleaved so
-    # that a short planning time cuts both alike, and the likelier winners first
-    by_storage: dict[str, Candidate] = {}
-    for c in sorted(converted(), key=lambda c: c.proxy):
-        by_storage.setdefault(c.kv_dtype, c)
-    tops = list(by_storage)[:2]
+    def selection(self) -> None:
+        """Round 1: what keeps rotating, and BKV, at a rope share of 30% in the first storage (16 bits if allowed)."""
+        self.first = "bf16" if "bf16" in self.per_storage else next(iter(self.per_storage))
+        v0 = self.per_storage[self.first]
+        for sel, bkv in self.selections:
+            if self.spent():
+                break
+            for r, p in self.split(v0, (0.3,), self.first)[:1]:
+                self.measure(Candidate(r, p, sel, bkv, self.first, self.norm, extra=self.extra, round=1))
 
-    def at_split(storage: str, r: int, p: int) -> None:  # (r, p) in the storage, its latent fitted; once each
+    def storage(self) -> None:
+        """Round 2: the winner in each other storage at its own rope share, then each few-bit storage that holds
+        every value (the whole key as the rope key, the values as the latent)."""
+        best = min(self.converted(), key=rank)
+        share = best.rope_dim / best.values
+        for storage, v in self.per_storage.items():
+            if storage == self.first or self.spent():
+                continue
+            for r, p in self.split(v, (share,), storage)[:1]:
+                self.measure(Candidate(r, p, best.rope_select, best.balance, storage, self.norm, extra=self.extra,
+                                       round=2))
+        V, extra, whole_key = self.V, self.extra, self.G * self.d
+        for storage in self.per_storage:
+            if few_bit(storage) and not self.spent() and whole_key <= self.max_rope and \
+                    layers_bytes(V - whole_key + extra, whole_key, storage, self.converted_layers, self.spread) <= \
+                    self.room and all((c.latent_dim, c.rope_dim, c.kv_dtype) != (V - whole_key, whole_key, storage)
+                                      for c in self.measured):
+                self.measure(Candidate(V - whole_key, whole_key, best.rope_select, best.balance, storage, self.norm,
+                                       extra=extra, round=2))
+
+    def at_split(self, best: Candidate, storage: str, r: int, p: int) -> None:
+        """(r, p) in `storage` with best's selection and BKV, a few-bit latent fitted to the room; once each."""
         if few_bit(storage):
-            r = fit(r, p, storage, converted_layers, room, extra, ceiling=V - p, context=spread)
+            r = fit(r, p, storage, self.converted_layers, self.room, self.extra, ceiling=self.V - p,
+                    context=self.spread)
         if r >= 8 and all((c.latent_dim, c.rope_dim, c.rope_select, c.kv_dtype) != (r, p, best.rope_select, storage)
-                          for c in measured):
-            measure(Candidate(r, p, best.rope_select, best.balance, storage, norm, extra=extra, round=3))
+                          for c in self.measured):
+            self.measure(Candidate(r, p, best.rope_select, best.balance, storage, self.norm, extra=self.extra,
+                                   round=3))
 
-    pairs = {s: split(per_storage[s], SPLIT_SHARES, s) for s in tops}
-    for i in range(max(len(v) for v in pairs.values())):
-        for storage in tops:
-            if not spent(reserve=1) and i < len(pairs[storage]):
-                at_split(storage, *pairs[storage][i])
-    # ... and where a 2-bit latent wins by proxy, which rank() counts TWO_BIT_MARGIN times, every few-bit storage
-    # whose latent has more bits at the rope share of SPLIT_SHARES nearest the winner's (the best of them by round 2
-    # first): with the user's text at 12.5% of SmolLM2's bytes the 3-bit latent's best split is not among the two
-    # best storages' (docs/decisions.md)
-    best = min(converted(), key=lambda c: c.proxy)
-    if latent_bits(best.kv_dtype) == 2:
+    def split_shares(self) -> dict[str, Candidate]:
+        """Round 3: SPLIT_SHARES for the winner's selection in the two best storages by proxy, interleaved so that
+        the count cuts both alike. Returns the best candidate of each storage before it, best first."""
+        best = min(self.converted(), key=lambda c: c.proxy)
+        by_storage: dict[str, Candidate] = {}
+        for c in sorted(self.converted(), key=lambda c: c.proxy):
+            by_storage.setdefault(c.kv_dtype, c)
+        tops = list(by_storage)[:2]
+        pairs = {s: self.split(self.per_storage[s], SPLIT_SHARES, s) for s in tops}
+        for i in range(max(len(v) for v in pairs.values())):
+            for storage in tops:
+                if not self.spent(reserve=1) and i < len(pairs[storage]):
+                    self.at_split(best, storage, *pairs[storage][i])
+        return by_storage
+
+    def more_bits(self, by_storage: dict[str, Candidate]) -> None:
+        """Round 3, where a 2-bit latent wins by proxy: each few-bit storage of more bits at the share of
+        SPLIT_SHARES nearest the winner's (round 2's best of them first)."""
+        best = min(self.converted(), key=lambda c: c.proxy)
+        if latent_bits(best.kv_dtype) != 2:
+            return
         near = min(SPLIT_SHARES, key=lambda x: abs(x - best.rope_dim / best.values))
         more = [s for s in sorted(by_storage, key=lambda s: by_storage[s].proxy) if (latent_bits(s) or 0) > 2] + \
-            [s for s in per_storage if (latent_bits(s) or 0) > 2 and s not in by_storage]
+            [s for s in self.per_storage if (latent_bits(s) or 0) > 2 and s not in by_storage]
         for storage in more:
-            for r, p in split(per_storage[storage], (near,), storage)[:1]:
-                if not spent(reserve=1):
-                    at_split(storage, r, p)
-    # ... and the winner with BKV the other way: round 1 chose it at a 16-bit row a fraction of the winner's size,
-    # where the two differ by a few per cent of the proxy, and at the winner's size and storage by much more (at 12.5%
-    # of SmolLM2's bytes, docs/decisions.md); the count keeps a place for it
-    best = min(converted(), key=rank)
-    other = _bkv_flipped(best)
-    if not spent() and all(c.label() != other.label() for c in measured):
-        measure(other)
-    # ... and where the winner cuts rank and a 2-bit latent is on one side of the margin, the best of the other side
-    # with BKV the other way too, one candidate past the count: BKV moves the proxy by a third at 12.5% of SmolLM2's
-    # bytes, so checking one side only let the side whose round 1 chose worse lose on a flip it never had (plain
-    # command, seed 1: the 3-bit latent's flip 0.871 -> 0.626 chose it, the 2-bit one's 0.735 -> 0.473 unmeasured)
-    best = min(converted(), key=rank)
-    rivals = [c for c in converted() if (latent_bits(c.kv_dtype) == 2) != (latent_bits(best.kv_dtype) == 2)
-              and few_bit(c.kv_dtype) and not c.latent_dims]
-    if rivals and best.latent_dim + best.rope_dim < V and not stopped():
-        other = _bkv_flipped(min(rivals, key=rank))
-        if all(c.label() != other.label() for c in measured):
-            measure(other)
-    # 4. a latent size per layer, where the winner cuts rank in attnlab's format (the only one that holds layers of
-    # different sizes): each layer alone converted to each size of per_layer_sizes(), its KL measured from that layer
-    # on (shrink/layer_costs.py), the sizes of least summed KL within the bytes chosen (shrink/per_layer.py), and
-    # that plan measured as a candidate like any other
-    best = min(converted(), key=rank)
-    sizes = per_layer_sizes(best, V) if per_layer and fmt == "attnlab" else []
-    if len(sizes) > 1 and not stopped():  # beyond max_candidates: one candidate more, its costs bounded (L x sizes)
+            for r, p in self.split(self.per_storage[storage], (near,), storage)[:1]:
+                if not self.spent(reserve=1):
+                    self.at_split(best, storage, r, p)
+
+    def bkv_checks(self) -> None:
+        """Round 3's end: the winner with BKV the other way (within the count); where it cuts rank, the best few-bit
+        candidate on the other side of the 2-bit margin so too (one past the count)."""
+        best = min(self.converted(), key=rank)
+        if not self.spent():
+            self.measure_new(_bkv_flipped(best))
+        best = min(self.converted(), key=rank)
+        rivals = [c for c in self.converted() if (latent_bits(c.kv_dtype) == 2) != (latent_bits(best.kv_dtype) == 2)
+                  and few_bit(c.kv_dtype) and not c.latent_dims]
+        if rivals and best.latent_dim + best.rope_dim < self.V and not self.stopped():
+            self.measure_new(_bkv_flipped(min(rivals, key=rank)))
+
+    def per_layer(self, layer_ids: torch.Tensor | None) -> None:
+        """Round 4, where the winner cuts rank: each layer alone at per_layer_sizes() (shrink/layer_costs.py), the
+        sizes of least summed KL within the bytes (shrink/per_layer.py), measured as one candidate past the count."""
+        from ..convert.report import unreported
         from .layer_costs import Prefix, layer_costs
         from .per_layer import choose_per_layer
 
-        prefix = Prefix(teacher, windows if layer_ids is None else _windows(layer_ids[0], window))
+        best = min(self.converted(), key=rank)
+        sizes = per_layer_sizes(best, self.V)
+        if len(sizes) <= 1 or self.stopped():
+            return
+        L = self.L
+        prefix = Prefix(self.teacher, self.windows if layer_ids is None else _windows(layer_ids[0], self.window))
 
         def change(layer: int, r: int) -> None:
-            if stopped():  # a stop request (or the clock) ends round 4 with nothing measured
+            if self.stopped():  # a stop request (or the clock) ends round 4 with nothing measured
                 raise _Cut
             with unreported():
-                apply(teacher, Candidate(r, best.rope_dim, best.rope_select, best.balance, best.kv_dtype, False,
-                                         rotation=best.rotation, layers=[layer], kept_dtype=None),
-                      calibration_ids if calibrate else None, inputs=inputs if calibrate else None)
+                self.convert(Candidate(r, best.rope_dim, best.rope_select, best.balance, best.kv_dtype, False,
+                                       rotation=best.rotation, layers=[layer], kept_dtype=None))
 
         def counted(done: int, total: int) -> None:
-            if progress and done % len(sizes) == 0:
-                progress(len(measured), f"per layer: {done // len(sizes)} of {L} layers measured alone at r="
-                                        f"{', '.join(map(str, sizes))}")
+            if self.progress and done % len(sizes) == 0:
+                self.progress(len(self.measured), f"per layer: {done // len(sizes)} of {L} layers measured alone "
+                                                  f"at r={', '.join(map(str, sizes))}")
 
         try:
-            costs = layer_costs(prefix, L, sizes, change, restore, progress=counted)
+            costs = layer_costs(prefix, L, sizes, change, self.restore, progress=counted)
         except _Cut:
             costs = None
-        row = {w: [math.ceil(layer_bytes(r, best.rope_dim, best.kv_dtype, spread, w)) for r in sizes]  # whole bytes
-               for w in set(converted_layers)}  # one row per kind of layer (its window)
-        dims = [sizes[o] for o in choose_per_layer(costs, [row[w] for w in converted_layers], int(budget_bytes))] \
-            if costs else []
+        row = {w: [math.ceil(layer_bytes(r, best.rope_dim, best.kv_dtype, self.spread, w)) for r in sizes]
+               for w in set(self.converted_layers)}  # whole bytes, one row per kind of layer (its window)
+        rows = [row[w] for w in self.converted_layers]
+        dims = [sizes[o] for o in choose_per_layer(costs, rows, int(self.budget_bytes))] if costs else []
         if len(set(dims)) > 1:
-            measure(Candidate(round(sum(dims) / L), best.rope_dim, best.rope_select, best.balance, best.kv_dtype,
-                              False, rotation=best.rotation, round=4, latent_dims=dims))
-    best = min(measured, key=rank)
-    note = "" if len(measured) > 1 else "only one candidate fitted the time given to planning"
-    return PlanResult(best, measured, str(budget), original, budget_bytes, note, context, spread)
+            self.measure(Candidate(round(sum(dims) / L), best.rope_dim, best.rope_select, best.balance,
+                                   best.kv_dtype, False, rotation=best.rotation, round=4, latent_dims=dims))
 
 
 class _Cut(Exception):
@@ -493,12 +513,9 @@ PER_LAYER_STEP = 16  # ... rounded to multiples of this
 
 
 def per_layer_sizes(best: Candidate, values: int) -> list[int]:
-    """Round 4's latent sizes for a winner that cuts rank (its latent + rope key below the `values` a layer of the
-    original caches; [] otherwise, and for a per-layer or partly converted winner): the winner's latent as it is and
-    PER_LAYER_SHARES of it rounded to multiples of PER_LAYER_STEP, at least PER_LAYER_STEP and at most values - its rope key
-    (the keys and values a latent can hold), each once, in ascending order. Measured on SmolLM2 at 12.5% before any
-    heal (benchmarks/quality/transform_code.py --variants per-layer-judge-3): 80/112/160 around 112 won on every
-    text."""
+    """Round 4's latent sizes for a winner that cuts rank: its latent and PER_LAYER_SHARES of it in multiples of
+    PER_LAYER_STEP, from PER_LAYER_STEP to `values` - its rope key, each once, ascending. [] for a winner that keeps
+    every value, is per-layer already or converts some layers only."""
     ceiling = values - best.rope_dim
     if best.latent_dims or best.layers is not None or best.latent_dim >= ceiling:
         return []
@@ -516,13 +533,3 @@ def _windows(ids: torch.Tensor, window: int, count: int | None = None) -> torch.
     if ids.numel() < window:
         return ids[None]
     return ids[: ids.numel() // window * window].reshape(-1, window)
-
-
-def rank_agreement(a: list[float], b: list[float]) -> float:
-    """Spearman's rank correlation of two lists (how well a proxy ranks as perplexity does); 1 is the same order."""
-    n = len(a)
-    if n < 2:
-        return math.nan
-    ra = torch.tensor(a).argsort().argsort().double()
-    rb = torch.tensor(b).argsort().argsort().double()
-    return float(1 - 6 * ((ra - rb) ** 2).sum() / (n * (n * n - 1)))

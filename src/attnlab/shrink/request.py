@@ -37,7 +37,7 @@ class ShrinkRequest:
     latent_dim: int | None = None
     rope_dim: int | None = None
     # teacher-written training windows at most (no text): what the layer-wise phase reads, HealPlan.layer_windows
-    # and guard.WINDOWS check windows (96 before: of the other 28 a plain 10-minute run on a CPU drew none or a few)
+    # and guard.WINDOWS check windows
     windows: int = 68
     seq_len: int = 256  # tokens per training window
     tokens: int | None = None  # end-to-end heal tokens (None: as many as the time allows)
@@ -45,7 +45,7 @@ class ShrinkRequest:
     batch_size: int = 4  # windows per end-to-end step, the global batch a torchrun job splits over its processes
     keep_worse: bool = False  # write the healed weights even when held-out perplexity rose (heal_model's keep_better)
     context: int | None = None  # the budget counts bytes per token at this sequence length (None: every token held)
-    per_layer: bool = False  # also plan a latent size per layer (plan round 4; not measured better: docs)
+    per_layer: bool = False  # also plan a latent size per layer (plan round 4; off by default: docs/decisions.md)
 
     def identity(self) -> dict:
         keep = ("source", "kv_budget", "fmt", "text", "eval_text", "seed", "calibration", "storage", "latent_dim",
@@ -115,8 +115,6 @@ def pinned(req: ShrinkRequest) -> bool:
 
 
 def plan_count(minutes: float) -> int:
-    """The most candidates the planner measures for a run of `minutes`: a count, not a share of the clock, so that a
-    loaded machine plans as an idle one does (it plans more slowly, and heals less). About 10 s each on SmolLM2-135M
-    here: 21 at the default 10 minutes, which holds the whole search of a GQA model (14-21 candidates, the check of
-    BKV at the winner's size among them: a count of 20 cut the 12.5% search's best split for it)."""
+    """The most candidates the planner measures for a run of `minutes` (21 at the default 10): a count, not a share
+    of the clock, so that a loaded machine plans as an idle one does (docs/decisions.md)."""
     return max(3, int(2 * minutes) + 1)

@@ -1,8 +1,7 @@
 """A shrink run's state on disk, what --resume continues from: the run folder beside the output (OUT.shrink-run)
 with state.json (the request's identity, the phases done, minutes per phase, the plan, the heal plan, the report so
-far), data.safetensors (the token windows), student/ (the converted model), heal.pt (the heal's checkpoint) and healed/ (the healed model), each
-written atomically when its phase ends (shrink/pipeline.py runs the phases).
-"""
+far), data.safetensors (the token windows), student/ (the converted model), heal.pt (the heal's checkpoint) and
+healed/ (the healed model), each written atomically when its phase ends (shrink/pipeline.py runs the phases)."""
 from __future__ import annotations
 
 import json
