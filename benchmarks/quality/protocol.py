@@ -50,6 +50,7 @@ from pathlib import Path
 
 BENCHMARKS = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(BENCHMARKS))  # texts.py, beside the benchmark folders
+from provenance import provenance  # noqa: E402
 from texts import REPORT_TEXTS, TRAINING_TEXTS, checked, sha256  # noqa: E402
 
 JSON = BENCHMARKS / "results" / "protocol.json"
@@ -291,7 +292,9 @@ def part_run(case: str, seed: int, redo: bool, long: bool, at: str | None = None
         print(f"{key} is in {JSON}; --redo to run it again")
         return
     work = Path(tempfile.mkdtemp(prefix="attnlab-protocol-"))
-    row = run_one(case, seed, work)
+    prov = provenance(["python", "benchmarks/quality/protocol.py", *sys.argv[1:]],
+                      results=(str(JSON.relative_to(BENCHMARKS.parent)),))  # the commit (a clean tree), the machine
+    row = {**run_one(case, seed, work), "provenance": prov}
     if row["returncode"]:
         save(key, row)
         raise SystemExit(f"shrink failed: {row.get('stderr', '')[-500:]}")
