@@ -21,7 +21,7 @@ from ..models.load import SUPPORTED as GQA_TYPES
 from ..modules.cache import KVCache as _Rows
 from ..modules.cache import LatentCache as _LatentRows
 from ..modules.recent import RecentRows
-from ..modules.rotation import hadamard_transform, rotate_back
+from ..modules.rotation import hadamard_transform
 from ..modules.storage import check_kv_dtype, dense
 
 GROWTH = 64  # a full layer grows to what it needs plus a 64th of it (at least MIN_ROOM rows): bytes held <= 1.02x
@@ -288,7 +288,7 @@ class _JointLayer(_CodedLayer):
         out = _extend_rows(self.rows, torch.cat([values, _flat(key_states)], dim=-1))  # (B, S, G dv + G d)
         values = out[..., :G * dv]
         if VALUE_ROTATION:
-            values = rotate_back(values, _rotation_size(dv))
+            values = hadamard_transform(values, _rotation_size(dv))  # H is its own inverse
         return _heads(out[..., G * dv:], G), _heads(values, G)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:

@@ -384,9 +384,9 @@ def _values(codes: torch.Tensor, meta: torch.Tensor, fmt: LowBit, work: torch.dt
         return torch.tensor(IQ4_NL_VALUES, dtype=work, device=codes.device)[codes.long()] * meta.to(work)
     c, meta = codes.to(work), meta.to(work)
     if fmt.zero:
-        return (c * meta[..., :1]).add_(meta[..., 1:])
+        return c * meta[..., :1] + meta[..., 1:]
     offset = 128 if fmt.code == "q8_0" else 1 << (fmt.bits - 1)
-    return (c - offset).mul_(meta)
+    return (c - offset) * meta
 
 
 def per_token(fmt: LowBit) -> LowBit:

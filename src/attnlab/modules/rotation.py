@@ -22,7 +22,6 @@ keys: llama.cpp 4% above attnlab, level once attnlab's keys are permuted into ll
 """
 from __future__ import annotations
 
-import functools
 import math
 import os
 import re
@@ -54,21 +53,6 @@ def hadamard_transform(x: torch.Tensor, n: int) -> torch.Tensor:
         y = torch.stack([a + b, a - b], -2).flatten(-3)  # (..., W/n, n)
         half //= 2
     return (y * (1 / math.sqrt(n))).flatten(-2)
-
-
-def rotate_back(x: torch.Tensor, n: int) -> torch.Tensor:
-    """hadamard_transform for reading a cache back: x (..., W) times H_n block by block as one float64 matrix product,
-    cast to x's dtype (1.6x the butterflies' speed on this CPU). A float32 product's rounding depends on how many
-    rows come with a row; float64's sums of float32 terms, rounded once to float32, do not (to 2^-52)."""
-    if x.shape[-1] % n:
-        raise ValueError(f"rows of width {x.shape[-1]} are not whole blocks of {n} values to rotate")
-    h = _hadamard_on(n, torch.float64, x.device)
-    return (x.unflatten(-1, (-1, n)).to(torch.float64) @ h).flatten(-2).to(x.dtype)
-
-
-@functools.cache
-def _hadamard_on(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return hadamard(n).to(dtype=dtype, device=device)
 
 
 def hadamard(n: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:

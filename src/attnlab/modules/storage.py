@@ -202,11 +202,6 @@ def _rotated(x: torch.Tensor, n: int | None) -> torch.Tensor:
     return x if n is None else rotations.hadamard_transform(x.to(torch.promote_types(x.dtype, SCALE_DTYPE)), n)
 
 
-def _rotated_back(x: torch.Tensor, n: int | None) -> torch.Tensor:
-    """Rows read back from their codes times H_n (rotation.rotate_back: one float64 product); x when n is None."""
-    return x if n is None else rotations.rotate_back(x.to(torch.promote_types(x.dtype, SCALE_DTYPE)), n)
-
-
 # -- quantisation --------------------------------------------------------------------------------
 def num_scales(parts: tuple[int, ...], group: int | None) -> int:
     """Scales per row: one per part, or one per `group` channels of each part (the last group may be short)."""
@@ -264,7 +259,7 @@ def dequantise(codes: torch.Tensor, scales: torch.Tensor, parts: tuple[int, ...]
     H_n (H_n^T = H_n), n = rotation, before the cast to dtype."""
     if rotation is not None:
         work = torch.promote_types(dtype, SCALE_DTYPE)
-        out = _rotated_back(dequantise(codes, scales, parts, group, work, low), rotation)
+        out = _rotated(dequantise(codes, scales, parts, group, work, low), rotation)
         return out if work == dtype else out.to(dtype)
     if low is not None:
         return lowbit.decode(codes, scales, parts, low, dtype)
@@ -290,7 +285,7 @@ def round_trip(x: torch.Tensor, kv_dtype, parts: tuple[int, ...], role: str | No
         stored = x.to(fmt.storage_dtype).to(x.dtype)
     elif fmt.low is not None:
         n = rotation(fmt, role, parts)
-        stored = _rotated_back(lowbit.round_trip(_rotated(x.detach(), n), parts, fmt.low), n).to(x.dtype)
+        stored = _rotated(lowbit.round_trip(_rotated(x.detach(), n), parts, fmt.low), n).to(x.dtype)
     else:
         codes, scales = quantise(x, parts, fmt)
         stored = dequantise(codes, scales, parts, fmt.group, x.dtype, fmt.low)
