@@ -149,12 +149,18 @@ class _CodedLayer(_Owner):
         self.keys = self.values = None  # transformers' own layers keep tensors here; this one keeps `rows`
         self.is_initialized = False
 
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+    def _checked(self, key_states: torch.Tensor, value_states: torch.Tensor) -> LayerShape:
+        """The shape of these keys and values; ValueError when it is not the one this layer was made for."""
         B, G, _, d = key_states.shape
         got = LayerShape(G, d, value_states.shape[-1], self.shape.window)
         if got != self.shape:
             raise ValueError(f"KVCache layer {self.index} was made for {self.shape}, got keys of {got}: "
                              "this cache belongs to another model")
+        return got
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        got = self._checked(key_states, value_states)
+        B, G, d = key_states.shape[0], got.num_kv_heads, got.head_dim
         max_len = MIN_ROOM if self.shape.window is None else 1 << 62  # a window cache allocates its window only
         self.rows = _Rows(self, B, max_len, G, d, got.v_head_dim, dtype=key_states.dtype, device=key_states.device,
                           kv_dtype=self.base, window=self.shape.window, rotate=True)
@@ -268,11 +274,8 @@ class _JointLayer(_CodedLayer):
     channel over groups of 64 tokens with "+c4": KIVI's key layout), in one LatentCache."""
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        B, G, _, d = key_states.shape
-        got = LayerShape(G, d, value_states.shape[-1], self.shape.window)
-        if got != self.shape:
-            raise ValueError(f"KVCache layer {self.index} was made for {self.shape}, got keys of {got}: "
-                             "this cache belongs to another model")
+        got = self._checked(key_states, value_states)
+        B, G, d = key_states.shape[0], got.num_kv_heads, got.head_dim
         self.rows = _LatentRows(self, B, MIN_ROOM, G * got.v_head_dim, G * d, dtype=key_states.dtype,
                                 device=key_states.device, kv_dtype=self.kv_dtype)
         self.device, self.is_initialized = key_states.device, True
