@@ -132,7 +132,9 @@ def eval_(source: str = typer.Argument(..., help="A model (smollm2, gemma3-270m)
         max_tokens = max(2048, window or 0)
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()  # stderr holds errors (and the terminal's spinner) only
-    planned = _planned(source) if engine == "transformers" else {}
+    from ..hf.cache import planned_entry
+
+    planned = planned_entry(source) if engine == "transformers" else {}
     if kv_dtype is None and planned.get("kv_dtype"):  # the storage a --format transformers folder was planned for
         kv_dtype = planned["kv_dtype"]
     mla = planned.get("model_type") == "deepseek_v3"  # an MLA as DeepSeek-V3: transformers loads it itself
@@ -239,20 +241,6 @@ def eval_(source: str = typer.Argument(..., help="A model (smollm2, gemma3-270m)
                "kv_bytes_per_token": stored, "rows": rows, "worst": worst,
                "passkey": None if report is None else report.to_dict()}
         replace_file(json_out, (json.dumps(out, indent=2) + "\n").encode())
-
-
-def _planned(source: str) -> dict:
-    """{"model_type", "kv_dtype"} of a folder attnlab wrote for transformers (config.json's "attnlab" entry), else {}."""
-    import json
-
-    path = Path(source) / "config.json"
-    if not path.is_file():
-        return {}
-    config = json.loads(path.read_text())
-    entry = config.get("attnlab")
-    if not isinstance(entry, dict) or entry.get("written_by") != "attnlab":
-        return {}
-    return {"model_type": config.get("model_type"), "kv_dtype": entry.get("kv_dtype")}
 
 
 def _load_deepseek(source: str):

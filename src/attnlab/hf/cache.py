@@ -212,7 +212,7 @@ class _CodedLayer(_Owner):
         if tokens_to_remove and self.rows is not None:
             rows, old = self.rows, self.rows.length
             rows.truncate(old + tokens_to_remove)
-            for ring, stored in zip(self.plain, rows.view()):  # positions the ring lost come back as stored
+            for ring, stored in zip(self.plain, rows.view() if self.plain else ()):  # lost positions: as stored
                 ring.truncate(rows.length, old, _flat(stored), rows.length - rows.held)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -297,12 +297,6 @@ class _JointLayer(_CodedLayer):
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.get_seq_length() + query_length, 0  # every row held; a sliding layer's mask keeps its window
 
-    def crop(self, tokens_to_remove: int) -> None:
-        if tokens_to_remove > 0:
-            raise ValueError(f"crop takes a negative count of tokens to remove, got {tokens_to_remove}")
-        if tokens_to_remove and self.rows is not None:
-            self.rows.truncate(self.rows.length + tokens_to_remove)
-
 
 VALUE_ROTATION = True  # rotate each value head (Hadamard) before its codes: one outlier spreads over the head
 
@@ -354,19 +348,12 @@ class _LatentLayer(_CodedLayer):
             out[..., :shape.coded] * self.factor
         return latent, out[:, None, :, shape.coded:]
 
-    def crop(self, tokens_to_remove: int) -> None:
-        if tokens_to_remove > 0:
-            raise ValueError(f"crop takes a negative count of tokens to remove, got {tokens_to_remove}")
-        if tokens_to_remove and self.rows is not None:
-            self.rows.truncate(self.rows.length + tokens_to_remove)
-
     def reset(self) -> None:
         super().reset()
         self.factor = None
 
     def _select(self, indices: torch.Tensor) -> None:
-        if self.rows is not None:
-            self.rows.select_batch(indices)
+        super()._select(indices)
         if self.factor is not None:
             self.factor = self.factor.index_select(0, indices.to(self.factor.device))
 
@@ -431,22 +418,36 @@ SIZES = ("model_type", "num_hidden_layers", "hidden_size", "num_key_value_heads"
          "qk_rope_head_dim")
 
 
+def planned_entry(folder) -> dict:
+    """{"model_type", "kv_dtype"} of a folder attnlab wrote for transformers (config.json's "attnlab" entry; no
+    kv_dtype where it names none), or {} for any other folder."""
+    from pathlib import Path
+
+    from ..io.readers import read_json
+
+    path = Path(folder) / "config.json"
+    config = read_json(path) if path.is_file() else {}
+    entry = config.get("attnlab")
+    if not isinstance(entry, dict) or entry.get("written_by") != "attnlab":
+        return {}
+    named = {"kv_dtype": entry["kv_dtype"]} if "kv_dtype" in entry else {}
+    return {"model_type": config.get("model_type"), **named}
+
+
 def _planned(folder):
     """(decoder config, storage) of a folder attnlab wrote with --format transformers; ValueError naming the folder."""
     from pathlib import Path
 
     from transformers import AutoConfig
 
-    from ..io.readers import read_json
-
-    path = Path(folder) / "config.json"
-    if not path.is_file():
+    if not (Path(folder) / "config.json").is_file():
         raise ValueError(f"{folder} has no config.json: KVCache.from_pretrained reads a folder written by "
                          "attnlab shrink --format transformers")
-    entry = read_json(path).get("attnlab")
-    if not isinstance(entry, dict) or entry.get("written_by") != "attnlab" or "kv_dtype" not in entry:
-        raise ValueError(f"{path} names no attnlab storage (no \"attnlab\" entry with a kv_dtype): write the folder "
-                         "with attnlab shrink --format transformers, or use KVCache(model, kv_dtype)")
+    entry = planned_entry(folder)
+    if "kv_dtype" not in entry:
+        raise ValueError(f"{Path(folder) / 'config.json'} names no attnlab storage (no \"attnlab\" entry with a "
+                         "kv_dtype): write the folder with attnlab shrink --format transformers, or use "
+                         "KVCache(model, kv_dtype)")
     return text_config(AutoConfig.from_pretrained(str(folder))), entry["kv_dtype"]
 
 
@@ -461,7 +462,8 @@ def _check_same(model_config, folder_config, folder) -> None:
 
 @functools.cache
 def _classes():
-    """(KVCache, its GQA layer class, its MLA layer class, its GQA layer of [values | keys] rows), each with transformers' base mixed in (imported here, on first use)."""
+    """(KVCache, its GQA layer class, its MLA layer class, its GQA layer of [values | keys] rows), each with
+    transformers' base mixed in (imported here, on first use)."""
     from transformers.cache_utils import Cache, CacheLayerMixin
 
     layer = type("CodedLayer", (_CodedLayer, CacheLayerMixin), {"__module__": __name__})
