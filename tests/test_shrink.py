@@ -452,6 +452,30 @@ def test_a_transformers_shrink_below_every_gqa_code_writes_a_deepseek_mla_kvcach
     assert sum(layer.bytes_per_token for layer in cache.layers) == report["kv_bytes_per_token"]["shrunk"]
 
 
+def test_a_transformers_shrink_of_a_normed_model_writes_its_keys_whole_plan_in_its_own_class(tmp_path):
+    """Gemma 3 (per-head q/k norms) at 17%, below every GQA code (the smallest takes 20.8%): the plan keeps the keys
+    whole and the values in a latent; the folder is Gemma3ForCausalLM with its value bases, and the KVCache it names
+    holds the report's bytes per token, the latent's width, and generates."""
+    from transformers import AutoModelForCausalLM
+
+    from attnlab.hf import KVCache
+
+    make_checkpoint("gemma3", tmp_path / "g", initializer_range=0.3)
+    (tmp_path / "t.txt").write_text(TEXT * 40)
+    (tmp_path / "h.txt").write_text(TEXT[::-1] * 8)
+    out = tmp_path / "o"
+    report = shrink(_req(tmp_path / "g", out, kv_budget="17%", fmt="transformers", text=[str(tmp_path / "t.txt")],
+                         eval_text=[str(tmp_path / "h.txt")]))
+    chosen = report["plan"]["chosen"]
+    assert chosen["layers"] is None and chosen["rope_dim"] == 2 * 24 and chosen["latent_dim"] < 2 * 24
+    assert report["written"]["architecture"] == "gemma3_text" and "latent of rank r" in report["runs_in"]["how"]
+    model = AutoModelForCausalLM.from_pretrained(out)
+    cache = KVCache.from_pretrained(out, model)
+    got = model.generate(torch.arange(3, 30)[None], cache=cache, max_new_tokens=6, min_new_tokens=6, do_sample=False)
+    assert got.shape == (1, 33) and {layer.rows.latent_dim for layer in cache.layers} == {chosen["latent_dim"]}
+    assert sum(layer.bytes_per_token for layer in cache.layers) == report["kv_bytes_per_token"]["shrunk"]
+
+
 @pytest.mark.parametrize("kw, message", [
     (dict(storage="quanto4"), r"--kv-dtype for --format transformers is the attnlab.hf.KVCache storage the model is "
                               r"planned and healed for: auto, q8_0, .*; got 'quanto4'$"),

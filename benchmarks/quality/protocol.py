@@ -68,6 +68,8 @@ CASES = {  # name: (model, shrink arguments after the model, what it checks)
                                 "SmolLM2-135M at 25% of the bytes for transformers, scored in transformers"),
     "smollm2-12-transformers": ("smollm2", ["--kv-budget", "12.5%", "--format", "transformers"],
                                 "SmolLM2-135M at 12.5% of the bytes for transformers, scored in transformers"),
+    "gemma3-270m-25-transformers": ("gemma3-270m", ["--kv-budget", "25%", "--format", "transformers"],
+                                    "Gemma 3 270M at 25% of the bytes for transformers, scored in transformers"),
     # the budget counted at a long context, where Gemma's sliding layers hold 576 rows of 32,768 and its 3 global
     # layers most of the bytes (issue eighth's last target, <= 1.10x); compared with the baselines by its share of
     # the original's bytes there (fair_bytes)
@@ -183,11 +185,13 @@ def score_in_transformers(out: str, long: bool = False) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from attnlab.hf import KVCache, TransformersRunner
+    from attnlab.hf.cache import value_bases
     from attnlab.models.evaluate import score_windows
 
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(out)
-    runner = TransformersRunner(model, KVCache.from_pretrained(out, model).kv_dtype)
+    bases = value_bases(out, model.config.num_hidden_layers)  # a keys-whole plan's (None for any other)
+    runner = TransformersRunner(model, KVCache.from_pretrained(out, model).kv_dtype, bases)
     result = {}
     for name in REPORT_TEXTS:
         ids = text_ids(tok, name, TOKENS)

@@ -132,7 +132,7 @@ def eval_(source: str = typer.Argument(..., help="A model (smollm2, gemma3-270m)
         max_tokens = max(2048, window or 0)
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()  # stderr holds errors (and the terminal's spinner) only
-    from ..hf.cache import planned_entry
+    from ..hf.cache import planned_entry, value_bases
 
     planned = planned_entry(source) if engine == "transformers" else {}
     if kv_dtype is None and planned.get("kv_dtype"):  # the storage a --format transformers folder was planned for
@@ -159,9 +159,10 @@ def eval_(source: str = typer.Argument(..., help="A model (smollm2, gemma3-270m)
         storages = [kv_dtype] if kv_dtype is not None or mla else [m.kv_dtype for m in hf.attnlab_modules(model)]
         kivi = [k for k in storages if k is not None and check_kv_dtype(k).evaluation_only]  # no cache to read
         cached = window > chunk and not kivi if through_cache is None else through_cache
-        if mla:  # counted from the caches KVCache makes for the folder
+        bases = value_bases(source, model.config.num_hidden_layers) if planned.get("value_bases") else None
+        if mla or (bases and engine == "transformers"):  # counted from the caches KVCache makes for the folder
             from ..hf.cache import storage_bytes
-            stored, sixteen = storage_bytes(model, kv_dtype), storage_bytes(model, "bf16")
+            stored, sixteen = storage_bytes(model, kv_dtype, bases), storage_bytes(model, "bf16")
         else:  # counted from attnlab's caches of that storage
             stored, sixteen = hf.kv_bytes_per_token(model, kv_dtype=kv_dtype), hf.kv_bytes_per_token(model, kv_dtype="bf16")
         storage = storages[0]
@@ -174,9 +175,9 @@ def eval_(source: str = typer.Argument(..., help="A model (smollm2, gemma3-270m)
             raise UsageProblem(f"--passkey decodes through {source}'s cache, and {kivi[0]} (KIVI) has none")
         step = chunk if cached else None
 
-        def score(m, t, who, path, storage=None):
+        def score(m, t, who, path, storage=None, bases=None):
             n = len(hf.windows(t, window))
-            runner = None if engine == "attnlab" else TransformersRunner(m, storage)
+            runner = None if engine == "attnlab" else TransformersRunner(m, storage, bases)
             return score_windows(m, t, window, chunk=step, runner=runner, progress=lambda i: busy.update(
                 f"{who}: scoring {path.name} ({t.shape[1]} tokens): window {i + 1} of {n}"))
 
@@ -200,10 +201,10 @@ def eval_(source: str = typer.Argument(..., help="A model (smollm2, gemma3-270m)
             del ref_model
         if kv_dtype is not None and engine == "attnlab":
             hf.set_kv_dtype(model, kv_dtype)
-        scores = [score(model, t, source, path, storage) for path, t in zip(texts, ids)]
+        scores = [score(model, t, source, path, storage, bases) for path, t in zip(texts, ids)]
         report = None
         if passkey:
-            report = _run_passkey(model, tok, lengths, depths, passkey_trials, seed, busy, engine, storage)
+            report = _run_passkey(model, tok, lengths, depths, passkey_trials, seed, busy, engine, storage, bases)
     rows = []
     for i, (path, s) in enumerate(zip(texts, scores)):
         row = {"text": str(path), "tokens": s.tokens, "scored": s.scored, "windows": s.windows,
@@ -264,7 +265,7 @@ def _in_transformers(model, name: str):
     return hf.from_attnlab(model)
 
 
-def _run_passkey(model, tok, lengths, depths, trials, seed, busy, engine, storage):
+def _run_passkey(model, tok, lengths, depths, trials, seed, busy, engine, storage, bases=None):
     """Passkey retrieval, greedy: attnlab's generation loop through the model's cache and its kv_dtype, or
     transformers' generate over attnlab.hf.KVCache in `storage` (engine "transformers")."""
     from ..generation.loop import generate as run_generation
@@ -275,7 +276,7 @@ def _run_passkey(model, tok, lengths, depths, trials, seed, busy, engine, storag
 
     def decode(ids, n):
         if engine == "transformers":
-            out = model.generate(ids, cache=KVCache(model, storage), max_new_tokens=n, do_sample=False,
+            out = model.generate(ids, cache=KVCache(model, storage, bases), max_new_tokens=n, do_sample=False,
                                  eos_token_id=eos, pad_token_id=eos)
             return out[0, ids.shape[1]:]
         return run_generation(model, ids, max_new_tokens=n, eos_token_id=eos)[0, ids.shape[1]:]

@@ -21,6 +21,7 @@ from ..models.load import SUPPORTED as GQA_TYPES
 from ..modules.cache import KVCache as _Rows
 from ..modules.cache import LatentCache as _LatentRows
 from ..modules.recent import RecentRows
+from ..modules.rope_key import by_head
 from ..modules.rotation import hadamard_transform
 from ..modules.storage import check_kv_dtype, dense
 
@@ -98,32 +99,43 @@ def latent_shapes(config) -> list[LatentShape]:
     return [LatentShape(r, config.qk_rope_head_dim, coded, k) for k in constants]
 
 
-def storage_bytes(model_or_config, kv_dtype) -> int:
-    """Bytes per token of one sequence KVCache(model, kv_dtype) holds in every layer (steady state; a window cache's
-    and the plain rows' fixed bytes left out), counted from caches made on the meta device."""
-    return sum(_meta_rows(shape, kv_dtype).bytes_per_token for shape in layer_shapes(text_config(model_or_config)))
+def storage_bytes(model_or_config, kv_dtype, value_bases=None) -> int:
+    """Bytes per token of one sequence KVCache(model, kv_dtype, value_bases) holds in every layer (steady state; a
+    window cache's and the plain rows' fixed bytes left out), counted from caches made on the meta device."""
+    shapes = layer_shapes(text_config(model_or_config))
+    return sum(_meta_rows(shape, kv_dtype, width).bytes_per_token
+               for shape, width in zip(shapes, _latent_widths(value_bases, len(shapes))))
 
 
-def _meta_rows(shape, kv_dtype):
-    """The attnlab cache a layer of this shape holds in this storage, made on the meta device (ValueError if none)."""
+def _latent_widths(value_bases, layers: int) -> list[int | None]:
+    """Each layer's latent width r (its value basis U is (G dv, r)), None where it has none."""
+    bases = [None] * layers if value_bases is None else list(value_bases)
+    if len(bases) != layers:
+        raise ValueError(f"value_bases must have one entry per layer ({layers}), got {len(bases)}")
+    return [None if u is None else int(u.shape[-1]) for u in bases]
+
+
+def _meta_rows(shape, kv_dtype, latent: int | None = None):
+    """The attnlab cache a layer of this shape holds in this storage, made on the meta device (ValueError if none).
+    latent: the width of a value basis's latent (the layer then holds [latent | keys] rows)."""
     owner = object.__new__(_Owner)
     if isinstance(shape, LatentShape):
         return _LatentRows(owner, 1, 1, shape.coded, shape.rope_dim, dtype=torch.float32, device="meta",
                            kv_dtype=kv_dtype)
     G = shape.num_kv_heads
-    if joint(kv_dtype):
-        return _LatentRows(owner, 1, 1, G * shape.v_head_dim, G * shape.head_dim, dtype=torch.float32,
+    if joint(kv_dtype) or latent is not None:
+        return _LatentRows(owner, 1, 1, latent or G * shape.v_head_dim, G * shape.head_dim, dtype=torch.float32,
                            device="meta", kv_dtype=kv_dtype)
     fmt = check_kv_dtype(kv_dtype)
     return _Rows(owner, 1, 1, G, shape.head_dim, shape.v_head_dim, dtype=torch.float32, device="meta",
                  kv_dtype=fmt.base_name if fmt else None, window=shape.window, rotate=True)
 
 
-def check_storage(kv_dtype, shapes: list[LayerShape], kind: str) -> None:
+def check_storage(kv_dtype, shapes: list[LayerShape], kind: str, widths=None) -> None:
     """ValueError in one line unless every layer's cache can hold this storage (made on the meta device)."""
-    for shape in {repr(s): s for s in shapes}.values():
+    for shape, width in {(repr(s), w): (s, w) for s, w in zip(shapes, widths or [None] * len(shapes))}.values():
         try:
-            _meta_rows(shape, kv_dtype)
+            _meta_rows(shape, kv_dtype, width)
         except ValueError as err:
             raise ValueError(f"KVCache({kv_dtype!r}) for {kind} ({shape}): {err}") from None
 
@@ -269,15 +281,29 @@ def _extend_rows(rows: _LatentRows, new: torch.Tensor) -> torch.Tensor:
 
 
 class _JointLayer(_CodedLayer):
-    """A GQA layer of KVCache in a storage with a rope-key part ("int3/g256+c4+w16"): each token's row is [its values,
-    Hadamard-rotated per head | its keys], the values coded as an MLA's latent and the keys as its rope key (per
-    channel over groups of 64 tokens with "+c4": KIVI's key layout), in one LatentCache."""
+    """A GQA layer of KVCache whose rows are [values | keys] in one LatentCache, the values coded as an MLA's latent
+    and the keys as its rope key (per channel over groups of 64 tokens with "+c4": KIVI's key layout). In a storage
+    with a rope-key part ("int3/g256+c4+w16") the values are Hadamard-rotated per head. With a value basis U (G dv, r)
+    (a keys-whole plan's: convert/keys_whole.py) the row is the MLA's own [c = U^+ v | rope key], read back as U c."""
+
+    def __init__(self, kv_dtype, shape: LayerShape, index: int, basis: torch.Tensor | None = None):
+        super().__init__(kv_dtype, shape, index)
+        self.basis = None if basis is None else basis.detach().to(torch.float64)
+        self.maps = None  # with a basis: (U^+ transposed, U transposed, the rope key's order), on the rows' device
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         got = self._checked(key_states, value_states)
         B, G, d = key_states.shape[0], got.num_kv_heads, got.head_dim
-        self.rows = _LatentRows(self, B, MIN_ROOM, G * got.v_head_dim, G * d, dtype=key_states.dtype,
+        width = G * got.v_head_dim if self.basis is None else self.basis.shape[1]
+        self.rows = _LatentRows(self, B, MIN_ROOM, width, G * d, dtype=key_states.dtype,
                                 device=key_states.device, kv_dtype=self.kv_dtype)
+        if self.basis is not None:
+            if self.basis.shape[0] != G * got.v_head_dim:
+                raise ValueError(f"KVCache layer {self.index}: a value basis of {self.basis.shape[0]} rows for "
+                                 f"{G} x {got.v_head_dim} values")
+            like = dict(dtype=key_states.dtype, device=key_states.device)
+            order = by_head(torch.arange(G * d), G, False).reshape(-1).to(key_states.device)
+            self.maps = (torch.linalg.pinv(self.basis).T.to(**like), self.basis.T.to(**like), order)
         self.device, self.is_initialized = key_states.device, True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -285,14 +311,19 @@ class _JointLayer(_CodedLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         G, dv = self.shape.num_kv_heads, self.shape.v_head_dim
-        values = _flat(value_states)  # (B, n, G dv)
-        if VALUE_ROTATION:
+        values, keys = _flat(value_states), _flat(key_states)  # (B, n, G dv), (B, n, G d)
+        if self.maps is not None:
+            down, up, order = self.maps
+            values, keys = values @ down, keys[..., torch.argsort(order)]  # the latent; keys as the rope key
+        elif VALUE_ROTATION:
             values = hadamard_transform(values, _rotation_size(dv))
-        out = _extend_rows(self.rows, torch.cat([values, _flat(key_states)], dim=-1))  # (B, S, G dv + G d)
-        values = out[..., :G * dv]
-        if VALUE_ROTATION:
+        out = _extend_rows(self.rows, torch.cat([values, keys], dim=-1))  # (B, S, width + G d)
+        values, keys = out[..., :self.rows.latent_dim], out[..., self.rows.latent_dim:]
+        if self.maps is not None:
+            values, keys = values @ up, keys[..., order]
+        elif VALUE_ROTATION:
             values = hadamard_transform(values, _rotation_size(dv))  # H is its own inverse
-        return _heads(out[..., G * dv:], G), _heads(values, G)
+        return _heads(keys, G), _heads(values, G)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.get_seq_length() + query_length, 0  # every row held; a sliding layer's mask keeps its window
@@ -375,15 +406,18 @@ class _KVCacheBase:
     take ("int8", "q4_0", "q8_0,q4_0", "int4/g32", None for plain). Refused in one line when it is made: another
     family, a storage the head size cannot take."""
 
-    def __init__(self, model, kv_dtype=None):
+    def __init__(self, model, kv_dtype=None, value_bases=None):
         config = text_config(model)
         shapes = layer_shapes(config)
-        check_storage(kv_dtype, shapes, config.model_type)
+        widths = _latent_widths(value_bases, len(shapes))
+        check_storage(kv_dtype, shapes, config.model_type, widths)
         self.kv_dtype, self.model_type = kv_dtype, config.model_type
         _, layer_class, latent_class, joint_class = _classes()
-        gqa = joint_class if joint(kv_dtype) else layer_class
-        super().__init__(layers=[(latent_class if isinstance(s, LatentShape) else gqa)(kv_dtype, s, i)
-                                 for i, s in enumerate(shapes)])
+        bases = [None] * len(shapes) if value_bases is None else list(value_bases)
+        super().__init__(layers=[
+            latent_class(kv_dtype, s, i) if isinstance(s, LatentShape) else
+            joint_class(kv_dtype, s, i, u) if joint(kv_dtype) or u is not None else layer_class(kv_dtype, s, i)
+            for i, (s, u) in enumerate(zip(shapes, bases))])
 
     @classmethod
     def from_pretrained(cls, folder, model=None):
@@ -392,7 +426,7 @@ class _KVCacheBase:
         config, storage = _planned(folder)
         if model is not None:
             _check_same(text_config(model), config, folder)
-        return cls(config, storage)
+        return cls(config, storage, value_bases(folder, config.num_hidden_layers))
 
     def crop(self, tokens_to_remove: int) -> None:
         """Forget the last -tokens_to_remove tokens in every layer, or in none (ValueError naming the layer that
@@ -430,8 +464,29 @@ def planned_entry(folder) -> dict:
     entry = config.get("attnlab")
     if not isinstance(entry, dict) or entry.get("written_by") != "attnlab":
         return {}
-    named = {"kv_dtype": entry["kv_dtype"]} if "kv_dtype" in entry else {}
+    named = {k: entry[k] for k in ("kv_dtype", "value_bases") if k in entry}
     return {"model_type": config.get("model_type"), **named}
+
+
+def value_bases(folder, layers: int) -> list | None:
+    """The value bases a folder's config names (models/export_transformers.py), one per layer (None where a layer has
+    none), read with safetensors; None when it names none. ValueError naming the file when it does not fit."""
+    from pathlib import Path
+
+    name = planned_entry(folder).get("value_bases")
+    if name is None:
+        return None
+    path = Path(folder) / str(name)
+    if Path(name).name != name or not path.is_file():
+        raise ValueError(f"{Path(folder) / 'config.json'} names value bases {name!r}, which is not a file in the folder")
+    from safetensors.torch import load_file
+
+    held = load_file(str(path))
+    bases = [held.pop(f"layers.{i}.value_basis", None) for i in range(layers)]
+    if held or all(u is None for u in bases):
+        raise ValueError(f"{path} holds {sorted(held) or 'no value basis'}; expected layers.<i>.value_basis for "
+                         f"layers 0-{layers - 1}")
+    return bases
 
 
 def _planned(folder):

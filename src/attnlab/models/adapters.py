@@ -272,17 +272,18 @@ def from_attnlab(model):
     """Swap back: transformers attention layers carrying the attnlab modules' weights (in place).
 
     Needs GQA/MHA modules of the model's own shape. An MLA is first expanded with
-    convert.mla_to_mha; for Llama its keys and values must then be a tiling of the
-    config's KV heads (true after an exact gqa_to_mla), found with modules.heads.gqa_block.
+    convert.mla_to_mha (a keys-whole one: convert.keys_whole_to_gqa, its values of rank r); for Llama its keys and
+    values must then be a tiling of the config's KV heads, found with modules.heads.gqa_block.
     Biases of Llama layers are not carried back (SmolLM2 and Llama have none).
     """
     from ..convert.exact import mla_to_mha
+    from ..convert.keys_whole import keys_whole_to_gqa
 
     fam = family(model)
     cfg = model.config
     for i, (layer, m) in enumerate(zip(_layers(model), attnlab_modules(model))):
         if isinstance(m, MultiHeadLatentAttention):
-            m, _ = mla_to_mha(m)
+            m = keys_whole_to_gqa(m) if m.keys_whole else mla_to_mha(m)[0]
         if fam == "llama":
             LlamaAttention = _attention_class(model)
             G = cfg.num_key_value_heads

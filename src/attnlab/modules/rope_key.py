@@ -78,16 +78,11 @@ class RopeKeyPerHead:
 
     def _by_head(self, t: torch.Tensor) -> torch.Tensor:
         """A rope key per KV head: (..., rope_dim) -> (..., G, w), each KV head's dims in its own rotary order."""
-        G = self.rope_kv_heads
-        if self.rope.interleaved:  # pairs (2i, 2i + 1): KV head g holds dims g d ... (g + 1) d - 1
-            return t.unflatten(-1, (G, -1))
-        return t.unflatten(-1, (2, G, -1)).transpose(-3, -2).flatten(-2)  # pairs (i, i + p/2): halves per head
+        return by_head(t, self.rope_kv_heads, self.rope.interleaved)
 
     def _from_heads(self, t: torch.Tensor) -> torch.Tensor:
         """The inverse of _by_head: (..., G, d) -> (..., rope_dim)."""
-        if self.rope.interleaved:
-            return t.flatten(-2)
-        return t.unflatten(-1, (2, -1)).transpose(-3, -2).flatten(-3)
+        return from_heads(t, self.rope.interleaved)
 
     def _own_heads(self, q_rope: torch.Tensor) -> torch.Tensor:
         """A rope key per KV head: each query head's rope part (B, H, L, p) with the other KV heads' dims set to zero
@@ -95,3 +90,17 @@ class RopeKeyPerHead:
         if self.q_head_norm is not None:
             q_rope = self._from_heads(self.q_head_norm(self._by_head(q_rope)))  # (B, H, L, p), each part normed
         return q_rope * self._rope_mask(q_rope)  # (B, H, L, p): one product
+
+
+def by_head(t: torch.Tensor, heads: int, interleaved: bool) -> torch.Tensor:
+    """A rope key of `heads` KV heads' parts: (..., p) -> (..., heads, w), each part in its own rotary order."""
+    if interleaved:  # pairs (2i, 2i + 1): KV head g holds dims g w ... (g + 1) w - 1
+        return t.unflatten(-1, (heads, -1))
+    return t.unflatten(-1, (2, heads, -1)).transpose(-3, -2).flatten(-2)  # pairs (i, i + p/2): halves per head
+
+
+def from_heads(t: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """The inverse of by_head: (..., heads, w) -> (..., p)."""
+    if interleaved:
+        return t.flatten(-2)
+    return t.unflatten(-1, (2, -1)).transpose(-3, -2).flatten(-3)

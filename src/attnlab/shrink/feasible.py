@@ -144,10 +144,9 @@ def _options(teacher, budget: KVBudget, budget_bytes: float, original: float, fm
     whole = keys_whole(teacher)
     if whole is not None:
         check_format(teacher, fmt)
-        if fmt != "attnlab":  # a GGUF or transformers folder in the source's own architecture: no MLA holds them
-            kind = getattr(teacher.config, "model_type", "this model")
-            what = "a GGUF" if fmt == "gguf" else f"--format {fmt}"
-            raise ValueError(f"no converted plan fits {what} of {kind}: its per-head key norms keep the original "
+        if fmt == "gguf":  # a GGUF in the source's own architecture: no MLA holds them (a transformers folder does:
+            kind = getattr(teacher.config, "model_type", "this model")  # models/export_transformers.py)
+            raise ValueError(f"no converted plan fits a GGUF of {kind}: its per-head key norms keep the original "
                              "attention")
         options, kept = [], kept_storages(storages)
         for lay in layouts(teacher, budget_bytes, context, fmt, kept):

@@ -409,8 +409,8 @@ def _write_export(run: _Run, out: Path, report: dict) -> None:
     check_output(out.with_name(out.name + ".shrink.json"), force=force, sources=run.readers, ours=_is_report)
     if req.fmt == "deepseek":
         hf.export_deepseek(student, out, tokenizer=tokenizer, force=force)
-    elif req.fmt == "transformers" and best.native:  # the source's own class and the KVCache storage
-        from ..models.export_transformers import export_transformers
+    elif req.fmt == "transformers" and (best.native or keys_whole(run.teacher) is not None):  # the source's class
+        from ..models.export_transformers import export_transformers  # (a keys-whole MLA with its value bases)
 
         report["written"] = export_transformers(student, out, tok, force=force, storage=best.kv_dtype)
     elif req.fmt == "transformers":  # an MLA: DeepSeek-V3, its config naming the KVCache storage of the latent
@@ -503,6 +503,11 @@ def _is_report(path: Path) -> bool:
         return False
 
 
+def chosen_layers(state: RunState):
+    """The chosen plan's `layers` entry ([] for the original attention; None for every layer converted)."""
+    return ((state.data["plan"] or {}).get("chosen") or {}).get("layers")
+
+
 def final_report(req: ShrinkRequest, state: RunState, teacher, student, meta) -> dict:
     """KV bytes per token before/after, held-out perplexity (teacher, student before/after), agreement, the plan,
     minutes per phase."""
@@ -510,6 +515,7 @@ def final_report(req: ShrinkRequest, state: RunState, teacher, student, meta) ->
     from .sizes import original_bytes, original_sizes, planned_bytes, spread_context
 
     L, _, _, V = original_sizes(teacher)
+    whole = req.fmt == "transformers" and keys_whole(teacher) is not None and chosen_layers(state) != []
     context = req.context or sliding_context(teacher)  # sliding layers: their bytes per token depend on the context
     at_context = {"at_context": {"context": context, "original_16bit": kv_bytes_per_token(teacher, torch.bfloat16,
                                                                                          context=context),
@@ -529,9 +535,9 @@ def final_report(req: ShrinkRequest, state: RunState, teacher, student, meta) ->
                                    **planned, **at_context},
             **({"llama_cpp": llama_cpp_cache(chosen.get("kv_dtype") or "bf16", chosen.get("layers") == [])}
                if req.fmt == "gguf" else {}),
-            **({"transformers_cache": transformers_cache(chosen.get("kv_dtype"), chosen.get("layers") == [])}
+            **({"transformers_cache": transformers_cache(chosen.get("kv_dtype"), chosen.get("layers") == [], whole)}
                if req.fmt == "transformers" else {}),
-            "runs_in": runs_in(req.fmt, chosen), "plan": plan, "heal_plan": state.data["heal_plan"],
+            "runs_in": runs_in(req.fmt, chosen, whole), "plan": plan, "heal_plan": state.data["heal_plan"],
             "held_out": {"teacher": heal.get("teacher"), "before": heal.get("before"), "after": heal.get("after")},
             "baselines": state.data["report"].get("baselines"),
             "heal": {k: v for k, v in heal.items() if k not in ("teacher", "before", "after")},
