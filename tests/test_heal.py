@@ -105,12 +105,11 @@ def test_a_layer_cut_off_after_one_step_moved_at_a_warm_up_rate(tiny):
     assert healer.optimizer.param_groups[0]["lr"] == pytest.approx(plan.layer_lr / warmup_steps(plan.layer_steps))
 
 
-@pytest.mark.parametrize("refit", [False, True])  # True: each layer starts from a closed-form W_O
 @pytest.mark.parametrize("inputs", ["teacher", "student"])  # student: the stream carried again from restored layers
 @pytest.mark.parametrize("layer_lr", [1e-3, 3.0])  # 3.0: the guard gives layers back, inside an interrupted layer too
-def test_resume_after_interruptions_gives_the_weights_of_an_uninterrupted_run(tiny, tmp_path, layer_lr, inputs, refit):
+def test_resume_after_interruptions_gives_the_weights_of_an_uninterrupted_run(tiny, tmp_path, layer_lr, inputs):
     _, teacher, _ = tiny
-    plan, windows = _plan(layer_lr=layer_lr, layer_inputs=inputs, refit_out=refit), _windows(32, seed=0)
+    plan, windows = _plan(layer_lr=layer_lr, layer_inputs=inputs), _windows(32, seed=0)
     base = _student(teacher)
     straight = copy.deepcopy(base)
     assert Healer(teacher, straight, windows, plan).run() == "done"
@@ -136,8 +135,7 @@ def test_resume_after_interruptions_gives_the_weights_of_an_uninterrupted_run(ti
     assert all(torch.equal(a, b) for a, b in zip(_weights(student), _weights(straight)))
     assert healer.state["layers_restored"] == ([0, 1] if layer_lr > 1 else healer.state["layers_restored"])
     with pytest.raises(ValueError, match=r"different plan \(lr differ\)"):
-        Healer(teacher, copy.deepcopy(base), windows, _plan(layer_lr=layer_lr, lr=1e-3, layer_inputs=inputs,
-                                                            refit_out=refit)).restore(
+        Healer(teacher, copy.deepcopy(base), windows, _plan(layer_lr=layer_lr, lr=1e-3, layer_inputs=inputs)).restore(
             Healer.read(ckpt))
 
 
@@ -1075,40 +1073,6 @@ def test_student_inputs_follow_the_layers_trained_before(tiny):
         want = layers[1].input_layernorm(h1)
     assert ((x - want).norm() / want.norm()).item() <= 1e-6
     assert ((x - healer._layer_inputs()[1]).norm() / want.norm()).item() > 1e-3  # not the teacher's
-
-
-@pytest.mark.parametrize("inputs", ["teacher", "student"])
-def test_a_layer_ends_with_its_closed_form_output_refit(tiny, inputs):
-    """HealPlan.refit_out: after a layer's last step its W_O is convert.refit.refit_out's fit on all the phase's
-    windows, from the layer's inputs (layer_inputs) to the teacher's attention output on the teacher's inputs. A rate
-    far below float32's resolution leaves the one step's change out, so the layer is the converted one refitted."""
-    from attnlab.convert.refit import refit_out
-
-    _, teacher, _ = tiny
-    student = _student(teacher)
-    converted = copy.deepcopy(student)
-    plan = _plan(layer_inputs=inputs, refit_out=True, layer_lr=1e-30, layer_steps=1, layer_windows=60)
-
-    def stop(info):
-        healer.request_stop()
-
-    healer = Healer(teacher, student, _windows(64, seed=0), plan, progress=stop)  # 60 fit W_O, 4 are the guard's
-    assert healer.run() == "stopped" and healer.state["layer"] == 1 and healer.state["layers_restored"] == []
-    x = healer._layer_inputs()[0]
-    own = healer._own_inputs(0)[0] if inputs == "student" else x
-    want = copy.deepcopy(hf.attnlab_modules(converted)[0])
-    with torch.no_grad():
-        target = hf.attnlab_modules(teacher)[0](x, is_causal=True)
-    fit = refit_out(want, own, target)
-    got = hf.attnlab_modules(student)[0]
-    assert all(torch.equal(v, want.state_dict()[k]) for k, v in got.state_dict().items())
-    assert not torch.equal(got.W_O.weight, hf.attnlab_modules(converted)[0].W_O.weight)
-    assert healer.state["refits"] == [{"layer": 0, **fit}] and fit["after"] < fit["before"]
-
-
-def test_refit_out_must_be_a_bool():
-    with pytest.raises(ValueError, match="refit_out must be True or False, got 1"):
-        _plan(refit_out=1).check()
 
 
 def test_layer_inputs_must_be_teacher_or_student():

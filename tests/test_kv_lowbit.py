@@ -442,3 +442,44 @@ def test_rope_key_per_channel_truncate_keeps_the_stored_tokens_and_goes_on():
         (grown,) = cache.view()
     assert torch.equal(grown[:, :64], before[:, :64]) and grown.shape[1] == 160
     assert torch.equal(grown[:, 128:, 64:], m.compress(x[:, :160])[:, 128:, 64:])  # the newest group as it is
+
+
+# -- runs of their own bits ("tc4x40-3x24+c4": a latent whose channels are coded in runs) -------------------------
+def test_a_runs_storage_codes_each_run_as_its_own_bits_do_and_costs_what_its_pieces_cost():
+    x = torch.randn(3, 5, 64 + 32, dtype=F64, generator=torch.Generator().manual_seed(0)) * torch.linspace(4, 0.1, 96)
+    fmt = check_kv_dtype("tc4x40-3x24+c4").low
+    assert fmt.segments == ((4, 40), (3, 24)) and fmt.rope_channel and fmt.rope_bits == 4
+    got = round_trip(x, "tc4x40-3x24+r8", (64, 32))
+    want = torch.cat([lowbit.round_trip(x[..., :40], (40,), lowbit.parse("int4")),
+                      lowbit.round_trip(x[..., 40:64], (24,), lowbit.parse("int3")),
+                      lowbit.round_trip(x[..., 64:], (32,), lowbit.parse("int7")._replace(code="int8", bits=8))], -1)
+    assert torch.equal(got, want)
+    codes, meta = lowbit.encode(x, (64, 32), lowbit.parse("tc4x40-3x24+r8"))
+    back = lowbit.decode(codes, meta, (64, 32), lowbit.parse("tc4x40-3x24+r8"), F64)
+    assert torch.equal(back, want)
+    # by hand: codes 40 x 4 bits (20 B) + 24 x 3 bits (9 B); meta: groups of 32 within a run (2 + 1) and the rope key's
+    # one group, each a float16 scale and minimum (4 B); the rope key 32 x 8 bits (32 B)
+    assert lowbit.row_bytes((64, 32), lowbit.parse("tc4x40-3x24+r8")) == 20 + 9 + 4 * 4 + 32
+    # with the rope key per channel: 32 x 4 bits (16 B) and 32 channels' scale and minimum per 64 tokens (2 B a token)
+    assert lowbit.row_bytes((64, 32), fmt) == 20 + 9 + 3 * 4 + 16 + 2
+
+
+def test_a_runs_storage_refuses_runs_that_do_not_make_up_the_latent_or_leave_out_the_rope_key():
+    with pytest.raises(ValueError, match=r"tc4x40-3x20 codes 60 latent channels \(40 \+ 20\); this row's latent has 64"):
+        lowbit.check_parts((64,), lowbit.parse("tc4x40-3x20"))
+    with pytest.raises(ValueError, match=r"have a rope key too: add its storage, tc4x64\+r8 .* or tc4x64\+c4"):
+        lowbit.check_parts((64, 32), lowbit.parse("tc4x64"))
+    assert lowbit.parse("tc4x64-1x8") is None and lowbit.parse("tc9x8") is None  # 1 and 9 bits: no such codes
+
+
+def test_an_mla_with_a_runs_storage_decodes_what_its_forward_computes():
+    torch.manual_seed(0)
+    m = randomize(MultiHeadLatentAttention(128, 4, 64, head_dim=32, rope_dim=16, kv_dtype="tc5x16-3x48+c4"),
+                  std=0.3).double()
+    x = torch.randn(2, 70, 128, dtype=F64)  # past one group of 64 tokens of the rope key
+    with torch.no_grad():
+        full = m(x, is_causal=True)
+        cache = m.init_cache(2, 70)
+        steps = [m(x[:, :65], cache=cache, is_causal=True)] + [m(x[:, t:t + 1], cache=cache) for t in range(65, 70)]
+    assert rel_err(torch.cat(steps, 1), full) <= 1e-10
+    assert cache.bytes_per_token == lowbit.row_bytes((64, 16), lowbit.parse("tc5x16-3x48+c4"))

@@ -5,8 +5,8 @@ the plan's cosine rate), with no whole-model backward.
 Notation: n layer-wise windows, c check windows (guard.WINDOWS), T tokens per window, dim the model's width.
 
 - `_layer_step`: one step of the current layer on a batch chosen from (seed, layer, step) alone; after the layer's
-  last step its W_O may be refitted in closed form (HealPlan.refit_out) and the guard judges it (`_guard`: a layer
-  that ends worse on the check windows than it started gets its start weights back, guard.after_layer).
+  last step the guard judges it (`_guard`: a layer that ends worse on the check windows than it started gets its
+  start weights back, guard.after_layer).
 - `judge_cut_layer`: the same verdict on a layer the clock or a stop cut off inside its steps.
 - `_fit_layers`, `_time_layer`: with a deadline, the steps a layer fitted to the time left once the first layer is
   timed, where the plan's would not fit (it sized them from one step timed before the phase).
@@ -65,8 +65,6 @@ class LayerWise(LayerInputs):
         s["step"] += 1
         if s["step"] == steps:
             s["layer_losses"].append(value)
-            if plan.refit_out:
-                self._refit_out(layer, x_all)
             self._guard(layer)
             later = [i for i in self.layers if i > layer]
             s["layer"], s["step"] = (later[0] if later else len(self._attn)), 0
@@ -75,22 +73,6 @@ class LayerWise(LayerInputs):
                 self._inputs = self._check_x = self._stream = self._own = None
             self._make_optimizer()
         return value
-
-    def _refit_out(self, layer: int, x_all: torch.Tensor) -> None:
-        """HealPlan.refit_out: after the layer's last step, its W_O refitted in closed form (convert.refit.refit_out) on
-        all the phase's windows, from its inputs as layer_inputs says to the teacher's attention output on the
-        teacher's inputs; the guard then judges steps and refit together against the layer as it started. Every rank
-        computes the same fit from the same gathered inputs. state["refits"] records the normalised error on those
-        windows before and after."""
-        from ..convert.refit import refit_out
-
-        self.trained.release()  # FSDP2: the trained weights into the student's own module first
-        own = self._own_for(layer)[0] if self.plan.layer_inputs == "student" else x_all
-        with torch.no_grad():
-            targets = torch.cat([_modules(self.teacher)[layer](x_all[c:c + 8], is_causal=True)
-                                 for c in range(0, x_all.shape[0], 8)])  # (n, T, dim)
-        fit = refit_out(self._attn[layer], own, targets)
-        self.state.setdefault("refits", []).append({"layer": layer, **fit})
 
     def _fit_layers(self, budget: Budget, reserve: float, seconds: float, overhead: float = 0.0) -> None:
         """Once the phase's first layer is done, the steps a layer for the layers still to come, so that they all fit

@@ -4,8 +4,7 @@ constants a plan is sized with (shrink/heal_plan.py sizes one for a shrink; dist
 Its fields: the windows' length and the batches of both phases, the end-to-end tokens, the layer-wise steps a layer
 and the windows that phase reads, the two learning rates and the warm-up, the seed every batch is drawn from, LoRA,
 the probe (the end-to-end phase first, judged at a share of its steps), where a layer-wise layer reads its inputs,
-whether it ends with a closed-form refit of its output projection, the greedy prompts an evaluation writes, and
-whether the steps run in bf16 on the CPU. check() refuses a plan that cannot run, naming the field and value.
+the greedy prompts an evaluation writes, and whether the steps run in bf16 on the CPU. check() refuses a plan that cannot run, naming the field and value.
 """
 from __future__ import annotations
 
@@ -43,9 +42,6 @@ class HealPlan:
     # fitted alone); "student", the student's own, through the layers before it as the phase left them (each layer
     # fitted to the teacher's output from what it will really read, so that it can make up for the errors before it)
     layer_inputs: str = "teacher"
-    # the layer-wise phase ends each layer with a closed-form refit of its W_O (convert.refit.refit_out) to the
-    # teacher's attention output, judged by the layer's guard with its steps; off in every plan (docs/decisions.md)
-    refit_out: bool = False
     # prompts per held-out text whose greedy continuations heal_model's evaluations compare (greedy agreement, a
     # reported figure that no decision reads); 0: none
     prompts: int = 8
@@ -63,7 +59,7 @@ class HealPlan:
             v = getattr(self, f.name)
             if f.name in ("tokens", "lora_rank") and v is None or f.name == "layer_inputs":
                 continue
-            if f.name in ("refit_out", "bf16"):
+            if f.name == "bf16":
                 if not isinstance(v, bool):
                     raise ValueError(f"heal plan: {f.name} must be True or False, got {v!r}")
                 continue

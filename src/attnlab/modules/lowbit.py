@@ -37,8 +37,8 @@ Transform coding of an MLA's latent ("tc4x40-3x56-2x16+c4": issue `eighth`): the
 of their own bits, here 40 channels in 4 bits, 56 in 3, 16 in 2, each run stored as attnlab's asymmetric groups of
 that many bits (groups of N = 32 channels within a run, /g<N> to change it), the runs' codes packed one after another,
 and the rope key by its suffix (required for a row with a rope key). The runs are the latent's components in order
-of decreasing variance (convert/transform_code.py rotates the latent so and chooses the bits: more where the
-variance is, none for a component cut); the storage only reads the widths and bits from the spelling.
+of decreasing variance (a transform coder, deleted after it measured worse, rotated the latent so and chose the bits);
+the storage only reads the widths and bits from the spelling.
 
 An MLA's rope key per channel ("+c4", e.g. "int3/g64+c4"): the latent as above, per token, and the rope
 key k_R in 4 asymmetric bits per channel over groups of KEY_TOKENS (64) tokens, KIVI's layout for keys. A
