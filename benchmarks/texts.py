@@ -6,9 +6,11 @@ its rows were measured on. A text is checked when it is read: a file that differ
 - TRAINING_TEXTS: the user's own text of the protocol's `--text` cases (shrink trains, calibrates and judges its heal
   on it, holding out its last tenth). Each is near one report text in kind and shares none of its text.
 
-Development texts (those a design is chosen on) are not here: each diagnostic names its own, and docs/evaluation.md
-lists them. Two files are Python's own (pydoc_data.topics, statistics.py): another Python's differ, and the check says
-so; `protocol.py --texts-from DIR` reads copies of the report texts instead.
+- DEV_TEXTS: development texts, which a default is fitted on (`protocol.py --dev` scores a run on them instead of the
+  report texts); none of the report or training texts.
+
+Three files are Python's own (pydoc_data.topics, statistics.py, argparse.py): another Python's differ, and the check
+says so; `protocol.py --texts-from DIR` reads copies of the report texts instead.
 """
 from __future__ import annotations
 
@@ -54,6 +56,18 @@ TRAINING_TEXTS = (
     Text(_module_file("statistics"), "889a066f1b8063e73387ceb84018efc507a89b365b56c6afb9cc15b2ed25c2d9",
          "Python source with maths docstrings"),
 )
+
+
+DEV_TEXTS = {  # name: Text
+    "mpl": Text("/usr/share/common-licenses/MPL-2.0",
+                "fab3dd6bdab226f1c08630b1dd917e11fcb4ec5e1e020e2c16f83a0a13863e85", "a licence (MPL 2.0)"),
+    "argparse": Text(_module_file("argparse"), "dc1eba8adfdf615986421f981337458ba1072d3e718a0f76e3224940fd74118b",
+                     "Python source (argparse.py)"),
+    "git-notes": Text("/usr/share/doc/git/RelNotes/2.27.0.txt",
+                      "ad61705f84bf2908e48494fe056ff4bb451fc5f1e9fb0fae26f4ed73bc0e7c73", "release notes (git 2.27)"),
+    "apache": Text("/usr/share/common-licenses/Apache-2.0",
+                   "cfc7749b96f63bd31c3c42b5c471bf756814053e847c10f3eb003417bc523d30", "a licence (Apache 2.0)"),
+}
 
 
 def sha256(path) -> str:

@@ -48,6 +48,46 @@ def test_a_run_at_a_worktrees_commit_is_saved_under_at(protocol, tmp_path, monke
     assert list(saved) == [key] and "--at" not in saved[key]["argv"]
 
 
+def test_a_variant_sets_its_variables_for_the_child_alone_and_names_its_row(protocol, tmp_path, monkeypatch):
+    """--env ATTNLAB_X=V: the child's environment has it, the argv is the plain command's, the row's key and its
+    env_set name it; any other variable is refused."""
+    saved, envs = {}, []
+    monkeypatch.setattr(protocol, "rows", lambda *a: {})
+    monkeypatch.setattr(protocol, "save", lambda k, row, *a: saved.update({k: row}))
+
+    def fake_run(command, **kw):
+        envs.append(kw["env"])
+        return subprocess.CompletedProcess(command, 1, stdout="", stderr="stopped")
+
+    monkeypatch.setattr(protocol.subprocess, "run", fake_run)
+    monkeypatch.setattr(protocol.tempfile, "mkdtemp", lambda **kw: str(tmp_path))
+    env = protocol.child_env(["ATTNLAB_CPU_BF16=0"])
+    with pytest.raises(SystemExit, match="shrink failed"):
+        protocol.part_run("smollm2-12", 2, False, False, env=env)
+    key = "run/smollm2-12+ATTNLAB_CPU_BF16=0/seed2"
+    assert list(saved) == [key] and saved[key]["env_set"] == {"ATTNLAB_CPU_BF16": "0"}
+    assert envs[0]["ATTNLAB_CPU_BF16"] == "0" and saved[key]["argv"] == protocol.argv("smollm2-12", 2, saved[key]["out"])
+    with pytest.raises(SystemExit, match="--env takes ATTNLAB_NAME=VALUE, got 'OMP_NUM_THREADS=1'"):
+        protocol.child_env(["OMP_NUM_THREADS=1"])
+
+
+def test_development_rows_are_reported_apart_against_the_originals_development_scores(protocol):
+    """dev/ rows: median and worst over seeds and development texts of perplexity / the original's there; the report
+    table ignores them."""
+    texts = list(protocol.DEV_TEXTS)
+    assert not set(texts) & set(protocol.REPORT_TEXTS)
+    data = {"dev/baselines/smollm2": {"original": {n: {"perplexity": 10.0} for n in texts}}}
+    for seed, scale in ((0, 1.0), (1, 1.1)):
+        data[f"dev/run/smollm2-12/seed{seed}"] = {"case": "smollm2-12", "seed": seed, "texts": {
+            n: {"perplexity": 10.0 * scale * (1 + i / 10)} for i, n in enumerate(texts)}}
+    row, = protocol.dev_report(data)
+    ratios = sorted([s * (1 + i / 10) for s in (1.0, 1.1) for i in range(len(texts))])
+    assert row["name"] == "smollm2-12" and row["worst"] == pytest.approx(ratios[-1])
+    assert row["median"] == pytest.approx((ratios[3] + ratios[4]) / 2) and row["worst_text"] == texts[-1]
+    assert row["spread"] == pytest.approx(0.1 * (1 + (len(texts) - 1) / 10))
+    assert all(r["case"] != "smollm2-12" for r in protocol.table(data))
+
+
 def test_a_run_at_anything_but_a_commit_is_refused(protocol):
     with pytest.raises(SystemExit, match="--at takes the commit that ran .*'main'"):
         protocol.part_run("smollm2-25", 0, False, False, at="main")

@@ -11,6 +11,9 @@ a "+c4" rope key's newest group and a "+w16" recent window, spread over them).
     python benchmarks/quality/protocol.py report     # the table: median and worst over seeds and texts
     python benchmarks/quality/protocol.py plot       # benchmarks/figures/protocol.png
     python benchmarks/quality/protocol.py bytes      # each run's bytes at 512 and 2,048 tokens
+    python benchmarks/quality/protocol.py baselines --dev --model smollm2     # development texts: the original only
+    python benchmarks/quality/protocol.py run --dev --case smollm2-12 --env ATTNLAB_CPU_BF16=0   # a variant, on them
+    python benchmarks/quality/protocol.py report --dev   # the dev/ rows: what a default is fitted on
     bash scripts/device_protocol.sh run    # on a lent GPU machine: case smollm2-12-cuda, texts from --texts-from
 
 Run it alone on the machine: it records the load average before and after each shrink and warns above 1.
@@ -51,7 +54,7 @@ from pathlib import Path
 BENCHMARKS = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(BENCHMARKS))  # texts.py, beside the benchmark folders
 from provenance import provenance  # noqa: E402
-from texts import REPORT_TEXTS, TRAINING_TEXTS, checked, sha256  # noqa: E402
+from texts import DEV_TEXTS, REPORT_TEXTS, TRAINING_TEXTS, checked, sha256  # noqa: E402
 
 JSON = BENCHMARKS / "results" / "protocol.json"
 TRAINING_ARGS = [a for t in TRAINING_TEXTS for a in ("--text", t.path)]  # the user's own text, as the cases pass it
@@ -149,6 +152,30 @@ def texts_from(folder: str) -> None:
         REPORT_TEXTS[name] = replace(text, path=str(path))
 
 
+PREFIX = ""  # "dev/" once use_dev_texts() swapped the texts: every row of the run is kept apart from the report's
+
+
+def use_dev_texts() -> None:
+    """Score on the development texts (texts.DEV_TEXTS) instead of the report texts, the rows under dev/: what a
+    default is fitted on (docs/evaluation.md)."""
+    global PREFIX
+    REPORT_TEXTS.clear()
+    REPORT_TEXTS.update(DEV_TEXTS)
+    PREFIX = "dev/"
+
+
+def child_env(pairs: list[str]) -> dict:
+    """NAME=VALUE settings of attnlab's own variables (ATTNLAB_*) for the child shrink: a variant of the plain
+    command, recorded in the row and its key. SystemExit naming anything else."""
+    out = {}
+    for pair in pairs:
+        name, eq, value = pair.partition("=")
+        if not eq or not re.fullmatch(r"ATTNLAB_[A-Z0-9_]+", name):
+            raise SystemExit(f"--env takes ATTNLAB_NAME=VALUE, got {pair!r}")
+        out[name] = value
+    return out
+
+
 def text_hashes() -> dict:
     """Each report text's SHA-256, its file checked against the one texts.py names."""
     return {name: sha256(checked(text)) for name, text in REPORT_TEXTS.items()}
@@ -224,7 +251,7 @@ def part_baselines(model_name: str, redo: bool, long: bool) -> None:
     from attnlab import models as hf
     from attnlab.shrink import baselines
 
-    key = f"baselines/{model_name}"
+    key = f"{PREFIX}baselines/{model_name}"
     if key in rows() and not redo:
         print(f"{key} is in {JSON}; --redo to measure it again")
         return
@@ -232,7 +259,7 @@ def part_baselines(model_name: str, redo: bool, long: bool) -> None:
     row = {"model": model_name, "texts": {n: {"path": t.path, "kind": t.kind} for n, t in REPORT_TEXTS.items()},
            "texts_sha256": text_hashes()}
     note_load(row, "load_before")
-    sizes = baselines.baseline_bytes(model, [b for b in BASELINES if _known(b)])
+    sizes = {} if PREFIX else baselines.baseline_bytes(model, [b for b in BASELINES if _known(b)])  # dev: original
     row["original"] = {"kv_bytes_per_token": hf.kv_bytes_per_token(model, torch_bf16()), **score(model, tok, long)}
     row["passkey"] = {"original": passkey(model, tok)} if long else {}
     row["baselines"] = {}
@@ -263,17 +290,18 @@ def _known(kv_dtype: str) -> bool:
         return False
 
 
-def run_one(case: str, seed: int, work: Path) -> dict:
-    """The plain command in a child process; the row records exactly the argv it ran, and the SHA-256 of each
-    training text a `--text` case hands it (each file checked first)."""
+def run_one(case: str, seed: int, work: Path, env: dict | None = None) -> dict:
+    """The plain command in a child process; the row records exactly the argv it ran, the variables `env` set for it
+    (a variant, never the plain command), and the SHA-256 of each training text a `--text` case hands it."""
     out = str(work / f"{case}-seed{seed}")
     command = argv(case, seed, out)
-    row = {"case": case, "seed": seed, "what": CASES[case][2], "argv": command, "command": " ".join(command)}
+    row = {"case": case, "seed": seed, "what": CASES[case][2], "argv": command, "command": " ".join(command),
+           **({"env_set": env} if env else {})}
     if "--text" in CASES[case][1]:
         row["training_texts_sha256"] = {t.path: sha256(checked(t)) for t in TRAINING_TEXTS}
     note_load(row, "load_before")
     t0 = time.monotonic()
-    proc = subprocess.run(command, capture_output=True, text=True)
+    proc = subprocess.run(command, capture_output=True, text=True, env={**os.environ, **(env or {})})
     row["wall_minutes"] = (time.monotonic() - t0) / 60
     note_load(row, "load_after")
     row["returncode"] = proc.returncode
@@ -284,21 +312,23 @@ def run_one(case: str, seed: int, work: Path) -> dict:
     return row
 
 
-def part_run(case: str, seed: int, redo: bool, long: bool, at: str | None = None) -> None:
+def part_run(case: str, seed: int, redo: bool, long: bool, at: str | None = None, env: dict | None = None) -> None:
     """One case's plain command and its scores, saved as run/<case>/seed<S>, or at/<case>@<at>/seed<S> when `at`
-    names the commit whose worktree ran it (a design measured beside the command, not the command main gives)."""
+    names the commit whose worktree ran it (a design measured beside the command, not the command main gives); with
+    `env` the case's name carries the variables (run/<case>+NAME=VALUE/...); --dev puts the row under dev/."""
     from attnlab import models as hf
 
     if at is not None and not re.fullmatch(r"[0-9a-f]{7,40}", at):
         raise SystemExit(f"--at takes the commit that ran (7-40 hex digits), not {at!r}")
-    key = f"at/{case}@{at}/seed{seed}" if at else f"run/{case}/seed{seed}"
+    name = case + "".join(f"+{k}={v}" for k, v in sorted((env or {}).items()))
+    key = PREFIX + (f"at/{name}@{at}/seed{seed}" if at else f"run/{name}/seed{seed}")
     if key in rows() and not redo:
         print(f"{key} is in {JSON}; --redo to run it again")
         return
     work = Path(tempfile.mkdtemp(prefix="attnlab-protocol-"))
     prov = provenance(["python", "benchmarks/quality/protocol.py", *sys.argv[1:]],
                       results=(str(JSON.relative_to(BENCHMARKS.parent)),))  # the commit (a clean tree), the machine
-    row = {**run_one(case, seed, work), "provenance": prov}
+    row = {**run_one(case, seed, work, env), "provenance": prov}
     if row["returncode"]:
         save(key, row)
         raise SystemExit(f"shrink failed: {row.get('stderr', '')[-500:]}")
@@ -399,7 +429,38 @@ def spread(row: dict) -> str:
     return "-" if row["seed_spread"] is None else f"{row['seed_spread']:.3f}"
 
 
+def dev_report(data: dict | None = None) -> list[dict]:
+    """The dev/ rows (protocol.py run --dev): per case and variant, the median and the worst over seeds and development
+    texts of perplexity / the original's (dev/baselines/<model>), and the seeds' spread; printed and returned."""
+    data = rows() if data is None else data
+    groups: dict[str, list[dict]] = {}
+    for key, row in data.items():
+        m = re.fullmatch(r"dev/(?:run|at)/(.+)/seed\d+", key)
+        if m and "texts" in row:
+            groups.setdefault(m.group(1), []).append(row)
+    out = []
+    print("| development texts: case (variant) | seeds | median | worst (text) | seeds' spread |\n|---|---|---|---|---|")
+    for name, runs in sorted(groups.items()):
+        original = (data.get(f"dev/baselines/{CASES[runs[0]['case']][0]}") or {}).get("original")
+        if original is None:
+            print(f"| {name} | no dev/baselines/{CASES[runs[0]['case']][0]}: run baselines --dev first | | | |")
+            continue
+        ratio = {n: [r["texts"][n]["perplexity"] / original[n]["perplexity"] for r in runs] for n in DEV_TEXTS}
+        every = [v for vs in ratio.values() for v in vs]
+        worst = max(every)
+        row = {"name": name, "seeds": sorted(r["seed"] for r in runs), "median": statistics.median(every),
+               "worst": worst, "worst_text": next(n for n, vs in ratio.items() if worst in vs),
+               "spread": max(max(vs) - min(vs) for vs in ratio.values())}
+        out.append(row)
+        print(f"| {name} | {', '.join(map(str, row['seeds']))} | {row['median']:.3f}x | {worst:.3f}x "
+              f"({row['worst_text']}) | {row['spread']:.3f} |")
+    return out
+
+
 def part_report() -> None:
+    if PREFIX:
+        save("dev/table", {"rows": dev_report()})
+        return
     t = table()
     print(f"| command | KV bytes/token held | at {FAIR_CONTEXT:,} tokens | median | worst (text) | seeds' spread | "
           f"best baseline at >= bytes at {FAIR_CONTEXT:,} tokens: median, worst | nearest in bytes: median, worst | "
@@ -668,15 +729,21 @@ def main() -> None:
                     "check (minutes per model)")
     ap.add_argument("--at", help="run: the commit of the worktree on PYTHONPATH; the row goes to at/<case>@<at>/")
     ap.add_argument("--texts-from", help="read the texts from copies in this folder (<name>.txt each)")
+    ap.add_argument("--dev", action="store_true", help="baselines, run, report: the development texts instead of "
+                    "the report texts (texts.DEV_TEXTS), rows under dev/; baselines then scores the original only")
+    ap.add_argument("--env", action="append", default=[], help="run: ATTNLAB_NAME=VALUE for the child (a variant, "
+                    "recorded in the row's key); repeatable")
     a = ap.parse_args()
     if a.texts_from:
         texts_from(a.texts_from)
+    if a.dev:
+        use_dev_texts()
     if a.part == "baselines":
         part_baselines(a.model, a.redo, a.long)
     elif a.part == "run":
         if a.case is None:
             ap.error("run needs --case")
-        part_run(a.case, a.seed, a.redo, a.long, a.at)
+        part_run(a.case, a.seed, a.redo, a.long, a.at, child_env(a.env))
     elif a.part == "repeat":
         if a.case is None:
             ap.error("repeat needs --case")

@@ -108,7 +108,6 @@ def evaluate_pair(teacher, student, held_out: torch.Tensor, *, prompts: int = 8,
     result, whose windows and teacher answers are reused; window: tokens per window; world: the windows split over
     the ranks, every rank returning the one result. Without a reference the result holds the teacher's perplexity."""
     split = world is not None and world.distributed
-    size, rank = (world.size, world.rank) if split else (1, 0)
     window = default_window(student) if window is None else window
     check_window(window, held_out, student)
     held_out = on_model(student, held_out)  # a student healed on a GPU is scored there
@@ -116,47 +115,12 @@ def evaluate_pair(teacher, student, held_out: torch.Tensor, *, prompts: int = 8,
     if reference is not None:
         chunks = chunks[:reference["windows"]]
     teacher_top = {} if reference is None else dict(enumerate(reference["_teacher_top"]))
-    agree = {}  # window -> (n,) bool: where the student's most likely token is the teacher's
-    # student's nll, its predictions, equal top-1, positions (tokens), teacher's nll, KL(teacher || student)
-    sums = torch.zeros(6, dtype=torch.float64)
-    last = 0.0  # seconds this rank's last window took: a round starts only if one more still fits on every rank
-    scored = len(chunks)
-    with torch.no_grad():
-        for first in range(0, len(chunks), size):
-            if budget is not None and first:
-                if dd.agree(budget.stop_requested):
-                    raise Stopped("stop")
-                if reference is None and dd.agree(budget.expired(last)):
-                    scored = first
-                    break
-            i = first + rank
-            if i >= len(chunks):  # the last round has fewer windows than ranks
-                continue
-            chunk = chunks[i]
-            started = None if budget is None else budget.clock()
-            s_logits = student(chunk).logits
-            nll, n = next_token_nll(s_logits, chunk)
-            t_logits = teacher(chunk).logits
-            if reference is None:
-                sums[4] += next_token_nll(t_logits, chunk)[0]
-                teacher_top[i] = t_logits.argmax(-1).cpu()  # (1, n), on the CPU: the reference goes in checkpoints
-            sums[5] += kl_sum(t_logits, s_logits)
-            del t_logits
-            agree[i] = (teacher_top[i].to(s_logits.device) == s_logits.argmax(-1)).reshape(-1).cpu()
-            same = int(agree[i].sum())
-            sums[:4] += torch.tensor([nll, n, same, chunk.numel()], dtype=torch.float64)
-            if started is not None:
-                last = budget.clock() - started
+    sums, agree, scored, last = _score_pair(teacher, student, chunks, teacher_top, reference is None, budget,
+                                            (world.size, world.rank) if split else (1, 0))
     chunks = chunks[:scored]
     if split:
         sums = dd.all_sum(sums)
-        # every rank keeps every window's answers (the reference travels in checkpoints) and agreements; on the CPU:
-        # another rank may have no such GPU
-        mine = {i: (teacher_top[i].cpu() if reference is None else None, a) for i, a in agree.items()}
-        parts = dd.gather_objects(mine)
-        agree = {i: a for part in parts for i, (_, a) in part.items()}
-        if reference is None:
-            teacher_top = {i: top for part in parts for i, (top, _) in part.items()}
+        agree, teacher_top = _gather_answers(agree, teacher_top, reference is None)
     s_nll, count, same, positions, t_nll, kl = sums.tolist()
     out = {"perplexity": float(torch.exp(torch.tensor(s_nll / count))), "top1_agreement": same / positions,
            "kl": kl / positions, "top1_positions": positions_code(torch.cat([agree[i] for i in range(len(chunks))])),
@@ -176,6 +140,53 @@ def evaluate_pair(teacher, student, held_out: torch.Tensor, *, prompts: int = 8,
             if e.reason != "budget":
                 raise
     return out
+
+
+def _score_pair(teacher, student, chunks, teacher_top: dict, fresh: bool, budget, ranks: tuple[int, int]):
+    """This rank's windows (every size-th from rank) scored by both models: (sums (6,): the student's nll, its
+    predictions, equal top-1, positions, the teacher's nll, KL(teacher || student); agree {window: (n,) bool}; the
+    windows scored, the last window's seconds). fresh: no reference, so the teacher's answers are recorded in
+    teacher_top; budget: a round starts only if one more window still fits on every rank."""
+    size, rank = ranks
+    agree, sums = {}, torch.zeros(6, dtype=torch.float64)
+    last, scored = 0.0, len(chunks)
+    with torch.no_grad():
+        for first in range(0, len(chunks), size):
+            if budget is not None and first:
+                if dd.agree(budget.stop_requested):
+                    raise Stopped("stop")
+                if fresh and dd.agree(budget.expired(last)):
+                    scored = first
+                    break
+            i = first + rank
+            if i >= len(chunks):  # the last round has fewer windows than ranks
+                continue
+            chunk = chunks[i]
+            started = None if budget is None else budget.clock()
+            s_logits = student(chunk).logits
+            nll, n = next_token_nll(s_logits, chunk)
+            t_logits = teacher(chunk).logits
+            if fresh:
+                sums[4] += next_token_nll(t_logits, chunk)[0]
+                teacher_top[i] = t_logits.argmax(-1).cpu()  # (1, n), on the CPU: the reference goes in checkpoints
+            sums[5] += kl_sum(t_logits, s_logits)
+            del t_logits
+            agree[i] = (teacher_top[i].to(s_logits.device) == s_logits.argmax(-1)).reshape(-1).cpu()
+            sums[:4] += torch.tensor([nll, n, int(agree[i].sum()), chunk.numel()], dtype=torch.float64)
+            if started is not None:
+                last = budget.clock() - started
+    return sums, agree, scored, last
+
+
+def _gather_answers(agree: dict, teacher_top: dict, fresh: bool) -> tuple[dict, dict]:
+    """Every rank's window agreements (and, fresh, the teacher's answers) on every rank, on the CPU: the reference
+    travels in checkpoints, and another rank may have no such GPU."""
+    mine = {i: (teacher_top[i].cpu() if fresh else None, a) for i, a in agree.items()}
+    parts = dd.gather_objects(mine)
+    agree = {i: a for part in parts for i, (_, a) in part.items()}
+    if fresh:
+        teacher_top = {i: top for part in parts for i, (top, _) in part.items()}
+    return agree, teacher_top
 
 
 def positions_code(agree: torch.Tensor) -> str:

@@ -58,7 +58,7 @@ def heal_model(teacher, student, windows: torch.Tensor, held_out, plan: HealPlan
     arguments and the report's keys). The student heals in place; with keep_better it comes back converted where the
     heal left it farther from the teacher on any held-out text."""
     from .data import check_pair
-    from .evaluate import evaluate_texts, held_out_texts, public
+    from .evaluate import held_out_texts
 
     texts = held_out_texts(held_out)
     if budget is None:
@@ -83,15 +83,31 @@ def heal_model(teacher, student, windows: torch.Tensor, held_out, plan: HealPlan
         report = blob["state"].get("report", report)
     if stop_hook:
         stop_hook(healer)
-    status = None
+    status = _measure_before(healer, report, texts, eval_share, evaluate)
+    status = _train(healer, report, texts, converted, status, evaluate)
+    healer.finish()
+    if healer.teacher_sharded:  # whole again: the evaluation after training, and the caller's (rank 0's) own use
+        dd.whole(teacher)
+    _summarise(healer, report, status)
+    if evaluate and status != "stopped" and healer.state["steps_done"] and "reference" in healer.state:
+        _measure_after(healer, report, texts, converted if keep_better else None)
+    return report
+
+
+def _measure_before(healer: Healer, report: dict, texts, eval_share: float, evaluate: bool) -> str | None:
+    """The evaluation before training (unless a resumed report has it), into the report and the healer's state; the
+    run's status so far (None, or "stopped"/"budget" where the clock or a stop cut it), agreed over the ranks."""
+    from .evaluate import evaluate_texts, public
+
+    budget, world, status = healer.budget, healer.world, None
     try:
         if evaluate and "before" not in report:
             t0 = budget.clock()
             with healer.teacher_whole():
-                before = evaluate_texts(teacher, student, texts, budget=budget.share(eval_share), world=world,
-                                        prompts=plan.prompts)
+                before = evaluate_texts(healer.teacher, healer.student, texts, budget=budget.share(eval_share),
+                                        world=world, prompts=healer.plan.prompts)
             report["teacher"] = {"perplexity": before.pop("teacher_perplexity"),
-                                 "kv_bytes_per_token": kv_bytes_per_token(teacher),
+                                 "kv_bytes_per_token": kv_bytes_per_token(healer.teacher),
                                  "texts": [{"perplexity": t.pop("teacher_perplexity")} for t in before["texts"]]}
             report["before"] = public(before)
             report["evaluation_seconds"] = budget.clock() - t0
@@ -101,23 +117,31 @@ def heal_model(teacher, student, windows: torch.Tensor, held_out, plan: HealPlan
         status = "stopped" if e.reason == "stop" else "budget"
     if world.distributed:  # a stop on any rank stops all (a stop request outranks a spent budget)
         status = _STATUSES[dd.largest(_STATUSES.index(status))]
-    if status is None:
-        reserve = report.get("evaluation_seconds", 0.0) if evaluate else 0.0
-        status = healer.run(reserve=reserve)
-        while status in ("probe", "switch"):
-            if status == "switch":
-                report["layer_wise"] = _switch(healer, texts, world, reserve, report.get("evaluation_seconds", 0.0))
-            else:
-                report["probe"] = _probe(healer, texts, converted, world) if evaluate else {
-                    "verdict": "kept the end-to-end phase (no held-out windows to judge it on)"}
-            healer.state["report"] = report
-            status = healer.run(reserve=reserve)
-        report["layer_cut"] = None if status == "done" else healer.judge_cut_layer()
-    else:
+    return status
+
+
+def _train(healer: Healer, report: dict, texts, converted, status: str | None, evaluate: bool) -> str:
+    """The heal's phases (Healer.run), with the probe's and the switch's verdicts between them; the final status."""
+    if status is not None:
         healer.save()
-    healer.finish()
-    if healer.teacher_sharded:  # whole again: the evaluation after training, and the caller's (rank 0's) own use
-        dd.whole(teacher)
+        return status
+    one = report.get("evaluation_seconds", 0.0)
+    reserve = one if evaluate else 0.0
+    status = healer.run(reserve=reserve)
+    while status in ("probe", "switch"):
+        if status == "switch":
+            report["layer_wise"] = _switch(healer, texts, healer.world, reserve, one)
+        else:
+            report["probe"] = _probe(healer, texts, converted, healer.world) if evaluate else {
+                "verdict": "kept the end-to-end phase (no held-out windows to judge it on)"}
+        healer.state["report"] = report
+        status = healer.run(reserve=reserve)
+    report["layer_cut"] = None if status == "done" else healer.judge_cut_layer()
+    return status
+
+
+def _summarise(healer: Healer, report: dict, status: str) -> None:
+    """What the heal did, from the healer's state, into the report."""
     s = healer.state
     report.update(status=status, minutes=s["elapsed"] / 60, distill_tokens=s["tokens"],
                   distill_steps=s["step"] if s["phase"] != "layers" else 0, layer_losses=s["layer_losses"],
@@ -126,19 +150,25 @@ def heal_model(teacher, student, windows: torch.Tensor, held_out, plan: HealPlan
                   layers_restored=s["layers_restored"], lr_scale=s["lr_scale"], rollbacks=s["rollbacks"],
                   hard_batches=s["hard_batches"], layer_steps_fitted=s.get("layer_steps"),
                   layers_trained=list(healer.layers))
-    if evaluate and status != "stopped" and s["steps_done"] and "reference" in s:
-        try:
-            report["after"] = public(evaluate_texts(teacher, student, texts, budget=budget.unbounded(),
-                                                    reference=s["reference"], world=world))
-        except Stopped:
-            report["status"] = "stopped"
-        _judge_end_to_end(healer, report)
-        if keep_better and converted is not None and guard.worse(report.get("before"), report.get("after")):
-            why = guard.reason(report["before"], report["after"]) or "judged worse than the converted student"
-            load_attention_weights(attention_modules(student), converted)
-            report["healed"], report["after"] = report["after"], copy.deepcopy(report["before"])
-            report["kept"] = f"the converted weights: healed, {why}"
-    return report
+
+
+def _measure_after(healer: Healer, report: dict, texts, converted: dict | None) -> None:
+    """The evaluation after training, the verdict on an end-to-end phase after a switch, and (given the converted
+    weights: keep_better) those weights back where the heal left the student worse (guard.worse)."""
+    from .evaluate import evaluate_texts, public
+
+    try:
+        report["after"] = public(evaluate_texts(healer.teacher, healer.student, texts,
+                                                budget=healer.budget.unbounded(),
+                                                reference=healer.state["reference"], world=healer.world))
+    except Stopped:
+        report["status"] = "stopped"
+    _judge_end_to_end(healer, report)
+    if converted is not None and guard.worse(report.get("before"), report.get("after")):
+        why = guard.reason(report["before"], report["after"]) or "judged worse than the converted student"
+        load_attention_weights(attention_modules(healer.student), converted)
+        report["healed"], report["after"] = report["after"], copy.deepcopy(report["before"])
+        report["kept"] = f"the converted weights: healed, {why}"
 
 
 def _score(healer: Healer, texts: list[torch.Tensor], world: dd.World, **kw) -> dict:
