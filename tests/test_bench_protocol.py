@@ -55,8 +55,9 @@ def test_a_variant_sets_its_variables_for_the_child_alone_and_names_its_row(prot
     monkeypatch.setattr(protocol, "rows", lambda *a: {})
     monkeypatch.setattr(protocol, "save", lambda k, row, *a: saved.update({k: row}))
 
-    def fake_run(command, **kw):
-        envs.append(kw["env"])
+    def fake_run(command, **kw):  # subprocess.run itself: provenance's git calls come here too
+        if command[0] == "attnlab":
+            envs.append(kw["env"])
         return subprocess.CompletedProcess(command, 1, stdout="", stderr="stopped")
 
     monkeypatch.setattr(protocol.subprocess, "run", fake_run)
