@@ -116,3 +116,29 @@ def test_a_keys_whole_folder_loads_in_transformers_and_its_cache_holds_the_laten
     whole = storage_bytes(config, "int8")  # the same storage holding every value
     held = storage_bytes(config, "int8", [torch.zeros(G * HEAD, LATENT)] * config.num_hidden_layers)
     assert held == sum(layer.bytes_per_token for layer in cache.layers) == hf.kv_bytes_per_token(model) < whole
+
+
+def test_a_plan_that_keeps_the_sliding_layers_runs_each_layer_in_its_own_storage(tmp_path):
+    """Gemma 3 with its global layer converted and its sliding one kept (a plan at a long context): the folder names
+    both storages, transformers' forward over KVCache.from_pretrained scores what attnlab's loop scores with the
+    converted layer's storage and the kept layer's own (float32's unit roundoff), and holds its bytes."""
+    from transformers import AutoModelForCausalLM
+
+    from attnlab.models.export_transformers import export_transformers
+
+    model = tiny_model("gemma3", layers=2, dtype=torch.float64, attention_std=0.15)
+    hf.convert_model(model, "mla", latent_dim=LATENT, rope_dim=G * HEAD, layers=[1])
+    mods = hf.attnlab_modules(model)
+    assert [type(m).__name__ for m in mods] == ["GroupedQueryAttention", "MultiHeadLatentAttention"]
+    mods[0].kv_dtype, mods[1].kv_dtype = "int8", "int4/g16+c4"
+    out = tmp_path / "kept"
+    export_transformers(model, out, storage="int4/g16+c4", kept_dtype="int8")
+    theirs = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float64).eval()
+    cache = KVCache.from_pretrained(out, theirs)
+    assert repr(cache).endswith("kv_dtype='int4/g16+c4', kept_dtype='int8', tokens=0)")
+    ids = torch.randint(3, 97, (1, 60), generator=torch.Generator().manual_seed(1))
+    loop = score_windows(model, ids, 30, chunk=7)
+    runner = TransformersRunner(theirs, cache.kv_dtype, [None, value_basis(mods[1])], cache.kept_dtype)
+    got = score_windows(theirs, ids, 30, chunk=7, runner=runner)
+    assert abs(got.nll - loop.nll) <= torch.finfo(torch.float32).eps / 2 * abs(loop.nll)
+    assert sum(layer.bytes_per_token for layer in runner.cache.layers) == hf.kv_bytes_per_token(model)

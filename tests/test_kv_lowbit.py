@@ -483,3 +483,28 @@ def test_an_mla_with_a_runs_storage_decodes_what_its_forward_computes():
         steps = [m(x[:, :65], cache=cache, is_causal=True)] + [m(x[:, t:t + 1], cache=cache) for t in range(65, 70)]
     assert rel_err(torch.cat(steps, 1), full) <= 1e-10
     assert cache.bytes_per_token == lowbit.row_bytes((64, 16), lowbit.parse("tc5x16-3x48+c4"))
+
+
+# -- the clip search in one pass (a decode step's few rows) -------------------------------------------------------
+@pytest.mark.parametrize("code", ["int2/g32", "int3/g64", "int4/g32", "int3/g256"])
+def test_the_clip_search_at_once_chooses_what_the_search_in_turn_chooses(code):
+    """lowbit's two clip searches give bitwise the same range on rows with ties (constant and zero groups), outliers
+    and a short padded last group; above AT_ONCE values the codes come from the loop."""
+    from attnlab.modules.lowbit import _grouped, _range_meta, _search_at_once, _search_in_turn
+
+    fmt = lowbit.parse(code)
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(5, 3, 200, generator=g) * torch.rand(5, 3, 1, generator=g) * 4
+    x[0, 0, :64] = 0.5  # a constant group
+    x[1, 1, :64] = 0.0
+    x[2, 2, 5] = 40.0  # an outlier
+    xg = _grouped(x, fmt.group)
+    real = torch.ones(xg.shape[-2:])
+    real[-1, 200 % fmt.group or fmt.group:] = 0
+    top = (1 << fmt.bits) - 1
+    lo, hi = xg.amin(-1, keepdim=True), xg.amax(-1, keepdim=True)
+    m, d = _range_meta(lo, hi, top)
+    for r in (real, None):
+        a, b = _search_in_turn(xg, lo, hi, m, d, top, r), _search_at_once(xg, lo, hi, m, d, top, r)
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+        assert not torch.equal(a[1], d)  # some group clipped: the search chose something

@@ -217,8 +217,9 @@ def score_in_transformers(out: str, long: bool = False) -> dict:
 
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(out)
-    bases = value_bases(out, model.config.num_hidden_layers)  # a keys-whole plan's (None for any other)
-    runner = TransformersRunner(model, KVCache.from_pretrained(out, model).kv_dtype, bases)
+    planned = KVCache.from_pretrained(out, model)  # its storage, and a keys-whole plan's bases and kept layers' storage
+    runner = TransformersRunner(model, planned.kv_dtype, value_bases(out, model.config.num_hidden_layers),
+                                planned.kept_dtype)
     result = {}
     for name in REPORT_TEXTS:
         ids = text_ids(tok, name, TOKENS)

@@ -160,9 +160,10 @@ def eval_(source: str = typer.Argument(..., help="A model (smollm2, gemma3-270m)
         kivi = [k for k in storages if k is not None and check_kv_dtype(k).evaluation_only]  # no cache to read
         cached = window > chunk and not kivi if through_cache is None else through_cache
         bases = value_bases(source, model.config.num_hidden_layers) if planned.get("value_bases") else None
+        kept = planned.get("kept_dtype") if bases else None  # a keys-whole plan's layers kept as they were
         if mla or (bases and engine == "transformers"):  # counted from the caches KVCache makes for the folder
             from ..hf.cache import storage_bytes
-            stored, sixteen = storage_bytes(model, kv_dtype, bases), storage_bytes(model, "bf16")
+            stored, sixteen = storage_bytes(model, kv_dtype, bases, kept), storage_bytes(model, "bf16")
         else:  # counted from attnlab's caches of that storage
             stored, sixteen = hf.kv_bytes_per_token(model, kv_dtype=kv_dtype), hf.kv_bytes_per_token(model, kv_dtype="bf16")
         storage = storages[0]
@@ -177,7 +178,7 @@ def eval_(source: str = typer.Argument(..., help="A model (smollm2, gemma3-270m)
 
         def score(m, t, who, path, storage=None, bases=None):
             n = len(hf.windows(t, window))
-            runner = None if engine == "attnlab" else TransformersRunner(m, storage, bases)
+            runner = None if engine == "attnlab" else TransformersRunner(m, storage, bases, kept)
             return score_windows(m, t, window, chunk=step, runner=runner, progress=lambda i: busy.update(
                 f"{who}: scoring {path.name} ({t.shape[1]} tokens): window {i + 1} of {n}"))
 
@@ -204,7 +205,8 @@ def eval_(source: str = typer.Argument(..., help="A model (smollm2, gemma3-270m)
         scores = [score(model, t, source, path, storage, bases) for path, t in zip(texts, ids)]
         report = None
         if passkey:
-            report = _run_passkey(model, tok, lengths, depths, passkey_trials, seed, busy, engine, storage, bases)
+            report = _run_passkey(model, tok, lengths, depths, passkey_trials, seed, busy, engine, storage,
+                                  (bases, kept))
     rows = []
     for i, (path, s) in enumerate(zip(texts, scores)):
         row = {"text": str(path), "tokens": s.tokens, "scored": s.scored, "windows": s.windows,
@@ -265,7 +267,7 @@ def _in_transformers(model, name: str):
     return hf.from_attnlab(model)
 
 
-def _run_passkey(model, tok, lengths, depths, trials, seed, busy, engine, storage, bases=None):
+def _run_passkey(model, tok, lengths, depths, trials, seed, busy, engine, storage, planned=(None, None)):
     """Passkey retrieval, greedy: attnlab's generation loop through the model's cache and its kv_dtype, or
     transformers' generate over attnlab.hf.KVCache in `storage` (engine "transformers")."""
     from ..generation.loop import generate as run_generation
@@ -276,7 +278,7 @@ def _run_passkey(model, tok, lengths, depths, trials, seed, busy, engine, storag
 
     def decode(ids, n):
         if engine == "transformers":
-            out = model.generate(ids, cache=KVCache(model, storage, bases), max_new_tokens=n, do_sample=False,
+            out = model.generate(ids, cache=KVCache(model, storage, *planned), max_new_tokens=n, do_sample=False,
                                  eos_token_id=eos, pad_token_id=eos)
             return out[0, ids.shape[1]:]
         return run_generation(model, ids, max_new_tokens=n, eos_token_id=eos)[0, ids.shape[1]:]

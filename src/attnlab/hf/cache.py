@@ -99,12 +99,20 @@ def latent_shapes(config) -> list[LatentShape]:
     return [LatentShape(r, config.qk_rope_head_dim, coded, k) for k in constants]
 
 
-def storage_bytes(model_or_config, kv_dtype, value_bases=None) -> int:
-    """Bytes per token of one sequence KVCache(model, kv_dtype, value_bases) holds in every layer (steady state; a
-    window cache's and the plain rows' fixed bytes left out), counted from caches made on the meta device."""
+def storage_bytes(model_or_config, kv_dtype, value_bases=None, kept_dtype=None) -> int:
+    """Bytes per token of one sequence KVCache(model, kv_dtype, value_bases, kept_dtype) holds in every layer (steady
+    state; a window cache's and the plain rows' fixed bytes left out), counted from caches made on the meta device."""
     shapes = layer_shapes(text_config(model_or_config))
-    return sum(_meta_rows(shape, kv_dtype, width).bytes_per_token
-               for shape, width in zip(shapes, _latent_widths(value_bases, len(shapes))))
+    widths = _latent_widths(value_bases, len(shapes))
+    return sum(_meta_rows(shape, storage, width).bytes_per_token
+               for shape, storage, width in zip(shapes, layer_storages(kv_dtype, widths, kept_dtype), widths))
+
+
+def layer_storages(kv_dtype, widths: list, kept_dtype=None) -> list:
+    """Each layer's storage: kv_dtype where it has a value basis (or none has), kept_dtype (if given) where a plan
+    kept the layer's own attention beside layers with value bases."""
+    kept = kept_dtype is not None and any(w is not None for w in widths)
+    return [kept_dtype if kept and w is None else kv_dtype for w in widths]
 
 
 def _latent_widths(value_bases, layers: int) -> list[int | None]:
@@ -131,13 +139,16 @@ def _meta_rows(shape, kv_dtype, latent: int | None = None):
                  kv_dtype=fmt.base_name if fmt else None, window=shape.window, rotate=True)
 
 
-def check_storage(kv_dtype, shapes: list[LayerShape], kind: str, widths=None) -> None:
-    """ValueError in one line unless every layer's cache can hold this storage (made on the meta device)."""
-    for shape, width in {(repr(s), w): (s, w) for s, w in zip(shapes, widths or [None] * len(shapes))}.values():
+def check_storage(kv_dtype, shapes: list[LayerShape], kind: str, widths=None, storages=None) -> None:
+    """ValueError in one line unless every layer's cache can hold its storage (kv_dtype, or each of `storages`; made on
+    the meta device)."""
+    n = len(shapes)
+    layers = zip(shapes, storages or [kv_dtype] * n, widths or [None] * n)
+    for shape, storage, width in {(repr(s), k, w): (s, k, w) for s, k, w in layers}.values():
         try:
-            _meta_rows(shape, kv_dtype, width)
+            _meta_rows(shape, storage, width)
         except ValueError as err:
-            raise ValueError(f"KVCache({kv_dtype!r}) for {kind} ({shape}): {err}") from None
+            raise ValueError(f"KVCache({storage!r}) for {kind} ({shape}): {err}") from None
 
 
 class _Owner:
@@ -403,21 +414,23 @@ class _KVCacheBase:
     """KVCache(model, kv_dtype): a transformers Cache of attnlab's storages, one layer per decoder layer.
 
     model: a transformers model (or config) of a family attnlab knows; kv_dtype: any storage attnlab's GQA caches
-    take ("int8", "q4_0", "q8_0,q4_0", "int4/g32", None for plain). Refused in one line when it is made: another
-    family, a storage the head size cannot take."""
+    take ("int8", "q4_0", "q8_0,q4_0", "int4/g32", None for plain). value_bases, kept_dtype: a keys-whole plan's
+    (KVCache.from_pretrained reads them): each converted layer's value basis, and the storage of the layers it kept.
+    Refused in one line when it is made: another family, a storage the head size cannot take."""
 
-    def __init__(self, model, kv_dtype=None, value_bases=None):
+    def __init__(self, model, kv_dtype=None, value_bases=None, kept_dtype=None):
         config = text_config(model)
         shapes = layer_shapes(config)
         widths = _latent_widths(value_bases, len(shapes))
-        check_storage(kv_dtype, shapes, config.model_type, widths)
-        self.kv_dtype, self.model_type = kv_dtype, config.model_type
+        storages = layer_storages(kv_dtype, widths, kept_dtype)
+        check_storage(kv_dtype, shapes, config.model_type, widths, storages)
+        self.kv_dtype, self.kept_dtype, self.model_type = kv_dtype, kept_dtype, config.model_type
         _, layer_class, latent_class, joint_class = _classes()
         bases = [None] * len(shapes) if value_bases is None else list(value_bases)
         super().__init__(layers=[
-            latent_class(kv_dtype, s, i) if isinstance(s, LatentShape) else
-            joint_class(kv_dtype, s, i, u) if joint(kv_dtype) or u is not None else layer_class(kv_dtype, s, i)
-            for i, (s, u) in enumerate(zip(shapes, bases))])
+            latent_class(k, s, i) if isinstance(s, LatentShape) else
+            joint_class(k, s, i, u) if joint(k) or u is not None else layer_class(k, s, i)
+            for i, (s, u, k) in enumerate(zip(shapes, bases, storages))])
 
     @classmethod
     def from_pretrained(cls, folder, model=None):
@@ -426,7 +439,8 @@ class _KVCacheBase:
         config, storage = _planned(folder)
         if model is not None:
             _check_same(text_config(model), config, folder)
-        return cls(config, storage, value_bases(folder, config.num_hidden_layers))
+        return cls(config, storage, value_bases(folder, config.num_hidden_layers),
+                   planned_entry(folder).get("kept_dtype"))
 
     def crop(self, tokens_to_remove: int) -> None:
         """Forget the last -tokens_to_remove tokens in every layer, or in none (ValueError naming the layer that
@@ -445,7 +459,8 @@ class _KVCacheBase:
         return sum(layer.nbytes for layer in self.layers)
 
     def __repr__(self) -> str:
-        return f"KVCache({self.model_type}, kv_dtype={self.kv_dtype!r}, tokens={self.get_seq_length()})"
+        kept = "" if self.kept_dtype is None else f", kept_dtype={self.kept_dtype!r}"
+        return f"KVCache({self.model_type}, kv_dtype={self.kv_dtype!r}{kept}, tokens={self.get_seq_length()})"
 
 
 SIZES = ("model_type", "num_hidden_layers", "hidden_size", "num_key_value_heads", "vocab_size", "kv_lora_rank",
@@ -464,7 +479,7 @@ def planned_entry(folder) -> dict:
     entry = config.get("attnlab")
     if not isinstance(entry, dict) or entry.get("written_by") != "attnlab":
         return {}
-    named = {k: entry[k] for k in ("kv_dtype", "value_bases") if k in entry}
+    named = {k: entry[k] for k in ("kv_dtype", "value_bases", "kept_dtype") if k in entry}
     return {"model_type": config.get("model_type"), **named}
 
 

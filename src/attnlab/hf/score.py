@@ -7,12 +7,12 @@ from ..models.adapters import cache_keyword
 
 
 class TransformersRunner:
-    """A transformers causal LM in its own attention, fed through KVCache(model, kv_dtype, value_bases) any number of
-    tokens a call, as decoding reads the cache; models.evaluate.score_windows(..., runner=) scores with it. Batch of
+    """A transformers causal LM in its own attention, fed through KVCache(model, kv_dtype, value_bases, kept_dtype) any
+    number of tokens a call, as decoding reads the cache; models.evaluate.score_windows(..., runner=) scores with it. Batch of
     one."""
 
-    def __init__(self, model, kv_dtype=None, value_bases=None):
-        self.model, self.kv_dtype, self.value_bases = model, kv_dtype, value_bases
+    def __init__(self, model, kv_dtype=None, value_bases=None, kept_dtype=None):
+        self.model, self.kv_dtype, self.value_bases, self.kept_dtype = model, kv_dtype, value_bases, kept_dtype
         self.reset()  # KVCache refuses what is not a transformers model of a family attnlab knows
         self._keyword = cache_keyword(model.forward)
 
@@ -20,7 +20,7 @@ class TransformersRunner:
         """A fresh cache: every token forgotten."""
         from .cache import KVCache
 
-        self.cache = KVCache(self.model, self.kv_dtype, self.value_bases)
+        self.cache = KVCache(self.model, self.kv_dtype, self.value_bases, self.kept_dtype)
         self.length = 0
 
     @torch.no_grad()

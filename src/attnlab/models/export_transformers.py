@@ -41,10 +41,12 @@ def value_bases(model) -> list | None:
     return None if all(u is None for u in bases) else bases
 
 
-def export_transformers(model, folder, tokenizer=None, *, force: bool = False, storage: str | None = None) -> dict:
+def export_transformers(model, folder, tokenizer=None, *, force: bool = False, storage: str | None = None,
+                        kept_dtype: str | None = None) -> dict:
     """Write an attnlab'd model whose attention kept its shape, or whose layers are keys-whole MLAs, as a
     transformers folder (module docstring). storage: the KVCache storage it was planned for (config.json's
-    "attnlab" entry); None: a plain cache. Returns {"path", "architecture", "kv_dtype"}."""
+    "attnlab" entry; None: a plain cache); kept_dtype: that of the layers a keys-whole plan kept as they were.
+    Returns {"path", "architecture", "kv_dtype"}."""
     from safetensors.torch import save_file
 
     from ..io.folders import write_folder
@@ -53,10 +55,12 @@ def export_transformers(model, folder, tokenizer=None, *, force: bool = False, s
 
     check_transformers_export(model)
     check_kv_dtype(storage)
+    check_kv_dtype(kept_dtype)
     bases = value_bases(model)
+    kept = {"kept_dtype": kept_dtype} if bases and kept_dtype is not None and None in bases else {}
     out = from_attnlab(copy.deepcopy(model))
     out.config.attnlab = {"written_by": "attnlab", "kv_dtype": storage,
-                          **({"value_bases": VALUE_BASES} if bases else {})}
+                          **({"value_bases": VALUE_BASES} if bases else {}), **kept}
 
     def write(tmp: Path) -> None:
         out.save_pretrained(str(tmp))

@@ -205,9 +205,8 @@ def _pack_plain(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def _unpack_plain(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    per = 8 // bits
-    shifts = torch.arange(per, device=packed.device, dtype=torch.uint8) * bits
-    return ((packed[..., None] >> shifts) & ((1 << bits) - 1)).flatten(-2)  # (..., W)
+    mask = (1 << bits) - 1  # a shift by a number, not by a tensor of shifts: about twice as fast on a CPU
+    return torch.stack([(packed >> s) & mask for s in range(0, 8, bits)], -1).flatten(-2)  # (..., W)
 
 
 def chunks(bits: int) -> tuple[int, ...]:
@@ -331,20 +330,47 @@ def _codes_and_meta(xg: torch.Tensor, fmt: LowBit, width: int | None = None) -> 
         if width is not None and width % xg.shape[-1]:
             real = torch.ones(xg.shape[-2:], dtype=xg.dtype, device=xg.device)
             real[-1, width % xg.shape[-1]:] = 0
-        mid, err = (lo + hi) / 2, None
-        for ratio in CLIP_RATIOS:
-            mm, dd = _range_meta(mid + (lo - mid) * ratio, mid + (hi - mid) * ratio, top)
-            t = (xg - mm).mul_(torch.where(dd == 0, torch.zeros_like(dd), 1 / dd))
-            miss = t.round().clamp_(0, top).sub_(t).square_()  # in place: this loop is most of a few-bit write
-            e = (miss if real is None else miss.mul_(real)).sum(-1, keepdim=True).mul_(dd.square())  # (..., n, 1)
-            if err is None:
-                err = e
-                continue
-            better = e < err  # a tie keeps the larger range
-            m, d, err = torch.where(better, mm, m), torch.where(better, dd, d), torch.where(better, e, err)
+        search = _search_at_once if xg.numel() <= AT_ONCE else _search_in_turn
+        m, d = search(xg, lo, hi, m, d, top, real)
     inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
     codes = torch.round((xg - m) * inv).clamp(0, top).to(torch.uint8)
     return codes, torch.cat([d, m], -1).to(META_DTYPE)
+
+
+AT_ONCE = 1 << 15  # values up to which the clip search tries every ratio in one pass (a decode step's rows)
+
+
+def _clip_error(xg, lo, hi, mid, ratio, top: int, real):
+    """(m, d, err) of the range clipped to `ratio` (a float, or a tensor of them on a leading axis): err, the
+    squared error of the codes, d^2 sum (code - t)^2 with t = (x - m) / d, over each group's real values."""
+    mm, dd = _range_meta(mid + (lo - mid) * ratio, mid + (hi - mid) * ratio, top)
+    t = (xg - mm).mul_(torch.where(dd == 0, torch.zeros_like(dd), 1 / dd))
+    miss = t.round().clamp_(0, top).sub_(t).square_()  # in place: this search is most of a few-bit write
+    return mm, dd, (miss if real is None else miss.mul_(real)).sum(-1, keepdim=True).mul_(dd.square())
+
+
+def _search_in_turn(xg, lo, hi, m, d, top: int, real):
+    """The clip search one ratio after another: a ratio is taken where its error is below every larger one's (a tie
+    keeps the larger range); the first ratio's error is compared with but its range is (lo, hi)'s own (m, d)."""
+    mid, err = (lo + hi) / 2, None
+    for ratio in CLIP_RATIOS:
+        mm, dd, e = _clip_error(xg, lo, hi, mid, ratio, top, real)
+        if err is None:
+            err = e
+            continue
+        better = e < err
+        m, d, err = torch.where(better, mm, m), torch.where(better, dd, d), torch.where(better, e, err)
+    return m, d
+
+
+def _search_at_once(xg, lo, hi, m, d, top: int, real):
+    """_search_in_turn's choice with every ratio on a leading axis: the first ratio of least error (argmin's first
+    index), for a few rows, where the per-operation cost of the loop outweighs its arithmetic."""
+    ratios = torch.tensor(CLIP_RATIOS, dtype=xg.dtype, device=xg.device).view(-1, *([1] * lo.dim()))
+    mm, dd, e = _clip_error(xg, lo, hi, (lo + hi) / 2, ratios, top, real)  # (R, ..., n, 1) each
+    best = e.argmin(0, keepdim=True)  # the first of the least: the larger range on a tie
+    keep = best[0] == 0  # the first ratio stands for (lo, hi) themselves
+    return (torch.where(keep, m, mm.gather(0, best)[0]), torch.where(keep, d, dd.gather(0, best)[0]))
 
 
 def _iq4_nl_codes(xg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -412,7 +412,8 @@ def _write_export(run: _Run, out: Path, report: dict) -> None:
     elif req.fmt == "transformers" and (best.native or keys_whole(run.teacher) is not None):  # the source's class
         from ..models.export_transformers import export_transformers  # (a keys-whole MLA with its value bases)
 
-        report["written"] = export_transformers(student, out, tok, force=force, storage=best.kv_dtype)
+        report["written"] = export_transformers(student, out, tok, force=force, storage=best.kv_dtype,
+                                                kept_dtype=best.kept_dtype if best.layers else None)
     elif req.fmt == "transformers":  # an MLA: DeepSeek-V3, its config naming the KVCache storage of the latent
         path = hf.export_deepseek(student, out, tokenizer=tokenizer, force=force)
         report["written"] = {"path": str(path), "architecture": "deepseek_v3", "kv_dtype": best.kv_dtype}

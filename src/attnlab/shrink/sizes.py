@@ -346,7 +346,7 @@ class Layout:
 def layouts(teacher, budget_bytes: float, context: int | None, fmt: str = "attnlab",
             kept=KEPT_STORAGES) -> list[Layout]:
     """Every layer converted; and, for a model with both sliding and global layers planned at a context in attnlab's
-    format, the global layers converted and the sliding ones kept as they are, their cache in each of `kept` whose
+    format (or a transformers folder, which holds a keys-whole model's layers so), the global layers converted and the sliding ones kept as they are, their cache in each of `kept` whose
     bytes leave room (at a long context a sliding layer holds a small share of its tokens: the bytes are the
     global layers')."""
     from ..models.adapters import attnlab_modules
@@ -356,7 +356,7 @@ def layouts(teacher, budget_bytes: float, context: int | None, fmt: str = "attnl
     out = [Layout(None, None, windows, budget_bytes)]
     slide = [i for i, w in enumerate(windows) if w is not None]
     glob = [i for i, w in enumerate(windows) if w is None]
-    if context is None or fmt != "attnlab" or not slide or not glob:
+    if context is None or fmt not in ("attnlab", "transformers") or not slide or not glob:
         return out
     for storage in kept:
         cost = sum(mods[i].init_cache(1, 1, dtype=torch.bfloat16, device="meta", kv_dtype=storage).bytes_at(context)
