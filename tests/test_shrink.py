@@ -868,8 +868,8 @@ def test_a_cpu_heal_plan_runs_in_bf16_where_the_time_binds_and_the_cpu_multiplie
     CPU multiplies bf16 natively and the time binds the layer-wise phase (its few-steps schedule, batches of 4 at
     FEW_STEPS_LR), and then times its layer step under that autocast: the step's projections return bf16, seen by a
     hook on the copy it times (deep copies keep forward hooks). Where the whole schedule fits (batches of 8) the heal
-    is float32; ATTNLAB_CPU_BF16=1 asks for bf16 there too, =0 never, CPU_BF16 off only where asked; a plan that keeps
-    every value heals in float32 whatever is asked."""
+    is float32; ATTNLAB_CPU_BF16=1 asks for bf16 there too, =0 never; with CPU_BF16 off (the default, fitted on the
+    development texts) only where asked; a plan that keeps every value heals in float32 whatever is asked."""
     import copy
     import importlib
 
@@ -896,7 +896,9 @@ def test_a_cpu_heal_plan_runs_in_bf16_where_the_time_binds_and_the_cpu_multiplie
     roomy, tight = planned(300.0), planned(1e-3)  # the tiny model: 100 steps of 8 fit 300 s; none fit 1 ms
     assert (roomy.layer_batch, roomy.layer_lr, tight.layer_batch, tight.layer_lr) == (8, HealPlan().layer_lr, 4,
                                                                                         hp.FEW_STEPS_LR)
-    assert roomy.bf16 is False and tight.bf16 is native
+    assert roomy.bf16 is False and tight.bf16 is False and seen == {torch.float32}  # CPU_BF16 off: float32
+    monkeypatch.setattr(hp, "CPU_BF16", True)
+    assert planned(1e-3).bf16 is native
     assert seen == ({torch.float32, torch.bfloat16} if native else {torch.float32})  # float32 timed, then bf16
     monkeypatch.setenv(hp.BF16_VARIABLE, "1")  # asked for: bf16 whatever the schedule, timed so
     plan = planned(300.0)
@@ -906,9 +908,6 @@ def test_a_cpu_heal_plan_runs_in_bf16_where_the_time_binds_and_the_cpu_multiplie
     assert planned(1e-3, every).bf16 is False
     monkeypatch.setenv(hp.BF16_VARIABLE, "0")  # ATTNLAB_CPU_BF16=0: float32 on any CPU
     assert planned(1e-3).bf16 is False and seen == {torch.float32}
-    monkeypatch.delenv(hp.BF16_VARIABLE)
-    monkeypatch.setattr(hp, "CPU_BF16", False)
-    assert planned(1e-3).bf16 is False
 
 
 def test_cpu_bf16_reads_the_flags_line_of_cpuinfo():

@@ -32,9 +32,10 @@ PROBE_SHARE = 0.4
 LOW_RANK_INPUTS = "student"  # where a plan that cuts rank fits each layer (HealPlan.layer_inputs): its own inputs
 AFTER_LAYERS_LR = 1e-4  # the end-to-end rate after the layer-wise phase of a plan that cuts rank (HealPlan.lr)
 # bf16 steps (HealPlan.bf16) for a CPU heal of a plan that cuts rank, where the CPU multiplies bf16 natively
-# (runtime.environment.cpu_bf16) and the time binds its layer-wise phase (the few-steps schedule). ATTNLAB_CPU_BF16=1
-# asks for them whatever the schedule, =0 never (the torchrun tests compare float32 sums).
-CPU_BF16 = True
+# (runtime.environment.cpu_bf16) and the time binds its layer-wise phase (the few-steps schedule). Off: on the
+# development texts float32 did as well or better (docs/decisions.md). ATTNLAB_CPU_BF16=1 asks for them whatever the
+# schedule, =0 never (the torchrun tests compare float32 sums).
+CPU_BF16 = False
 BF16_VARIABLE = "ATTNLAB_CPU_BF16"
 
 
