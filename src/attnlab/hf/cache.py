@@ -300,7 +300,7 @@ class _JointLayer(_CodedLayer):
     def __init__(self, kv_dtype, shape: LayerShape, index: int, basis: torch.Tensor | None = None):
         super().__init__(kv_dtype, shape, index)
         self.basis = None if basis is None else basis.detach().to(torch.float64)
-        self.maps = None  # with a basis: (U^+ transposed, U transposed, the rope key's order), on the rows' device
+        self.maps = None  # with a basis: (U^+ and U transposed, the rope key's order and its inverse), on the device
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         got = self._checked(key_states, value_states)
@@ -314,7 +314,8 @@ class _JointLayer(_CodedLayer):
                                  f"{G} x {got.v_head_dim} values")
             like = dict(dtype=key_states.dtype, device=key_states.device)
             order = by_head(torch.arange(G * d), G, False).reshape(-1).to(key_states.device)
-            self.maps = (torch.linalg.pinv(self.basis).T.to(**like), self.basis.T.to(**like), order)
+            self.maps = (torch.linalg.pinv(self.basis).T.to(**like), self.basis.T.to(**like), order,
+                         torch.argsort(order))
         self.device, self.is_initialized = key_states.device, True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -324,13 +325,14 @@ class _JointLayer(_CodedLayer):
         G, dv = self.shape.num_kv_heads, self.shape.v_head_dim
         values, keys = _flat(value_states), _flat(key_states)  # (B, n, G dv), (B, n, G d)
         if self.maps is not None:
-            down, up, order = self.maps
-            values, keys = values @ down, keys[..., torch.argsort(order)]  # the latent; keys as the rope key
+            down, _, _, to_rope = self.maps
+            values, keys = values @ down, keys[..., to_rope]  # the latent; keys as the rope key
         elif VALUE_ROTATION:
             values = hadamard_transform(values, _rotation_size(dv))
         out = _extend_rows(self.rows, torch.cat([values, keys], dim=-1))  # (B, S, width + G d)
         values, keys = out[..., :self.rows.latent_dim], out[..., self.rows.latent_dim:]
         if self.maps is not None:
+            _, up, order, _ = self.maps
             values, keys = values @ up, keys[..., order]
         elif VALUE_ROTATION:
             values = hadamard_transform(values, _rotation_size(dv))  # H is its own inverse
