@@ -5,6 +5,7 @@ DynamicCache fed each new row through the storage's round trip (storage.round_tr
 quantizers in test_kv_lowbit.py), whose logits KVCache must give to the bit through left padding, beam search,
 crop and a reused cache; attnlab's own loop (CacheRunner) with the same storage; the bytes by hand.
 """
+import copy
 import gc
 
 import pytest
@@ -65,15 +66,40 @@ def test_plain_kvcache_gives_dynamic_caches_logits(tiny):
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
+def _stepwise(model, ids, cache, steps=12):
+    """Greedy decoding with the prompt fed one token at a time: (tokens, logits of each step) as _generate's."""
+    tokens, logits = ids, []
+    with torch.no_grad():
+        for t in range(ids.shape[1] - 1):
+            model(ids[:, t:t + 1], cache=cache, use_cache=True)
+        step = ids[:, -1:]
+        for _ in range(steps):
+            logits.append(model(step, cache=cache, use_cache=True).logits[:, -1])
+            step = logits[-1].argmax(-1, keepdim=True)
+            tokens = torch.cat([tokens, step], 1)
+    return tokens, torch.stack(logits)
+
+
 @pytest.mark.parametrize("kv_dtype", STORAGES)
 def test_coded_rows_give_the_round_trips_logits(tiny, kv_dtype):
-    """Prefill and decode: every row is stored coded, and transformers reads back the storage's round trip of it."""
+    """Prefill and decode: every row is stored coded, and transformers reads back the storage's round trip of it.
+    With "+w<N>" each prompt query reads its own newest N rows plain: the round trip fed a token at a time (float64)."""
     ids = _ids(20, tiny.config.vocab_size)
-    want = _generate(tiny, ids, RoundTripCache(tiny.config, kv_dtype))
-    got = _generate(tiny, ids, KVCache(tiny, kv_dtype))
-    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    if "+w" in kv_dtype:
+        model = copy.deepcopy(tiny).double()
+        got = _generate(model, ids, KVCache(model, kv_dtype))
+        want = _stepwise(model, ids, RoundTripCache(model.config, kv_dtype))
+        assert model.config._attn_implementation == "attnlab"
+        assert torch.equal(got[0], want[0])
+        assert ((got[1] - want[1]).abs().max() / want[1].abs().max()).item() <= 1e-6  # codes read back in float32
+        last = _generate(model, ids, RoundTripCache(model.config, kv_dtype))  # the prompt's queries as its last
+        assert not torch.allclose(got[1][0], last[1][0], rtol=0, atol=1e-6)  # the prompt read differently
+    else:
+        want = _generate(tiny, ids, RoundTripCache(tiny.config, kv_dtype))
+        got = _generate(tiny, ids, KVCache(tiny, kv_dtype))
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     plain = _generate(tiny, ids, DynamicCache(config=tiny.config))
-    assert not torch.equal(got[1], plain[1])  # the storage did code something
+    assert not torch.equal(got[1].float(), plain[1])  # the storage did code something
 
 
 def test_left_padded_batch_and_beam_search(tiny):

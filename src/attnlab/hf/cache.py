@@ -3,9 +3,10 @@
 Each layer keeps one attnlab `modules.cache.KVCache`: the same codes, scales and llama.cpp rotation as attnlab's own
 loop, written once per token when it arrives (the prefill included) and read back dequantised for transformers'
 attention. A full-attention layer grows its buffers in steps (`GROWTH`); a sliding layer keeps its window's rows.
-A "+w<N>" storage also keeps each layer's newest N keys and values plain (modules/recent.py's ring), and every call
-reads those N rows plain: for a decode step that is each query's newest N, as in attnlab's own latent caches; a
-chunk's earlier queries read them as the chunk's last query does.
+A "+w<N>" storage also keeps each layer's newest N keys and values plain (modules/recent.py's ring). A decode step
+reads those N rows plain; a call of several tokens returns the rows as stored and then the plain ones, and the
+attention KVCache sets on the model (hf/attention.py) lets each query read its own newest N plain, as attnlab's
+own latent caches do.
 A DeepSeek-V3 folder (an MLA attnlab wrote) passes each layer's normalised latent and rope key: its layers hold
 `modules.cache.LatentCache` rows [latent, rope key] in the MLA's storage ("int3/g256+c4+w8"), the latent's first
 `latent_channels` channels only (an export's constant channel, which kv_b_proj ignores, reads back as 0).
@@ -24,6 +25,7 @@ from ..modules.recent import RecentRows
 from ..modules.rope_key import by_head
 from ..modules.rotation import hadamard_transform
 from ..modules.storage import check_kv_dtype, dense
+from .attention import announce, use_on
 
 GROWTH = 64  # a full layer grows to what it needs plus a 64th of it (at least MIN_ROOM rows): bytes held <= 1.02x
 MIN_ROOM = 16  # from about 1,000 tokens on; a reallocation copies the rows held, every 16 tokens at most
@@ -164,6 +166,7 @@ class _CodedLayer(_Owner):
     def __init__(self, kv_dtype, shape: LayerShape, index: int):
         super().__init__()
         self.kv_dtype, self.shape, self.index = kv_dtype, shape, index
+        self.mixed = False  # KVCache sets it where the model's attention is hf/attention.py's
         self.is_sliding, self.is_croppable = shape.window is not None, shape.window is None
         fmt = check_kv_dtype(kv_dtype)
         self.base, self.recent = (fmt.base_name, fmt.recent) if fmt is not None else (None, None)
@@ -203,12 +206,28 @@ class _CodedLayer(_Owner):
         offset, length = self.get_mask_sizes(n)[1], rows.length
         keys, values = rows.extend(k=key_states, v=value_states)
         skip = offset - rows.key_start  # a window cache may return rows older than the mask reads
-        out = [keys[..., skip:, :], values[..., skip:, :]]
+        out = [keys[..., skip:, :], values[..., skip:, :]]  # positions offset .. length + n - 1
+        if self.mixed and n > 1 and self.plain:
+            return self._mixed(out, key_states, value_states, offset, length)
         for i, (ring, new) in enumerate(zip(self.plain, (key_states, value_states))):
             ring.push(length, _flat(new))
             held = min(rows.length, ring.size)  # the ring's rows, oldest first
             k = min(held, out[i].shape[-2])  # the newest k rows read plain
             out[i][..., -k:, :] = _heads(ring.rows[:, held - k:held], out[i].shape[1])
+        return out[0], out[1]
+
+    def _mixed(self, out: list, key_states, value_states, offset: int, length: int):
+        """update's rows for a call of several tokens with a "+w<N>" ring: the rows as stored, then the plain rows
+        of the newest positions its queries read, announced to hf/attention.py (window: a sliding layer's)."""
+        size = self.recent if self.shape.window is None else min(self.recent, self.shape.window)
+        S, first = out[0].shape[-2], offset
+        for i, (ring, new) in enumerate(zip(self.plain, (key_states, value_states))):
+            before, start = ring.tail(length)  # positions start .. length - 1
+            ring.push(length, _flat(new))
+            first = max(start, offset)
+            tail = torch.cat([before, _flat(new).to(before.dtype)], dim=1)[:, first - start:]
+            out[i] = torch.cat([out[i], _heads(tail, out[i].shape[1]).to(out[i].dtype)], dim=-2)
+        announce(S, first - offset, size)
         return out[0], out[1]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -276,16 +295,21 @@ class _CodedLayer(_Owner):
         return self.rows.bytes_per_token if self.rows is not None else 0
 
 
-def _extend_rows(rows: _LatentRows, new: torch.Tensor) -> torch.Tensor:
+def _extend_rows(rows: _LatentRows, new: torch.Tensor, mixed: bool) -> torch.Tensor:
     """Write new rows (B, n, w) into a LatentCache, grown as needed; every row it holds (B, S, w) as queries read
-    them: dequantised, a "+w<N>" storage's newest N plain (for every query of the call, as for its last)."""
+    them: dequantised, a "+w<N>" storage's newest N plain. mixed, for a call of several tokens: the S rows as stored
+    and then the plain rows its queries read, announced to hf/attention.py, instead of the last query's view."""
     need = rows.length + new.shape[1]
     if need > rows.max_len:
         rows.reserve(need + max(MIN_ROOM, need // GROWTH))
     if not rows.recent:
         return rows.extend(kv=new)[0]
-    stored, plain, _ = rows.extend_recent(new)
-    out = dense(stored).clone()
+    stored, plain, start = rows.extend_recent(new)
+    out = dense(stored)
+    if mixed and new.shape[1] > 1:
+        announce(out.shape[1], start, rows.recent)
+        return torch.cat([out, plain.to(out.dtype)], dim=1)
+    out = out.clone()
     k = min(rows.recent, out.shape[1])
     out[:, -k:] = plain[:, -k:].to(out.dtype)
     return out
@@ -329,7 +353,7 @@ class _JointLayer(_CodedLayer):
             values, keys = values @ down, keys[..., to_rope]  # the latent; keys as the rope key
         elif VALUE_ROTATION:
             values = hadamard_transform(values, _rotation_size(dv))
-        out = _extend_rows(self.rows, torch.cat([values, keys], dim=-1))  # (B, S, width + G d)
+        out = _extend_rows(self.rows, torch.cat([values, keys], dim=-1), self.mixed)  # (B, S(+M), width + G d)
         values, keys = out[..., :self.rows.latent_dim], out[..., self.rows.latent_dim:]
         if self.maps is not None:
             _, up, order, _ = self.maps
@@ -386,7 +410,7 @@ class _LatentLayer(_CodedLayer):
             latent = latent / held
             if self.factor is None:  # every token's factor is this one to within 2^-24 (models/export.py)
                 self.factor = held[:, :1]
-        out = _extend_rows(rows, torch.cat([latent, value_states[:, 0]], dim=-1))  # (B, S, coded + p)
+        out = _extend_rows(rows, torch.cat([latent, value_states[:, 0]], dim=-1), self.mixed)  # (B, S(+M), coded + p)
         latent = out.new_zeros(out.shape[0], 1, out.shape[1], shape.latent_dim)
         latent[:, 0, :, :shape.coded] = out[..., :shape.coded] if self.factor is None else \
             out[..., :shape.coded] * self.factor
@@ -418,7 +442,9 @@ class _KVCacheBase:
     model: a transformers model (or config) of a family attnlab knows; kv_dtype: any storage attnlab's GQA caches
     take ("int8", "q4_0", "q8_0,q4_0", "int4/g32", None for plain). value_bases, kept_dtype: a keys-whole plan's
     (KVCache.from_pretrained reads them): each converted layer's value basis, and the storage of the layers it kept.
-    Refused in one line when it is made: another family, a storage the head size cannot take."""
+    Refused in one line when it is made: another family, a storage the head size cannot take. A "+w<N>" storage
+    sets the model's attention to hf/attention.py's (sdpa, each query reading its own newest N rows plain); made
+    from a config, a call of several tokens reads the newest N plain for every query, as its last does."""
 
     def __init__(self, model, kv_dtype=None, value_bases=None, kept_dtype=None):
         config = text_config(model)
@@ -433,6 +459,11 @@ class _KVCacheBase:
             latent_class(k, s, i) if isinstance(s, LatentShape) else
             joint_class(k, s, i, u) if joint(k) or u is not None else layer_class(k, s, i)
             for i, (s, u, k) in enumerate(zip(shapes, bases, storages))])
+        windowed = [layer for layer, k in zip(self.layers, storages) if getattr(check_kv_dtype(k), "recent", None)]
+        if windowed and hasattr(model, "set_attn_implementation"):  # a model, not its config: mix as decoding reads
+            use_on(model)
+            for layer in windowed:
+                layer.mixed = True
 
     @classmethod
     def from_pretrained(cls, folder, model=None):
@@ -441,7 +472,7 @@ class _KVCacheBase:
         config, storage = _planned(folder)
         if model is not None:
             _check_same(text_config(model), config, folder)
-        return cls(config, storage, value_bases(folder, config.num_hidden_layers),
+        return cls(config if model is None else model, storage, value_bases(folder, config.num_hidden_layers),
                    planned_entry(folder).get("kept_dtype"))
 
     def crop(self, tokens_to_remove: int) -> None:

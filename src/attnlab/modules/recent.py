@@ -67,21 +67,28 @@ class RecentRows:
 def mixed_keys(stored: torch.Tensor, plain: torch.Tensor, tail_start: int, query_len: int, size: int,
                mask: torch.Tensor | None, is_causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(rows (B, S + S - tail_start, width), mask (..., L, that many)): stored rows of positions 0..S-1, then the
-    plain rows (B, S - tail_start, width) of positions tail_start..S-1; query l (position S - L + l) sees a plain
-    row within its newest `size` positions and a stored row only outside them (module docstring). `mask` (bool,
-    True = seen, or additive float, key axis S) and is_causal: what the call allowed before; the result needs
-    is_causal False."""
-    S, L = stored.shape[1], query_len
+    plain rows (B, S - tail_start, width) of positions tail_start..S-1, and mixed_mask's mask over them."""
+    joined = mixed_mask(stored.shape[1], tail_start, query_len, size, mask, is_causal, stored.device)
+    return torch.cat([stored, plain.to(stored.dtype)], dim=1), joined
+
+
+def mixed_mask(S: int, tail_start: int, query_len: int, size: int, mask: torch.Tensor | None, is_causal: bool,
+               device=None) -> torch.Tensor:
+    """The mask (..., L, 2S - tail_start) over S stored rows then the plain rows of positions tail_start..S-1: query
+    l (position S - L + l) sees a plain row within its newest `size` positions and a stored row only outside them
+    (module docstring). `mask` (bool, True = seen, or additive float, key axis S) and is_causal: what the call
+    allowed before; the result needs is_causal False."""
+    L = query_len
     if tail_start > S - L - size + 1 and tail_start > 0:
         raise ValueError(f"the plain rows start at position {tail_start}; queries {S - L}..{S - 1} with a recent "
                          f"window of {size} need them from {max(0, S - L - size + 1)}")
-    i = torch.arange(S - L, S, device=stored.device)[:, None]  # (L, 1): each query's position
-    j = torch.arange(S, device=stored.device)[None]  # (1, S)
+    i = torch.arange(S - L, S, device=device)[:, None]  # (L, 1): each query's position
+    j = torch.arange(S, device=device)[None]  # (1, S)
     recent = (j > i - size) & (j <= i)  # (L, S): read plain
     if mask is None:
-        base = causal_mask(L, S, stored.device) if is_causal else None
+        base = causal_mask(L, S, device) if is_causal else None
     elif is_causal:
-        c = causal_mask(L, S, stored.device)
+        c = causal_mask(L, S, device)
         base = mask & c if mask.dtype == torch.bool else mask.masked_fill(~c, float("-inf"))
     else:
         base = mask
@@ -93,5 +100,4 @@ def mixed_keys(stored: torch.Tensor, plain: torch.Tensor, tail_start: int, query
         parts = [base.masked_fill(recent, float("-inf")), base[..., tail_start:].masked_fill(~recent[:, tail_start:],
                                                                                           float("-inf"))]
     shape = torch.broadcast_shapes(parts[0].shape[:-1], parts[1].shape[:-1])
-    joined = torch.cat([p.expand(*shape, p.shape[-1]) for p in parts], dim=-1)  # (..., L, 2S - tail_start)
-    return torch.cat([stored, plain.to(stored.dtype)], dim=1), joined
+    return torch.cat([p.expand(*shape, p.shape[-1]) for p in parts], dim=-1)  # (..., L, 2S - tail_start)

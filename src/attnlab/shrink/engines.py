@@ -31,7 +31,7 @@ def transformers_cache(storage: str | None, native: bool = True, whole: bool = F
         "DeepseekV3ForCausalLM, an MLA whose latent "
     return {"kv_dtype": storage, "architecture": "source" if native or whole else "deepseek_v3",
             "note": "model = AutoModelForCausalLM.from_pretrained(OUT); model.generate(..., "
-                    f"cache=attnlab.hf.KVCache.from_pretrained(OUT)) ({what}cache in {storage})"}
+                    f"cache=attnlab.hf.KVCache.from_pretrained(OUT, model)) ({what}cache in {storage})"}
 
 
 def runs_in(fmt: str, chosen: dict, whole: bool = False) -> dict:

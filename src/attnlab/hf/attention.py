@@ -1,0 +1,48 @@
+"""transformers' attention over KVCache's recent window: each query of a call reads its own newest N rows plain.
+
+A "+w<N>" layer of KVCache answers a call of several tokens with its S rows as stored, then the plain rows of the
+newest positions (modules/recent.py), and announces that here. The attention registered as "attnlab" (sdpa
+otherwise) then masks them as attnlab's own modules do (recent.mixed_mask): a chunk, a prefill or a batch scores
+what decoding one token at a time scores. KVCache switches a model to it when a storage keeps a window.
+"""
+from __future__ import annotations
+
+import threading
+
+from ..modules.recent import mixed_mask
+
+NAME = "attnlab"
+_pending = threading.local()  # the last announcement: made by a layer's update, read by the attention after it
+
+
+def announce(stored: int, tail_start: int, size: int) -> None:
+    """A cache layer returned `stored` rows as stored, then the plain rows of positions tail_start..stored - 1."""
+    _pending.mix = (stored, tail_start, size)
+
+
+def attention(module, query, key, value, attention_mask, **kwargs):
+    """sdpa, over the mixed rows a cache layer announced for this call (module docstring)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    mix, _pending.mix = getattr(_pending, "mix", None), None
+    if mix is not None:
+        S, tail_start, size = mix
+        if key.shape[-2] != 2 * S - tail_start:
+            raise ValueError(f"layer {getattr(module, 'layer_idx', '?')}: {key.shape[-2]} keys, but its cache "
+                             f"announced {S} stored rows and {S - tail_start} plain ones")
+        base = None if attention_mask is None else attention_mask[..., :S]
+        attention_mask = mixed_mask(S, tail_start, query.shape[-2], size, base, base is None, query.device)
+        kwargs["is_causal"] = False
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def use_on(model) -> None:
+    """Register the "attnlab" attention (and sdpa's masks under its name) and set it on `model`, when `model` is a
+    transformers model (a config alone is left as it is)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    AttentionInterface.register(NAME, attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, sdpa_mask)
+    if hasattr(model, "set_attn_implementation") and getattr(model.config, "_attn_implementation", None) != NAME:
+        model.set_attn_implementation(NAME)
