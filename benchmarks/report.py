@@ -228,7 +228,8 @@ def losses(data: dict, table: dict) -> list[str]:
         raise ValueError("benchmarks/results/engines.json has no smollm2-12-gguf rows: "
                          "python benchmarks/engines/engines.py run --case smollm2-12-gguf --seed S")
     lo, hi, context = speed_range()
-    st, gt = (case_row(table, c) for c in ("smollm2-25-transformers", "gemma3-270m-25-transformers"))
+    st, gt, gl = (case_row(table, c) for c in ("smollm2-25-transformers", "gemma3-270m-25-transformers",
+                                               "gemma3-270m-25"))
     upper = [c for c in README_CASES if share(case_row(table, c)) >= 0.25]
     heals = [given_back(r) for c in upper for r in runs(data, c)]
     stood = [s for r in engines.table() if r["case"] != "smollm2-12-gguf" for s in r["heal_stood"]]
@@ -239,10 +240,11 @@ def losses(data: dict, table: dict) -> list[str]:
         f"At 12.5% the plain command gives {x(eighth['median'])} median, {x(eighth['worst'])} worst; your text and "
         f"30 minutes bring it to {x(text['median'])}, {x(text['worst'])}. {label(eb)} at {small[eb]['share']:.1%} "
         f"gives {x(small[eb]['median'])}, {x(small[eb]['worst'])}.",
-        f"In transformers' own forward over `attnlab.hf.KVCache` (`--format transformers`) the 25% plans lose more: "
-        f"SmolLM2 {x(st['median'])} median, {x(st['worst'])} worst, Gemma 3 {x(gt['median'])}, {x(gt['worst'])}, "
-        "fed in chunks of 128 whose queries read their own chunk's rows coded. As a llama.cpp GGUF the 12.5% plan "
-        f"gives {x(gguf['shrunk']['median'])} median, {x(gguf['shrunk']['worst'])} worst.",
+        f"In transformers' own forward over `attnlab.hf.KVCache` (`--format transformers`) the 25% plans give "
+        f"SmolLM2 {x(st['median'])} median, {x(st['worst'])} worst and Gemma 3 {x(gt['median'])}, {x(gt['worst'])} "
+        f"(attnlab's loop: {x(quarter['median'])}, {x(quarter['worst'])}; {x(gl['median'])}, {x(gl['worst'])}). "
+        f"As a llama.cpp GGUF the 12.5% plan gives {x(gguf['shrunk']['median'])} median, "
+        f"{x(gguf['shrunk']['worst'])} worst.",
         f"`attnlab.hf.KVCache` decodes at {lo:.2f}-{hi:.2f}x DynamicCache's speed at {context:,} tokens on a CPU: "
         "each step reads every row back dequantised.",
         "On a CPU the heal does not pay at 25% and above: the guard gave back its end-to-end steps, or all of it, "

@@ -102,6 +102,22 @@ def test_coded_rows_give_the_round_trips_logits(tiny, kv_dtype):
     assert not torch.equal(got[1].float(), plain[1])  # the storage did code something
 
 
+def test_a_prefill_in_blocks_of_queries_reads_what_one_block_reads(tiny, monkeypatch):
+    """hf/attention.py takes a long call's queries BLOCK at a time: with blocks of 3 a left-padded batch's prefill
+    and decode give one block's tokens and logits (float64: 1e-10), sliding layers included."""
+    from attnlab.hf import attention
+
+    model = copy.deepcopy(tiny).double()
+    ids = _ids(20, model.config.vocab_size, batch=2)
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    want = _generate(model, ids, KVCache(model, "int3/g64+w4"), attention_mask=mask)
+    monkeypatch.setattr(attention, "BLOCK", 3)
+    got = _generate(model, ids, KVCache(model, "int3/g64+w4"), attention_mask=mask)
+    assert torch.equal(got[0], want[0])
+    assert ((got[1] - want[1]).abs().max() / want[1].abs().max()).item() <= 1e-10
+
+
 def test_left_padded_batch_and_beam_search(tiny):
     ids = _ids(14, tiny.config.vocab_size, batch=2)
     mask = torch.ones_like(ids)
