@@ -71,7 +71,8 @@ def test_values_no_kv_head_can_carry_are_refused_naming_the_head():
 
 
 @pytest.mark.parametrize("kind", ["qwen3", "gemma3"])
-@pytest.mark.parametrize("storage, chunk", [(None, 7), ("int4/g16", 7), ("int4/g16+c4", 7), ("int3/g16+c4+w4", 7)])
+@pytest.mark.parametrize("storage, chunk", [(None, 7), ("int4/g16", 7), ("int4/g16+c4", 7), ("int3/g16+c4+w4", 7),
+                                            ("int3/g16+c4+s1+w4", 7)])
 def test_transformers_scores_a_keys_whole_plan_as_attnlabs_loop(kind, storage, chunk):
     """transformers' forward over KVCache(model, storage, value bases) and attnlab's loop over the MLAs' own
     LatentCache give the same perplexity, sliding layers and codes included, to float32's unit roundoff (transformers'

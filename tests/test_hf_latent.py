@@ -20,7 +20,7 @@ from attnlab.models.load import load_checkpoint  # noqa: E402
 from test_hf_cache import _tensors_reachable  # noqa: E402
 
 LATENT, ROPE = 24, 8
-STORAGES = [None, "int8", "int4/g8+r8", "int3/g8+c4", "int3/g8+c4+w4"]
+STORAGES = [None, "int8", "int4/g8+r8", "int3/g8+c4", "int3/g8+c4+w4", "int3/g8+c4+s1+w4"]
 # the plain export agrees with attnlab's MLA to float64's rounding over the longrope factors and the folded softmax
 # scale (measured up to 2.4e-10); the cache codes the MLA's own latent, so the codes add nothing to it
 EXPORT_TOL = 1e-9

@@ -55,6 +55,7 @@ from torch import nn
 from . import checks, lowbit
 from .key_groups import RopeKeyGroups
 from .recent import RecentRows
+from .sink import SinkRows
 from .storage import SCALE_DTYPE, QuantisedKV, check_kv_dtype, dense, num_scales, quantise, rotation
 
 WINDOW_ROOM = 64  # rows a window cache allocates beyond its window (at most the window itself)
@@ -67,10 +68,10 @@ def window_rows(window: int, max_len: int) -> int:
 
 def window_for(sliding_window: int | None, kv_dtype, sliding: bool = True) -> int | None:
     """The window a module's cache keeps: its sliding_window, unless sliding is False or the storage keeps a rope
-    key per channel over groups of tokens ("+c4"), which cannot drop one token at a time (then every token is
-    kept and the module's mask applies the window)."""
+    key per channel over groups of tokens ("+c4"), which cannot drop one token at a time, or the first rows plain
+    ("+s<N>") (then every token is kept and the module's mask applies the window)."""
     fmt = check_kv_dtype(kv_dtype)
-    if not sliding or (fmt is not None and fmt.low is not None and fmt.low.rope_channel):
+    if not sliding or (fmt is not None and (fmt.sink or fmt.low is not None and fmt.low.rope_channel)):
         return None
     return sliding_window
 
@@ -87,6 +88,7 @@ class _Cache:
 
     key_start = 0  # position of the first row the last extend() returned (a window cache drops older ones)
     _recent: RecentRows | None = None  # "+w<N>": the newest N rows plain (LatentCache; modules/recent.py)
+    _sink: SinkRows | None = None  # "+s<N>": the first N rows plain (LatentCache; modules/sink.py)
 
     def __init__(self, owner: nn.Module, batch_size: int, max_len: int, buffers: dict[str, tuple[int, ...]],
                  dtype: torch.dtype, device, *, kv_dtype=None, parts: dict[str, tuple[int, ...]] | None = None,
@@ -131,7 +133,7 @@ class _Cache:
             if fmt is not None and fmt.low is not None:  # packed codes, float16 meta per group
                 lowbit.check_parts(parts_n, fmt.low)
                 if fmt.low.rope_channel:  # the rope key's meta per group of tokens, its newest group unquantised
-                    self._channel[name] = RopeKeyGroups(shape, parts_n, fmt.low, max_len, dtype, device)
+                    self._channel[name] = RopeKeyGroups(shape, parts_n, fmt.low, max_len, dtype, device, fmt.sink or 0)
                 setattr(self, name, torch.zeros(*shape[:-1], lowbit.packed_row(parts_n, fmt.low), dtype=stored,
                                                 device=device))
                 self._scale_names[name] = name + "_scales"
@@ -152,7 +154,11 @@ class _Cache:
         """Every tensor the cache allocated: the buffers and, for quantised storage, their scales (and for a
         rope key per channel its meta per group of tokens and its newest group, unquantised; a recent window's rows)."""
         return [getattr(self, n) for n in self._row_names()] + [t for g in self._channel.values() for t in g.tensors()] \
-            + ([self._recent.rows] if self._recent is not None else [])
+            + self._plain_rows()
+
+    def _plain_rows(self) -> list[torch.Tensor]:
+        """The rows kept plain beside the codes: a recent window's, the first rows' ("+w<N>", "+s<N>")."""
+        return [r.rows for r in (self._recent, self._sink) if r is not None]
 
     def _per_token_share(self, numbers: bool) -> int:
         """A rope key per channel: each token's share of its group's meta (rounded up), in numbers or bytes."""
@@ -201,8 +207,8 @@ class _Cache:
     def fixed_bytes(self) -> int:
         """Bytes a sequence holds whatever its length, not per token (bytes_per_token leaves them out): the rope key
         per channel's newest group, KEY_TOKENS rows kept unquantised in the activation dtype ("+c4"), and a recent
-        window's N plain rows ("+w<N>"); 0 for others."""
-        fixed = [g.recent for g in self._channel.values()] + ([self._recent.rows] if self._recent is not None else [])
+        window's N plain rows ("+w<N>") and the first N rows plain ("+s<N>"); 0 for others."""
+        fixed = [g.recent for g in self._channel.values()] + self._plain_rows()
         return sum(t.numel() * t.element_size() for t in fixed) // self.batch_size
 
     def bytes_at(self, context: int) -> float:
@@ -239,9 +245,9 @@ class _Cache:
         if self._channel:
             raise ValueError(f"kv_dtype {self.kv_dtype!r} quantises the rope key a group of {lowbit.KEY_TOKENS} "
                              "tokens at a time, which a fixed-shape step cannot: decode without fixed_shape")
-        if self._recent is not None:
-            raise ValueError(f"kv_dtype {self.kv_dtype!r} keeps its newest {self._recent.size} rows plain beside the "
-                             "codes, which a fixed-shape step does not: decode without fixed_shape")
+        if self._recent is not None or self._sink is not None:
+            raise ValueError(f"kv_dtype {self.kv_dtype!r} keeps rows plain beside the codes, which a fixed-shape step "
+                             "does not: decode without fixed_shape")
         if self.window is not None:
             raise ValueError(f"this cache keeps a sliding window of {self.window} tokens, and a fixed-shape step "
                              "needs every slot: make it with init_cache(..., sliding=False)")
@@ -314,6 +320,8 @@ class _Cache:
         self._room_for(n)
         if self._recent is not None:
             self._recent.push(self.length, new[self._names[0]])
+        if self._sink is not None:
+            self._sink.push(self.length, new[self._names[0]])
         if self.window is not None:
             self._extend_window(new, n)
             return
@@ -339,6 +347,8 @@ class _Cache:
                 continue
             scales = getattr(self, self._scale_names[name])[..., :rows, :] if name in self._scale_names else None
             out.append(self._as_read(getattr(self, name)[..., :rows, :], scales, name))
+        if self._sink is not None:  # the first rows plain, so read back dequantised (a LatentCache's one buffer)
+            out[0] = self._sink.patch(dense(out[0]))
         return tuple(out)
 
     def _as_read(self, rows: torch.Tensor, scales: torch.Tensor | None, name: str):
@@ -428,8 +438,9 @@ class _Cache:
             setattr(self, name, getattr(self, name).index_select(0, indices))
         for groups in self._channel.values():
             groups.select(indices)
-        if self._recent is not None:
-            self._recent.rows = self._recent.rows.index_select(0, indices)
+        for plain in (self._recent, self._sink):
+            if plain is not None:
+                plain.rows = plain.rows.index_select(0, indices)
         self.batch_size = indices.numel()
 
     def batch_view(self, batch_size: int) -> "_Cache":
@@ -444,6 +455,7 @@ class _Cache:
             setattr(part, name, getattr(self, name)[:batch_size])
         part._channel = {name: groups.rows_of(batch_size) for name, groups in self._channel.items()}
         part._recent = None if self._recent is None else self._recent.rows_of(batch_size)
+        part._sink = None if self._sink is None else self._sink.rows_of(batch_size)
         part.batch_size = batch_size
         return part
 
@@ -475,6 +487,9 @@ class KVCache(_Cache):
         if fmt is not None and fmt.recent:
             raise ValueError(f"kv_dtype {kv_dtype!r}: a recent window (+w{fmt.recent}) is an MLA latent cache's; "
                              f"a KVCache stores {fmt.base_name!r} without it")
+        if fmt is not None and fmt.sink:
+            raise ValueError(f"kv_dtype {kv_dtype!r}: the first rows kept plain (+s{fmt.sink}) are an MLA latent "
+                             "cache's; a KVCache stores its storage without them")
         if rotate is None:
             rotate = bool(getattr(owner, "separate_keys", True))
         super().__init__(owner, batch_size, max_len, {
@@ -498,6 +513,11 @@ class LatentCache(_Cache):
         if fmt is not None and fmt.recent:  # a sliding window's queries see at most its rows: no more kept plain
             size = fmt.recent if window is None else min(fmt.recent, window)
             self._recent = RecentRows(batch_size, size, latent_dim + rope_dim, dtype, device)
+        if fmt is not None and fmt.sink:
+            if window is not None:
+                raise ValueError(f"kv_dtype {kv_dtype!r} keeps its first {fmt.sink} rows plain, which a sliding-window "
+                                 f"cache (window {window}) drops; make it without a window (cache.window_for)")
+            self._sink = SinkRows(batch_size, fmt.sink, latent_dim + rope_dim, dtype, device)
 
     def extend_recent(self, kv: torch.Tensor) -> tuple:
         """For a "+w<N>" storage: write the new rows kv (B, n, r + p) as extend_stored does and return (the rows

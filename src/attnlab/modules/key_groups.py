@@ -21,17 +21,20 @@ import copy
 import torch
 
 from . import lowbit
+from .sink import without_sinks
 
 
 class RopeKeyGroups:
     """The "+c4" state of one buffer of rows (..., S_max, r + p): the meta per group of tokens and the newest group.
 
-    shape: the buffer's unpacked shape (..., S_max, r + p); parts: (r, p); low: the lowbit format (rope_channel).
+    shape: the buffer's unpacked shape (..., S_max, r + p); parts: (r, p); low: the lowbit format (rope_channel);
+    sink: the first rows a "+s<N>" storage keeps plain, left out of the first group's range (modules/sink.py).
     """
 
-    def __init__(self, shape: tuple[int, ...], parts: tuple[int, int], low, max_len: int, dtype: torch.dtype, device):
+    def __init__(self, shape: tuple[int, ...], parts: tuple[int, int], low, max_len: int, dtype: torch.dtype, device,
+                 sink: int = 0):
         T = lowbit.KEY_TOKENS
-        self.parts, self.low, self.dtype = tuple(parts), low, dtype
+        self.parts, self.low, self.dtype, self.sink = tuple(parts), low, dtype, sink
         self.meta = torch.zeros(*shape[:-2], -(-max_len // T), lowbit.channel_meta(self.parts, low),
                                 dtype=lowbit.META_DTYPE, device=device)  # (..., groups, meta per group)
         self.recent = torch.zeros(*shape[:-2], T, self.parts[1], dtype=dtype, device=device)  # (..., T, p)
@@ -67,7 +70,7 @@ class RopeKeyGroups:
     def write(self, buf: torch.Tensor, scales: torch.Tensor, held: int, t: torch.Tensor) -> None:
         """New rows t (..., n, r + p) after the `held` tokens: the latent's codes and meta per token into buf and
         scales now, the rope key into the newest group, quantised per channel once the group's last token is in."""
-        (r, p), T = self.parts, lowbit.KEY_TOKENS
+        r, T = self.parts[0], lowbit.KEY_TOKENS
         n = t.shape[-2]
         codes, meta = lowbit.encode(t[..., :r], (r,), lowbit.per_token(self.low))
         nb = codes.shape[-1]
@@ -78,7 +81,8 @@ class RopeKeyGroups:
         whole = pending.shape[-2] // T * T  # (..., held + n - start, p) pending; the whole groups are quantised
         if whole:
             key = lowbit.part_formats(self.parts, self.low)[1]
-            kc, km = lowbit.channel_encode(pending[..., :whole, :].unflatten(-2, (-1, T)), key)  # (.., g, T, pb), (.., g, 2p)
+            grouped = without_sinks(pending[..., :whole, :], self.sink, start).unflatten(-2, (-1, T))
+            kc, km = lowbit.channel_encode(grouped, key)  # (..., g, T, pb), (..., g, 2p)
             buf[..., start:start + whole, nb:] = kc.flatten(-3, -2)
             self.meta[..., start // T:(start + whole) // T, :] = km
         self.recent[..., :pending.shape[-2] - whole, :] = pending[..., whole:, :]

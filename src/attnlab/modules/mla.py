@@ -313,10 +313,12 @@ class MultiHeadLatentAttention(GQATiling, RopeKeyPerHead, AbsorbedPath, Attentio
             # one of five: a recent window without a cache of ours (none, or transformers' holding plain rows), or in
             # ours (its plain rows beside the stored ones); a tiled module's K and V (never with a window); no cache
             # of ours (quantised and read back as ours would, then transformers' cache holds that); our latent cache
-            if recent and not ours:  # every row kept plain and read as stored too
+            sink = context is None and getattr(self._kv_format, "sink", None)  # "+s<N>": the first N rows plain
+            if (recent or sink) and not ours:  # every row kept plain and read as stored too, from position 0
                 if cache is not None:
                     (kv,) = cache.extend(kv=kv)  # (B, S, r+p)
-                tail, tail_start = kv, 0  # (B, S, r+p) plain, beside the stored rows
+                if recent:
+                    tail, tail_start = kv, 0  # (B, S, r+p) plain, beside the stored rows
                 kv = self._as_stored(kv, self._kv_parts())  # (B, S, r+p)
             elif recent:
                 kv, tail, tail_start = cache.extend_recent(kv)  # stored (B, S, r+p); plain (B, M, r+p)

@@ -16,6 +16,8 @@ Storage (`kv_dtype`; `cache.dtype` stays the activation dtype the cache returns)
   unquantised (modules/key_groups.py); such a cache reads back dequantised rows and refuses fixed_slot.
 - "<quantised storage>+w<N>" ("int3/g64+c4+w16"): that storage, with the newest N rows of an MLA's latent cache also
   kept plain; each query reads its newest N rows plain and the older ones as stored (modules/recent.py).
+- "<quantised storage>+s<N>" ("int3/g64+c4+s1", "int3/g64+c4+s1+w8"): the first N rows of an MLA's latent cache also
+  kept plain and left out of the codes (an attention sink; modules/sink.py).
 - a K/V pair "K,V" of llama.cpp's block formats ("q8_0,q4_0": its --cache-type-k q8_0 --cache-type-v q4_0): keys
   in K, values in V, for a cache that holds them apart (a GQA's; an MLA's one row refuses it). Its StorageFormat is
   the key's with `value` the value's; `for_role` gives the one a role's rows use.
@@ -54,6 +56,7 @@ from torch import nn
 
 from . import lowbit
 from . import rotation as rotations
+from .sink import without_sinks
 
 KV_DTYPES = ("fp32", "bf16", "int8", "fp8", "q8_0", "q5_0", "q4_0", "q4_1", "iq4_nl", "int7", "int6", "int5", "int4",
              "int3", "int2", "tq4", "tq3", "tq2", "tq1", "kivi4", "kivi2", "quanto4", "quanto2")
@@ -63,6 +66,7 @@ SCALE_DTYPE = torch.float32
 PAIR_CODES = ("q8_0", "q5_0", "q4_1", "q4_0", "iq4_nl")  # llama.cpp's types a "K,V" pair may name
 _SPELLING = re.compile(r"(fp32|bf16)|(int8|fp8)(?:/g([1-9][0-9]*))?")
 _RECENT = re.compile(r"(.+)\+w([0-9]+)")  # "<storage>+w<N>": a recent window of N plain rows (modules/recent.py)
+_SINK = re.compile(r"(.+)\+s([0-9]+)")  # "<storage>+s<N>": the first N rows plain (modules/sink.py)
 
 
 @functools.cache
@@ -85,6 +89,7 @@ class StorageFormat(NamedTuple):
     low: lowbit.LowBit | None = None
     value: StorageFormat | None = None  # a K/V pair's value storage (this tuple then describes the key's)
     recent: int | None = None  # "+w<N>": the newest N rows also kept plain (an MLA's latent cache; modules/recent.py)
+    sink: int | None = None  # "+s<N>": the first N rows also kept plain (an MLA's latent cache; modules/sink.py)
 
     def for_role(self, role: str | None) -> StorageFormat:
         """The storage of rows of this role: for a K/V pair the key's ("key") or the value's ("value"); itself for one
@@ -125,7 +130,7 @@ class StorageFormat(NamedTuple):
 def check_kv_dtype(kv_dtype) -> StorageFormat | None:
     """Parse a kv_dtype ("fp32", "bf16", "int8", "fp8", "int8/g<N>", "fp8/g<N>", the few-bit ones of
     modules/lowbit.py: "q8_0", "q5_0", "q4_0", "q4_1", "iq4_nl", "int4[/g<N>][+r8|+c4|+c3|+c2]" and likewise int2 to int7,
-    any quantised one with "+w<N>" after it (a recent window kept plain),
+    any quantised one with "+s<N>" (the first N rows kept plain) and/or "+w<N>" after it (a recent window kept plain),
     "kivi4", "kivi2", transformers' quanto "quanto4", "quanto2"; a K/V pair of llama.cpp's types such as
     "q8_0,q4_0"; or None); one-line errors."""
     if kv_dtype is None:
@@ -133,8 +138,8 @@ def check_kv_dtype(kv_dtype) -> StorageFormat | None:
     choices = ("'fp32', 'bf16', 'int8', 'fp8' (or 'int8/g<N>', 'fp8/g<N>': one scale per N channels), llama.cpp's "
                "'q8_0', 'q5_0', 'q4_0', 'q4_1', 'iq4_nl', 'int2' to 'int7' (or 'int4/g<N>', ..., and after any "
                "of them '+r8' for an MLA's rope key in 8 bits or '+c4', '+c3', '+c2' for it in 4, 3, 2 bits per "
-               "channel), runs of a transform-coded latent as 'tc4x40-3x56+c4', any of the quantised ones with '+w<N>' after it "
-               "(an MLA's newest N rows kept plain), TurboQuant's 'tq1' to 'tq4', 'kivi4', 'kivi2', 'quanto4', "
+               "channel), runs of a transform-coded latent as 'tc4x40-3x56+c4', any of the quantised ones with '+s<N>' "
+               "(an MLA's first N rows kept plain) and/or '+w<N>' after it (its newest N rows kept plain), TurboQuant's 'tq1' to 'tq4', 'kivi4', 'kivi2', 'quanto4', "
                "'quanto2', a K/V pair of llama.cpp's types such as 'q8_0,q4_0', or None")
     if not isinstance(kv_dtype, str):
         raise TypeError(f"kv_dtype must be one of {choices}, got {type(kv_dtype).__name__} ({kv_dtype!r})")
@@ -143,6 +148,9 @@ def check_kv_dtype(kv_dtype) -> StorageFormat | None:
     windowed = _RECENT.fullmatch(kv_dtype)
     if windowed is not None:
         return _with_recent(kv_dtype, windowed.group(1), int(windowed.group(2)))
+    sunk = _SINK.fullmatch(kv_dtype)
+    if sunk is not None:
+        return _with_sink(kv_dtype, sunk.group(1), int(sunk.group(2)))
     low = lowbit.parse(kv_dtype)
     if low is not None:
         return StorageFormat(kv_dtype, low.code, low.group, low)
@@ -179,6 +187,19 @@ def _with_recent(kv_dtype: str, base: str, size: int) -> StorageFormat:
                          f"cache plain; {base!r} is not one attnlab's caches quantise (use int8, int4/g32+r8, "
                          "int3/g64+c4, ...)")
     return fmt._replace(name=kv_dtype, recent=size)
+
+
+def _with_sink(kv_dtype: str, base: str, size: int) -> StorageFormat:
+    """"<base>+s<N>": base's storage with the first N rows kept plain as well (before any "+w<N>": "int3/g64+c4+s1+w8");
+    one-line errors naming what is refused (a plain, evaluation-only or windowed base, a K/V pair, N outside 1..63)."""
+    fmt = check_kv_dtype(base)
+    if not 1 <= size < lowbit.KEY_TOKENS or fmt is not None and (fmt.sink or fmt.recent):
+        raise ValueError(f"kv_dtype {kv_dtype!r}: the first rows kept plain are one '+s<N>' with 1 <= N < "
+                         f"{lowbit.KEY_TOKENS}, before any '+w<N>' (as in 'int3/g64+c4+s1+w8')")
+    if fmt is None or not fmt.quantised or fmt.evaluation_only or fmt.value is not None:
+        raise ValueError(f"kv_dtype {kv_dtype!r}: '+s{size}' keeps the first rows of a quantised cache plain; "
+                         f"{base!r} is not one attnlab's caches quantise (use int8, int4/g32+r8, int3/g64+c4, ...)")
+    return fmt._replace(name=kv_dtype, sink=size)
 
 
 # -- llama.cpp's rotation -------------------------------------------------------------------------
@@ -278,6 +299,11 @@ def round_trip(x: torch.Tensor, kv_dtype, parts: tuple[int, ...], role: str | No
     if fmt is None:
         return x
     fmt = fmt.for_role(role)
+    if fmt.sink:  # the first rows plain, left out of the codes (modules/sink.py)
+        if x.shape[-2] <= fmt.sink:
+            return x
+        rest = round_trip(without_sinks(x, fmt.sink), fmt._replace(sink=None), parts, role)
+        return torch.cat([x[..., :fmt.sink, :], rest[..., fmt.sink:, :]], dim=-2)
     if fmt.evaluation_only:
         engine = lowbit.kivi_round_trip if fmt.low.kind == "kivi" else lowbit.quanto_round_trip
         stored = engine(x.detach(), fmt.low, role)
