@@ -34,15 +34,24 @@ def _x(S=19, B=2, seed=1):
 
 def _oracle(m, x, size, window=None):
     """Each query's attention from its definition over rows chosen by hand (module docstring)."""
+    def rows(i, kv, stored):
+        first = 0 if window is None else max(0, i - window + 1)
+        return torch.stack([kv[:, j] if j > i - size else stored[:, j] for j in range(first, i + 1)], 1)
+
+    return attend_rows(m, x, m.kv_dtype, rows)
+
+
+def attend_rows(m, x, storage, rows_for):
+    """The module's output when query i reads rows_for(i, plain rows, rows as `storage` returns them) (B, n, r+p),
+    written out per query in float64."""
     B, S, _ = x.shape
     H, r, d, dv = m.num_heads, m.latent_dim, m.head_dim, m.v_head_dim
     kv = m.compress(x)  # (B, S, r+p) plain
-    stored = round_trip(kv, m.kv_dtype, m._kv_parts())
+    stored = round_trip(kv, storage, m._kv_parts())
     q_nope, q_rope = m.project_query(x, torch.arange(S))
     out = []
     for i in range(S):
-        first = 0 if window is None else max(0, i - window + 1)
-        rows = torch.stack([kv[:, j] if j > i - size else stored[:, j] for j in range(first, i + 1)], 1)
+        rows = rows_for(i, kv, stored)
         n = rows.shape[1]
         k = m.W_UK(rows[..., :r]).view(B, n, H, d).transpose(1, 2)  # (B, H, n, d)
         k = torch.cat([k, rows[:, None, :, r:].expand(B, H, n, m.rope_dim)], -1)

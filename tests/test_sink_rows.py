@@ -13,29 +13,17 @@ from attnlab import GroupedQueryAttention
 from attnlab.modules.cache import LatentCache
 from attnlab.modules.storage import check_kv_dtype, round_trip
 from reference import rel_err
-from test_recent_window import _mla, _x
+from test_recent_window import _mla, _x, attend_rows
 
 TOL = 1e-10
 
 
 def _oracle(m, x, sink, recent, base):
     """Each query's attention from its definition: rows j < sink and the newest `recent` plain, the rest in `base`."""
-    B, S, _ = x.shape
-    H, r, d, dv = m.num_heads, m.latent_dim, m.head_dim, m.v_head_dim
-    kv = m.compress(x)  # (B, S, r+p) plain
-    stored = round_trip(kv, base, m._kv_parts())
-    q_nope, q_rope = m.project_query(x, torch.arange(S))
-    out = []
-    for i in range(S):
-        rows = torch.stack([kv[:, j] if j < sink or j > i - recent else stored[:, j] for j in range(i + 1)], 1)
-        n = rows.shape[1]
-        k = m.W_UK(rows[..., :r]).view(B, n, H, d).transpose(1, 2)  # (B, H, n, d)
-        k = torch.cat([k, rows[:, None, :, r:].expand(B, H, n, m.rope_dim)], -1)
-        v = m.W_UV(rows[..., :r]).view(B, n, H, dv).transpose(1, 2)  # (B, H, n, dv)
-        q = torch.cat([q_nope[:, :, i], q_rope[:, :, i]], -1)  # (B, H, d+p)
-        w = torch.softmax((k @ q[..., None])[..., 0] * m.scale, dim=-1)  # (B, H, n)
-        out.append((w[..., None] * v).sum(-2).reshape(B, H * dv))
-    return m.W_O(torch.stack(out, 1))
+    def rows(i, kv, stored):
+        return torch.stack([kv[:, j] if j < sink or j > i - recent else stored[:, j] for j in range(i + 1)], 1)
+
+    return attend_rows(m, x, base, rows)
 
 
 @pytest.mark.parametrize("kv_dtype, base", [("int4/g32+r8+s2", "int4/g32+r8"), ("int3/g32+r8+s1+w4", "int3/g32+r8"),
