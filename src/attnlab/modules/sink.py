@@ -37,13 +37,11 @@ class SinkRows:
             k = min(self.size - length, new.shape[1])
             self.rows[:, length:length + k] = new[:, :k].to(self.rows.dtype)
 
-    def patch(self, rows: torch.Tensor, start: int = 0) -> torch.Tensor:
-        """Rows (B, S, width) of positions start.. as stored, read back with the sink positions plain (a copy)."""
-        k = min(self.size - start, rows.shape[1])
-        if k <= 0:
-            return rows
+    def patch(self, rows: torch.Tensor) -> torch.Tensor:
+        """Rows (B, S, width) of positions 0.. as stored, read back with the sink positions plain (a copy)."""
+        k = min(self.size, rows.shape[1])
         out = rows.clone()
-        out[:, :k] = self.rows[:, start:start + k].to(out.dtype)
+        out[:, :k] = self.rows[:, :k].to(out.dtype)
         return out
 
     def rows_of(self, batch_size: int) -> "SinkRows":
