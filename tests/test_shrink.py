@@ -567,6 +567,37 @@ def test_shrink_end_to_end_for_each_format(tiny, tmp_path, fmt):
         assert GGUFReader(str(out)).fields["general.architecture"].contents() == "deepseek2"
 
 
+def test_no_heal_writes_the_converted_model_twice_alike_and_scores_it_against_the_baselines(tiny, tmp_path, capsys):
+    """--no-heal: the teacher writes only the plan's windows, nothing is trained, the report's evaluation is the
+    converted model's and the baselines are judged against it; the same command twice writes the same bytes."""
+    from attnlab.shrink.pipeline import CALIBRATION_TOKENS, PROXY_TOKENS
+
+    folder, _, _, _, _ = tiny
+    outs = [tmp_path / "a", tmp_path / "b"]
+    for out in outs:
+        code, said = _cli(["shrink", folder, "--kv-budget", "30%", "--no-heal", "--seq-len", T, "--out", out], capsys)
+        assert code == 0 and "no heal ran (--no-heal)" in said.out
+    _, _, meta = hf.load_model(str(outs[0]))
+    report = meta["shrink"]
+    assert report["heal"]["status"] == "not run" and report["heal"]["steps_done"] == 0
+    assert report["heal_plan"] is None and "heal" not in report["minutes"]
+    assert report["work"]["training_windows"] == min(ShrinkRequest(source="s", kv_budget="1%", out="o").windows,
+                                                     (CALIBRATION_TOKENS + PROXY_TOKENS) // T)
+    before, after = report["held_out"]["before"], report["held_out"]["after"]
+    assert after is None and before["perplexity"] > 0
+    against = report["baselines"]["against"]  # KIVI-4 (5 bits a value) is above 30%
+    assert against["perplexity"] == (before.get("texts") or [before])[0]["perplexity"]  # the run's own text
+    files = [sorted((p.relative_to(o), p.read_bytes()) for p in o.rglob("*.safetensors")) for o in outs]
+    assert files[0] and files[0] == files[1]
+
+
+@pytest.mark.parametrize("extra", [["--tokens", "64"], ["--layer-steps", "2"], ["--keep-worse"]])
+def test_no_heal_with_an_argument_of_the_heal_is_refused_in_one_line(tiny, tmp_path, capsys, extra):
+    folder, _, _, text, _ = tiny
+    _one_line_error(*_cli(["shrink", folder, "--out", tmp_path / "o", "--kv-budget", "50%", "--text", text,
+                           "--no-heal", *extra], capsys), "--no-heal runs none")
+
+
 def test_data_writing_cannot_eat_the_budget_and_a_run_that_trains_nothing_exits_2(tiny, tmp_path, monkeypatch):
     """A fake clock where each pass through the model costs 1 s: with no text, the teacher's writing stops at its
     share; with a budget too small for any training, nothing is written and the state stays for --resume."""

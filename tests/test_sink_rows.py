@@ -96,3 +96,40 @@ def test_a_gqa_cache_refuses_the_first_rows_plain():
     gqa = GroupedQueryAttention(32, 4, 2, kv_dtype="int4/g16")
     with pytest.raises(ValueError, match="first rows kept plain"):
         gqa.init_cache(1, 8, kv_dtype="int4/g16+s1")
+
+
+def test_the_planner_keeps_the_sink_in_its_windowed_latents_only():
+    """with_sink adds "+s<N>" to the few-bit latents that keep a window (an MLA's only), before the window, and
+    leaves every other storage, a GQA's included, as it is."""
+    from attnlab.shrink import sizes
+    from attnlab.shrink.request import AUTO_STORAGES
+
+    for fmt, storages in AUTO_STORAGES.items():
+        kept = sizes.with_sink(storages, 2)
+        for old, new in zip(storages, kept):
+            windowed = sizes.few_bit(old) and "+w" in old
+            assert (new != old) == windowed, (fmt, old, new)
+            parsed, before = check_kv_dtype(new), check_kv_dtype(old)
+            if windowed:
+                assert (parsed.sink, parsed.recent) == (2, before.recent) and new.replace("+s2", "") == old
+    assert sizes.with_sink(sizes.STORAGES, 0) == sizes.STORAGES
+
+
+@pytest.mark.parametrize("env, heal, rows", [(None, True, 0), (None, False, "SINK"), ("3", True, 3), ("0", False, 0)])
+def test_the_planned_sink_follows_the_heal_and_the_variable(monkeypatch, env, heal, rows):
+    from attnlab.shrink import sizes
+
+    if env is None:
+        monkeypatch.delenv(sizes.SINK_VARIABLE, raising=False)
+    else:
+        monkeypatch.setenv(sizes.SINK_VARIABLE, env)
+    assert sizes.planned_sink(heal) == (sizes.SINK if rows == "SINK" else rows)
+
+
+@pytest.mark.parametrize("value", ["-1", "64", "one"])
+def test_a_planned_sink_out_of_range_is_refused_naming_it(monkeypatch, value):
+    from attnlab.shrink import sizes
+
+    monkeypatch.setenv(sizes.SINK_VARIABLE, value)
+    with pytest.raises(ValueError, match=f"ATTNLAB_SINK must be .* got '{value}'"):
+        sizes.planned_sink(False)

@@ -73,6 +73,11 @@ CASES = {  # name: (model, shrink arguments after the model, what it checks)
                                 "SmolLM2-135M at 12.5% of the bytes for transformers, scored in transformers"),
     "gemma3-270m-25-transformers": ("gemma3-270m", ["--kv-budget", "25%", "--format", "transformers"],
                                     "Gemma 3 270M at 25% of the bytes for transformers, scored in transformers"),
+    # the codec alone (issue 78's training-free path): planned and written with no heal, scored in transformers
+    **{f"{m}-{b.rstrip('%').split('.')[0]}-no-heal": (m, ["--kv-budget", b, "--no-heal", "--format", "transformers"],
+                                                      f"{name} at {b} of the bytes with no heal, scored in transformers")
+       for m, name, b in (("smollm2", "SmolLM2-135M", "25%"), ("smollm2", "SmolLM2-135M", "18.75%"),
+                          ("smollm2", "SmolLM2-135M", "12.5%"), ("gemma3-270m", "Gemma 3 270M", "25%"))},
     # the budget counted at a long context, where Gemma's sliding layers hold 576 rows of 32,768 and its 3 global
     # layers most of the bytes (issue eighth's last target, <= 1.10x); compared with the baselines by its share of
     # the original's bytes there (fair_bytes)

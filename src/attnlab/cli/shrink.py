@@ -133,10 +133,14 @@ def shrink(source: str = typer.Argument(..., help="The model: smollm2, a transfo
                                           "layer alone at three sizes, about 1.5 minutes on SmolLM2-135M, taken from "
                                           "the heal; --format attnlab). Measured at 12.5% it did not beat one size "
                                           "for all, in 10 minutes nor with a text in 30 (docs/decisions.md)."),
+           no_heal: bool = typer.Option(False, "--no-heal", help="Plan, convert and write the codec with no "
+                                        "training: no heal, no training text beyond the plan's (a few minutes; at "
+                                        "25% and above the heal seldom pays on a CPU: docs/decisions.md)."),
            shard: bool = SHARD, collective_timeout: float = COLLECTIVE_TIMEOUT):
     """Shrink a model's KV cache to a budget: plan, convert, heal and export in one run.
 
     Example: attnlab shrink smollm2 --kv-budget 50% --out smol-half
+    Example: attnlab shrink smollm2 --kv-budget 25% --no-heal --format transformers --out small (the codec alone)
     Example: attnlab shrink ~/Llama-3.2-1B --kv-budget 25% --text notes.txt --minutes 30 --format gguf --out small.gguf
     Example: torchrun --standalone --nproc-per-node 8 -m attnlab shrink ~/Llama-3.2-1B --kv-budget 25% --device cuda
     --batch-size 16 --minutes 60 --out small (rank 0 plans and converts once; the heal runs on every process)
@@ -178,7 +182,7 @@ def shrink(source: str = typer.Argument(..., help="The model: smollm2, a transfo
                             seed=seed, device=device, calibration=not no_calibration, storage=kv_dtype,
                             latent_dim=latent_dim, rope_dim=rope_dim, tokens=tokens, seq_len=seq_len,
                             layer_steps=layer_steps, keep_worse=keep_worse, context=context, batch_size=batch_size,
-                            per_layer=per_layer)
+                            per_layer=per_layer, heal=not no_heal)
         try:
             check_request(req)
         except ValueError as e:
@@ -224,6 +228,8 @@ def shrink(source: str = typer.Argument(..., help="The model: smollm2, a transfo
                  guard_line(heal)):
         if line:
             console.print(line)
+    if heal.get("status") == "not run":
+        console.print("no heal ran (--no-heal): the converted weights were written")
     if heal.get("kept"):  # the heal made it worse: the converted weights are what was written
         console.print(f"kept {heal['kept']}")
     minutes_by_phase = ", ".join(f"{k} {v:.1f}" for k, v in report["minutes"].items())

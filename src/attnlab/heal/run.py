@@ -94,24 +94,30 @@ def heal_model(teacher, student, windows: torch.Tensor, held_out, plan: HealPlan
     return report
 
 
+def measure_pair(teacher, student, texts, report: dict, budget: Budget, world=None, prompts: int = 8) -> dict:
+    """The student against the teacher on the held-out texts (evaluate.evaluate_texts): report["teacher"],
+    ["before"] and ["evaluation_seconds"] set; returns the full evaluation (the reference a later one compares to)."""
+    from .evaluate import evaluate_texts, public
+
+    t0 = budget.clock()
+    before = evaluate_texts(teacher, student, texts, budget=budget, world=world, prompts=prompts)
+    report["teacher"] = {"perplexity": before.pop("teacher_perplexity"),
+                         "kv_bytes_per_token": kv_bytes_per_token(teacher),
+                         "texts": [{"perplexity": t.pop("teacher_perplexity")} for t in before["texts"]]}
+    report["before"] = public(before)
+    report["evaluation_seconds"] = budget.clock() - t0
+    return before
+
+
 def _measure_before(healer: Healer, report: dict, texts, eval_share: float, evaluate: bool) -> str | None:
     """The evaluation before training (unless a resumed report has it), into the report and the healer's state; the
     run's status so far (None, or "stopped"/"budget" where the clock or a stop cut it), agreed over the ranks."""
-    from .evaluate import evaluate_texts, public
-
     budget, world, status = healer.budget, healer.world, None
     try:
         if evaluate and "before" not in report:
-            t0 = budget.clock()
             with healer.teacher_whole():
-                before = evaluate_texts(healer.teacher, healer.student, texts, budget=budget.share(eval_share),
-                                        world=world, prompts=healer.plan.prompts)
-            report["teacher"] = {"perplexity": before.pop("teacher_perplexity"),
-                                 "kv_bytes_per_token": kv_bytes_per_token(healer.teacher),
-                                 "texts": [{"perplexity": t.pop("teacher_perplexity")} for t in before["texts"]]}
-            report["before"] = public(before)
-            report["evaluation_seconds"] = budget.clock() - t0
-            healer.state["reference"] = before
+                healer.state["reference"] = measure_pair(healer.teacher, healer.student, texts, report,
+                                                         budget.share(eval_share), world, healer.plan.prompts)
         healer.state["report"] = report
     except Stopped as e:
         status = "stopped" if e.reason == "stop" else "budget"

@@ -14,11 +14,13 @@ the run (_Run: the request, its RunState, its budget, what the phases before mad
   on the next windows of the training text (skipped when the sizes are given explicitly), at most
   plan_count(--minutes) of them: a count, never the clock, so that a loaded machine makes the same plan
   (it heals less, and the report's "work" says how much);
-- pinned work (--tokens and --layer-steps both given, pinned()): every window written, every step run,
+- pinned work (--tokens and --layer-steps both given, or --no-heal: pinned()): every window written, every step run,
   the clock cuts nothing, so the same request and seed give the same weights under any load;
 - convert: models.convert_model, then (for DeepSeek and GGUF) a latent norm fitted on the
   calibration text (models.add_latent_norms) that the heal then trains;
-- heal: heal.heal_model (layer-wise, then end-to-end KL), its plan sized to the time (shrink/heal_plan.py);
+- heal: heal.heal_model (layer-wise, then end-to-end KL), its plan sized to the time (shrink/heal_plan.py); with
+  --no-heal (req.heal False) only the converted model scored against the original, and no training window written
+  beyond the calibration's and the proxy's;
 - baselines: the original with its cache quantized without training (shrink/baselines.py), at or above the bytes
   reached, scored on the heal's held-out windows;
 - export: models.save_model, export_deepseek, export_gguf, export_native or export_transformers; where each
@@ -93,8 +95,9 @@ def _data(req: ShrinkRequest, teacher, tok, budget: Budget, show) -> dict[str, t
         show.phase("the teacher writes its own training text")
     n = max(1, CALIBRATION_TOKENS // req.seq_len)
     proxy = max(1, PROXY_TOKENS // req.seq_len)
+    windows = req.windows if req.heal else min(req.windows, n + proxy)  # no heal: what the plan reads
     train, held, _ = training_data(teacher, tok, req.seq_len, text=req.text, eval_text=req.eval_text,
-                                   windows=req.windows, seed=req.seed, budget=None if pinned(req) else budget,
+                                   windows=windows, seed=req.seed, budget=None if pinned(req) else budget,
                                    share=0.3, batch_size=32, fixed=min(req.windows, n + proxy),
                                    progress=lambda i, k: show.count(i, k, "the teacher writes text"))
     calibration = train[:n].reshape(1, -1).clone()
@@ -250,7 +253,8 @@ def _phase_load(run: _Run) -> None:
     if limit and req.seq_len > limit:
         raise ValueError(f"--seq-len {req.seq_len} exceeds the model's context (max_position_embeddings {limit})")
     if req.latent_dim is None:
-        feasible(teacher, parse_budget(req.kv_budget), req.fmt, storage_choices(req.storage, req.fmt), req.context)
+        feasible(teacher, parse_budget(req.kv_budget), req.fmt, storage_choices(req.storage, req.fmt, req.heal),
+                 req.context)
     minutes = run.state.data["minutes"]
     minutes["load"] = minutes.get("load", 0.0) + run.minutes(t)
     run.teacher, run.tok, run.meta = teacher, tok, meta
@@ -284,7 +288,7 @@ def _phase_plan(run: _Run) -> None:
         else:
             run.show.phase("planning: measuring candidate conversions on the calibration text")
             result = choose(run.teacher, data["calibration"], parse_budget(req.kv_budget), fmt=req.fmt,
-                            storages=storage_choices(req.storage, req.fmt), calibrate=req.calibration,
+                            storages=storage_choices(req.storage, req.fmt, req.heal), calibrate=req.calibration,
                             proxy_ids=data.get("proxy"), time_budget=run.budget.unbounded(), context=req.context,
                             max_candidates=plan_count(req.minutes), per_layer=req.per_layer,
                             layer_ids=_layer_text(data, run.tok) if req.per_layer else None,
@@ -326,7 +330,10 @@ def _phase_heal(run: _Run) -> None:
 
     req, state, budget, folder = run.req, run.state, run.budget, run.state.folder
     if state.done("heal"):
-        run.student, _, _ = hf.load_model(str(folder / "healed"))
+        run.student, _, _ = hf.load_model(str(folder / ("healed" if req.heal else "student")))
+        return
+    if not req.heal:
+        _no_heal(run)
         return
     t = budget.clock()
     reserve = (30.0 if req.fmt != "attnlab" else 10.0) + BASELINE_SECONDS  # baselines and export, after it
@@ -359,6 +366,27 @@ def _phase_heal(run: _Run) -> None:
     if report["status"] == "budget" or report["status"] == "done":
         hf.save_model(run.student, run.meta["base"], folder / "healed", force=True, sources=run.readers)
         state.finish("heal", 0.0)
+
+
+def _no_heal(run: _Run) -> None:
+    """--no-heal: the converted student scored against the teacher on the held-out texts, as a heal's evaluation
+    before training is but with no greedy continuations (they took longer than the plan); the report's heal says none
+    ran."""
+    from ..heal.evaluate import held_out_texts
+    from ..heal.run import measure_pair
+
+    t = run.budget.clock()
+    run.show.phase("evaluating the converted model (--no-heal: no training)")
+    report = {"status": "not run", "steps_done": 0, "healed": False}
+    measure_pair(run.teacher, run.student, held_out_texts(held_texts(run.data)), report, run.budget, prompts=0)
+    run.state.data["report"]["heal"] = report
+    run.state.data["done"].append("heal")
+    run.state.finish("evaluate", run.minutes(t))
+
+
+def final_evaluation(heal: dict) -> dict:
+    """The held-out evaluation of the model a run wrote: after its heal, or the converted one's where none ran."""
+    return heal.get("after") or (heal.get("before") if heal.get("status") == "not run" else None) or {}
 
 
 def _phase_baselines(run: _Run) -> None:
@@ -485,7 +513,7 @@ def _baselines(teacher, student, held, heal: dict, context: int | None = None, e
     from . import baselines
     from .sizes import planned_bytes, spread_context
 
-    after, teacher_eval = heal.get("after") or {}, heal.get("teacher") or {}
+    after, teacher_eval = final_evaluation(heal), heal.get("teacher") or {}
     if after.get("texts"):  # several held-out texts: the baselines on the first, the run's own held-out windows
         after, teacher_eval = after["texts"][0], (teacher_eval.get("texts") or [{}])[0]
     if after.get("perplexity") is None or teacher_eval.get("perplexity") is None:

@@ -9,15 +9,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .sizes import (GGUF_STORAGES, LLAMA_CPP_CACHE, STORAGES, TRANSFORMERS_CACHE, llama_cpp_pair, parse_budget,
-                    storage_ok)
+                    planned_sink, storage_ok, with_sink)
 
 AUTO_STORAGES = {"attnlab": STORAGES, "gguf": GGUF_STORAGES, "deepseek": ("bf16",),
                  "transformers": (*TRANSFORMERS_CACHE, *(s for s in STORAGES if s not in TRANSFORMERS_CACHE))}
 
 
-def storage_choices(storage: str, fmt: str = "attnlab") -> tuple[str, ...]:
-    """The storages the planner may choose for --kv-dtype: every one the format holds for auto, else the one named."""
-    return AUTO_STORAGES[fmt] if storage == "auto" else (storage,)
+def storage_choices(storage: str, fmt: str = "attnlab", heal: bool = True) -> tuple[str, ...]:
+    """The storages the planner may choose for --kv-dtype: every one the format holds for auto (their few-bit latents
+    with sizes.planned_sink(heal) first rows plain), else the one named."""
+    return with_sink(AUTO_STORAGES[fmt], planned_sink(heal)) if storage == "auto" else (storage,)
 
 
 @dataclass
@@ -46,10 +47,11 @@ class ShrinkRequest:
     keep_worse: bool = False  # write the healed weights even when held-out perplexity rose (heal_model's keep_better)
     context: int | None = None  # the budget counts bytes per token at this sequence length (None: every token held)
     per_layer: bool = False  # also plan a latent size per layer (plan round 4; off by default: docs/decisions.md)
+    heal: bool = True  # False (--no-heal): plan, convert and write the codec; no training windows, no heal
 
     def identity(self) -> dict:
         keep = ("source", "kv_budget", "fmt", "text", "eval_text", "seed", "calibration", "storage", "latent_dim",
-                "rope_dim", "windows", "seq_len", "tokens", "layer_steps", "context", "batch_size", "per_layer")
+                "rope_dim", "windows", "seq_len", "tokens", "layer_steps", "context", "batch_size", "per_layer", "heal")
         return {k: [str(x) for x in v] if isinstance(v, list) else v for k, v in asdict(self).items() if k in keep}
 
 
@@ -90,6 +92,12 @@ def check_request(req: ShrinkRequest) -> None:
             "--latent-dim gives the sizes itself"
         raise ValueError(f"--per-layer plans a latent size per layer, which only the planner's --format attnlab "
                          f"plans: {why}")
+    if not req.heal:
+        heal_args = [f"--{n.replace('_', '-')} {getattr(req, n)}" for n in ("tokens", "layer_steps")
+                     if getattr(req, n) is not None] + ["--keep-worse"] * req.keep_worse
+        if heal_args:
+            raise ValueError(f"{', '.join(heal_args)} size or judge the heal, and --no-heal runs none: give one or "
+                             "the other")
     if req.fmt == "gguf" and not req.calibration:
         raise ValueError("--format gguf fits its latent norm on text: it cannot run with --no-calibration")
     if req.fmt == "gguf" and not str(req.out).endswith(".gguf"):
@@ -108,10 +116,10 @@ def check_request(req: ShrinkRequest) -> None:
 
 
 def pinned(req: ShrinkRequest) -> bool:
-    """Whether the request pins the heal's work (--tokens and --layer-steps both given): then the teacher writes
-    every window and the heal runs every step whatever the clock says, so the run gives the same weights under any
-    load; --minutes is then reported against, not enforced."""
-    return req.tokens is not None and req.layer_steps is not None
+    """Whether the request pins the heal's work (--tokens and --layer-steps both given, or --no-heal): then the
+    teacher writes every window and the heal runs every step whatever the clock says, so the run gives the same
+    weights under any load; --minutes is then reported against, not enforced."""
+    return (req.tokens is not None and req.layer_steps is not None) or not req.heal
 
 
 def plan_count(minutes: float) -> int:

@@ -12,6 +12,7 @@ holds for sequences that long.
 """
 from __future__ import annotations
 
+import os
 import re
 from collections import Counter
 from dataclasses import dataclass
@@ -34,6 +35,31 @@ FEW_BIT = (*(f"{s}+w{RECENT}" for s in ("int4/g32+r8", "int2/g32+r8", "int3/g256
                                         "int6/g32+r8")),
            f"int3/g256+c4+w{RECENT // 2}")
 STORAGES = ("bf16", "int8", *FEW_BIT)
+# With --no-heal the planner's few-bit latents keep their first SINK rows plain too ("+s1": an attention sink,
+# modules/sink.py; fitted on the development texts, docs/decisions.md). ATTNLAB_SINK=N plans N instead, with or
+# without a heal (0: none): the protocol's variant to measure it against the default.
+SINK = 0
+SINK_VARIABLE = "ATTNLAB_SINK"
+
+
+def planned_sink(heal: bool) -> int:
+    """The first rows the planner's few-bit latents keep plain: ATTNLAB_SINK where set (0 to 63), else SINK for a
+    run with no heal and none for one that heals."""
+    value = os.environ.get(SINK_VARIABLE)
+    if value is None:
+        return 0 if heal else SINK
+    if not value.isdigit() or int(value) > 63:
+        raise ValueError(f"{SINK_VARIABLE} must be a whole number of rows from 0 to 63, got {value!r}")
+    return int(value)
+
+
+def with_sink(storages, sink: int) -> tuple[str, ...]:
+    """The storages with each windowed few-bit latent's first `sink` rows kept plain too ("int3/g256+c4+w8" ->
+    "int3/g256+c4+s1+w8": the FEW_BIT family, an MLA's only); the others, and every one for sink 0, as they are."""
+    def kept(s: str) -> str:
+        base, plus, window = s.rpartition("+w")
+        return f"{base}+s{sink}+w{window}" if sink and plus and few_bit(s) and "+s" not in base else s
+    return tuple(kept(s) for s in storages)
 # a GGUF's cache is llama.cpp's: its f16 ("bf16" here: the same bytes) or a block type of --cache-type-k, which
 # quantises deepseek2's cached row [latent | rope key] in blocks of 32 (modules/lowbit.py computes it bit for bit)
 LLAMA_CPP_CACHE = ("q8_0", "q5_0", "q4_1", "q4_0")
