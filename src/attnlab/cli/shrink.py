@@ -236,8 +236,10 @@ def shrink(source: str = typer.Argument(..., help="The model: smollm2, a transfo
     console.print(f"minutes per phase: {minutes_by_phase}")
     work = report.get("work") or {}
     if work:
+        healed = "no heal" if heal.get("status") == "not run" else \
+            f"{work.get('heal_steps')} heal steps ({work.get('end_to_end_steps')} end to end, " \
+            f"{work.get('end_to_end_tokens')} tokens)"
         console.print(f"work: {work.get('training_windows')} training windows, {work.get('candidates_measured')} "
-                      f"candidates planned, {work.get('heal_steps')} heal steps ({work.get('end_to_end_steps')} end "
-                      f"to end, {work.get('end_to_end_tokens')} tokens)" + ("; pinned" if work.get("pinned") else
-                                                                            "; the clock set how much"))
+                      f"candidates planned, {healed}" + ("; pinned" if work.get("pinned") else
+                                                         "; the clock set how much"))
     console.print(f"wrote {out}")
