@@ -109,7 +109,9 @@ CASES = {  # name: (model, shrink arguments after the model, what it checks)
                         "SmolLM2-135M at 12.5% of the bytes on one GPU in 4 minutes"),
 }
 GPU_CASES = {c for c, (_, args, _) in CASES.items() if "cuda" in args}
-BASELINES = ("q8_0", "q5_0", "q4_1", "iq4_nl", "q4_0", "kivi4", "kivi2")
+# llama.cpp's types, KIVI-style codes and TurboQuant's (modules/turbo.py: tq4, tq3, tq2 are 4.25, 3.25 and 2.25
+# bits a value); `baselines --add` scores those a model's row lacks into it
+BASELINES = ("q8_0", "q5_0", "q4_1", "iq4_nl", "q4_0", "kivi4", "kivi2", "tq4", "tq3", "tq2")
 
 
 def load() -> float:
@@ -251,24 +253,35 @@ def passkey(model, tok) -> dict:
     return run_passkey(model, tok, lengths=PASSKEY_LENGTHS, depths=PASSKEY_DEPTHS, decode=decode).to_dict()
 
 
-def part_baselines(model_name: str, redo: bool, long: bool) -> None:
+def part_baselines(model_name: str, redo: bool, long: bool, add: bool = False) -> None:
     """The original (its 16-bit cache) and each baseline cache of it, on every text; bytes per token of each; with
-    `long`, 4,096-token windows and the passkey check for the original and the 4- and 5-bit llama.cpp caches."""
+    `long`, 4,096-token windows and the passkey check for the original and the 4- and 5-bit llama.cpp caches; with
+    `add`, only the BASELINES an existing row lacks, scored into it (its "added" says when and where)."""
     from attnlab import models as hf
     from attnlab.shrink import baselines
 
     key = f"{PREFIX}baselines/{model_name}"
-    if key in rows() and not redo:
-        print(f"{key} is in {JSON}; --redo to measure it again")
+    if key in rows() and not redo and not add:
+        print(f"{key} is in {JSON}; --redo to measure it again, --add to score the baselines it lacks")
         return
     model, tok, _ = hf.load_model(model_name)
-    row = {"model": model_name, "texts": {n: {"path": t.path, "kind": t.kind} for n, t in REPORT_TEXTS.items()},
-           "texts_sha256": text_hashes()}
-    note_load(row, "load_before")
-    sizes = {} if PREFIX else baselines.baseline_bytes(model, [b for b in BASELINES if _known(b)])  # dev: original
-    row["original"] = {"kv_bytes_per_token": hf.kv_bytes_per_token(model, torch_bf16()), **score(model, tok, long)}
-    row["passkey"] = {"original": passkey(model, tok)} if long else {}
-    row["baselines"] = {}
+    known = [b for b in BASELINES if _known(b)]
+    if key in rows() and not redo:  # --add: the row as it is, and each baseline it lacks scored into it
+        row = rows()[key]
+        if row.get("texts_sha256") not in (None, text_hashes()):
+            raise SystemExit(f"{key} was scored on other texts than these: --redo it whole")
+        known = [b for b in known if b not in row["baselines"]]
+        row.setdefault("added", []).append({"baselines": known, "provenance": provenance(
+            ["python", "benchmarks/quality/protocol.py", *sys.argv[1:]],
+            results=(str(JSON.relative_to(BENCHMARKS.parent)),)), "load_before": load()})
+    else:
+        row = {"model": model_name, "texts": {n: {"path": t.path, "kind": t.kind} for n, t in REPORT_TEXTS.items()},
+               "texts_sha256": text_hashes()}
+        note_load(row, "load_before")
+        row["original"] = {"kv_bytes_per_token": hf.kv_bytes_per_token(model, torch_bf16()), **score(model, tok, long)}
+        row["passkey"] = {"original": passkey(model, tok)} if long else {}
+        row["baselines"] = {}
+    sizes = {} if PREFIX else baselines.baseline_bytes(model, known)  # dev: the original alone
     for name, size in sizes.items():
         hf.set_kv_dtype(model, name)
         row["baselines"][name] = {"kv_bytes_per_token": size, **score(model, tok, long)}
@@ -276,7 +289,7 @@ def part_baselines(model_name: str, redo: bool, long: bool) -> None:
             row["passkey"][name] = passkey(model, tok)
         hf.set_kv_dtype(model, None)
         print(name, json.dumps(row["baselines"][name]))
-    note_load(row, "load_after")
+    note_load(row["added"][-1] if "added" in row and not redo else row, "load_after")
     save(key, row)
 
 
@@ -731,6 +744,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--redo", action="store_true")
+    ap.add_argument("--add", action="store_true", help="baselines: score only those the model's row lacks, into it")
     ap.add_argument("--long", action="store_true", help="also 4,096-token windows through the cache and the passkey "
                     "check (minutes per model)")
     ap.add_argument("--at", help="run: the commit of the worktree on PYTHONPATH; the row goes to at/<case>@<at>/")
@@ -745,7 +759,7 @@ def main() -> None:
     if a.dev:
         use_dev_texts()
     if a.part == "baselines":
-        part_baselines(a.model, a.redo, a.long)
+        part_baselines(a.model, a.redo, a.long, a.add)
     elif a.part == "run":
         if a.case is None:
             ap.error("run needs --case")

@@ -38,7 +38,7 @@ STORAGES = ("bf16", "int8", *FEW_BIT)
 # With --no-heal the planner's few-bit latents keep their first SINK rows plain too ("+s1": an attention sink,
 # modules/sink.py; fitted on the development texts, docs/decisions.md). ATTNLAB_SINK=N plans N instead, with or
 # without a heal (0: none): the protocol's variant to measure it against the default.
-SINK = 0
+SINK = 1
 SINK_VARIABLE = "ATTNLAB_SINK"
 
 
