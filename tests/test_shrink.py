@@ -672,9 +672,8 @@ def test_resume_continues_after_each_phase(tiny, tmp_path):
     assert sum("reading the training text" in p for p in phases) == 1  # data was read once, then resumed
 
 
-def test_resume_with_other_arguments_is_refused(tiny, tmp_path):
-    folder, _, _, text, _ = tiny
-    out = tmp_path / "out"
+def _stopped_at_plan(folder, out, text) -> None:
+    """A run of the tiny model stopped as planning begins: its run folder holds the data and state only."""
     budget = Budget(5)
 
     class StopAtPlan:
@@ -689,8 +688,30 @@ def test_resume_with_other_arguments_is_refused(tiny, tmp_path):
 
     with pytest.raises(Stopped):
         shrink(_req(folder, out, text=[str(text)]), budget=budget, display=StopAtPlan())
+
+
+def test_resume_with_other_arguments_is_refused(tiny, tmp_path):
+    folder, _, _, text, _ = tiny
+    out = tmp_path / "out"
+    _stopped_at_plan(folder, out, text)
     with pytest.raises(ValueError, match=r"arguments differ .*kv_budget: '50%' -> '25%'"):
         shrink(_req(folder, out, text=[str(text)], kv_budget="25%"), resume=True)
+
+
+def test_force_starts_afresh_over_a_stopped_runs_state_and_nothing_else(tiny, tmp_path):
+    """A stopped run's folder (state.json of a shrink run) is replaced by --force; a folder of that name holding
+    anything a run does not write is refused, and kept."""
+    folder, _, _, text, _ = tiny
+    out = tmp_path / "out"
+    _stopped_at_plan(folder, out, text)
+    (run_folder(out) / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match="not written by attnlab"):
+        shrink(_req(folder, out, text=[str(text)], kv_budget="25%"), force=True)
+    assert (run_folder(out) / "notes.txt").read_text() == "mine"
+    (run_folder(out) / "notes.txt").unlink()
+    report = shrink(_req(folder, out, text=[str(text)], kv_budget="25%", heal=False, tokens=None,
+                         layer_steps=None), force=True)
+    assert report["request"]["kv_budget"] == "25%" and out.is_dir() and not run_folder(out).exists()
 
 
 def test_cli_bad_input_is_one_line(tiny, tmp_path, capsys):

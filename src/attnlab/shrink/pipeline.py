@@ -55,7 +55,7 @@ from .feasible import check_format, feasible, keys_whole
 from .plan import Candidate
 from .sizes import LLAMA_CPP_CACHE, QUANTIZED_CACHE, cached_extra, few_bit, llama_cpp_types, parse_budget
 from .request import ShrinkRequest, check_request, pinned, plan_count, storage_choices
-from .state import RunState, run_folder
+from .state import RunState, is_run_folder, run_folder
 
 CALIBRATION_TOKENS = 2048
 PROXY_TOKENS = 1024  # the planner's scoring windows, after the calibration's
@@ -228,7 +228,8 @@ def _begin(req: ShrinkRequest, resume: bool, force: bool, budget: Budget | None,
     if resume:
         state.load()
     else:
-        check_output(folder, force=force, sources=readers, what="the run folder")
+        if not (force and folder.is_dir() and is_run_folder(folder)):  # --force replaces a stopped run's state
+            check_output(folder, force=force, sources=readers, what="the run folder")
         if folder.exists():
             shutil.rmtree(folder)
     return _Run(req, state, budget, display or _Lines(budget), force or resume, readers, world, shard, handed)

@@ -18,6 +18,23 @@ def run_folder(out) -> Path:
     return out.with_name(out.name + ".shrink-run")
 
 
+RUN_FILES = {"state.json", "data.safetensors", "student", "heal.pt", "healed"}  # what a run folder may hold
+
+
+def is_run_folder(folder: Path) -> bool:
+    """Whether a folder is a shrink's run folder: a state.json of RUN_FORMAT, and nothing beside what a run writes
+    (RUN_FILES, and the temporaries of an atomic write a kill left): what --force may remove."""
+    from ..io.folders import _TMP
+
+    try:
+        data = json.loads((folder / "state.json").read_text())
+    except (OSError, ValueError):
+        return False
+    names = {p.name for p in folder.iterdir()}
+    return isinstance(data, dict) and data.get("format") == RUN_FORMAT and \
+        all(n in RUN_FILES or _TMP in n for n in names)
+
+
 class RunState:
     """The run folder: state.json, data.safetensors, student/ (a converted model), heal.pt. request: the run's
     ShrinkRequest (its identity() is what a resumed run must share)."""
