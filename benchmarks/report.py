@@ -87,9 +87,9 @@ def baselines(data: dict, model: str) -> dict[str, dict]:
     out = {}
     for name, entry in data[key]["baselines"].items():
         ratios = over_original(entry, original)
-        out[name] = {"bytes": entry["kv_bytes_per_token"], "share": entry["kv_bytes_per_token"] /
-                     original["kv_bytes_per_token"], "ratios": ratios, "median": statistics.median(ratios.values()),
-                     "worst": max(ratios.values())}
+        held = entry["kv_bytes_per_token"] + entry.get("fixed_bytes", 0) / FAIR_CONTEXT  # a residual's rows spread
+        out[name] = {"bytes": held, "share": held / original["kv_bytes_per_token"], "ratios": ratios,
+                     "median": statistics.median(ratios.values()), "worst": max(ratios.values())}
     return out
 
 
@@ -106,9 +106,12 @@ def best_baseline(row: dict, stats: dict[str, dict]) -> str:
 
 
 def label(baseline: str) -> str:
-    """A baseline's name in prose: "KIVI-style 4-bit", "llama.cpp's iq4_nl"."""
-    kivi = re.fullmatch(r"kivi(\d)", baseline)
-    return f"KIVI-style {kivi.group(1)}-bit" if kivi else f"llama.cpp's {baseline}"
+    """A baseline's name in prose: "KIVI-style 4-bit", "KIVI-style 2-bit with a 128-token residual", "TurboQuant's
+    tq3", "llama.cpp's iq4_nl"."""
+    kivi = re.fullmatch(r"kivi(\d)(?:\+w(\d+))?", baseline)
+    if kivi:
+        return f"KIVI-style {kivi.group(1)}-bit" + (f" with a {kivi.group(2)}-token residual" if kivi.group(2) else "")
+    return f"TurboQuant's {baseline}" if baseline.startswith("tq") else f"llama.cpp's {baseline}"
 
 
 def share(row: dict) -> float:
@@ -313,7 +316,7 @@ def md_baselines(data: dict) -> list[str]:
     for model, (name, _) in MODELS.items():
         stats = baselines(data, model)
         original = data[f"baselines/{model}"]["original"]["kv_bytes_per_token"]
-        body = [[n, f"{s['bytes']:,} ({s['share']:.1%})", *(x(s["ratios"][t]) for t in REPORT_TEXTS),
+        body = [[n, f"{s['bytes']:,.0f} ({s['share']:.1%})", *(x(s["ratios"][t]) for t in REPORT_TEXTS),
                  x(s["median"]), x(s["worst"])] for n, s in sorted(stats.items(), key=lambda kv: -kv[1]["bytes"])]
         out += md_table([f"{name} ({original:,} bytes/token in 16 bits)", "bytes/token", *REPORT_TEXTS, "median",
                          "worst"], body) + [""]

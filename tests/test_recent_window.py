@@ -168,7 +168,7 @@ def test_truncate_keeps_plain_rows_it_held_and_takes_the_others_as_stored():
         assert rel_err(cache._recent.rows[:, :2], stored[:, :2]) <= TOL
 
 
-@pytest.mark.parametrize("spelling, named", [("bf16+w16", "'bf16' is not one"), ("kivi4+w16", "'kivi4' is not one"),
+@pytest.mark.parametrize("spelling, named", [("bf16+w16", "'bf16' is not one"), ("fp32+w8", "'fp32' is not one"),
                                              ("int4+w0", "N >= 1"), ("int4+w4+w4", "one '\\+w<N>'")])
 def test_a_window_on_what_cannot_hold_one_is_refused(spelling, named):
     with pytest.raises(ValueError, match=named):

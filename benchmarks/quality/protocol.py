@@ -109,9 +109,11 @@ CASES = {  # name: (model, shrink arguments after the model, what it checks)
                         "SmolLM2-135M at 12.5% of the bytes on one GPU in 4 minutes"),
 }
 GPU_CASES = {c for c, (_, args, _) in CASES.items() if "cuda" in args}
-# llama.cpp's types, KIVI-style codes and TurboQuant's (modules/turbo.py: tq4, tq3, tq2 are 4.25, 3.25 and 2.25
-# bits a value); `baselines --add` scores those a model's row lacks into it
-BASELINES = ("q8_0", "q5_0", "q4_1", "iq4_nl", "q4_0", "kivi4", "kivi2", "tq4", "tq3", "tq2")
+# llama.cpp's types, KIVI-style codes without and with KIVI's 16-bit residual of 32 or 128 tokens ("+w": each query
+# reads its newest rows plain, as many as KIVI's residual holds at most), and TurboQuant's (modules/turbo.py: tq4,
+# tq3, tq2 are 4.25, 3.25 and 2.25 bits a value); `baselines --add` scores those a model's row lacks into it
+BASELINES = ("q8_0", "q5_0", "q4_1", "iq4_nl", "q4_0", "kivi4", "kivi2", "tq4", "tq3", "tq2",
+             "kivi4+w32", "kivi4+w128", "kivi2+w32", "kivi2+w128")
 
 
 def load() -> float:
@@ -284,7 +286,9 @@ def part_baselines(model_name: str, redo: bool, long: bool, add: bool = False) -
     sizes = {} if PREFIX else baselines.baseline_bytes(model, known)  # dev: the original alone
     for name, size in sizes.items():
         hf.set_kv_dtype(model, name)
-        row["baselines"][name] = {"kv_bytes_per_token": size, **score(model, tok, long)}
+        fixed = hf.kv_fixed_bytes(model, torch_bf16())  # a residual's plain rows ("+w"), a sequence's whatever its length
+        row["baselines"][name] = {"kv_bytes_per_token": size, **({"fixed_bytes": fixed} if fixed else {}),
+                                  **score(model, tok, long)}
         if long and name in ("q4_0", "iq4_nl"):
             row["passkey"][name] = passkey(model, tok)
         hf.set_kv_dtype(model, None)

@@ -287,6 +287,8 @@ def kv_bytes_per_token(model, dtype: torch.dtype | None = None, kv_dtype: str | 
             kivi = lowbit.engine_bytes(m.kv_values_per_token, fmt.low)
             slides = context is not None and m.sliding_window is not None
             total += kivi * window_rows(m.sliding_window, context) / context if slides else kivi
+            if context is not None:  # "+w<N>": its plain rows spread over the context
+                total += _engine_fixed(m, fmt, dtype) / context
             continue
         cache = m.init_cache(1, 1, dtype=dtype or m._anchor.dtype, device="meta", kv_dtype=kv_dtype)
         total += cache.bytes_per_token if context is None else cache.bytes_at(context)
@@ -296,9 +298,17 @@ def kv_bytes_per_token(model, dtype: torch.dtype | None = None, kv_dtype: str | 
 def kv_fixed_bytes(model, dtype: torch.dtype | None = None) -> int:
     """Bytes a sequence's caches hold whatever its length, beside kv_bytes_per_token's per token held: every layer's
     _Cache.fixed_bytes (a "+c4" rope key's newest group of tokens, unquantised in the activation dtype: dtype, default
-    each module's weight dtype); kv_bytes_per_token(model, context=T) spreads them over T tokens."""
-    return sum(m.init_cache(1, 1, dtype=dtype or m._anchor.dtype, device="meta").fixed_bytes
-               for m in attnlab_modules(model) if m._kv_format is None or not m._kv_format.evaluation_only)
+    each module's weight dtype), or an evaluation-only storage's "+w<N>" rows; kv_bytes_per_token(model, context=T)
+    spreads them over T tokens."""
+    return sum(_engine_fixed(m, m._kv_format, dtype) if m._kv_format is not None and m._kv_format.evaluation_only
+               else m.init_cache(1, 1, dtype=dtype or m._anchor.dtype, device="meta").fixed_bytes
+               for m in attnlab_modules(model))
+
+
+def _engine_fixed(module, fmt, dtype: torch.dtype | None) -> int:
+    """The plain rows of an evaluation-only storage's "+w<N>" (KIVI's residual), in the activation dtype."""
+    size = torch.empty(0, dtype=dtype or module._anchor.dtype).element_size()
+    return (fmt.recent or 0) * module.kv_values_per_token * size
 
 
 def sliding_context(model) -> int | None:

@@ -42,7 +42,7 @@ class AttentionModule(nn.Module):
             key = fmt.for_role("key").name
             raise ValueError(f"kv_dtype {value!r} stores keys and values in different types, and a "
                              f"{type(self).__name__} caches one latent row: use one type, e.g. {key!r}")
-        if fmt is not None and fmt.recent and self.separate_keys:
+        if fmt is not None and fmt.recent and self.separate_keys and not fmt.evaluation_only:
             raise ValueError(f"kv_dtype {value!r}: a recent window (+w{fmt.recent}) keeps an MLA's newest latent rows "
                              f"plain; a {type(self).__name__} caches keys and values apart: use "
                              f"{fmt.base_name!r}")

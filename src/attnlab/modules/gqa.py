@@ -19,6 +19,7 @@ from .base import AttentionModule
 from .cache import KVCache, window_for
 from .storage import with_row_scale
 from .heads import check_grouping
+from .recent import mixed_mask
 from .rope import RotaryEmbedding
 
 
@@ -139,24 +140,36 @@ class GroupedQueryAttention(AttentionModule):
         if self.rope is not None:
             q = self.rope(q, positions)
         ours = isinstance(cache, KVCache)  # else no cache, or transformers' (adapters.TransformersCache)
+        plain = None  # K, V before their storage: an evaluation-only storage's "+w<N>" (KIVI's residual)
         # k, v below: tensors, or QuantisedKV rows of a quantised cache of ours
         if cache is not None and cache.static:
             k, v = cache.view_stored() if ours else cache.view()  # (B, G, S, d), (B, G, S, dv)
         else:
             k, v = self.project_kv(source, positions if context is None else None)  # (B, G, S_new, *)
             if not ours:  # no storage of ours: quantise and read back as it would
+                plain = self._residual(k, v)
                 k, v = self._as_stored(k, (self.head_dim,), "key"), self._as_stored(v, (self.v_head_dim,), "value")
             if cache is not None:
                 k, v = cache.extend_stored(k=k, v=v) if ours else cache.extend(k=k, v=v)  # (B, G, S, *)
                 cache.static = context is not None
         if self.sliding_window is not None and context is None and (cache is None or ours):
             (mask, _), is_causal = self._windowed(positions, k.shape[-2], mask, cache, ours), False
+        if plain is not None:  # each query reads its newest N keys and values plain (modules/recent.py)
+            S = k.shape[-2]
+            mask = mixed_mask(S, S - plain[0].shape[-2], L, self._kv_format.recent, mask, is_causal, k.device)
+            k, v, is_causal = torch.cat([k, plain[0]], -2), torch.cat([v, plain[1]], -2), False
         # int8 codes with one scale per token and head: the scales multiply scores and weights, not the rows
         (k, key_scale), (v, value_scale) = with_row_scale(k), with_row_scale(v)
         o = attend(q, k, v, grouping=self.grouping, mask=mask, is_causal=is_causal, scale=self.scale,
                    key_scale=key_scale, value_scale=value_scale)  # (B, H, L, dv)
         o = o.transpose(1, 2).reshape(B, L, self.num_heads * self.v_head_dim)  # (B, L, H*dv)
         return self.W_O(o)  # (B, L, dim)
+
+    def _residual(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(K, V) as they came where the storage keeps a recent window plain (an evaluation-only one's "+w<N>", KIVI's
+        residual: a call's own rows, so a prefill or a forward without a cache; recent.mixed_mask refuses a later
+        chunk whose queries need older plain rows), else None."""
+        return None if self._kv_format is None or not self._kv_format.recent else (k, v)
 
     def extra_repr(self) -> str:
         return (f"dim={self.dim}, context_dim={self.context_dim}, num_heads={self.num_heads}, "

@@ -15,7 +15,8 @@ Storage (`kv_dtype`; `cache.dtype` stays the activation dtype the cache returns)
   with "+c4" an MLA's rope key is kept per channel over groups of 64 tokens, its newest, incomplete group
   unquantised (modules/key_groups.py); such a cache reads back dequantised rows and refuses fixed_slot.
 - "<quantised storage>+w<N>" ("int3/g64+c4+w16"): that storage, with the newest N rows of an MLA's latent cache also
-  kept plain; each query reads its newest N rows plain and the older ones as stored (modules/recent.py).
+  kept plain; each query reads its newest N rows plain and the older ones as stored (modules/recent.py). Of KIVI
+  or quanto ("kivi4+w128": KIVI's 16-bit residual), a GQA's forward without a cache reads them so.
 - "<quantised storage>+s<N>" ("int3/g64+c4+s1", "int3/g64+c4+s1+w8"): the first N rows of an MLA's latent cache also
   kept plain and left out of the codes (an attention sink; modules/sink.py).
 - a K/V pair "K,V" of llama.cpp's block formats ("q8_0,q4_0": its --cache-type-k q8_0 --cache-type-v q4_0): keys
@@ -178,11 +179,11 @@ def _pair(kv_dtype: str) -> StorageFormat:
 
 def _with_recent(kv_dtype: str, base: str, size: int) -> StorageFormat:
     """"<base>+w<N>": base's storage with the newest N rows kept plain as well; one-line errors naming what is
-    refused (a plain or evaluation-only base, a K/V pair, N < 1)."""
+    refused (a plain base, a K/V pair, N < 1)."""
     fmt = check_kv_dtype(base)
     if size < 1 or fmt is not None and fmt.recent:
         raise ValueError(f"kv_dtype {kv_dtype!r}: a recent window is one '+w<N>' with N >= 1, got {kv_dtype!r}")
-    if fmt is None or not fmt.quantised or fmt.evaluation_only or fmt.value is not None:
+    if fmt is None or not fmt.quantised or fmt.value is not None:
         raise ValueError(f"kv_dtype {kv_dtype!r}: a recent window (+w{size}) keeps the newest rows of a quantised "
                          f"cache plain; {base!r} is not one attnlab's caches quantise (use int8, int4/g32+r8, "
                          "int3/g64+c4, ...)")
