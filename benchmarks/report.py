@@ -32,7 +32,7 @@ README = ROOT / "README.md"
 RESULTS = ROOT / "docs" / "results.md"
 PICTURE = HERE / "figures" / "frontier.png"
 # the README's rows: the plain commands on a CPU, one per budget (the GPU case and designs not kept stay in docs)
-README_CASES = ("smollm2-50", "smollm2-25", "smollm2-12", "smollm2-12-text", "smollm2-6-text", "gemma3-270m-25",
+README_CASES = ("smollm2-50", "smollm2-25", "smollm2-25-no-heal", "smollm2-12", "smollm2-12-text", "gemma3-270m-25",
                 "gemma3-270m-18-32k")
 WIDTH = 118  # the README's and docs/results.md's prose lines
 MODELS = {"smollm2": ("SmolLM2-135M", "smollm2-135m"), "gemma3-270m": ("Gemma 3 270M", "gemma-3-270m")}
@@ -132,6 +132,8 @@ def budget(case: str) -> str:
         label += " +text"
     if "--context" in args:
         label += f" @{int(args[args.index('--context') + 1]) // 1024}k"
+    if "--no-heal" in args:
+        label += " no heal"
     return label
 
 
@@ -224,8 +226,10 @@ def results_block(data: dict, table: dict) -> list[str]:
 def losses(data: dict, table: dict) -> list[str]:
     """The README's 'Where it loses', five bullets, each figure read from the results."""
     quarter, eighth, text = (case_row(table, c) for c in ("smollm2-25", "smollm2-12", "smollm2-12-text"))
+    codec = case_row(table, "smollm2-25-no-heal")
     small = baselines(data, "smollm2")
-    qb, eb = best_baseline(quarter, small), best_baseline(eighth, small)
+    qb, eb, cb = best_baseline(quarter, small), best_baseline(eighth, small), best_baseline(codec, small)
+    codec_minutes = max(r["wall_minutes"] for r in runs(data, "smollm2-25-no-heal"))
     gguf = next((r for r in engines.table() if r["case"] == "smollm2-12-gguf"), None)
     if gguf is None:
         raise ValueError("benchmarks/results/engines.json has no smollm2-12-gguf rows: "
@@ -233,13 +237,15 @@ def losses(data: dict, table: dict) -> list[str]:
     lo, hi, context = speed_range()
     st, gt, gl = (case_row(table, c) for c in ("smollm2-25-transformers", "gemma3-270m-25-transformers",
                                                "gemma3-270m-25"))
-    upper = [c for c in README_CASES if share(case_row(table, c)) >= 0.25]
+    upper = [c for c in README_CASES if share(case_row(table, c)) >= 0.25 and "--no-heal" not in protocol.CASES[c][1]]
     heals = [given_back(r) for c in upper for r in runs(data, c)]
     stood = [s for r in engines.table() if r["case"] != "smollm2-12-gguf" for s in r["heal_stood"]]
     bullets = [
         f"At a quarter of the bytes SmolLM2 gives {x(quarter['median'])} median, {x(quarter['worst'])} worst "
         f"({quarter['worst_text']}); {label(qb)} at {small[qb]['share']:.1%} gives {x(small[qb]['median'])}, "
-        f"{x(small[qb]['worst'])}.",
+        f"{x(small[qb]['worst'])}. With no heal (`--no-heal`, at most {codec_minutes:.1f} minutes) "
+        f"{x(codec['median'])}, {x(codec['worst'])} ({codec['worst_text']}), against {label(cb)} at "
+        f"{small[cb]['share']:.1%}: {x(small[cb]['median'])}, {x(small[cb]['worst'])}.",
         f"At 12.5% the plain command gives {x(eighth['median'])} median, {x(eighth['worst'])} worst; your text and "
         f"30 minutes bring it to {x(text['median'])}, {x(text['worst'])}. {label(eb)} at {small[eb]['share']:.1%} "
         f"gives {x(small[eb]['median'])}, {x(small[eb]['worst'])}.",
