@@ -94,11 +94,13 @@ def baselines(data: dict, model: str) -> dict[str, dict]:
 
 
 def best_baseline(row: dict, stats: dict[str, dict]) -> str:
-    """The baseline a row is set beside: of those at the two smallest sizes at or above the row's bytes (the shrink
-    report's rule, shrink.baselines.at_or_above), the one of least median over the texts."""
+    """The baseline a row is set beside: of llama.cpp's types and the KIVI-style codes (PROTOCOL_FAMILIES) at the two
+    smallest sizes at or above the row's bytes (the shrink report's rule, shrink.baselines.at_or_above), the one of
+    least median over the texts. TurboQuant's and KIVI's with a residual are set beside a row by name (losses)."""
     from attnlab.shrink.baselines import at_or_above
 
-    names = at_or_above({n: s["bytes"] for n, s in stats.items()}, row[f"bytes_at_{FAIR_CONTEXT}"])
+    compared = {n for names in PROTOCOL_FAMILIES.values() for n in names}
+    names = at_or_above({n: s["bytes"] for n, s in stats.items() if n in compared}, row[f"bytes_at_{FAIR_CONTEXT}"])
     if not names:
         raise ValueError(f"case {row['case']!r} ({row[f'bytes_at_{FAIR_CONTEXT}']:,.0f} bytes/token) has no "
                          "baseline at equal or more bytes")
@@ -228,7 +230,7 @@ def losses(data: dict, table: dict) -> list[str]:
     quarter, eighth, text = (case_row(table, c) for c in ("smollm2-25", "smollm2-12", "smollm2-12-text"))
     codec = case_row(table, "smollm2-25-no-heal")
     small = baselines(data, "smollm2")
-    qb, eb, cb = best_baseline(quarter, small), best_baseline(eighth, small), best_baseline(codec, small)
+    qb, eb = best_baseline(quarter, small), best_baseline(eighth, small)
     codec_minutes = max(r["wall_minutes"] for r in runs(data, "smollm2-25-no-heal"))
     gguf = next((r for r in engines.table() if r["case"] == "smollm2-12-gguf"), None)
     if gguf is None:
@@ -244,8 +246,10 @@ def losses(data: dict, table: dict) -> list[str]:
         f"At a quarter of the bytes SmolLM2 gives {x(quarter['median'])} median, {x(quarter['worst'])} worst "
         f"({quarter['worst_text']}); {label(qb)} at {small[qb]['share']:.1%} gives {x(small[qb]['median'])}, "
         f"{x(small[qb]['worst'])}. With no heal (`--no-heal`, at most {codec_minutes:.1f} minutes) "
-        f"{x(codec['median'])}, {x(codec['worst'])} ({codec['worst_text']}), against {label(cb)} at "
-        f"{small[cb]['share']:.1%}: {x(small[cb]['median'])}, {x(small[cb]['worst'])}.",
+        f"{x(codec['median'])}, {x(codec['worst'])} ({codec['worst_text']}): below {label('tq4')} at "
+        f"{small['tq4']['share']:.1%} ({x(small['tq4']['median'])}, {x(small['tq4']['worst'])}), above "
+        f"{label('kivi4+w32')} at {small['kivi4+w32']['share']:.1%} ({x(small['kivi4+w32']['median'])}, "
+        f"{x(small['kivi4+w32']['worst'])}).",
         f"At 12.5% the plain command gives {x(eighth['median'])} median, {x(eighth['worst'])} worst; your text and "
         f"30 minutes bring it to {x(text['median'])}, {x(text['worst'])}. {label(eb)} at {small[eb]['share']:.1%} "
         f"gives {x(small[eb]['median'])}, {x(small[eb]['worst'])}.",
