@@ -466,9 +466,10 @@ def frontier(data: dict, table: dict, path: Path = PICTURE) -> None:
         ax.errorbar([100 * share(r) for r in ours], [r["median"] - 1 for r in ours],
                     yerr=[[0] * len(ours), [r["worst"] - r["median"] for r in ours]], fmt="*", ms=11, color="k",
                     capsize=3, label="attnlab shrink (3 seeds)")
-        for r in ours:
-            ax.annotate(budget(r["case"]), (100 * share(r), r["median"] - 1), xytext=(5, 3),
-                        textcoords="offset points", fontsize=8, weight="bold")
+        for r in ours:  # a no-heal row sits beside its budget's healed one: its label goes left, below
+            left = "--no-heal" in protocol.CASES[r["case"]][1]
+            ax.annotate(budget(r["case"]), (100 * share(r), r["median"] - 1), xytext=(-5, -9) if left else (5, 3),
+                        textcoords="offset points", fontsize=8, weight="bold", ha="right" if left else "left")
         ax.set_yscale("symlog", linthresh=1e-3)
         ax.yaxis.set_major_locator(matplotlib.ticker.FixedLocator([0, 1e-3, 1e-2, 0.1, 1, 4]))
         ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{1 + v:g}x"))
