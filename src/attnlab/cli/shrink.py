@@ -149,7 +149,7 @@ def shrink(source: str = typer.Argument(..., help="The model: smollm2, a transfo
     from ..runtime.budget import Budget, Stopped, stop_on_signals
     from ..shrink.request import ShrinkRequest, check_request
     from ..shrink.state import run_folder
-    from ..shrink.pipeline import shrink as run
+    from ..shrink.pipeline import NOT_RUN, shrink as run
 
     from ..heal import distributed as dd
 
@@ -228,7 +228,8 @@ def shrink(source: str = typer.Argument(..., help="The model: smollm2, a transfo
                  guard_line(heal)):
         if line:
             console.print(line)
-    if heal.get("status") == "not run":
+    skipped = heal.get("status") == NOT_RUN
+    if skipped:
         console.print("no heal ran (--no-heal): the converted weights were written")
     if heal.get("kept"):  # the heal made it worse: the converted weights are what was written
         console.print(f"kept {heal['kept']}")
@@ -236,7 +237,7 @@ def shrink(source: str = typer.Argument(..., help="The model: smollm2, a transfo
     console.print(f"minutes per phase: {minutes_by_phase}")
     work = report.get("work") or {}
     if work:
-        healed = "no heal" if heal.get("status") == "not run" else \
+        healed = "no heal" if skipped else \
             f"{work.get('heal_steps')} heal steps ({work.get('end_to_end_steps')} end to end, " \
             f"{work.get('end_to_end_tokens')} tokens)"
         console.print(f"work: {work.get('training_windows')} training windows, {work.get('candidates_measured')} "

@@ -369,6 +369,9 @@ def _phase_heal(run: _Run) -> None:
         state.finish("heal", 0.0)
 
 
+NOT_RUN = "not run"  # the heal report's status under --no-heal
+
+
 def _no_heal(run: _Run) -> None:
     """--no-heal: the converted student scored against the teacher on the held-out texts, as a heal's evaluation
     before training is but with no greedy continuations (they took longer than the plan); the report's heal says none
@@ -378,7 +381,7 @@ def _no_heal(run: _Run) -> None:
 
     t = run.budget.clock()
     run.show.phase("evaluating the converted model (--no-heal: no training)")
-    report = {"status": "not run", "steps_done": 0, "healed": False}
+    report = {"status": NOT_RUN, "steps_done": 0, "healed": False}
     measure_pair(run.teacher, run.student, held_out_texts(held_texts(run.data)), report, run.budget, prompts=0)
     run.state.data["report"]["heal"] = report
     run.state.data["done"].append("heal")
@@ -387,7 +390,7 @@ def _no_heal(run: _Run) -> None:
 
 def final_evaluation(heal: dict) -> dict:
     """The held-out evaluation of the model a run wrote: after its heal, or the converted one's where none ran."""
-    return heal.get("after") or (heal.get("before") if heal.get("status") == "not run" else None) or {}
+    return heal.get("after") or (heal.get("before") if heal.get("status") == NOT_RUN else None) or {}
 
 
 def _phase_baselines(run: _Run) -> None:
