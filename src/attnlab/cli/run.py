@@ -95,6 +95,7 @@ def eval_(source: str = typer.Argument(..., help="A model (smollm2, gemma3-270m)
     from ..io.folders import replace_file
     from ..models.evaluate import default_window, score_windows
     from ..modules.storage import check_kv_dtype
+    from ..shrink.layer_bits import bits_label
 
     fmt = check_kv_dtype(kv_dtype)  # before loading anything: one line naming the value and the choices
     if engine not in ENGINES:
@@ -136,7 +137,8 @@ def eval_(source: str = typer.Argument(..., help="A model (smollm2, gemma3-270m)
 
     planned = planned_entry(source) if engine == "transformers" else {}
     if kv_dtype is None and planned.get("kv_dtype"):  # the storage a --format transformers folder was planned for
-        kv_dtype = planned["kv_dtype"]
+        kv_dtype = planned["kv_dtype"]  # (a list: one a layer)
+    each_layer = kv_dtype if isinstance(kv_dtype, list) else [kv_dtype]
     mla = planned.get("model_type") == "deepseek_v3"  # an MLA as DeepSeek-V3: transformers loads it itself
     with Busy(f"loading {source}") as busy:
         model, tok = _load_deepseek(source) if mla else hf.load_model(source)[:2]
@@ -156,7 +158,7 @@ def eval_(source: str = typer.Argument(..., help="A model (smollm2, gemma3-270m)
             from ..models.passkey import passkey_prompts
 
             passkey_prompts(model, tok, lengths=lengths, depths=depths, trials=passkey_trials, seed=seed)
-        storages = [kv_dtype] if kv_dtype is not None or mla else [m.kv_dtype for m in hf.attnlab_modules(model)]
+        storages = each_layer if kv_dtype is not None or mla else [m.kv_dtype for m in hf.attnlab_modules(model)]
         kivi = [k for k in storages if k is not None and check_kv_dtype(k).evaluation_only]  # no cache to read
         cached = window > chunk and not kivi if through_cache is None else through_cache
         bases = value_bases(source, model.config.num_hidden_layers) if planned.get("value_bases") else None
@@ -166,7 +168,7 @@ def eval_(source: str = typer.Argument(..., help="A model (smollm2, gemma3-270m)
             stored, sixteen = storage_bytes(model, kv_dtype, bases, kept), storage_bytes(model, "bf16")
         else:  # counted from attnlab's caches of that storage
             stored, sixteen = hf.kv_bytes_per_token(model, kv_dtype=kv_dtype), hf.kv_bytes_per_token(model, kv_dtype="bf16")
-        storage = storages[0]
+        storage = kv_dtype if isinstance(kv_dtype, list) else storages[0]
         if engine == "transformers":
             cached, model = True, model if mla else _in_transformers(model, source)
         if cached and kivi:
@@ -235,7 +237,7 @@ def eval_(source: str = typer.Argument(..., help="A model (smollm2, gemma3-270m)
         print(f"windows: {window} tokens, {how}")
     print(f"kv bytes per token: {stored} ({stored / sixteen:.1%} of its 16-bit cache, {sixteen})")
     if kv_dtype is not None:
-        print(f"kv storage: {kv_dtype}")
+        print(f"kv storage: {bits_label(kv_dtype) if isinstance(kv_dtype, list) else kv_dtype}")
     if report is not None:
         _print_passkey(report)
     if json_out is not None:

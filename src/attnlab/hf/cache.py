@@ -111,8 +111,13 @@ def storage_bytes(model_or_config, kv_dtype, value_bases=None, kept_dtype=None) 
 
 
 def layer_storages(kv_dtype, widths: list, kept_dtype=None) -> list:
-    """Each layer's storage: kv_dtype where it has a value basis (or none has), kept_dtype (if given) where a plan
-    kept the layer's own attention beside layers with value bases."""
+    """Each layer's storage: kv_dtype's own where it is a list (one a layer: a plan's bits per layer), else kv_dtype
+    where the layer has a value basis (or none has), kept_dtype (if given) where a plan kept the layer's own attention
+    beside layers with value bases. ValueError naming the lengths for a list of another length."""
+    if isinstance(kv_dtype, (list, tuple)):
+        if len(kv_dtype) != len(widths):
+            raise ValueError(f"a storage per layer needs {len(widths)} storages, one a layer, got {len(kv_dtype)}")
+        return list(kv_dtype)
     kept = kept_dtype is not None and any(w is not None for w in widths)
     return [kept_dtype if kept and w is None else kv_dtype for w in widths]
 
@@ -440,7 +445,7 @@ class _KVCacheBase:
     """KVCache(model, kv_dtype): a transformers Cache of attnlab's storages, one layer per decoder layer.
 
     model: a transformers model (or config) of a family attnlab knows; kv_dtype: any storage attnlab's GQA caches
-    take ("int8", "q4_0", "q8_0,q4_0", "int4/g32", None for plain). value_bases, kept_dtype: a keys-whole plan's
+    take ("int8", "q4_0", "q8_0,q4_0", "int4/g32", None for plain), or a list of them, one a layer. value_bases, kept_dtype: a keys-whole plan's
     (KVCache.from_pretrained reads them): each converted layer's value basis, and the storage of the layers it kept.
     Refused in one line when it is made: another family, a storage the head size cannot take. A "+w<N>" storage
     sets the model's attention to hf/attention.py's (sdpa, each query reading its own newest N rows plain); made

@@ -266,12 +266,12 @@ def score_windows(model, input_ids: torch.Tensor, window: int = EVAL_WINDOW, *, 
     return TextScore(total, sum(w.shape[1] - 1 for w in parts), input_ids.shape[1], len(parts))
 
 
-def kv_bytes_per_token(model, dtype: torch.dtype | None = None, kv_dtype: str | None = None,
+def kv_bytes_per_token(model, dtype: torch.dtype | None = None, kv_dtype: str | list | None = None,
                        context: int | None = None):
     """KV-cache bytes per token for the whole model, read from caches the attnlab modules allocate
     (on the meta device). dtype: the activations' (default each module's weight dtype); kv_dtype: the
-    storage ("fp32", "bf16", "int8", "fp8", ...: scales counted), default each module's own kv_dtype,
-    else plain in dtype. context: None, bytes per token held (an int; a sliding layer counts as a
+    storage ("fp32", "bf16", "int8", "fp8", ...: scales counted; or a list, one a module), default each module's
+    own kv_dtype, else plain in dtype. context: None, bytes per token held (an int; a sliding layer counts as a
     global one; what a sequence holds whatever its length is kv_fixed_bytes); or a sequence length, bytes
     per token of a sequence that long (a float: a sliding layer's cache holds at most its window and some
     room, and the fixed bytes are spread over the context, _Cache.bytes_at)."""
@@ -279,10 +279,11 @@ def kv_bytes_per_token(model, dtype: torch.dtype | None = None, kv_dtype: str | 
     from ..modules.cache import window_rows
     from ..modules.storage import check_kv_dtype
 
-    asked = check_kv_dtype(kv_dtype)
+    storages = each_module(model, kv_dtype)
+    asked = [check_kv_dtype(k) for k in storages]
     total = 0
-    for m in attnlab_modules(model):
-        fmt = asked or m._kv_format
+    for m, fmt, storage in zip(attnlab_modules(model), asked, storages):
+        fmt = fmt or m._kv_format
         if fmt is not None and fmt.evaluation_only:  # KIVI, quanto: no cache here, their steady-state bytes
             kivi = lowbit.engine_bytes(m.kv_values_per_token, fmt.low)
             slides = context is not None and m.sliding_window is not None
@@ -290,7 +291,7 @@ def kv_bytes_per_token(model, dtype: torch.dtype | None = None, kv_dtype: str | 
             if context is not None:  # "+w<N>": its plain rows spread over the context
                 total += _engine_fixed(m, fmt, dtype) / context
             continue
-        cache = m.init_cache(1, 1, dtype=dtype or m._anchor.dtype, device="meta", kv_dtype=kv_dtype)
+        cache = m.init_cache(1, 1, dtype=dtype or m._anchor.dtype, device="meta", kv_dtype=storage)
         total += cache.bytes_per_token if context is None else cache.bytes_at(context)
     return total
 
@@ -321,15 +322,29 @@ def sliding_context(model) -> int | None:
     return int(getattr(cfg, "max_position_embeddings", 0) or 8 * max(windows))
 
 
-def set_kv_dtype(model, kv_dtype: str | None):
-    """Set kv_dtype (the cache storage, see modules/cache.py) on every attnlab module of a swapped model:
-    caches, a Generator and forwards without a cache (perplexity) then use that storage. Returns the model."""
+def set_kv_dtype(model, kv_dtype: str | list | None):
+    """Set kv_dtype (the cache storage, see modules/cache.py; or a list, one a module) on every attnlab module of a
+    swapped model: caches, a Generator and forwards without a cache (perplexity) then use that storage. Returns the
+    model."""
     from ..modules.storage import check_kv_dtype
 
-    check_kv_dtype(kv_dtype)  # one error before any module changes
-    for m in attnlab_modules(model):
-        m.kv_dtype = kv_dtype
+    storages = each_module(model, kv_dtype)
+    for k in storages:
+        check_kv_dtype(k)  # one error before any module changes
+    for m, k in zip(attnlab_modules(model), storages):
+        m.kv_dtype = k
     return model
+
+
+def each_module(model, kv_dtype) -> list:
+    """kv_dtype for each attnlab module: the list itself (ValueError naming both lengths unless it has one a
+    module), or the one storage repeated."""
+    count = len(list(attnlab_modules(model)))
+    if not isinstance(kv_dtype, (list, tuple)):
+        return [kv_dtype] * count
+    if len(kv_dtype) != count:
+        raise ValueError(f"a storage per layer needs {count} storages, one an attention layer, got {len(kv_dtype)}")
+    return list(kv_dtype)
 
 
 def read_text_ids(tok, path, max_tokens: int | None = None, *, min_tokens: int = 1) -> torch.Tensor:

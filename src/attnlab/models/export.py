@@ -234,14 +234,20 @@ def check_exportable(modules) -> None:
         if m.W_UV.bias is not None and bool(m.W_UV.bias.detach().any()) or \
                 m.W_DKV.bias is not None and bool(m.W_DKV.bias.detach().any()):
             raise ValueError(f"layer {i} has latent or value biases; this export does not fold them")
-        if m.config() != first.config():
-            raise ValueError(f"layer {i}'s shape differs from layer 0's ({m.config()} vs {first.config()}); "
+        shape, first_shape = _shape(m), _shape(first)  # the cache's storage may differ (config.json names each)
+        if shape != first_shape:
+            raise ValueError(f"layer {i}'s shape differs from layer 0's ({shape} vs {first_shape}); "
                              "a DeepSeek config holds one shape for all layers")
         if not torch.equal(m.rope.inv_freq, first.rope.inv_freq) or m.rope.scaling != first.rope.scaling:
             raise ValueError(f"layer {i} keeps other rotary frequencies than layer 0 (chosen layer by layer: "
                              "--rope-select norm, or rorope-score with shared_planes=False); DeepSeek has one rotary "
                              "embedding for all layers: convert with --rope-select frequency, rorope or rorope-score "
                              "(whole models: one allocation for all layers)")
+
+
+def _shape(m: MultiHeadLatentAttention) -> dict:
+    """m's config() without its cache storage: what a DeepSeek config must hold alike in every layer."""
+    return {k: v for k, v in m.config().items() if k != "kv_dtype"}
 
 
 # -- one layer ----------------------------------------------------------------------------------------
@@ -343,14 +349,18 @@ def deepseek_config(src: dict, m: MultiHeadLatentAttention, *, dtype: str) -> di
     }
 
 
-def attnlab_entry(m: MultiHeadLatentAttention, constants: list[float]) -> dict:
+def attnlab_entry(modules: list[MultiHeadLatentAttention], constants: list[float]) -> dict:
     """config.json's "attnlab" entry, which attnlab.hf.KVCache reads: the latent channels a cache keeps (not the
     constant one, which kv_b_proj ignores), each layer's constant K where it has one (its cache codes latent * K /
-    constant channel: the MLA's own latent) and the storage m's cache was planned in."""
-    entry = {"written_by": "attnlab", "latent_channels": m.latent_dim}
+    constant channel: the MLA's own latent) and the storage the caches were planned in (a list, one a layer, where
+    the layers' differ)."""
+    entry = {"written_by": "attnlab", "latent_channels": modules[0].latent_dim}
     if constants:
         entry["latent_constants"] = constants
-    return entry if m.kv_dtype is None else {**entry, "kv_dtype": m.kv_dtype}
+    storages = [m.kv_dtype for m in modules]
+    if all(k is None for k in storages):
+        return entry
+    return {**entry, "kv_dtype": storages[0] if len(set(storages)) == 1 else storages}
 
 
 def layer_constant(m: MultiHeadLatentAttention) -> list[float]:
@@ -448,7 +458,7 @@ def export_deepseek(model, folder, tokenizer=None, *, force: bool = False,
     src["tie_word_embeddings"] = bool(getattr(model.config, "tie_word_embeddings", False))
     dtype = str(modules[0]._anchor.dtype).removeprefix("torch.")
     constants = [k for m in modules for k in layer_constant(m)]
-    config = {**deepseek_config(src, modules[0], dtype=dtype), "attnlab": attnlab_entry(modules[0], constants)}
+    config = {**deepseek_config(src, modules[0], dtype=dtype), "attnlab": attnlab_entry(modules, constants)}
     base = model.model
 
     def write(tmp: Path) -> None:

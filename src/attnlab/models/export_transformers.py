@@ -41,20 +41,22 @@ def value_bases(model) -> list | None:
     return None if all(u is None for u in bases) else bases
 
 
-def export_transformers(model, folder, tokenizer=None, *, force: bool = False, storage: str | None = None,
+def export_transformers(model, folder, tokenizer=None, *, force: bool = False, storage: str | list | None = None,
                         kept_dtype: str | None = None) -> dict:
     """Write an attnlab'd model whose attention kept its shape, or whose layers are keys-whole MLAs, as a
     transformers folder (module docstring). storage: the KVCache storage it was planned for (config.json's
-    "attnlab" entry; None: a plain cache); kept_dtype: that of the layers a keys-whole plan kept as they were.
-    Returns {"path", "architecture", "kv_dtype"}."""
+    "attnlab" entry; None: a plain cache; a list: one a layer); kept_dtype: that of the layers a keys-whole plan
+    kept as they were. Returns {"path", "architecture", "kv_dtype"}."""
     from safetensors.torch import save_file
 
     from ..io.folders import write_folder
     from ..modules.storage import check_kv_dtype
+    from .evaluate import each_module
     from .store import sources_of
 
     check_transformers_export(model)
-    check_kv_dtype(storage)
+    for k in each_module(model, storage):
+        check_kv_dtype(k)
     check_kv_dtype(kept_dtype)
     bases = value_bases(model)
     kept = {"kept_dtype": kept_dtype} if bases and kept_dtype is not None and None in bases else {}

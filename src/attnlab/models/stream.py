@@ -278,7 +278,7 @@ def convert_checkpoint(source, out, *, latent_dim: int | None, rope_dim: int | N
         shards.close()
         src = dict(cfg, tie_word_embeddings=tied)
         config = {**deepseek_config(src, first, dtype=str(dtype).removeprefix("torch.")),
-                  "attnlab": attnlab_entry(first, constants)}
+                  "attnlab": attnlab_entry([first], constants)}
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         copy_tokenizer(folder, tmp)
 

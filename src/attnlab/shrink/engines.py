@@ -23,15 +23,18 @@ def llama_cpp_cache(storage: str, native: bool = False) -> dict:
                     f"{', flash_attn=True' if flags else ''})"}
 
 
-def transformers_cache(storage: str | None, native: bool = True, whole: bool = False) -> dict:
-    """How to run a --format transformers folder with the attnlab.hf.KVCache storage it was planned and healed for;
-    native: the source's own class; whole: the source's class holding keys-whole MLAs (values cached as their latent);
-    else an MLA as DeepseekV3ForCausalLM."""
+def transformers_cache(storage: str | list | None, native: bool = True, whole: bool = False) -> dict:
+    """How to run a --format transformers folder with the attnlab.hf.KVCache storage it was planned and healed for (a
+    list: one a layer); native: the source's own class; whole: the source's class holding keys-whole MLAs (values
+    cached as their latent); else an MLA as DeepseekV3ForCausalLM."""
+    from .layer_bits import bits_label
+
     what = "" if native else "the source's class, its values held as the latent of rank r, " if whole else \
         "DeepseekV3ForCausalLM, an MLA whose latent "
+    named = bits_label(storage) if isinstance(storage, list) else storage
     return {"kv_dtype": storage, "architecture": "source" if native or whole else "deepseek_v3",
             "note": "model = AutoModelForCausalLM.from_pretrained(OUT); model.generate(..., "
-                    f"cache=attnlab.hf.KVCache.from_pretrained(OUT, model)) ({what}cache in {storage})"}
+                    f"cache=attnlab.hf.KVCache.from_pretrained(OUT, model)) ({what}cache in {named})"}
 
 
 def runs_in(fmt: str, chosen: dict, whole: bool = False) -> dict:
@@ -45,7 +48,8 @@ def runs_in(fmt: str, chosen: dict, whole: bool = False) -> dict:
                 "no attnlab import; vLLM loads the same folder)",
                 "scored_by": "attnlab's MLA with a 16-bit cache (the same weights; tests/test_export.py compares them)"}
     if fmt == "transformers":
-        cache = transformers_cache(chosen.get("kv_dtype"), chosen.get("layers") == [], whole)
+        cache = transformers_cache(chosen.get("kv_dtypes") or chosen.get("kv_dtype"), chosen.get("layers") == [],
+                                   whole)
         return {"engine": "transformers", "how": cache["note"],
                 "scored_by": "attnlab's own loop through the same storage, which transformers' forward over "
                              "attnlab.hf.KVCache computes to float64's rounding (tests/test_hf_cache.py); attnlab eval "

@@ -279,6 +279,7 @@ def _phase_data(run: _Run) -> None:
 
 def _phase_plan(run: _Run) -> None:
     """The chosen candidate: the request's explicit sizes, or the planner's choice (shrink/plan.py)."""
+    from .layer_bits import planned_layer_bits
     from .plan import plan as choose
 
     req, state, data = run.req, run.state, run.data
@@ -292,6 +293,7 @@ def _phase_plan(run: _Run) -> None:
                             storages=storage_choices(req.storage, req.fmt, req.heal), calibrate=req.calibration,
                             proxy_ids=data.get("proxy"), time_budget=run.budget.unbounded(), context=req.context,
                             max_candidates=plan_count(req.minutes), per_layer=req.per_layer,
+                            layer_bits=req.storage == "auto" and planned_layer_bits(req.heal),
                             layer_ids=_layer_text(data, run.tok) if req.per_layer else None,
                             progress=lambda i, label: run.show.phase(f"planning: candidate {i + 1}: {label}"))
             if run.budget.stop_requested:  # a search cut short is not the plan of this request: nothing saved
@@ -444,11 +446,13 @@ def _write_export(run: _Run, out: Path, report: dict) -> None:
     elif req.fmt == "transformers" and (best.native or keys_whole(run.teacher) is not None):  # the source's class
         from ..models.export_transformers import export_transformers  # (a keys-whole MLA with its value bases)
 
-        report["written"] = export_transformers(student, out, tok, force=force, storage=best.kv_dtype,
-                                                kept_dtype=best.kept_dtype if best.layers else None)
+        kept = best.kept_dtype if best.layers else None
+        report["written"] = export_transformers(student, out, tok, force=force,
+                                                storage=best.kv_dtypes or best.kv_dtype, kept_dtype=kept)
     elif req.fmt == "transformers":  # an MLA: DeepSeek-V3, its config naming the KVCache storage of the latent
         path = hf.export_deepseek(student, out, tokenizer=tokenizer, force=force)
-        report["written"] = {"path": str(path), "architecture": "deepseek_v3", "kv_dtype": best.kv_dtype}
+        report["written"] = {"path": str(path), "architecture": "deepseek_v3",
+                             "kv_dtype": best.kv_dtypes or best.kv_dtype}
     elif best.native:  # the source's own architecture, the attention tensors the heal moved rewritten
         from ..models.export_native import export_native
 
@@ -562,13 +566,14 @@ def final_report(req: ShrinkRequest, state: RunState, teacher, student, meta) ->
                               "shrunk": planned_bytes(student, req.context, spread)}}
     return {"format": "attnlab-shrink-report", "request": req.identity(),
             "kv_bytes_per_token": {"original_16bit": 2 * V * L, "shrunk": kv_bytes_per_token(student),
-                                   "storage": chosen.get("kv_dtype"),
+                                   "storage": chosen.get("kv_dtypes") or chosen.get("kv_dtype"),
                                    "fixed_per_sequence": kv_fixed_bytes(student, torch.bfloat16),  # 16-bit rows
                                    "values_per_token_per_layer": [V, chosen.get("values_per_token_per_layer")],
                                    **planned, **at_context},
             **({"llama_cpp": llama_cpp_cache(chosen.get("kv_dtype") or "bf16", chosen.get("layers") == [])}
                if req.fmt == "gguf" else {}),
-            **({"transformers_cache": transformers_cache(chosen.get("kv_dtype"), chosen.get("layers") == [], whole)}
+            **({"transformers_cache": transformers_cache(chosen.get("kv_dtypes") or chosen.get("kv_dtype"),
+                                                         chosen.get("layers") == [], whole)}
                if req.fmt == "transformers" else {}),
             "runs_in": runs_in(req.fmt, chosen, whole), "plan": plan, "heal_plan": state.data["heal_plan"],
             "held_out": {"teacher": heal.get("teacher"), "before": heal.get("before"), "after": heal.get("after")},

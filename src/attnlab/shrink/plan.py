@@ -24,7 +24,11 @@ computed once, is measured and swapped out again: nothing is copied. The rounds 
    way, and where it cuts rank the best candidate on the other side of the 2-bit margin so too (bkv_checks);
 4. asked for (per_layer=True), where the winner cuts rank in attnlab's format: a latent size per layer, each layer's
    cost measured alone (shrink/layer_costs.py), chosen within the bytes (shrink/per_layer.py) and measured as one
-   more candidate (per_layer). Off by default (docs/decisions.md).
+   more candidate (per_layer). Off by default (docs/decisions.md);
+5. asked for (layer_bits=True; shrink --no-heal asks), where the winner codes every layer alike in a few-bit latent
+   with its rope key apart: each layer's latent and key bits a step up or down, by two single-layer KLs a layer
+   (shrink/layer_bits.py), chosen within the bytes (shrink/per_layer.py) and measured as one more candidate
+   (layer_bits), also after the keys-whole round.
 Within the constraints of the output format: a DeepSeek export needs the same frequencies in every layer (RoRoPE by
 score chosen for all layers at once); a GGUF needs distinct kept frequencies that llama.cpp can turn (RoRoPE by
 frequency, rope_dim within gguf_rope_limit), a latent norm (fitted here, trained by the heal), and sizes in multiples
@@ -43,7 +47,7 @@ may be chosen; time_budget (runtime.Budget), once spent or at a stop request no 
 measured); max_candidates, no more candidates than this, in the same order (round 4 comes after them); progress(i,
 label), called before each candidate; calibrate=False, conversions on the weights alone; context, bytes per token
 counted at that sequence length (None: every token held); per_layer, run round 4; layer_ids (1, K), the text round
-4's costs read (None: the proxy windows).
+4's costs read (None: the proxy windows); layer_bits, run round 5.
 """
 from __future__ import annotations
 
@@ -53,6 +57,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from .feasible import feasible, keys_whole, native_storages
+from .layer_bits import bits_label, ladder
 from .sizes import (FORMATS, LLAMA_CPP_CACHE, KVBudget, Layout, cached_extra, few_bit, fit, layer_bytes, latent_bits,
                     layers_bytes, original_sizes, planned_bytes, splits, spread_context, storage_ok)
 
@@ -80,6 +85,7 @@ class Candidate:
     layers: list[int] | None = None  # the converted layers (None: all); the others keep the original's attention
     kept_dtype: str | None = None  # the storage of the kept layers' cache
     latent_dims: list[int] | None = None  # a per-layer plan's latent size in each layer (round 4); latent_dim: mean
+    kv_dtypes: list[str] | None = None  # a bits-by-layer plan's storage of each layer (round 5); kv_dtype: the winner's
 
     @property
     def values(self) -> int:
@@ -100,8 +106,9 @@ class Candidate:
         kept = "" if self.layers is None else f" in {n} global layer{'s' * (n != 1)}, the sliding ones kept in " \
             f"{self.kept_dtype}"
         r = f"{min(self.latent_dims)}-{max(self.latent_dims)} per layer" if self.latent_dims else self.latent_dim
+        storage = bits_label(self.kv_dtypes) if self.kv_dtypes else self.kv_dtype
         return (f"r={r}{'+1' if self.extra else ''} p={self.rope_dim} {self.rope_select}"
-                f"{' +BKV' if self.balance else ''}{' rotated' if self.rotation else ''} {self.kv_dtype}{kept}")
+                f"{' +BKV' if self.balance else ''}{' rotated' if self.rotation else ''} {storage}{kept}")
 
     def to_dict(self) -> dict:
         each = {"values_each_layer": [r + self.extra + self.rope_dim for r in self.latent_dims]} if self.latent_dims \
@@ -184,7 +191,7 @@ def apply(model, cand: Candidate, calibration_ids: torch.Tensor | None, inputs=N
         for m in converted:
             rotate_latent(m, cand.rotation)
     if cand.layers is None:
-        set_kv_dtype(model, cand.kv_dtype)
+        set_kv_dtype(model, cand.kv_dtypes or cand.kv_dtype)
         return
     set_kv_dtype(model, cand.kept_dtype)  # the kept layers'
     for m in converted:
@@ -195,7 +202,7 @@ def plan(teacher, calibration_ids: torch.Tensor, budget: KVBudget, *, fmt: str =
          storages=("bf16", "int8"), proxy_windows: int = 4, window: int = 256, time_budget=None,
          progress=None, calibrate: bool = True, proxy_ids: torch.Tensor | None = None,
          context: int | None = None, max_candidates: int | None = None, per_layer: bool = False,
-         layer_ids: torch.Tensor | None = None) -> PlanResult:
+         layer_ids: torch.Tensor | None = None, layer_bits: bool = False) -> PlanResult:
     """Choose the conversion and storage that meet `budget` with the lowest proxy, in rounds (module docstring: the
     arguments). The teacher is converted and restored for every candidate and comes back unchanged. ValueError for
     an unknown format or a max_candidates that is not a positive integer."""
@@ -206,7 +213,7 @@ def plan(teacher, calibration_ids: torch.Tensor, budget: KVBudget, *, fmt: str =
     if max_candidates is not None and (isinstance(max_candidates, bool) or not isinstance(max_candidates, int) or
                                        max_candidates < 1):
         raise ValueError(f"max_candidates must be a positive integer, got {max_candidates!r}")
-    planner.max_candidates = max_candidates
+    planner.max_candidates, planner.layer_bits_asked = max_candidates, layer_bits
     return planner.run(per_layer, layer_ids)
 
 
@@ -218,6 +225,7 @@ class _Planner:
                  progress):
         self.teacher, self.budget, self.fmt, self.context = teacher, budget, fmt, context
         self.time_budget, self.progress, self.max_candidates = time_budget, progress, None
+        self.layer_bits_asked = False
         self.L, self.G, self.d, self.V = original_sizes(teacher)
         self.original, self.budget_bytes, self.options = feasible(teacher, budget, fmt, storages, context)
         storages = [s for s in storages if storage_ok(s, fmt)] or ["bf16"]
@@ -272,8 +280,8 @@ class _Planner:
         """Fit `cand` to the room, convert the teacher to it, count its bytes and score its proxy; then restore."""
         from ..convert.report import unreported
 
-        if cand.native or cand.latent_dims:  # native: llama.cpp rotates its own cache; round 4: sizes fit, rotation set
-            pass
+        if cand.native or cand.latent_dims or cand.kv_dtypes:  # native: llama.cpp rotates its own cache; rounds 4-5:
+            pass  # sizes fitted, rotation set
         elif few_bit(cand.kv_dtype):  # the latent a few-bit row can afford with this rope key; rotated for the codes
             where = where or self.every
             cand.latent_dim = fit(cand.latent_dim, cand.rope_dim, cand.kv_dtype, where.counted(self.context),
@@ -348,6 +356,7 @@ class _Planner:
         self.bkv_checks()
         if per_layer and self.fmt == "attnlab":
             self.per_layer(layer_ids)
+        self.layer_bits()
         note = "" if len(self.measured) > 1 else "only one candidate fitted the time given to planning"
         return self.result(min(self.measured, key=rank), note)
 
@@ -379,6 +388,7 @@ class _Planner:
                                        rotation="random" if few_bit(storage) else None, round=1,
                                        layers=None if lay.layers is None else list(lay.layers),
                                        kept_dtype=lay.kept_dtype), lay)
+        self.layer_bits()
         best = min(self.measured, key=rank)
         note = "" if len(self.measured) == len(todo) else "planning ended (its time or its count) before every storage"
         return self.result(best, note or "per-head q/k norms: the keys whole (rope key G x d), the latent holds the "
@@ -502,6 +512,66 @@ class _Planner:
         if len(set(dims)) > 1:
             self.measure(Candidate(round(sum(dims) / L), best.rope_dim, best.rope_select, best.balance,
                                    best.kv_dtype, False, rotation=best.rotation, round=4, latent_dims=dims))
+
+
+    def layer_bits(self) -> None:
+        """Round 5, if asked, where the winner codes every layer alike in a Ladder's storage: each layer's two probes
+        measured alone (shrink/layer_bits.py), the bits of least modelled KL within the bytes (shrink/per_layer.py),
+        measured as one candidate past the count. Not for a GGUF, whose llama.cpp cache has one type."""
+        from .per_layer import choose_per_layer
+
+        best = min(self.measured, key=rank)
+        steps = ladder(best.kv_dtype)
+        if not self.layer_bits_asked or self.fmt not in ("attnlab", "transformers") or steps is None or \
+                best.layers is not None or best.latent_dims or best.kv_dtypes or self.stopped():
+            return
+        probes = self.probes(best, steps)
+        if probes is None:
+            return
+        options = steps.options()
+        costs = [[steps.cost(v, k, b, key) for b, key in options] for v, k in probes]
+        row = {w: [math.ceil(layer_bytes(best.latent_dim + best.extra, best.rope_dim, steps.spell(b, key),
+                                         self.spread, w)) for b, key in options]
+               for w in set(self.converted_layers)}  # whole bytes, one row per kind of layer (its window)
+        picks = choose_per_layer(costs, [row[w] for w in self.converted_layers], int(self.budget_bytes))
+        storages = [steps.spell(*options[o]) for o in picks]
+        if len(set(storages)) > 1:
+            self.measure(Candidate(best.latent_dim, best.rope_dim, best.rope_select, best.balance, best.kv_dtype,
+                                   best.latent_norm, extra=best.extra, rotation=best.rotation, round=5,
+                                   kv_dtypes=storages))
+
+    def probes(self, best: Candidate, steps) -> list[tuple[float, float]] | None:
+        """(V, K) of each layer: the KL with that layer alone in steps' value and key probe, the teacher converted to
+        `best` with plain caches, on COST_WINDOWS proxy windows (shrink/layer_costs.py); None when a stop or the
+        clock cut it short."""
+        from ..convert.report import unreported
+        from ..models.adapters import attnlab_modules
+        from .layer_bits import COST_WINDOWS
+        from .layer_costs import Prefix
+
+        try:
+            with unreported():
+                self.convert(Candidate(best.latent_dim, best.rope_dim, best.rope_select, best.balance, None,
+                                       best.latent_norm, extra=best.extra, rotation=best.rotation))
+            modules = list(attnlab_modules(self.teacher))
+            prefix = Prefix(self.teacher, self.windows[:COST_WINDOWS])
+            out = []
+            for i, m in enumerate(modules):
+                if self.stopped():
+                    return None
+                if self.progress:
+                    self.progress(len(self.measured), f"bits by layer: layer {i + 1} of {len(modules)} measured alone")
+                pair = []
+                for probe in (steps.value_probe(), steps.key_probe()):
+                    m.kv_dtype = probe
+                    try:
+                        pair.append(prefix.kl(i))
+                    finally:
+                        m.kv_dtype = None
+                out.append(tuple(pair))
+            return out
+        finally:
+            self.restore()
 
 
 class _Cut(Exception):
