@@ -143,3 +143,28 @@ def test_a_plan_that_keeps_the_sliding_layers_runs_each_layer_in_its_own_storage
     got = score_windows(theirs, ids, 30, chunk=7, runner=runner)
     assert abs(got.nll - loop.nll) <= torch.finfo(torch.float32).eps / 2 * abs(loop.nll)
     assert sum(layer.bytes_per_token for layer in runner.cache.layers) == hf.kv_bytes_per_token(model)
+
+
+def test_a_keys_whole_plan_with_bits_by_layer_runs_each_layer_in_its_own_storage(tmp_path):
+    """Gemma 3 keys-whole in both layers, each its own storage (shrink/layer_bits.py): the folder names both,
+    transformers' forward over KVCache.from_pretrained scores what attnlab's loop scores (float32's unit roundoff,
+    as above) and holds the bytes attnlab's caches hold."""
+    from transformers import AutoModelForCausalLM
+
+    from attnlab.models.export_transformers import export_transformers
+
+    model = tiny_model("gemma3", layers=2, dtype=torch.float64, attention_std=0.15)
+    hf.convert_model(model, "mla", latent_dim=LATENT, rope_dim=G * HEAD)
+    storages = ["int4/g16+c4", "int3/g16+c3"]
+    hf.set_kv_dtype(model, storages)
+    out = tmp_path / "each"
+    export_transformers(model, out, storage=storages)
+    theirs = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float64).eval()
+    cache = KVCache.from_pretrained(out, theirs)
+    assert cache.kv_dtype == storages
+    ids = torch.randint(3, 97, (1, 60), generator=torch.Generator().manual_seed(1))
+    loop = score_windows(model, ids, 30, chunk=7)
+    runner = TransformersRunner(theirs, storages, [value_basis(m) for m in hf.attnlab_modules(model)])
+    got = score_windows(theirs, ids, 30, chunk=7, runner=runner)
+    assert abs(got.nll - loop.nll) <= torch.finfo(torch.float32).eps / 2 * abs(loop.nll)
+    assert sum(layer.bytes_per_token for layer in runner.cache.layers) == hf.kv_bytes_per_token(model)

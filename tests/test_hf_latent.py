@@ -67,6 +67,49 @@ def test_transformers_scores_what_attnlabs_loop_scores(converted, storage):
     assert abs(theirs.nll - loop.nll) <= EXPORT_TOL * abs(loop.nll)
 
 
+def test_a_storage_per_layer_goes_through_the_folder_and_scores_as_attnlabs_loop(converted, tmp_path, capsys):
+    """A plan's bits by layer (shrink/layer_bits.py): the folder names each layer's storage, from_pretrained's cache
+    holds each, transformers scores what attnlab's loop scores with them (not what either storage alone scores), and
+    the bytes are each layer's own, as `attnlab eval --engine transformers` says."""
+    pytest.importorskip("typer")
+    from tiny_checkpoints import TEXT
+
+    from attnlab.cli.app import main
+
+    _, model, root = converted
+    storages = ["int3/g8+c4+s1+w4", "int2/g8+c3+s1+w4"]
+    for m, k in zip(attnlab_modules(model), storages):
+        m.kv_dtype = k
+    try:
+        folder = export_deepseek(model, root / "ds-each", force=True)
+        _scores_as_the_loop(model, folder, storages)
+    finally:
+        hf.set_kv_dtype(model, None)  # the module fixture's model as the other tests take it
+    (tmp_path / "a.txt").write_text(TEXT * 2)
+    assert main(["eval", str(folder), "--engine", "transformers", "--text", str(tmp_path / "a.txt"), "--window",
+                 "40", "--chunk", "8"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "kv storage: int2-int3 latent, c3-c4 key by layer" in out
+    assert any(line.startswith("kv bytes per token: 48 ") for line in out)
+
+
+def _scores_as_the_loop(model, folder, storages):
+    from attnlab.hf.cache import storage_bytes
+
+    ds = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64).eval()
+    assert KVCache.from_pretrained(folder, ds).kv_dtype == storages
+    ids, chunk = _ids(160), 7
+    theirs = score_windows(ds, ids, 80, chunk=chunk, runner=TransformersRunner(ds, storages))
+    loop = score_windows(model, ids, 80, chunk=chunk)  # each module's own storage
+    assert abs(theirs.nll - loop.nll) <= EXPORT_TOL * abs(loop.nll)
+    for alone in storages:
+        assert abs(score_windows(model, ids, 80, chunk=chunk, kv_dtype=alone).nll - loop.nll) > 1e3 * EXPORT_TOL * \
+            abs(loop.nll)
+    # a 24-value latent in groups of 8 (three float16 pairs: 12 bytes) at 3 bits (9 bytes) and 2 bits (6); a rope key
+    # of 8 channels at 4 bits (4 bytes) and 3 bits (3), its float16 pairs a 64th of 16 numbers, rounded up (1 byte)
+    assert storage_bytes(ds, storages) == (9 + 12 + 4 + 1) + (6 + 12 + 3 + 1)
+
+
 def test_greedy_tokens_crop_and_beams(converted):
     """generate through KVCache gives attnlab's greedy tokens; a crop and a beam search run on the latent rows."""
     _, model, root = converted

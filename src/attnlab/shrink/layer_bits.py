@@ -72,7 +72,10 @@ def ladder(storage: str | None) -> Ladder | None:
 
 
 def bits_label(storages: list[str]) -> str:
-    """A per-layer plan's storages in a few words: "int2-int4 latent, c3-r8 key by layer"."""
+    """A per-layer plan's storages in a few words: "int2-int4 latent, c3-r8 key by layer", or the one storage every
+    layer holds."""
+    if len(set(storages)) == 1:
+        return storages[0]
     found = [_SPELLING.fullmatch(s) for s in storages]
     bits = sorted({int(m[1]) for m in found if m})
     keys = sorted({m[3] for m in found if m}, key=KEY_LADDER.index)

@@ -535,7 +535,7 @@ class _Planner:
                for w in set(self.converted_layers)}  # whole bytes, one row per kind of layer (its window)
         picks = choose_per_layer(costs, [row[w] for w in self.converted_layers], int(self.budget_bytes))
         storages = [steps.spell(*options[o]) for o in picks]
-        if len(set(storages)) > 1:
+        if storages != [best.kv_dtype] * len(storages):
             self.measure(Candidate(best.latent_dim, best.rope_dim, best.rope_select, best.balance, best.kv_dtype,
                                    best.latent_norm, extra=best.extra, rotation=best.rotation, round=5,
                                    kv_dtypes=storages))
