@@ -3,7 +3,8 @@
 A shrunk model is worth its training only where it beats what one flag gives the untouched model:
 llama.cpp's cache types (q8_0, q5_0, q4_1, q4_0, iq4_nl: `--cache-type-k/-v`; a GQA's keys and values
 Hadamard-rotated as llama.cpp rotates a quantized cache, modules/lowbit.py, so that each scores what llama.cpp
-itself gives: tests/test_llama_cpp_cache.py) and KIVI-style 4- and 2-bit (modules/lowbit.py). Every shrink
+itself gives: tests/test_llama_cpp_cache.py), KIVI-style 4- and 2-bit (modules/lowbit.py) and TurboQuant's 4.25, 3.25
+and 2.25 bits a value (modules/turbo.py). Every shrink
 report names them at their bytes per token (scales and minima counted), scores those at the two smallest sizes
 at or above the bytes the shrink reached on the same held-out windows as the shrunk model, and says by how much
 the result beats the best of those, or loses.
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import math
 
-BASELINES = ("q8_0", "q5_0", "q4_1", "q4_0", "iq4_nl", "kivi4", "kivi2")
+BASELINES = ("q8_0", "q5_0", "q4_1", "q4_0", "iq4_nl", "kivi4", "kivi2", "tq4", "tq3", "tq2")
 
 
 def baseline_bytes(teacher, names=BASELINES, context: int | None = None) -> dict[str, float]:
