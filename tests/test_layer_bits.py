@@ -71,6 +71,7 @@ def test_a_bad_variable_is_refused_naming_it(monkeypatch):
 def test_the_label_names_the_range_or_the_one_storage():
     assert layer_bits.bits_label(["int3/g8+c4", "int2/g8+r8", "int4/g8+c3"]) == "int2-int4 latent, c3-r8 key by layer"
     assert layer_bits.bits_label(["int4/g8+c4"] * 3) == "int4/g8+c4"
+    assert layer_bits.bits_label(["int3/g8+c4", "int2/g8+c4"]) == "int2-int3 latent, c4 key by layer"
 
 
 @pytest.fixture(scope="module")

@@ -577,8 +577,12 @@ def test_no_heal_writes_the_converted_model_twice_alike_and_scores_it_against_th
     for out in outs:
         code, said = _cli(["shrink", folder, "--kv-budget", "30%", "--no-heal", "--seq-len", T, "--out", out], capsys)
         assert code == 0 and "no heal ran (--no-heal)" in said.out
-    _, _, meta = hf.load_model(str(outs[0]))
+    model, _, meta = hf.load_model(str(outs[0]))
     report = meta["shrink"]
+    chosen = report["plan"]["chosen"]  # bits by layer measured (round 5); the model written holds what was chosen
+    assert any(c["round"] == 5 and c["kv_dtypes"] for c in report["plan"]["candidates"])
+    assert [m.kv_dtype for m in hf.attnlab_modules(model)] == \
+        (chosen["kv_dtypes"] or [chosen["kv_dtype"]] * len(hf.attnlab_modules(model)))
     assert report["heal"]["status"] == "not run" and report["heal"]["steps_done"] == 0
     assert report["heal_plan"] is None and "heal" not in report["minutes"]
     assert report["work"]["training_windows"] == min(ShrinkRequest(source="s", kv_budget="1%", out="o").windows,

@@ -77,6 +77,10 @@ def bits_label(storages: list[str]) -> str:
     if len(set(storages)) == 1:
         return storages[0]
     found = [_SPELLING.fullmatch(s) for s in storages]
-    bits = sorted({int(m[1]) for m in found if m})
+    bits = [f"int{b}" for b in sorted({int(m[1]) for m in found if m})]
     keys = sorted({m[3] for m in found if m}, key=KEY_LADDER.index)
-    return f"int{bits[0]}-int{bits[-1]} latent, {keys[0]}-{keys[-1]} key by layer"
+    return f"{_span(bits)} latent, {_span(keys)} key by layer"
+
+
+def _span(items: list[str]) -> str:
+    return items[0] if len(items) == 1 else f"{items[0]}-{items[-1]}"
