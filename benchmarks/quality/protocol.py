@@ -221,7 +221,7 @@ def score_in_transformers(out: str, long: bool = False) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from attnlab.hf import KVCache, TransformersRunner
-    from attnlab.hf.cache import value_bases
+    from attnlab.hf.folder import value_bases
     from attnlab.models.evaluate import score_windows
 
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()

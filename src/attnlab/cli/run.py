@@ -133,7 +133,7 @@ def eval_(source: str = typer.Argument(..., help="A model (smollm2, gemma3-270m)
         max_tokens = max(2048, window or 0)
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()  # stderr holds errors (and the terminal's spinner) only
-    from ..hf.cache import planned_entry, value_bases
+    from ..hf.folder import planned_entry, value_bases
 
     planned = planned_entry(source) if engine == "transformers" else {}
     if kv_dtype is None and planned.get("kv_dtype"):  # the storage a --format transformers folder was planned for
