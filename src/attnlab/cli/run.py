@@ -237,7 +237,7 @@ def eval_(source: str = typer.Argument(..., help="A model (smollm2, gemma3-270m)
         print(f"windows: {window} tokens, {how}")
     print(f"kv bytes per token: {stored} ({stored / sixteen:.1%} of its 16-bit cache, {sixteen})")
     if kv_dtype is not None:
-        print(f"kv storage: {bits_label(kv_dtype) if isinstance(kv_dtype, list) else kv_dtype}")
+        print(f"kv storage: {bits_label(kv_dtype)}")
     if report is not None:
         _print_passkey(report)
     if json_out is not None:

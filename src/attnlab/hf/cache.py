@@ -24,7 +24,7 @@ from ..modules.cache import LatentCache as _LatentRows
 from ..modules.recent import RecentRows
 from ..modules.rope_key import by_head
 from ..modules.rotation import hadamard_transform
-from ..modules.storage import check_kv_dtype, dense
+from ..modules.storage import check_kv_dtype, dense, each_layer
 from .attention import announce, use_on
 
 GROWTH = 64  # a full layer grows to what it needs plus a 64th of it (at least MIN_ROOM rows): bytes held <= 1.02x
@@ -115,9 +115,7 @@ def layer_storages(kv_dtype, widths: list, kept_dtype=None) -> list:
     where the layer has a value basis (or none has), kept_dtype (if given) where a plan kept the layer's own attention
     beside layers with value bases. ValueError naming the lengths for a list of another length."""
     if isinstance(kv_dtype, (list, tuple)):
-        if len(kv_dtype) != len(widths):
-            raise ValueError(f"a storage per layer needs {len(widths)} storages, one a layer, got {len(kv_dtype)}")
-        return list(kv_dtype)
+        return each_layer(kv_dtype, len(widths))
     kept = kept_dtype is not None and any(w is not None for w in widths)
     return [kept_dtype if kept and w is None else kv_dtype for w in widths]
 

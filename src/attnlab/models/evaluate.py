@@ -337,14 +337,10 @@ def set_kv_dtype(model, kv_dtype: str | list | None):
 
 
 def each_module(model, kv_dtype) -> list:
-    """kv_dtype for each attnlab module: the list itself (ValueError naming both lengths unless it has one a
-    module), or the one storage repeated."""
-    count = len(list(attnlab_modules(model)))
-    if not isinstance(kv_dtype, (list, tuple)):
-        return [kv_dtype] * count
-    if len(kv_dtype) != count:
-        raise ValueError(f"a storage per layer needs {count} storages, one an attention layer, got {len(kv_dtype)}")
-    return list(kv_dtype)
+    """kv_dtype for each attnlab module of the model (modules.storage.each_layer)."""
+    from ..modules.storage import each_layer
+
+    return each_layer(kv_dtype, len(list(attnlab_modules(model))))
 
 
 def read_text_ids(tok, path, max_tokens: int | None = None, *, min_tokens: int = 1) -> torch.Tensor:

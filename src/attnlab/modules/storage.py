@@ -165,6 +165,16 @@ def check_kv_dtype(kv_dtype) -> StorageFormat | None:
     return StorageFormat(kv_dtype, code, int(found.group(3)) if found.group(3) else None)
 
 
+def each_layer(kv_dtype, layers: int) -> list:
+    """kv_dtype for each of `layers` attention layers: a list as it is (ValueError naming both lengths unless it has
+    one a layer), or the one storage repeated."""
+    if not isinstance(kv_dtype, (list, tuple)):
+        return [kv_dtype] * layers
+    if len(kv_dtype) != layers:
+        raise ValueError(f"a storage per layer needs {layers} storages, one an attention layer, got {len(kv_dtype)}")
+    return list(kv_dtype)
+
+
 def _pair(kv_dtype: str) -> StorageFormat:
     """A K/V pair "K,V" of two different llama.cpp block formats (PAIR_CODES); one-line errors naming them."""
     names = kv_dtype.split(",")

@@ -31,10 +31,9 @@ def transformers_cache(storage: str | list | None, native: bool = True, whole: b
 
     what = "" if native else "the source's class, its values held as the latent of rank r, " if whole else \
         "DeepseekV3ForCausalLM, an MLA whose latent "
-    named = bits_label(storage) if isinstance(storage, list) else storage
     return {"kv_dtype": storage, "architecture": "source" if native or whole else "deepseek_v3",
             "note": "model = AutoModelForCausalLM.from_pretrained(OUT); model.generate(..., "
-                    f"cache=attnlab.hf.KVCache.from_pretrained(OUT, model)) ({what}cache in {named})"}
+                    f"cache=attnlab.hf.KVCache.from_pretrained(OUT, model)) ({what}cache in {bits_label(storage)})"}
 
 
 def runs_in(fmt: str, chosen: dict, whole: bool = False) -> dict:

@@ -71,9 +71,11 @@ def ladder(storage: str | None) -> Ladder | None:
     return Ladder(group, latent, keys, rest)
 
 
-def bits_label(storages: list[str]) -> str:
+def bits_label(storages):
     """A per-layer plan's storages in a few words: "int2-int4 latent, c3-r8 key by layer", or the one storage every
-    layer holds."""
+    layer holds (a storage that is not a list: itself)."""
+    if not isinstance(storages, list):
+        return storages
     if len(set(storages)) == 1:
         return storages[0]
     found = [_SPELLING.fullmatch(s) for s in storages]

@@ -505,14 +505,19 @@ class _Planner:
             costs = layer_costs(prefix, L, sizes, change, self.restore, progress=counted)
         except _Cut:
             costs = None
-        row = {w: [math.ceil(layer_bytes(r, best.rope_dim, best.kv_dtype, self.spread, w)) for r in sizes]
-               for w in set(self.converted_layers)}  # whole bytes, one row per kind of layer (its window)
-        rows = [row[w] for w in self.converted_layers]
+        rows = self.byte_rows([(r, best.rope_dim, best.kv_dtype) for r in sizes])
         dims = [sizes[o] for o in choose_per_layer(costs, rows, int(self.budget_bytes))] if costs else []
         if len(set(dims)) > 1:
             self.measure(Candidate(round(sum(dims) / L), best.rope_dim, best.rope_select, best.balance,
                                    best.kv_dtype, False, rotation=best.rotation, round=4, latent_dims=dims))
 
+
+    def byte_rows(self, options) -> list[list[int]]:
+        """Each converted layer's whole bytes per token in each (latent, rope key, storage) option, as the budget
+        counts them at its window: the sizes rounds 4 and 5 choose within."""
+        row = {w: [math.ceil(layer_bytes(r, p, storage, self.spread, w)) for r, p, storage in options]
+               for w in set(self.converted_layers)}  # one row per kind of layer
+        return [row[w] for w in self.converted_layers]
 
     def layer_bits(self) -> None:
         """Round 5, if asked, where the winner codes every layer alike in a Ladder's storage: each layer's two probes
@@ -530,10 +535,9 @@ class _Planner:
             return
         options = steps.options()
         costs = [[steps.cost(v, k, b, key) for b, key in options] for v, k in probes]
-        row = {w: [math.ceil(layer_bytes(best.latent_dim + best.extra, best.rope_dim, steps.spell(b, key),
-                                         self.spread, w)) for b, key in options]
-               for w in set(self.converted_layers)}  # whole bytes, one row per kind of layer (its window)
-        picks = choose_per_layer(costs, [row[w] for w in self.converted_layers], int(self.budget_bytes))
+        latent = best.latent_dim + best.extra
+        rows = self.byte_rows([(latent, best.rope_dim, steps.spell(b, key)) for b, key in options])
+        picks = choose_per_layer(costs, rows, int(self.budget_bytes))
         storages = [steps.spell(*options[o]) for o in picks]
         if storages != [best.kv_dtype] * len(storages):
             self.measure(Candidate(best.latent_dim, best.rope_dim, best.rope_select, best.balance, best.kv_dtype,
