@@ -212,6 +212,20 @@ def test_a_repeat_compares_the_plan_and_each_texts_perplexity_with_the_first_run
     assert protocol.compare_repeat(first, again)["same_plan"] is False
 
 
+def test_a_long_part_is_read_against_the_original_of_its_baselines_row_or_its_own(protocol):
+    texts = list(protocol.REPORT_TEXTS)
+    scored = lambda a, b: {"texts": {n: {"perplexity": a, "perplexity_4096": b} for n in texts},  # noqa: E731
+                           "passkey": {"accuracy": 0.5}}
+    data = {"long/baselines/m": {"original": scored(10.0, 8.0), "q4_0": scored(11.0, 9.0), "done": True},
+            "long/c/seed0": {"baselines": "long/baselines/m", "result": scored(10.5, 8.4)},
+            "long/old/seed0": {"original": scored(20.0, 16.0), "result": scored(21.0, 16.0)}}
+    found = {(r["key"], r["model"]): r for r in protocol.long_rows(data)}
+    assert set(found) == {("long/c/seed0", "result"), ("long/c/seed0", "q4_0"), ("long/old/seed0", "result")}
+    assert found["long/c/seed0", "result"]["at_4096"][texts[0]] == pytest.approx(8.4 / 8.0)
+    assert found["long/c/seed0", "q4_0"]["at_512"][texts[-1]] == pytest.approx(11.0 / 10.0)
+    assert found["long/old/seed0", "result"]["at_512"][texts[1]] == pytest.approx(21.0 / 20.0)
+
+
 def test_a_text_that_is_not_the_one_measured_is_refused_naming_it(protocol, tmp_path, monkeypatch):
     """benchmarks/texts.py's SHA-256 is checked when a report text is read: a copy that differs stops the run."""
     for name, text in protocol.REPORT_TEXTS.items():

@@ -8,6 +8,8 @@ a "+c4" rope key's newest group and a "+w16" recent window, spread over them).
     python benchmarks/quality/protocol.py run --case smollm2-25 --seed 0 --at 1a2b3c4   # a worktree's commit: at/ rows
     python benchmarks/quality/protocol.py repeat --case smollm2-25 --seed 0  # the same command and seed again
     python benchmarks/quality/protocol.py long --case smollm2-25 --seed 0    # 4,096-token windows and the passkey
+                                                 # (a --format transformers case in transformers), beside
+                                                 # long/baselines/<model>, measured once
     python benchmarks/quality/protocol.py report     # the table: median and worst over seeds and texts
     python benchmarks/quality/protocol.py plot       # benchmarks/figures/protocol.png
     python benchmarks/quality/protocol.py bytes      # each run's bytes at 512 and 2,048 tokens
@@ -126,6 +128,12 @@ def note_load(row: dict, key: str) -> None:
         warnings.warn(f"load average {row[key]:.2f} > 1: something else runs; the figures are not alone")
 
 
+def this_run() -> dict:
+    """This command's provenance: its argv, the commit (a clean tree but the results), the machine."""
+    return provenance(["python", "benchmarks/quality/protocol.py", *sys.argv[1:]],
+                      results=(str(JSON.relative_to(BENCHMARKS.parent)),))
+
+
 def rows(path: Path = JSON) -> dict:
     return json.loads(path.read_text()) if path.exists() else {}
 
@@ -213,20 +221,26 @@ def score(model, tok, long: bool = False) -> dict:
     return out
 
 
+def in_transformers(out: str):
+    """(model, tokenizer, KVCache.from_pretrained(out, model)) of a --format transformers folder, in float32."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from attnlab.hf import KVCache
+
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(out), KVCache.from_pretrained(out, model)
+
+
 def score_in_transformers(out: str, long: bool = False) -> dict:
     """score() for a --format transformers folder, in transformers' own forward over KVCache.from_pretrained(out):
     each window fed in chunks of WINDOW // 4, as decoding reads the cache (a plain cache gives one forward's figures
     to float64's rounding: tests/test_hf_cache.py), and with `long` LONG_TOKENS in chunks of LONG_CHUNK."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from attnlab.hf import KVCache, TransformersRunner
+    from attnlab.hf import TransformersRunner
     from attnlab.hf.folder import value_bases
     from attnlab.models.evaluate import score_windows
 
-    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-    tok = AutoTokenizer.from_pretrained(out)
-    planned = KVCache.from_pretrained(out, model)  # its storage, and a keys-whole plan's bases and kept layers' storage
+    model, tok, planned = in_transformers(out)  # its storage, and a keys-whole plan's bases and kept layers' storage
     runner = TransformersRunner(model, planned.kv_dtype, value_bases(out, model.config.num_hidden_layers),
                                 planned.kept_dtype)
     result = {}
@@ -238,6 +252,23 @@ def score_in_transformers(out: str, long: bool = False) -> dict:
             result[name]["perplexity_4096"] = score_windows(model, ids, LONG_TOKENS, chunk=LONG_CHUNK,
                                                             runner=runner).perplexity
     return result
+
+
+def passkey_in_transformers(out: str) -> dict:
+    """passkey() for a --format transformers folder: transformers' greedy generate over a fresh
+    KVCache.from_pretrained(out) a prompt (what `attnlab eval OUT --engine transformers --passkey` runs)."""
+    from attnlab.hf import KVCache
+    from attnlab.models.passkey import run_passkey
+
+    model, tok, _ = in_transformers(out)
+    eos = getattr(model.generation_config, "eos_token_id", None) or tok.eos_token_id
+
+    def decode(ids, n):
+        cache = KVCache.from_pretrained(out, model)
+        found = model.generate(ids, cache=cache, max_new_tokens=n, do_sample=False, eos_token_id=eos, pad_token_id=eos)
+        return found[0, ids.shape[1]:]
+
+    return run_passkey(model, tok, lengths=PASSKEY_LENGTHS, depths=PASSKEY_DEPTHS, decode=decode).to_dict()
 
 
 PASSKEY_LENGTHS, PASSKEY_DEPTHS = (2048, 4096), (0.1, 0.5, 0.9)
@@ -273,9 +304,8 @@ def part_baselines(model_name: str, redo: bool, long: bool, add: bool = False) -
         if row.get("texts_sha256") not in (None, text_hashes()):
             raise SystemExit(f"{key} was scored on other texts than these: --redo it whole")
         known = [b for b in known if b not in row["baselines"]]
-        row.setdefault("added", []).append({"baselines": known, "provenance": provenance(
-            ["python", "benchmarks/quality/protocol.py", *sys.argv[1:]],
-            results=(str(JSON.relative_to(BENCHMARKS.parent)),)), "load_before": load()})
+        row.setdefault("added", []).append({"baselines": known, "provenance": this_run(),
+                                             "load_before": load()})
     else:
         row = {"model": model_name, "texts": {n: {"path": t.path, "kind": t.kind} for n, t in REPORT_TEXTS.items()},
                "texts_sha256": text_hashes()}
@@ -349,8 +379,7 @@ def part_run(case: str, seed: int, redo: bool, long: bool, at: str | None = None
         print(f"{key} is in {JSON}; --redo to run it again")
         return
     work = Path(tempfile.mkdtemp(prefix="attnlab-protocol-"))
-    prov = provenance(["python", "benchmarks/quality/protocol.py", *sys.argv[1:]],
-                      results=(str(JSON.relative_to(BENCHMARKS.parent)),))  # the commit (a clean tree), the machine
+    prov = this_run()
     row = {**run_one(case, seed, work, env), "provenance": prov}
     if row["returncode"]:
         save(key, row)
@@ -514,13 +543,16 @@ def part_report() -> None:
 
 def long_rows(data: dict | None = None) -> list[dict]:
     """Each finished long part: for the result and each baseline, perplexity over the original's at 4,096 tokens and
-    at 512 on every text, and passkey accuracy (None for KIVI, which has no cache to decode through)."""
+    at 512 on every text, and passkey accuracy (None for KIVI, which has no cache to decode through). A part whose
+    original and baselines sit in a long/baselines/<model> row ("baselines") is read with them."""
     data = rows() if data is None else data
     out = []
-    done = [k for k in data if k.startswith("long/") and not k.endswith("/partial")]
+    done = [k for k in data if k.startswith("long/") and not k.startswith("long/baselines/")
+            and not k.endswith("/partial")]
     cut = [k for k in data if k.endswith("/partial") and k[:-len("/partial")] not in done]  # a part cut short
     for key in sorted(done + cut):
-        row, orig = data[key], data[key]["original"]
+        row = {**data.get(data[key].get("baselines"), {}), **data[key]}
+        orig = row["original"]
         for name in ("result", *LONG_BASELINES):
             if name not in row:
                 continue
@@ -545,13 +577,41 @@ def long_report() -> None:
         print(f"| {r['key']} | {r['model']} | {cells} | {key} |")
 
 
-LONG_BASELINES = ("q4_0", "iq4_nl", "kivi4")
+# the original's caches beside a result at long context: llama.cpp's 4-bit types, KIVI-4 without and with its
+# 128-token residual, TurboQuant's 4 bits (the 25% plans' neighbours at equal or more bytes)
+LONG_BASELINES = ("q4_0", "iq4_nl", "kivi4", "tq4", "kivi4+w128")
+
+
+def long_baselines(model_name: str, redo: bool) -> str:
+    """The key of long/baselines/<model>: the original and each LONG_BASELINES cache of it at long context, every
+    text and the passkey check, measured here unless a finished row is there (or `redo`); saved after each cache."""
+    from attnlab import models as hf
+
+    key = f"long/baselines/{model_name}"
+    row = rows().get(key, {})
+    if row.get("done") and not redo:
+        return key
+    row = {"model": model_name, "texts": list(REPORT_TEXTS), "passkey_lengths": PASSKEY_LENGTHS,
+           "passkey_depths": PASSKEY_DEPTHS, "provenance": this_run()}
+    note_load(row, "load_before")
+    model, tok, _ = hf.load_model(model_name)
+    for name in (None, *LONG_BASELINES):
+        hf.set_kv_dtype(model, name)
+        # KIVI is an evaluation baseline without a cache to decode through: its passkey check cannot run
+        row[name or "original"] = {"texts": score(model, tok, long=True),
+                                   "passkey": None if str(name).startswith("kivi") else passkey(model, tok)}
+        print(name or "original", json.dumps(row[name or "original"]["texts"]))
+        save(key, row)  # what is done survives a failure later in the part
+    note_load(row, "load_after")
+    save(key, {**row, "done": True})
+    return key
 
 
 def part_long(case: str, seed: int, redo: bool) -> None:
     """Long context for one case: perplexity in one 4,096-token window read through the cache (every text), and the
-    passkey check, for the original, its LONG_BASELINES caches and the case's result of `seed` (its folder must
-    still exist: the run's "out")."""
+    passkey check, for the case's result of `seed` (its folder must still exist: the run's "out"; a --format
+    transformers folder in transformers over its KVCache), beside long/baselines/<model> (measured first if
+    missing)."""
     from attnlab import models as hf
 
     key = f"long/{case}/seed{seed}"
@@ -561,24 +621,17 @@ def part_long(case: str, seed: int, redo: bool) -> None:
     run = rows().get(f"run/{case}/seed{seed}")
     if run is None or run.get("returncode") or not Path(run["out"]).exists():
         raise SystemExit(f"no output of run/{case}/seed{seed} on disk: run it first")
-    model_name = CASES[case][0]
     row = {"case": case, "seed": seed, "texts": list(REPORT_TEXTS), "passkey_lengths": PASSKEY_LENGTHS,
-           "passkey_depths": PASSKEY_DEPTHS}
+           "passkey_depths": PASSKEY_DEPTHS, "baselines": long_baselines(CASES[case][0], False),
+           "provenance": this_run()}
     note_load(row, "load_before")
-    shrunk, tok, _ = hf.load_model(run["out"])
-    row["result"] = {"texts": score(shrunk, tok, long=True), "passkey": passkey(shrunk, tok)}
-    print("result", json.dumps(row["result"]["texts"]))
-    save(key + "/partial", row)
-    del shrunk
-    model, tok, _ = hf.load_model(model_name)
-    for name in (None, *LONG_BASELINES):
-        hf.set_kv_dtype(model, name)
-        # KIVI is an evaluation baseline without a cache to decode through: its passkey check cannot run
-        row[name or "original"] = {"texts": score(model, tok, long=True),
-                                   "passkey": None if str(name).startswith("kivi") else passkey(model, tok)}
-        print(name or "original", json.dumps(row[name or "original"]["texts"]))
-        save(key + "/partial", row)  # what is done survives a failure later in the part
-    hf.set_kv_dtype(model, None)
+    if "transformers" in CASES[case][1]:
+        row["result"] = {"texts": score_in_transformers(run["out"], long=True),
+                         "passkey": passkey_in_transformers(run["out"])}
+    else:
+        shrunk, tok, _ = hf.load_model(run["out"])
+        row["result"] = {"texts": score(shrunk, tok, long=True), "passkey": passkey(shrunk, tok)}
+    print("result", json.dumps(row["result"]))
     note_load(row, "load_after")
     save(key, row)
 
