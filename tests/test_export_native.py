@@ -20,7 +20,7 @@ from attnlab.models.export_gguf import copy_gguf_fields
 from attnlab.models.export_native import check_native, export_native, permute_rows
 from attnlab.models.load import gguf_name
 from attnlab.shrink import ShrinkRequest, parse_budget, plan, shrink
-from attnlab.shrink.plan import apply
+from attnlab.shrink.candidate import apply
 from reference import rel_err
 
 D, H, G, HEAD, F, LAYERS = 128, 2, 1, 64, 128, 2

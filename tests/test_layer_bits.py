@@ -103,7 +103,7 @@ def test_the_round_adds_one_candidate_of_ladder_storages_within_the_bytes(tiny_l
     teacher comes back with its own storages."""
     from attnlab.models.adapters import attnlab_modules
     from attnlab.models.evaluate import kv_bytes_per_token
-    from attnlab.shrink.plan import apply, rank
+    from attnlab.shrink.candidate import apply, rank
 
     before = [m.kv_dtype for m in attnlab_modules(tiny_llama)]
     off, on = _plan(tiny_llama, False), _plan(tiny_llama, True)

@@ -1,6 +1,6 @@
 """Per-layer plans (issue `eighth`, part 2): a model converted with a latent size per layer, the cost of each layer
 changed alone measured from that layer on (shrink/layer_costs.py), and the planner's round 4. Oracles: the whole
-model's forward (plan.proxy_kl), the one-size conversion, and shrink/per_layer.py's choice on costs measured that way."""
+model's forward (candidate.proxy_kl), the one-size conversion, and shrink/per_layer.py's choice on costs measured that way."""
 import copy
 import re
 import sys
@@ -13,9 +13,10 @@ from attnlab import models as hf
 from attnlab.models.adapters import attnlab_modules, decoder_layers, replace_attention
 from attnlab.models.convert import convert_model, layer_latents
 from attnlab.shrink import parse_budget, plan
+from attnlab.shrink.candidate import Candidate, apply, proxy_kl, teacher_log_probs
 from attnlab.shrink.layer_costs import Prefix, layer_costs
+from attnlab.shrink.layer_rounds import per_layer_sizes
 from attnlab.shrink.per_layer import choose_per_layer
-from attnlab.shrink.plan import Candidate, apply, per_layer_sizes, proxy_kl, teacher_log_probs
 from attnlab.shrink.sizes import layer_bytes
 
 
@@ -132,16 +133,16 @@ def test_per_layer_sizes_by_hand(latent, rope, values, expected):
 def test_round_4_chooses_by_the_whole_models_costs_within_the_bytes(four, monkeypatch):
     """The plan's round 4 picks what choose_per_layer picks on costs measured with whole-model forwards; its
     candidate holds those sizes, within the budget, and apply() builds them."""
-    planning = sys.modules["attnlab.shrink.plan"]  # the module (attnlab.shrink.plan is also the function's name)
+    rounds = sys.modules["attnlab.shrink.layer_rounds"]
     model, ids, windows = four
     seen = {}
-    real = planning.per_layer_sizes
+    real = rounds.per_layer_sizes
 
     def spy(best, values):
         seen["best"] = best
         return real(best, values)
 
-    monkeypatch.setattr(planning, "per_layer_sizes", spy)
+    monkeypatch.setattr(rounds, "per_layer_sizes", spy)
     result = plan(model, ids, parse_budget("50%"), storages=("bf16",), window=64, proxy_windows=2, per_layer=True,
                   layer_ids=windows.reshape(1, -1))
     best = seen["best"]

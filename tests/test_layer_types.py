@@ -16,7 +16,7 @@ from attnlab.modules.mla import MultiHeadLatentAttention
 from attnlab.shrink import parse_budget, plan
 from attnlab.shrink.feasible import MIN_WHOLE_LATENT
 from attnlab.shrink.feasible import feasible
-from attnlab.shrink.plan import apply
+from attnlab.shrink.candidate import apply
 from attnlab.shrink.sizes import Layout, layers_bytes, layouts, original_bytes
 from attnlab.shrink.sizes import spread_context
 from reference import rel_err

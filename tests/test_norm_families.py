@@ -337,7 +337,7 @@ def test_the_plan_of_a_normed_model_keeps_its_keys_whole():
     frequency, no BKV), each with the largest latent its storage's bytes allow (bf16 cannot hold the keys and a
     latent in half the bytes), within the budget; the winner converts and runs."""
     from attnlab.shrink import parse_budget, plan
-    from attnlab.shrink.plan import apply
+    from attnlab.shrink.candidate import apply
     from attnlab.shrink.sizes import bytes_per_token, layer_bytes
 
     model = tiny_model("qwen3", dtype=torch.float32, attention_std=0.1)

@@ -20,7 +20,7 @@ from attnlab.shrink import ShrinkRequest, parse_budget, plan, shrink
 from attnlab.shrink.request import check_request
 from attnlab.shrink.state import run_folder
 from attnlab.shrink.feasible import feasible
-from attnlab.shrink.plan import Candidate, apply, proxy_kl, rank, teacher_log_probs
+from attnlab.shrink.candidate import Candidate, apply, proxy_kl, rank, teacher_log_probs
 from attnlab.shrink.sizes import bytes_per_token
 from attnlab.shrink.sizes import spread_context
 
@@ -270,7 +270,7 @@ def test_a_two_bit_latent_wins_over_three_bits_only_by_the_margin(tiny, monkeypa
     import importlib
 
     planner = importlib.import_module("attnlab.shrink.plan")
-    assert planner.TWO_BIT_MARGIN == 1.2
+    assert importlib.import_module("attnlab.shrink.candidate").TWO_BIT_MARGIN == 1.2
     faked = {"int2/g256+c4": 1.0, "int3/g256+c4": three_bit, "bf16": 10.0}
     monkeypatch.setattr(planner, "proxy_kl", lambda m, *_: faked[hf.attnlab_modules(m)[0].kv_dtype])
     _, model, tok, text, _ = tiny

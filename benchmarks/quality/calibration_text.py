@@ -28,7 +28,7 @@ def main() -> None:
     from attnlab.heal.data import JUDGE_TOKENS, _judge_ids, training_data
     from attnlab.heal.evaluate import evaluate_texts, public
     from attnlab.models.evaluate import read_text_ids
-    from attnlab.shrink.plan import Candidate, apply
+    from attnlab.shrink.candidate import Candidate, apply
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seed", type=int, default=0)

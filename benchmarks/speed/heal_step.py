@@ -47,7 +47,7 @@ def main() -> None:
     from attnlab.io.folders import replace_file
     from attnlab.models.evaluate import read_text_ids
     from attnlab.runtime.environment import cpu_bf16
-    from attnlab.shrink.plan import Candidate, apply
+    from attnlab.shrink.candidate import Candidate, apply
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--turns", type=int, default=2, help="float32/bf16 pairs of each timing")

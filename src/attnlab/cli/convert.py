@@ -118,7 +118,7 @@ def _convert_model(source, to, out, latent_dim, rope_dim, kv_heads, method, cali
     if kv_budget is not None:
         from ..shrink.sizes import parse_budget
         from ..shrink.plan import plan as choose
-        from ..shrink.plan import rank
+        from ..shrink.candidate import rank
 
         with console.status("planning: measuring candidate cuts on the calibration text") as status:
             plan = choose(model, ids, parse_budget(kv_budget), fmt=fmt, storages=("bf16",), proxy_ids=proxy_ids,

@@ -50,7 +50,7 @@ import torch
 from ..runtime.budget import Budget, Stopped
 from .heal_plan import heal_plan
 from .feasible import check_format, feasible, keys_whole
-from .plan import Candidate
+from .candidate import Candidate
 from .report import final_report
 from .sizes import LLAMA_CPP_CACHE, QUANTIZED_CACHE, cached_extra, few_bit, llama_cpp_types, parse_budget
 from .request import ShrinkRequest, check_request, pinned, plan_count, storage_choices
@@ -308,7 +308,7 @@ def _phase_plan(run: _Run) -> None:
 def _phase_convert(run: _Run) -> None:
     """The student: a copy of the teacher converted to the chosen candidate, saved as student/ in the run folder."""
     from .. import models as hf
-    from .plan import apply
+    from .candidate import apply
 
     student_dir = run.state.folder / "student"
     if run.state.done("convert"):

@@ -15,7 +15,8 @@ orthogonal matrix folded into the weights (convert/rotate.py). A few-bit candida
 What a budget allows is checked before any work (shrink/feasible.py). Candidates are ranked by rank(): the mean
 KL(teacher || student) of the next-token distributions on windows the calibration did not use, a 2-bit latent's
 counted TWO_BIT_MARGIN times. Each candidate converts the teacher's own attention modules with calibration inputs
-computed once, is measured and swapped out again: nothing is copied. The rounds (methods of _Planner):
+computed once, is measured and swapped out again: nothing is copied (shrink/candidate.py). The rounds (methods of
+_Planner; rounds 4 and 5 in shrink/layer_rounds.py):
 0. the original attention in each engine cache code that fits (natives);
 1. what keeps rotating and BKV, at a rope share of about 30% of the values (selection);
 2. the winner in each other storage, then each few-bit storage that can hold every value (storage);
@@ -51,151 +52,20 @@ counted at that sequence length (None: every token held); per_layer, run round 4
 """
 from __future__ import annotations
 
-import math
-from dataclasses import asdict, dataclass, field
-
 import torch
 
+from . import layer_rounds
+from .candidate import Candidate, PlanResult, apply, proxy_kl, rank, teacher_log_probs, token_windows
 from .feasible import feasible, keys_whole, native_storages
-from .layer_bits import bits_label, ladder
 from .sizes import (FORMATS, LLAMA_CPP_CACHE, KVBudget, Layout, cached_extra, few_bit, fit, layer_bytes, latent_bits,
                     layers_bytes, original_sizes, planned_bytes, splits, spread_context, storage_ok)
 
 # rope shares of the values tried by round 3, the likelier winners first, so that a count that runs out keeps them
 SPLIT_SHARES = (0.2, 0.25, 0.35, 0.4, 0.5)
-# A 2-bit latent is ranked as if its proxy were this many times what it measured (rank(); docs/decisions.md)
-TWO_BIT_MARGIN = 1.2
-
-
-@dataclass
-class Candidate:
-    """One conversion and cache storage, and what it measured."""
-    latent_dim: int
-    rope_dim: int
-    rope_select: str
-    balance: bool
-    kv_dtype: str  # "bf16", "int8" or a few-bit storage ("int4/g32+r8", ...)
-    latent_norm: bool  # a steady latent channel and norm (export.add_steady_channels): GGUF's route
-    bytes_per_token: int = 0
-    proxy: float | None = None  # mean KL(teacher || student) on the calibration windows
-    round: int = 0
-
-    extra: int = 0  # latent values the export adds (DeepSeek's constant channel, GGUF's steady channel)
-    rotation: str | None = None  # an orthogonal rotation of the latent folded into the weights (convert/rotate.py)
-    layers: list[int] | None = None  # the converted layers (None: all); the others keep the original's attention
-    kept_dtype: str | None = None  # the storage of the kept layers' cache
-    latent_dims: list[int] | None = None  # a per-layer plan's latent size in each layer (round 4); latent_dim: mean
-    kv_dtypes: list[str] | None = None  # a bits-by-layer plan's storage of each layer (round 5); kv_dtype: the winner's
-
-    @property
-    def values(self) -> int:
-        return self.latent_dim + self.extra + self.rope_dim
-
-    @property
-    def native(self) -> bool:
-        """The original's own attention in every layer, only its cache coded (layers == []: none converted): what a
-        GGUF in the source's own architecture holds (native_storages). Its latent_dim and rope_dim are then the values
-        and the keys it caches, as in the keys-whole layout."""
-        return self.layers == []
-
-    def label(self) -> str:
-        if self.native:
-            kind = "llama.cpp's " if self.kv_dtype.split(",")[0] in (*LLAMA_CPP_CACHE, "iq4_nl") else ""
-            return f"the original attention, its cache in {kind}{self.kv_dtype}"
-        n = 0 if self.layers is None else len(self.layers)
-        kept = "" if self.layers is None else f" in {n} global layer{'s' * (n != 1)}, the sliding ones kept in " \
-            f"{self.kept_dtype}"
-        r = f"{min(self.latent_dims)}-{max(self.latent_dims)} per layer" if self.latent_dims else self.latent_dim
-        storage = bits_label(self.kv_dtypes) if self.kv_dtypes else self.kv_dtype
-        return (f"r={r}{'+1' if self.extra else ''} p={self.rope_dim} {self.rope_select}"
-                f"{' +BKV' if self.balance else ''}{' rotated' if self.rotation else ''} {storage}{kept}")
-
-    def to_dict(self) -> dict:
-        each = {"values_each_layer": [r + self.extra + self.rope_dim for r in self.latent_dims]} if self.latent_dims \
-            else {}
-        return {**asdict(self), "values_per_token_per_layer": self.values, **each, "label": self.label()}
-
-
-@dataclass
-class PlanResult:
-    best: Candidate
-    measured: list[Candidate] = field(default_factory=list)
-    budget: str = ""
-    original_bytes_16bit: int = 0
-    budget_bytes: float = 0.0
-    note: str = ""
-    context: int | None = None  # the sequence length bytes per token are counted at (None: every token held)
-    spread: int | None = None  # the tokens a sequence's fixed rows were spread over (the context, or the default)
-
-    def to_dict(self) -> dict:
-        ranked = sorted((c for c in self.measured if c.proxy is not None), key=rank)
-        return {"chosen": self.best.to_dict(), "budget": self.budget, "budget_bytes": self.budget_bytes,
-                "context": self.context, "fixed_rows_over": self.spread,
-                "original_bytes_per_token_16bit": self.original_bytes_16bit, "note": self.note,
-                "candidates": [c.to_dict() for c in ranked]}
-
-
 def _bkv_flipped(c: Candidate) -> Candidate:
     """The candidate c with BKV the other way (the same sizes, selection, storage and norm): planner round 3."""
     return Candidate(c.latent_dim, c.rope_dim, c.rope_select, not c.balance, c.kv_dtype, c.latent_norm, extra=c.extra,
                      round=3)
-
-
-def rank(cand: Candidate) -> float:
-    """What candidates are ranked by (the planner's every choice of a winner): the proxy, a 2-bit latent's times
-    TWO_BIT_MARGIN."""
-    return cand.proxy * (TWO_BIT_MARGIN if latent_bits(cand.kv_dtype) == 2 else 1.0)
-
-
-# -- measuring ----------------------------------------------------------------------------------------
-def teacher_log_probs(teacher, windows: torch.Tensor) -> list[torch.Tensor]:
-    """The teacher's next-token log-probabilities on each proxy window (1, T, V), kept for every candidate."""
-    with torch.no_grad():
-        return [teacher(w[None]).logits.float().log_softmax(-1) for w in windows]
-
-
-def proxy_kl(student, windows: torch.Tensor, reference: list[torch.Tensor]) -> float:
-    """Mean KL(teacher || student) per position over the proxy windows."""
-    from .layer_costs import kl_sum
-
-    total, count = 0.0, 0
-    with torch.no_grad():
-        for w, t in zip(windows, reference):
-            total += kl_sum(t, student(w[None]).logits.float().log_softmax(-1))
-            count += w.numel()
-    return total / count
-
-
-def apply(model, cand: Candidate, calibration_ids: torch.Tensor | None, inputs=None) -> None:
-    """Convert the model in place to the candidate: decoupled-RoPE MLA, the steady latent channel, the storage; a
-    candidate that converts some layers (cand.layers) stores the others' caches in cand.kept_dtype."""
-    from ..models.adapters import attnlab_modules
-    from ..models.convert import convert_model
-    from ..models.evaluate import set_kv_dtype
-    from ..models.export import add_steady_channels
-
-    if cand.native:  # nothing converted: every layer the original's, its cache in the engine's code
-        set_kv_dtype(model, cand.kv_dtype)
-        return
-    convert_model(model, "mla", latent_dim=cand.latent_dims or cand.latent_dim, rope_dim=cand.rope_dim,
-                  calibration_ids=calibration_ids, pair_selection=cand.rope_select, balance=cand.balance,
-                  inputs=inputs, layers=cand.layers)
-    if cand.latent_norm:
-        if calibration_ids is None:
-            raise ValueError("a latent norm for a GGUF is fitted on calibration text: give text, or --format attnlab")
-        add_steady_channels(model, calibration_ids)
-    converted = [m for i, m in enumerate(attnlab_modules(model)) if cand.layers is None or i in cand.layers]
-    if cand.rotation:
-        from ..convert.rotate import rotate_latent
-
-        for m in converted:
-            rotate_latent(m, cand.rotation)
-    if cand.layers is None:
-        set_kv_dtype(model, cand.kv_dtypes or cand.kv_dtype)
-        return
-    set_kv_dtype(model, cand.kept_dtype)  # the kept layers'
-    for m in converted:
-        m.kv_dtype = cand.kv_dtype
 
 
 def plan(teacher, calibration_ids: torch.Tensor, budget: KVBudget, *, fmt: str = "attnlab",
@@ -254,7 +124,7 @@ class _Planner:
         inputs = attention_inputs(self.teacher, calibration_ids)
         self.calibration = (calibration_ids, inputs) if calibrate else (None, None)
         self.window = window
-        self.windows = _windows((calibration_ids if proxy_ids is None else proxy_ids)[0], window, proxy_windows)
+        self.windows = token_windows((calibration_ids if proxy_ids is None else proxy_ids)[0], window, proxy_windows)
         self.reference = teacher_log_probs(self.teacher, self.windows)
 
     # -- what the rounds share -------------------------------------------------------------------------------
@@ -355,8 +225,8 @@ class _Planner:
         self.more_bits(by_storage)
         self.bkv_checks()
         if per_layer and self.fmt == "attnlab":
-            self.per_layer(layer_ids)
-        self.layer_bits()
+            layer_rounds.per_layer(self, layer_ids)
+        layer_rounds.layer_bits(self)
         note = "" if len(self.measured) > 1 else "only one candidate fitted the time given to planning"
         return self.result(min(self.measured, key=rank), note)
 
@@ -388,7 +258,7 @@ class _Planner:
                                        rotation="random" if few_bit(storage) else None, round=1,
                                        layers=None if lay.layers is None else list(lay.layers),
                                        kept_dtype=lay.kept_dtype), lay)
-        self.layer_bits()
+        layer_rounds.layer_bits(self)
         best = min(self.measured, key=rank)
         note = "" if len(self.measured) == len(todo) else "planning ended (its time or its count) before every storage"
         return self.result(best, note or "per-head q/k norms: the keys whole (rope key G x d), the latent holds the "
@@ -474,136 +344,3 @@ class _Planner:
                   and few_bit(c.kv_dtype) and not c.latent_dims]
         if rivals and best.latent_dim + best.rope_dim < self.V and not self.stopped():
             self.measure_new(_bkv_flipped(min(rivals, key=rank)))
-
-    def per_layer(self, layer_ids: torch.Tensor | None) -> None:
-        """Round 4, where the winner cuts rank: each layer alone at per_layer_sizes() (shrink/layer_costs.py), the
-        sizes of least summed KL within the bytes (shrink/per_layer.py), measured as one candidate past the count."""
-        from ..convert.report import unreported
-        from .layer_costs import Prefix, layer_costs
-        from .per_layer import choose_per_layer
-
-        best = min(self.converted(), key=rank)
-        sizes = per_layer_sizes(best, self.V)
-        if len(sizes) <= 1 or self.stopped():
-            return
-        L = self.L
-        prefix = Prefix(self.teacher, self.windows if layer_ids is None else _windows(layer_ids[0], self.window))
-
-        def change(layer: int, r: int) -> None:
-            if self.stopped():  # a stop request (or the clock) ends round 4 with nothing measured
-                raise _Cut
-            with unreported():
-                self.convert(Candidate(r, best.rope_dim, best.rope_select, best.balance, best.kv_dtype, False,
-                                       rotation=best.rotation, layers=[layer], kept_dtype=None))
-
-        def counted(done: int, total: int) -> None:
-            if self.progress and done % len(sizes) == 0:
-                self.progress(len(self.measured), f"per layer: {done // len(sizes)} of {L} layers measured alone "
-                                                  f"at r={', '.join(map(str, sizes))}")
-
-        try:
-            costs = layer_costs(prefix, L, sizes, change, self.restore, progress=counted)
-        except _Cut:
-            costs = None
-        rows = self.byte_rows([(r, best.rope_dim, best.kv_dtype) for r in sizes])
-        dims = [sizes[o] for o in choose_per_layer(costs, rows, int(self.budget_bytes))] if costs else []
-        if len(set(dims)) > 1:
-            self.measure(Candidate(round(sum(dims) / L), best.rope_dim, best.rope_select, best.balance,
-                                   best.kv_dtype, False, rotation=best.rotation, round=4, latent_dims=dims))
-
-
-    def byte_rows(self, options) -> list[list[int]]:
-        """Each converted layer's whole bytes per token in each (latent, rope key, storage) option, as the budget
-        counts them at its window: the sizes rounds 4 and 5 choose within."""
-        row = {w: [math.ceil(layer_bytes(r, p, storage, self.spread, w)) for r, p, storage in options]
-               for w in set(self.converted_layers)}  # one row per kind of layer
-        return [row[w] for w in self.converted_layers]
-
-    def layer_bits(self) -> None:
-        """Round 5, if asked, where the winner codes every layer alike in a Ladder's storage: each layer's two probes
-        measured alone (shrink/layer_bits.py), the bits of least modelled KL within the bytes (shrink/per_layer.py),
-        measured as one candidate past the count. Not for a GGUF, whose llama.cpp cache has one type."""
-        from .per_layer import choose_per_layer
-
-        best = min(self.measured, key=rank)
-        steps = ladder(best.kv_dtype)
-        if not self.layer_bits_asked or self.fmt not in ("attnlab", "transformers") or steps is None or \
-                best.layers is not None or best.latent_dims or best.kv_dtypes or self.stopped():
-            return
-        probes = self.probes(best, steps)
-        if probes is None:
-            return
-        options = steps.options()
-        costs = [[steps.cost(v, k, b, key) for b, key in options] for v, k in probes]
-        latent = best.latent_dim + best.extra
-        rows = self.byte_rows([(latent, best.rope_dim, steps.spell(b, key)) for b, key in options])
-        picks = choose_per_layer(costs, rows, int(self.budget_bytes))
-        storages = [steps.spell(*options[o]) for o in picks]
-        if storages != [best.kv_dtype] * len(storages):
-            self.measure(Candidate(best.latent_dim, best.rope_dim, best.rope_select, best.balance, best.kv_dtype,
-                                   best.latent_norm, extra=best.extra, rotation=best.rotation, round=5,
-                                   kv_dtypes=storages))
-
-    def probes(self, best: Candidate, steps) -> list[tuple[float, float]] | None:
-        """(V, K) of each layer: the KL with that layer alone in steps' value and key probe, the teacher converted to
-        `best` with plain caches, on COST_WINDOWS proxy windows (shrink/layer_costs.py); None when a stop or the
-        clock cut it short."""
-        from ..convert.report import unreported
-        from ..models.adapters import attnlab_modules
-        from .layer_bits import COST_WINDOWS
-        from .layer_costs import Prefix
-
-        try:
-            with unreported():
-                self.convert(Candidate(best.latent_dim, best.rope_dim, best.rope_select, best.balance, None,
-                                       best.latent_norm, extra=best.extra, rotation=best.rotation))
-            modules = list(attnlab_modules(self.teacher))
-            prefix = Prefix(self.teacher, self.windows[:COST_WINDOWS])
-            out = []
-            for i, m in enumerate(modules):
-                if self.stopped():
-                    return None
-                if self.progress:
-                    self.progress(len(self.measured), f"bits by layer: layer {i + 1} of {len(modules)} measured alone")
-                pair = []
-                for probe in (steps.value_probe(), steps.key_probe()):
-                    m.kv_dtype = probe
-                    try:
-                        pair.append(prefix.kl(i))
-                    finally:
-                        m.kv_dtype = None
-                out.append(tuple(pair))
-            return out
-        finally:
-            self.restore()
-
-
-class _Cut(Exception):
-    """Round 4 ended by a stop request or the planning clock before its costs were measured."""
-
-
-PER_LAYER_SHARES = (0.7, 1.4)  # round 4's latent sizes beside the uniform winner's own, as shares of it
-PER_LAYER_STEP = 16  # ... rounded to multiples of this
-
-
-def per_layer_sizes(best: Candidate, values: int) -> list[int]:
-    """Round 4's latent sizes for a winner that cuts rank: its latent and PER_LAYER_SHARES of it in multiples of
-    PER_LAYER_STEP, from PER_LAYER_STEP to `values` - its rope key, each once, ascending. [] for a winner that keeps
-    every value, is per-layer already or converts some layers only."""
-    ceiling = values - best.rope_dim
-    if best.latent_dims or best.layers is not None or best.latent_dim >= ceiling:
-        return []
-    out = {best.latent_dim}
-    for share in PER_LAYER_SHARES:
-        r = int(round(best.latent_dim * share / PER_LAYER_STEP)) * PER_LAYER_STEP
-        out.add(min(ceiling, max(PER_LAYER_STEP, r)))
-    return sorted(out)
-
-
-def _windows(ids: torch.Tensor, window: int, count: int | None = None) -> torch.Tensor:
-    """(W, window) token windows from ids (N,): its first `count` whole windows (all for None), or the ids as one
-    window when shorter than one."""
-    ids = ids if count is None else ids[: count * window]
-    if ids.numel() < window:
-        return ids[None]
-    return ids[: ids.numel() // window * window].reshape(-1, window)
