@@ -15,7 +15,7 @@ pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
 
 from attnlab import models as hf  # noqa: E402
-from attnlab.models.export import add_steady_channels  # noqa: E402
+from attnlab.models.latent_norm import add_steady_channels  # noqa: E402
 from attnlab.models.export_gguf import export_gguf  # noqa: E402
 from attnlab.models.load import load_checkpoint  # noqa: E402
 from reference import gqa_reference, mla_reference, rel_err  # noqa: E402

@@ -159,7 +159,7 @@ def run(quick: bool, timing: bool = False) -> dict:
     import torch
 
     from attnlab import models as hf
-    from attnlab.models.export import add_steady_channels
+    from attnlab.models.latent_norm import add_steady_channels
 
     torch.set_grad_enabled(False)
     model, tok = hf.load_smollm2()

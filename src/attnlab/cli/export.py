@@ -27,7 +27,7 @@ def export(source: str = typer.Argument(..., help="A converted-model folder (att
            calibration: Optional[Path] = typer.Option(None, "--calibration", help="gguf of an MLA without a latent "
                                                       "norm: a text file to fit one on (llama.cpp always applies "
                                                       "it): one more, nearly constant, latent channel "
-                                                      "(export.add_steady_channels); error reported per layer."),
+                                                      "(latent_norm.add_steady_channels); error reported per layer."),
            calibration_tokens: int = typer.Option(2048, "--calibration-tokens", help="Tokens of it to use."),
            exact_f32: bool = typer.Option(False, "--exact-f32/--no-exact-f32", metavar="",
                                           help="gguf of an MLA without a latent norm: write the exact linear form "
@@ -89,7 +89,7 @@ def _cached(m, constant: bool) -> tuple[int, str]:
 def _fit_steady(model, tok, calibration: Path, calibration_tokens: int) -> None:
     """Give every layer a latent norm with a steady channel fitted on the text (in place); print the errors."""
     from .. import models as hf
-    from ..models.export import add_steady_channels
+    from ..models.latent_norm import add_steady_channels
 
     ids = hf.read_text_ids(tok, calibration, calibration_tokens)
     if ids.numel() == 0:

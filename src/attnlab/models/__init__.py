@@ -7,6 +7,7 @@
 - store.py     save and reload converted models
 - load.py      the user's own checkpoint: a transformers folder or a GGUF file (Llama, Mistral, Qwen2)
 - export.py    a converted model as a standard DeepSeek-V3 checkpoint (transformers loads it alone)
+- latent_norm.py  the latent norm DeepSeek and llama.cpp apply, fitted on calibration text (steady channel or plain)
 - export_gguf.py  a converted model as a GGUF file llama.cpp runs (deepseek2)
 - export_native.py  a model that kept its attention's shape (healed for llama.cpp's cache codes) as its source GGUF
 - export_transformers.py  the same for transformers: the source's own class (save_pretrained), planned for attnlab.hf.KVCache
@@ -18,7 +19,8 @@ from .bundled import MODELS, load_gemma3_270m, load_minilm, load_smollm2
 from .convert import DEFAULT_ROPE_PAIRS, check_convertible, convert_layers, convert_model, keys_whole_rope_dim
 from .evaluate import (attention_inputs, kv_bytes_per_token, mean_pooled, perplexity, read_text_ids, sentence_embeddings,
                        kv_fixed_bytes, set_kv_dtype, sliding_context, top1_agreement, windows)
-from .export import add_latent_norm, add_latent_norms, check_deepseek_request, export_deepseek
+from .export import check_deepseek_request, export_deepseek
+from .latent_norm import add_latent_norm, add_latent_norms
 from .export_gguf import check_gguf_exportable, export_gguf, is_attnlab_gguf
 from .export_native import check_native, export_native
 from .export_transformers import export_transformers

@@ -20,9 +20,9 @@ three places; each is handled or refused with the reason and a way out:
   constant-channel trick of the DeepSeek export is not available here. An MLA with a latent
   norm is written as it is (its W_DKV rows times sqrt(llama.cpp's eps / the norm's eps), which
   makes llama.cpp's norm, with the model's rms_norm_eps, equal to the MLA's). One without a
-  norm needs one first: export.add_steady_channels (fitted on calibration text, one more
+  norm needs one first: latent_norm.add_steady_channels (fitted on calibration text, one more
   cached number per token, survives llama.cpp's Q8_0/Q4_K quantisers), or, with
-  exact_f32=True, export.linear_latent_norm: W_DKV scaled down by a power of two until the
+  exact_f32=True, latent_norm.linear_latent_norm: W_DKV scaled down by a power of two until the
   norm is a fixed scale to float32 precision, written in F32; exact, but any quantiser with
   float16 block scales (llama-quantize's Q8_0, Q4_K, ...) flushes that tensor to zero.
 
@@ -42,12 +42,8 @@ import torch
 
 from ..modules.mla import MultiHeadLatentAttention
 from .adapters import _layers
-from .export import (
-    check_exportable,
-    deepseek_attention_tensors,
-    export_preflight,
-    linear_latent_norm,
-)
+from .export import check_exportable, deepseek_attention_tensors, export_preflight
+from .latent_norm import linear_latent_norm
 
 ARCH = "deepseek2"
 
@@ -158,7 +154,7 @@ def _check_gguf_only(modules, limit: int | None = None, exact_f32: bool = False)
 
 NEEDS_NORM = ("layer {i}'s MLA has no latent norm, which llama.cpp always applies (and attn_kv_a_mqa has no bias for "
               "the DeepSeek export's constant channel): give calibration text to fit one (--calibration FILE; "
-              "export.add_steady_channels), or convert with --latent-norm steady; exact_f32=True (--exact-f32) "
+              "latent_norm.add_steady_channels), or convert with --latent-norm steady; exact_f32=True (--exact-f32) "
               "writes the exact linear form instead, which llama.cpp's quantisers (Q8_0, Q4_K_M) destroy")
 
 
@@ -167,7 +163,7 @@ def gguf_ready(m: MultiHeadLatentAttention, input_norm: torch.Tensor, eps: float
 
     An MLA with a latent norm of eps e gets its W_DKV rows times sqrt(eps / e): the norm
     k c / sqrt(mean((k c)^2) + eps) equals c / sqrt(mean(c^2) + e) exactly when k^2 = eps / e.
-    One without a norm gets export.linear_latent_norm (the exact F32 form); input_norm: the
+    One without a norm gets latent_norm.linear_latent_norm (the exact F32 form); input_norm: the
     weight of the RMSNorm before the attention (its input has norm at most max|weight| sqrt(dim)).
     """
     import numpy as np
@@ -281,7 +277,7 @@ def export_gguf(model, path, tokenizer=None, *, force: bool = False, pre_tokeniz
     """Write an attnlab'd, converted Llama-family model as one GGUF file (llama.cpp `deepseek2`), atomically.
 
     Every layer must be a decoupled-RoPE MLA with frequencies llama.cpp can turn (within
-    gguf_rope_limit(model)) and a latent norm (export.add_steady_channels fits one; with
+    gguf_rope_limit(model)) and a latent norm (latent_norm.add_steady_channels fits one; with
     exact_f32=True an MLA without one is written in the exact linear F32 form instead, which
     llama.cpp's quantisers destroy); check_gguf_exportable says why not. The tokenizer comes
     from the source (model.attnlab_source, set when loading a checkpoint or bundled model): a

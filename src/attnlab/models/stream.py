@@ -28,7 +28,6 @@ from ..modules.gqa import GroupedQueryAttention
 from .export import (
     NEEDS_LATENT,
     ShardWriter,
-    add_latent_norm,
     attnlab_entry,
     check_exportable,
     check_source_config,
@@ -37,6 +36,7 @@ from .export import (
     deepseek_config,
     layer_constant,
 )
+from .latent_norm import add_latent_norm
 from .load import NOT_CONVERTED, inspect_checkpoint, open_shards
 
 F32 = torch.float32
@@ -198,7 +198,7 @@ def convert_checkpoint(source, out, *, latent_dim: int | None, rope_dim: int | N
     """
     from ..convert.decoupled import gqa_to_mla_decoupled, selection_options
     from .convert import ROROPE_SELECTIONS, check_rope_dim, default_rope_dim
-    from .export import kv_values_in_export
+    from .latent_norm import kv_values_in_export
 
     folder, out = Path(str(source)), Path(str(out))
     if latent_dim is None:

@@ -22,7 +22,7 @@ class Candidate:
     rope_select: str
     balance: bool
     kv_dtype: str  # "bf16", "int8" or a few-bit storage ("int4/g32+r8", ...)
-    latent_norm: bool  # a steady latent channel and norm (export.add_steady_channels): GGUF's route
+    latent_norm: bool  # a steady latent channel and norm (latent_norm.add_steady_channels): GGUF's route
     bytes_per_token: int = 0
     proxy: float | None = None  # mean KL(teacher || student) on the calibration windows
     round: int = 0
@@ -112,7 +112,7 @@ def apply(model, cand: Candidate, calibration_ids: torch.Tensor | None, inputs=N
     from ..models.adapters import attnlab_modules
     from ..models.convert import convert_model
     from ..models.evaluate import set_kv_dtype
-    from ..models.export import add_steady_channels
+    from ..models.latent_norm import add_steady_channels
 
     if cand.native:  # nothing converted: every layer the original's, its cache in the engine's code
         set_kv_dtype(model, cand.kv_dtype)
