@@ -98,28 +98,9 @@ def eval_(source: str = typer.Argument(..., help="A model (smollm2, gemma3-270m)
     from ..shrink.layer_bits import bits_label
 
     fmt = check_kv_dtype(kv_dtype)  # before loading anything: one line naming the value and the choices
-    if engine not in ENGINES:
-        raise UsageProblem(f"--engine must be one of {', '.join(ENGINES)}, got {engine!r}")
-    if engine == "transformers" and through_cache is False:
-        raise UsageProblem("--engine transformers scores through its cache, as decoding reads it: drop --one-forward")
-    if engine == "transformers" and fmt is not None and fmt.evaluation_only:
-        raise UsageProblem(f"--kv-dtype {kv_dtype} is an evaluation baseline with no cache; --engine transformers "
-                           "reads a cache")
     texts = list(texts or [])
-    if not texts and not passkey:
-        raise UsageProblem("nothing to do: give --text FILE (repeat it for several) and/or --passkey")
-    positive("--max-tokens", max_tokens, integer=True)
-    positive("--chunk", chunk, integer=True)
-    positive("--passkey-trials", passkey_trials, integer=True)
-    if window is not None and window < 2:
-        raise UsageProblem(f"--window must be at least 2 tokens (a token and the one it predicts), got {window}")
-    if window is not None and max_tokens is not None and max_tokens < window:
-        raise UsageProblem(f"--max-tokens {max_tokens} keeps fewer tokens than one --window of {window}")
-    if through_cache and fmt is not None and fmt.evaluation_only:
-        raise UsageProblem(f"--kv-dtype {kv_dtype} (KIVI) has no cache to score through; use --one-forward")
-    if reference is not None and not texts:
-        raise UsageProblem("--reference scores texts against the original: give --text FILE (the passkey runs "
-                           "MODEL alone)")
+    _check_eval(fmt, kv_dtype, engine, through_cache, texts, passkey, reference, window, max_tokens, chunk,
+                passkey_trials)
     lengths = depths = None
     if passkey:
         from ..models.passkey import check_lengths
@@ -163,11 +144,7 @@ def eval_(source: str = typer.Argument(..., help="A model (smollm2, gemma3-270m)
         cached = window > chunk and not kivi if through_cache is None else through_cache
         bases = value_bases(source, model.config.num_hidden_layers) if planned.get("value_bases") else None
         kept = planned.get("kept_dtype") if bases else None  # a keys-whole plan's layers kept as they were
-        if mla or (bases and engine == "transformers"):  # counted from the caches KVCache makes for the folder
-            from ..hf.cache import storage_bytes
-            stored, sixteen = storage_bytes(model, kv_dtype, bases, kept), storage_bytes(model, "bf16")
-        else:  # counted from attnlab's caches of that storage
-            stored, sixteen = hf.kv_bytes_per_token(model, kv_dtype=kv_dtype), hf.kv_bytes_per_token(model, kv_dtype="bf16")
+        stored, sixteen = _bytes(model, kv_dtype, bases, kept, in_kvcache=mla or (bases and engine == "transformers"))
         storage = kv_dtype if isinstance(kv_dtype, list) else storages[0]
         if engine == "transformers":
             cached, model = True, model if mla else _in_transformers(model, source)
@@ -186,20 +163,7 @@ def eval_(source: str = typer.Argument(..., help="A model (smollm2, gemma3-270m)
 
         ref_scores = None
         if reference is not None and texts:
-            if reference == source:  # the same model at its own storage: score it before --kv-dtype applies
-                ref_model, ref_tok = model, tok
-            else:
-                busy.update(f"loading {reference}")
-                ref_model, ref_tok, _ = hf.load_model(reference)
-                if hf.family(ref_model) != "llama":
-                    raise UsageProblem(f"--reference {reference} is not a causal language model")
-                if engine == "transformers":
-                    ref_model = _in_transformers(ref_model, reference)
-            for path, t in zip(texts, ids):
-                theirs = hf.read_text_ids(ref_tok, path, max_tokens, min_tokens=2) if ref_tok is not None else t
-                if tuple(theirs.shape) != tuple(t.shape) or bool((theirs != t).any()):
-                    raise UsageProblem(f"--reference {reference} tokenizes {path} differently from {source}: "
-                                       "perplexities of different tokens do not compare")
+            ref_model = _reference(reference, source, model, texts, ids, max_tokens, engine, busy)
             ref_scores = [score(ref_model, t, reference, path) for path, t in zip(texts, ids)]
             del ref_model
         if kv_dtype is not None and engine == "attnlab":
@@ -209,30 +173,11 @@ def eval_(source: str = typer.Argument(..., help="A model (smollm2, gemma3-270m)
         if passkey:
             report = _run_passkey(model, tok, lengths, depths, passkey_trials, seed, busy, engine, storage,
                                   (bases, kept))
-    rows = []
-    for i, (path, s) in enumerate(zip(texts, scores)):
-        row = {"text": str(path), "tokens": s.tokens, "scored": s.scored, "windows": s.windows,
-               "perplexity": s.perplexity}
-        if ref_scores is not None:
-            row["reference_perplexity"] = ref_scores[i].perplexity
-            row["ratio"] = s.perplexity / ref_scores[i].perplexity
-        rows.append(row)
+    rows = _rows(texts, scores, ref_scores)
     worst = max(rows, key=lambda r: r["ratio" if ref_scores is not None else "perplexity"]) if rows else None
     how = (f"through the cache in chunks of {chunk} tokens" if cached else "one forward per window") + \
         ("" if engine == "attnlab" else ", in transformers' forward over attnlab.hf.KVCache")
-    if len(rows) == 1 and ref_scores is None:
-        print(f"perplexity: {rows[0]['perplexity']:.4f}")
-        print(f"tokens: {rows[0]['tokens']}")
-    elif rows:
-        head = ["text", "tokens", "scored", "perplexity"] + (["reference", "ratio"] if ref_scores is not None else [])
-        table = [head]
-        named = [(Path(r["text"]).name, r) for r in rows] + [(f"worst ({Path(worst['text']).name})", worst)]
-        for name, r in named:
-            line = [name, str(r["tokens"]), str(r["scored"]), f"{r['perplexity']:.4f}"]
-            if ref_scores is not None:
-                line += [f"{r['reference_perplexity']:.4f}", f"{r['ratio']:.4f}"]
-            table.append(line)
-        _table(table)
+    _print_rows(rows, worst, ref_scores is not None)
     if rows:
         print(f"windows: {window} tokens, {how}")
     print(f"kv bytes per token: {stored} ({stored / sixteen:.1%} of its 16-bit cache, {sixteen})")
@@ -246,6 +191,91 @@ def eval_(source: str = typer.Argument(..., help="A model (smollm2, gemma3-270m)
                "kv_bytes_per_token": stored, "rows": rows, "worst": worst,
                "passkey": None if report is None else report.to_dict()}
         replace_file(json_out, (json.dumps(out, indent=2) + "\n").encode())
+
+
+def _check_eval(fmt, kv_dtype, engine, through_cache, texts, passkey, reference, window, max_tokens, chunk,
+                trials) -> None:
+    """eval's options checked before anything loads: a UsageProblem naming the value."""
+    if engine not in ENGINES:
+        raise UsageProblem(f"--engine must be one of {', '.join(ENGINES)}, got {engine!r}")
+    if engine == "transformers" and through_cache is False:
+        raise UsageProblem("--engine transformers scores through its cache, as decoding reads it: drop --one-forward")
+    if engine == "transformers" and fmt is not None and fmt.evaluation_only:
+        raise UsageProblem(f"--kv-dtype {kv_dtype} is an evaluation baseline with no cache; --engine transformers "
+                           "reads a cache")
+    if not texts and not passkey:
+        raise UsageProblem("nothing to do: give --text FILE (repeat it for several) and/or --passkey")
+    positive("--max-tokens", max_tokens, integer=True)
+    positive("--chunk", chunk, integer=True)
+    positive("--passkey-trials", trials, integer=True)
+    if window is not None and window < 2:
+        raise UsageProblem(f"--window must be at least 2 tokens (a token and the one it predicts), got {window}")
+    if window is not None and max_tokens is not None and max_tokens < window:
+        raise UsageProblem(f"--max-tokens {max_tokens} keeps fewer tokens than one --window of {window}")
+    if through_cache and fmt is not None and fmt.evaluation_only:
+        raise UsageProblem(f"--kv-dtype {kv_dtype} (KIVI) has no cache to score through; use --one-forward")
+    if reference is not None and not texts:
+        raise UsageProblem("--reference scores texts against the original: give --text FILE (the passkey runs "
+                           "MODEL alone)")
+
+
+def _bytes(model, kv_dtype, bases, kept, in_kvcache: bool) -> tuple[int, int]:
+    """(bytes per token in kv_dtype, in 16 bits): counted from the caches KVCache makes for a folder (in_kvcache: an
+    MLA as DeepSeek-V3, a keys-whole plan in transformers), else from attnlab's caches of that storage."""
+    from .. import models as hf
+
+    if in_kvcache:
+        from ..hf.cache import storage_bytes
+        return storage_bytes(model, kv_dtype, bases, kept), storage_bytes(model, "bf16")
+    return hf.kv_bytes_per_token(model, kv_dtype=kv_dtype), hf.kv_bytes_per_token(model, kv_dtype="bf16")
+
+
+def _reference(reference: str, source: str, model, texts, ids, max_tokens, engine: str, busy):
+    """The --reference model (MODEL itself where the names match, before --kv-dtype applies), in transformers for
+    that engine; a UsageProblem where it is not a causal LM or tokenizes a text differently."""
+    from .. import models as hf
+
+    if reference == source:
+        return model
+    busy.update(f"loading {reference}")
+    ref_model, ref_tok, _ = hf.load_model(reference)
+    if hf.family(ref_model) != "llama":
+        raise UsageProblem(f"--reference {reference} is not a causal language model")
+    for path, t in zip(texts, ids):
+        theirs = hf.read_text_ids(ref_tok, path, max_tokens, min_tokens=2) if ref_tok is not None else t
+        if tuple(theirs.shape) != tuple(t.shape) or bool((theirs != t).any()):
+            raise UsageProblem(f"--reference {reference} tokenizes {path} differently from {source}: "
+                               "perplexities of different tokens do not compare")
+    return _in_transformers(ref_model, reference) if engine == "transformers" else ref_model
+
+
+def _rows(texts, scores, ref_scores) -> list[dict]:
+    """eval's row of each text: its tokens, windows and perplexity, with --reference the original's and the ratio."""
+    rows = []
+    for i, (path, s) in enumerate(zip(texts, scores)):
+        row = {"text": str(path), "tokens": s.tokens, "scored": s.scored, "windows": s.windows,
+               "perplexity": s.perplexity}
+        if ref_scores is not None:
+            row["reference_perplexity"] = ref_scores[i].perplexity
+            row["ratio"] = s.perplexity / ref_scores[i].perplexity
+        rows.append(row)
+    return rows
+
+
+def _print_rows(rows: list[dict], worst: dict | None, against: bool) -> None:
+    """One text alone as two lines; several (or against a reference) as a table with the worst row last."""
+    if len(rows) == 1 and not against:
+        print(f"perplexity: {rows[0]['perplexity']:.4f}")
+        print(f"tokens: {rows[0]['tokens']}")
+    elif rows:
+        table = [["text", "tokens", "scored", "perplexity"] + (["reference", "ratio"] if against else [])]
+        named = [(Path(r["text"]).name, r) for r in rows] + [(f"worst ({Path(worst['text']).name})", worst)]
+        for name, r in named:
+            line = [name, str(r["tokens"]), str(r["scored"]), f"{r['perplexity']:.4f}"]
+            if against:
+                line += [f"{r['reference_perplexity']:.4f}", f"{r['ratio']:.4f}"]
+            table.append(line)
+        _table(table)
 
 
 def _load_deepseek(source: str):
