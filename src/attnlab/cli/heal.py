@@ -100,7 +100,7 @@ def heal(source: Path = typer.Argument(..., help="A converted-model folder writt
     from .. import models as hf
     from ..heal import distributed as dd
     from ..heal.data import check_pair, training_data
-    from ..heal.plan import LAYER_INPUTS, HealPlan
+    from ..heal.plan import HealPlan
     from ..heal.run import heal_model
     from ..heal.guard import guard_line, probe_line, switch_line
     from ..io.folders import check_output, output_lock
@@ -112,52 +112,15 @@ def heal(source: Path = typer.Argument(..., help="A converted-model folder writt
         raise UsageProblem(str(e)) from None
     with said_by_rank0(place.rank):  # the command line's checks: the same on every rank
         budget = Budget(positive("--minutes", minutes))  # from the command's start: loading counts
-        positive("--tokens", tokens, integer=True)
-        positive("--checkpoint-minutes", checkpoint_minutes)
-        positive("--windows", windows, integer=True)
-        positive("--collective-timeout", collective_timeout)
-        for name, value, integer in (("--seq-len", seq_len, True), ("--batch-size", batch_size, True),
+        for name, value, integer in (("--tokens", tokens, True), ("--checkpoint-minutes", checkpoint_minutes, False),
+                                     ("--windows", windows, True), ("--collective-timeout", collective_timeout, False),
+                                     ("--seq-len", seq_len, True), ("--batch-size", batch_size, True),
                                      ("--layer-batch", layer_batch, True), ("--layer-lr", layer_lr, False),
-                                     ("--lr", lr, False),
-                                     ("--lora-rank", lora_rank, True)):
+                                     ("--lr", lr, False), ("--lora-rank", lora_rank, True)):
             positive(name, value, integer=integer)
-        if layer_steps is not None and layer_steps < 0:
-            raise UsageProblem(f"--layer-steps must be 0 (skip the phase) or more, got {layer_steps}")
-        if layer_inputs is not None and layer_inputs not in LAYER_INPUTS:
-            raise UsageProblem(f"--layer-inputs must be {' or '.join(LAYER_INPUTS)}, got {layer_inputs!r}")
-        if tokens is None and minutes is None:
-            raise UsageProblem("give --tokens, --minutes or both")
-        if device not in ("cpu", "cuda"):
-            raise UsageProblem(f"--device must be cpu or cuda, not {device!r}")
-        if device == "cuda":
-            import torch
-            if not torch.cuda.is_available():
-                raise UsageProblem("--device cuda: no CUDA device is available")
-        if shard and not place.distributed:
-            raise UsageProblem("--shard needs a process group: it shards the trained weights over the processes of "
-                               "a torchrun job (torchrun --nproc-per-node N -m attnlab heal ..., N >= 2); this is "
-                               "one process")
-        if place.distributed:  # the global batches split evenly over the processes
-            for name, value, default in (("--batch-size", batch_size, HealPlan.batch_size),
-                                         ("--layer-batch", layer_batch, HealPlan.layer_batch)):
-                value = default if value is None else value
-                if (name == "--batch-size" or layer_steps != 0) and value % place.size:
-                    raise UsageProblem(f"{name} {value} does not split over the {place.size} processes: give a "
-                                       f"multiple of {place.size}")
-        if not (Path(source) / "attention.safetensors").is_file() or not (Path(source) / "config.json").is_file():
-            raise UsageProblem(f"{source} is not a converted attnlab model (no attention.safetensors/config.json; "
-                               "attnlab convert writes one)")
-        readers = [*hf.source_paths(source), *(text or []), *(eval_text or []),
-                   *(hf.source_paths(teacher_source) if teacher_source else [])]
-        checkpoint = checkpoint or out.with_name(out.name + ".heal.pt")
-        if place.main:  # rank 0 alone writes: the output rules are its own
-            check_output(out, force=force or resume, sources=readers)
-            if resume and not checkpoint.is_file():
-                raise UsageProblem(f"no heal checkpoint at {checkpoint} (nothing to resume)")
-            if not resume and not force and checkpoint.exists():
-                raise UsageProblem(f"a heal checkpoint {checkpoint} exists from an earlier run: continue it with "
-                                   "--resume, or start afresh with --force")
-            check_output(checkpoint, force=True, sources=readers, ours=lambda p: True, what="--checkpoint")
+        _check_heal_run(place, tokens, minutes, device, shard, layer_steps, layer_inputs, batch_size, layer_batch)
+        readers, checkpoint = _check_heal_files(place, source, out, checkpoint, [*(text or []), *(eval_text or [])],
+                                                teacher_source, force or resume, resume)
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()  # one progress display: ours
     world = dd.init_world(device, collective_timeout)
@@ -232,3 +195,56 @@ def heal(source: Path = typer.Argument(..., help="A converted-model folder writt
     if report["status"] == "budget":
         console.print(f"time budget spent before the plan ended; --resume continues from {checkpoint}")
     console.print(f"wrote {out}")
+
+
+def _check_heal_run(place, tokens, minutes, device, shard, layer_steps, layer_inputs, batch_size,
+                    layer_batch) -> None:
+    """heal's options that depend on each other, the device and torchrun's processes: a UsageProblem naming them."""
+    from ..heal.plan import LAYER_INPUTS, HealPlan
+
+    if layer_steps is not None and layer_steps < 0:
+        raise UsageProblem(f"--layer-steps must be 0 (skip the phase) or more, got {layer_steps}")
+    if layer_inputs is not None and layer_inputs not in LAYER_INPUTS:
+        raise UsageProblem(f"--layer-inputs must be {' or '.join(LAYER_INPUTS)}, got {layer_inputs!r}")
+    if tokens is None and minutes is None:
+        raise UsageProblem("give --tokens, --minutes or both")
+    if device not in ("cpu", "cuda"):
+        raise UsageProblem(f"--device must be cpu or cuda, not {device!r}")
+    if device == "cuda":
+        import torch
+        if not torch.cuda.is_available():
+            raise UsageProblem("--device cuda: no CUDA device is available")
+    if shard and not place.distributed:
+        raise UsageProblem("--shard needs a process group: it shards the trained weights over the processes of "
+                           "a torchrun job (torchrun --nproc-per-node N -m attnlab heal ..., N >= 2); this is "
+                           "one process")
+    if place.distributed:  # the global batches split evenly over the processes
+        for name, value, default in (("--batch-size", batch_size, HealPlan.batch_size),
+                                     ("--layer-batch", layer_batch, HealPlan.layer_batch)):
+            value = default if value is None else value
+            if (name == "--batch-size" or layer_steps != 0) and value % place.size:
+                raise UsageProblem(f"{name} {value} does not split over the {place.size} processes: give a "
+                                   f"multiple of {place.size}")
+
+
+def _check_heal_files(place, source: Path, out: Path, checkpoint, texts: list, teacher_source, force: bool,
+                      resume: bool):
+    """(the files the run reads, its checkpoint's path) once the source is a converted model and rank 0 may write
+    the output and the checkpoint; a UsageProblem naming the file."""
+    from .. import models as hf
+    from ..io.folders import check_output
+
+    if not (Path(source) / "attention.safetensors").is_file() or not (Path(source) / "config.json").is_file():
+        raise UsageProblem(f"{source} is not a converted attnlab model (no attention.safetensors/config.json; "
+                           "attnlab convert writes one)")
+    readers = [*hf.source_paths(source), *texts, *(hf.source_paths(teacher_source) if teacher_source else [])]
+    checkpoint = checkpoint or out.with_name(out.name + ".heal.pt")
+    if place.main:  # rank 0 alone writes: the output rules are its own
+        check_output(out, force=force, sources=readers)
+        if resume and not checkpoint.is_file():
+            raise UsageProblem(f"no heal checkpoint at {checkpoint} (nothing to resume)")
+        if not resume and not force and checkpoint.exists():
+            raise UsageProblem(f"a heal checkpoint {checkpoint} exists from an earlier run: continue it with "
+                               "--resume, or start afresh with --force")
+        check_output(checkpoint, force=True, sources=readers, ours=lambda p: True, what="--checkpoint")
+    return readers, checkpoint
