@@ -77,6 +77,13 @@ class RunDisplay:
         self.lines.update(what, info["done"], info["total"], loss=info["loss"], tokens_per_s=info["tokens_per_s"])
 
 
+def quiet_transformers() -> None:
+    """transformers' own progress bars off: stderr holds errors (and attnlab's one display) only."""
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
+
+
 def positive(name: str, value, *, integer: bool = False, allow_none: bool = True):
     """A UsageProblem naming the option unless value is a positive (finite) number (or None when allowed)."""
     import math

@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from .base import UsageProblem, console, write_atomic
+from .base import UsageProblem, console, quiet_transformers, write_atomic
 from .export import folder_source
 
 LATENT_NORMS = ("none", "steady", "fit")
@@ -53,27 +53,7 @@ def _convert_model(source, to, out, latent_dim, rope_dim, kv_heads, method, cali
 
     from .. import models as hf
 
-    if fmt not in ("attnlab", "deepseek"):
-        raise UsageProblem(f"--format must be attnlab or deepseek, not {fmt!r}")
-    if latent_norm not in LATENT_NORMS:
-        raise UsageProblem(f"--latent-norm must be one of {', '.join(LATENT_NORMS)}, not {latent_norm!r}")
-    if latent_norm != "none" and (to != "mla" or latent_dim is None):
-        raise UsageProblem(f"--latent-norm {latent_norm} needs --to mla --latent-dim R (a compressed, "
-                           "decoupled-RoPE MLA)")
-    if latent_norm != "none" and calibration is None:
-        raise UsageProblem(f"--latent-norm {latent_norm} fits the norm on calibration text: give --calibration FILE")
-    if latent_norm == "steady" and fmt == "deepseek":
-        raise UsageProblem("--latent-norm steady is for llama.cpp (GGUF); --format deepseek is exact without a norm "
-                           "(one constant latent channel, the same one extra cached number)")
-    if kv_budget is not None and (latent_dim is not None or rope_dim is not None):
-        raise UsageProblem("give --kv-budget (attnlab chooses the sizes) or --latent-dim/--rope-dim, not both")
-    if kv_budget is not None and to != "mla":
-        raise UsageProblem(f"--kv-budget plans an MLA: use --to mla, not {to!r}")
-    if kv_budget is not None and not use_calibration:
-        raise UsageProblem("--kv-budget measures candidate cuts on text: it cannot run with --no-calibration "
-                           "(give --latent-dim and --rope-dim instead)")
-    if calibration is not None and not use_calibration:
-        raise UsageProblem("give --calibration FILE or --no-calibration, not both")
+    _check_convert(to, fmt, latent_dim, rope_dim, latent_norm, calibration, kv_budget, use_calibration)
     lossy = to == "mla" and (latent_dim is not None or kv_budget is not None)
     from ..io.folders import check_output
     check_output(out, force=force, sources=[*hf.source_paths(source), calibration])  # before any work
@@ -87,6 +67,7 @@ def _convert_model(source, to, out, latent_dim, rope_dim, kv_heads, method, cali
         return _convert_streamed(source, to, out, latent_dim, rope_dim, calibration, calibration_tokens,
                                  report_json, force, rope_select or "rorope-score", balance is not False,
                                  "fit" if latent_norm == "fit" else "constant")
+    quiet_transformers()
     model, tok, meta = hf.load_model(source)
     whole = hf.keys_whole_rope_dim(model) is not None  # per-head q/k norms: their keys stay whole
     rope_select = rope_select or ("frequency" if whole else "rorope-score")
@@ -116,19 +97,10 @@ def _convert_model(source, to, out, latent_dim, rope_dim, kv_heads, method, cali
                       "measured many times worse (docs/decisions.md)")
     plan = None
     if kv_budget is not None:
-        from ..shrink.sizes import parse_budget
-        from ..shrink.plan import plan as choose
-        from ..shrink.candidate import rank
-
-        with console.status("planning: measuring candidate cuts on the calibration text") as status:
-            plan = choose(model, ids, parse_budget(kv_budget), fmt=fmt, storages=("bf16",), proxy_ids=proxy_ids,
-                          progress=lambda i, label: status.update(f"planning: candidate {i + 1}: {label}"))
+        plan = _plan(model, ids, proxy_ids, kv_budget, fmt)
         best = plan.best
         latent_dim, rope_dim, rope_select, balance = (best.latent_dims or best.latent_dim, best.rope_dim,
                                                       best.rope_select, best.balance)  # sizes per layer: round 4
-        console.print(f"plan for a KV budget of {plan.budget}: {best.label()} (proxy KL {best.proxy:.4f}; "
-                      + "; ".join(f"{c.label()} {c.proxy:.4f}" for c in sorted(plan.measured, key=rank)[1:4])
-                      + ")")
     n = len(hf.attnlab_modules(model))
     before = hf.kv_bytes_per_token(model)
     with Progress(TextColumn("converting layers"), BarColumn(), MofNCompleteColumn(), console=console,
@@ -148,7 +120,66 @@ def _convert_model(source, to, out, latent_dim, rope_dim, kv_heads, method, cali
     cached = [m.kv_values_per_token + (fmt == "deepseek" and m.kv_norm is None) for m in modules]
     size = modules[0]._anchor.dtype.itemsize
     after = sum(cached) * size if fmt == "deepseek" else hf.kv_bytes_per_token(model)
-    table = Table(title=f"{source} -> {to}: {reports[0].source} -> {reports[0].target} per layer")
+    _print_conversion(f"{source} -> {to}", reports, cached, modules, norm_errors, latent_norm, fmt, before, after)
+    summary = {"source": source, "to": to, "latent_dim": latent_dim, "rope_dim": rope_dim,
+               "rope_select": rope_select, "balance": balance, "calibration": calibrated_on,
+               "plan": None if plan is None else plan.to_dict(),
+               "kv_bytes_per_token_before": before, "kv_bytes_per_token_after": after,
+               "layers": [r.to_dict() for r in reports], "latent_norm": latent_norm,
+               "latent_norm_errors": norm_errors}
+    if fmt == "deepseek":  # kv_a_layernorm made linear by a constant latent channel (export.constant_channel)
+        hf.export_deepseek(model, out, tokenizer=None if folder_source(model) else tok, force=force)
+    else:
+        hf.save_model(model, meta["base"], out, extra={"conversion": summary}, force=force,
+                      sources=[*hf.source_paths(source), calibration])
+    if report_json is not None:
+        write_atomic(report_json, json.dumps(summary, indent=2).encode())
+    console.print(f"wrote {out}")
+
+
+def _plan(model, ids, proxy_ids, kv_budget: str, fmt: str):
+    """--kv-budget: the planner's choice of sizes (16-bit caches), printed with the three next best."""
+    from ..shrink.candidate import rank
+    from ..shrink.plan import plan as choose
+    from ..shrink.sizes import parse_budget
+
+    with console.status("planning: measuring candidate cuts on the calibration text") as status:
+        plan = choose(model, ids, parse_budget(kv_budget), fmt=fmt, storages=("bf16",), proxy_ids=proxy_ids,
+                      progress=lambda i, label: status.update(f"planning: candidate {i + 1}: {label}"))
+    best = plan.best
+    console.print(f"plan for a KV budget of {plan.budget}: {best.label()} (proxy KL {best.proxy:.4f}; "
+                  + "; ".join(f"{c.label()} {c.proxy:.4f}" for c in sorted(plan.measured, key=rank)[1:4]) + ")")
+    return plan
+
+
+def _check_convert(to, fmt, latent_dim, rope_dim, latent_norm, calibration, kv_budget, use_calibration) -> None:
+    """convert's options that exclude or need each other, checked before any work: a UsageProblem naming them."""
+    if fmt not in ("attnlab", "deepseek"):
+        raise UsageProblem(f"--format must be attnlab or deepseek, not {fmt!r}")
+    if latent_norm not in LATENT_NORMS:
+        raise UsageProblem(f"--latent-norm must be one of {', '.join(LATENT_NORMS)}, not {latent_norm!r}")
+    if latent_norm != "none" and (to != "mla" or latent_dim is None):
+        raise UsageProblem(f"--latent-norm {latent_norm} needs --to mla --latent-dim R (a compressed, "
+                           "decoupled-RoPE MLA)")
+    if latent_norm != "none" and calibration is None:
+        raise UsageProblem(f"--latent-norm {latent_norm} fits the norm on calibration text: give --calibration FILE")
+    if latent_norm == "steady" and fmt == "deepseek":
+        raise UsageProblem("--latent-norm steady is for llama.cpp (GGUF); --format deepseek is exact without a norm "
+                           "(one constant latent channel, the same one extra cached number)")
+    if kv_budget is not None and (latent_dim is not None or rope_dim is not None):
+        raise UsageProblem("give --kv-budget (attnlab chooses the sizes) or --latent-dim/--rope-dim, not both")
+    if kv_budget is not None and to != "mla":
+        raise UsageProblem(f"--kv-budget plans an MLA: use --to mla, not {to!r}")
+    if kv_budget is not None and not use_calibration:
+        raise UsageProblem("--kv-budget measures candidate cuts on text: it cannot run with --no-calibration "
+                           "(give --latent-dim and --rope-dim instead)")
+    if calibration is not None and not use_calibration:
+        raise UsageProblem("give --calibration FILE or --no-calibration, not both")
+
+
+def _print_conversion(title, reports, cached, modules, norm_errors, latent_norm, fmt, before, after) -> None:
+    """The conversion's table (each layer's errors and cached values), the latent norms' errors and the bytes."""
+    table = Table(title=f"{title}: {reports[0].source} -> {reports[0].target} per layer")
     for col in ("layer", "exact", "output error", "QK error", "OV error", "KV values/token"):
         table.add_column(col, justify="right")
     for i, r in enumerate(reports):
@@ -166,21 +197,6 @@ def _convert_model(source, to, out, latent_dim, rope_dim, kv_heads, method, cali
                       f"{modules[0].rope_dim}")
     console.print(f"KV cache bytes per token (whole model, {modules[0]._anchor.dtype}"
                   f"{', as the DeepSeek export caches it' if fmt == 'deepseek' else ''}): {before} -> {after}")
-    summary = {"source": source, "to": to, "latent_dim": latent_dim, "rope_dim": rope_dim,
-               "rope_select": rope_select, "balance": balance, "calibration": calibrated_on,
-               "plan": None if plan is None else plan.to_dict(),
-               "kv_bytes_per_token_before": before, "kv_bytes_per_token_after": after,
-               "layers": [r.to_dict() for r in reports], "latent_norm": latent_norm,
-               "latent_norm_errors": norm_errors}
-    if fmt == "deepseek":  # kv_a_layernorm made linear by a constant latent channel (export.constant_channel)
-        hf.export_deepseek(model, out, tokenizer=None if folder_source(model) else tok, force=force)
-    else:
-        hf.save_model(model, meta["base"], out, extra={"conversion": summary}, force=force,
-                      sources=[*hf.source_paths(source), calibration])
-    if report_json is not None:
-        write_atomic(report_json, json.dumps(summary, indent=2).encode())
-    console.print(f"wrote {out}")
-
 
 
 def _convert_streamed(source, to, out, latent_dim, rope_dim, calibration, calibration_tokens, report_json, force,

@@ -6,7 +6,7 @@ from typing import Optional
 
 import typer
 
-from .base import UsageProblem, console
+from .base import UsageProblem, console, quiet_transformers
 
 FORMATS = ("deepseek", "gguf")
 
@@ -54,6 +54,7 @@ def export(source: str = typer.Argument(..., help="A converted-model folder (att
         raise UsageProblem(f"--calibration-tokens must be a positive number of tokens, got {calibration_tokens}")
     from ..io.folders import check_output
     check_output(out, force=force, sources=hf.source_paths(source))  # before loading anything
+    quiet_transformers()
     model, tok, _ = hf.load_model(source)
     modules = hf.attnlab_modules(model)
     if fmt == "deepseek":

@@ -24,7 +24,7 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from .base import RunDisplay, UsageProblem, console, positive
+from .base import RunDisplay, UsageProblem, console, positive, quiet_transformers
 from .ranks import COLLECTIVE_TIMEOUT, SHARD, Silent, rank_errors, said_by_rank0
 
 
@@ -121,8 +121,7 @@ def heal(source: Path = typer.Argument(..., help="A converted-model folder writt
         _check_heal_run(place, tokens, minutes, device, shard, layer_steps, layer_inputs, batch_size, layer_batch)
         readers, checkpoint = _check_heal_files(place, source, out, checkpoint, [*(text or []), *(eval_text or [])],
                                                 teacher_source, force or resume, resume)
-    from transformers.utils import logging as hf_logging
-    hf_logging.disable_progress_bar()  # one progress display: ours
+    quiet_transformers()
     world = dd.init_world(device, collective_timeout)
     device = world.device if world.distributed else device
     with rank_errors(world, collective_timeout, checkpoint):

@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from .base import Busy, UsageProblem, positive
+from .base import Busy, UsageProblem, positive, quiet_transformers
 
 ENGINES = ("attnlab", "transformers")
 
@@ -112,8 +112,7 @@ def eval_(source: str = typer.Argument(..., help="A model (smollm2, gemma3-270m)
             raise UsageProblem(f"no such text file: {path}")
     if max_tokens is None:
         max_tokens = max(2048, window or 0)
-    from transformers.utils import logging as hf_logging
-    hf_logging.disable_progress_bar()  # stderr holds errors (and the terminal's spinner) only
+    quiet_transformers()
     from ..hf.folder import planned_entry, value_bases
 
     planned = planned_entry(source) if engine == "transformers" else {}
@@ -358,6 +357,7 @@ def generate(source: str = typer.Argument(..., help="A model (smollm2, gemma3-27
     check_kv_dtype(kv_dtype)
     positive("--max-new-tokens", max_new_tokens, integer=True)
     with Busy(f"loading {source}"):
+        quiet_transformers()
         model, tok, _ = hf.load_model(source)
     if hf.family(model) != "llama":
         raise UsageProblem("generate needs a causal language model (smollm2 and its conversions)")

@@ -12,7 +12,7 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from .base import RunDisplay, UsageProblem, console, positive
+from .base import RunDisplay, UsageProblem, console, positive, quiet_transformers
 from .ranks import COLLECTIVE_TIMEOUT, SHARD, Silent, rank_errors, said_by_rank0
 
 
@@ -190,11 +190,9 @@ def shrink(source: str = typer.Argument(..., help="The model: smollm2, a transfo
     if no_calibration and place.main:
         console.print("[yellow]warning:[/yellow] --no-calibration: the cut is chosen on the weights alone, which "
                       "measured many times worse before healing (docs/decisions.md)")
-    from transformers.utils import logging as hf_logging
-
     from ..io.folders import output_lock
 
-    hf_logging.disable_progress_bar()
+    quiet_transformers()
     budget = Budget(minutes)
     world = dd.init_world(device, collective_timeout)
     with rank_errors(world, collective_timeout, run_folder(out) / "heal.pt"):
