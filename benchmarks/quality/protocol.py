@@ -645,8 +645,8 @@ def compare_repeat(first: dict, again: dict) -> dict:
 
 
 def part_repeat(case: str, seed: int, redo: bool) -> None:
-    """The run of (case, seed) made again by the same argv, into another folder; saved as repeat/CASE/seedS with
-    its comparison to the first run (compare_repeat)."""
+    """The run of (case, seed) made again by the same argv, into another folder (from a fresh clone: what a stranger
+    re-measures); saved as repeat/CASE/seedS with its comparison to the first run (compare_repeat)."""
     from attnlab import models as hf
 
     key = f"repeat/{case}/seed{seed}"
@@ -656,14 +656,19 @@ def part_repeat(case: str, seed: int, redo: bool) -> None:
     if key in rows() and not redo:
         print(f"{key} is in {JSON}; --redo to run it again")
         return
-    row = run_one(case, seed, Path(tempfile.mkdtemp(prefix="attnlab-protocol-")))
+    prov = this_run()
+    row = {**run_one(case, seed, Path(tempfile.mkdtemp(prefix="attnlab-protocol-"))), "provenance": prov}
     if row["returncode"]:
         save(key, row)
         raise SystemExit(f"shrink failed: {row.get('stderr', '')[-500:]}")
-    model, tok, meta = hf.load_model(row["out"])
-    row["plan"] = ((meta.get("shrink") or {}).get("plan") or {}).get("chosen")
-    row["work"] = (meta.get("shrink") or {}).get("work")
-    row["texts"] = score(model, tok)
+    if "transformers" in CASES[case][1]:  # a transformers folder, its report beside it, scored in transformers
+        report = json.loads(Path(row["out"] + ".shrink.json").read_text())
+        row["texts"] = score_in_transformers(row["out"])
+    else:
+        model, tok, meta = hf.load_model(row["out"])
+        report = meta.get("shrink") or {}
+        row["texts"] = score(model, tok)
+    row["plan"], row["work"] = (report.get("plan") or {}).get("chosen"), report.get("work")
     row["compared"] = compare_repeat(first, row)
     save(key, row)
     print(json.dumps(row["compared"], indent=2))
