@@ -371,6 +371,22 @@ def md_provenance() -> list[str]:
     return out
 
 
+def md_long() -> list[str]:
+    """The long parts of protocol.json: each result and baseline at 4,096 tokens (and 512), with the passkey."""
+    lines = protocol.long_lines()
+    if not lines:
+        return []
+    return ["## At long context", "",
+            *wrap(f"`python benchmarks/quality/protocol.py long --case C --seed S`: each text's first "
+                  f"{protocol.LONG_TOKENS:,} tokens in one window read through the cache in chunks of "
+                  f"{protocol.LONG_CHUNK} (a `--format transformers` result in transformers over its KVCache), "
+                  "over the original's; in brackets the same at windows of 512. The passkey: a key hidden at "
+                  f"depths {', '.join(map(str, protocol.PASSKEY_DEPTHS))} of "
+                  f"{' and '.join(f'{n:,}' for n in protocol.PASSKEY_LENGTHS)} tokens of filler, greedy, exact "
+                  "match, beside the original's. KIVI has no cache to decode through: no passkey."), "",
+            *lines, ""]
+
+
 def results_md(data: dict, table: dict) -> str:
     """The whole of docs/results.md."""
     texts = "; ".join(f"{n}, {t.kind}" for n, t in REPORT_TEXTS.items())
@@ -412,6 +428,7 @@ def results_md(data: dict, table: dict) -> str:
               "newest 128 tokens plain, up to a quarter of a 512-token window."), "",
         *hf_table(), "",
         "Where each was measured:", "", *md_provenance(), "",
+        *md_long(),
         "## The picture", "",
         *wrap("benchmarks/figures/frontier.png: KV bytes per token over a 16-bit cache against perplexity over the "
               "original's (the point: the median; the whisker: the worst text). attnlab's plain commands at their "

@@ -564,17 +564,25 @@ def long_rows(data: dict | None = None) -> list[dict]:
     return out
 
 
-def long_report() -> None:
-    """Print long_rows as a table: 4,096 (512) on each text, and passkey accuracy beside the original's."""
-    found = long_rows()
+def long_lines(data: dict | None = None) -> list[str]:
+    """long_rows as a Markdown table: 4,096 (512) on each text, and passkey accuracy beside the original's."""
+    found = long_rows(data)
     if not found:
-        return
-    print(f"\n| long part | cache | {' | '.join(REPORT_TEXTS)} (at 4,096; at 512 in brackets) | passkey (original's) |")
-    print(f"|---|---|{'---|' * len(REPORT_TEXTS)}---|")
+        return []
+    out = [f"| long part | cache | {' | '.join(REPORT_TEXTS)} (at 4,096; at 512 in brackets) | passkey (original's) |",
+           f"|---|---|{'---|' * len(REPORT_TEXTS)}---|"]
     for r in found:
         cells = " | ".join(f"{r['at_4096'][n]:.3f} ({r['at_512'][n]:.3f})" for n in REPORT_TEXTS)
         key = "-" if r["passkey"] is None else f"{r['passkey']:.0%} ({r['original_passkey']:.0%})"
-        print(f"| {r['key']} | {r['model']} | {cells} | {key} |")
+        out.append(f"| {r['key']} | {r['model']} | {cells} | {key} |")
+    return out
+
+
+def long_report() -> None:
+    """Print long_lines."""
+    lines = long_lines()
+    if lines:
+        print("\n" + "\n".join(lines))
 
 
 # the original's caches beside a result at long context: llama.cpp's 4-bit types, KIVI-4 without and with its
