@@ -569,7 +569,7 @@ def long_lines(data: dict | None = None) -> list[str]:
     found = long_rows(data)
     if not found:
         return []
-    out = [f"| long part | cache | {' | '.join(REPORT_TEXTS)} (at 4,096; at 512 in brackets) | passkey (original's) |",
+    out = [f"| long part (at 4,096; at 512 in brackets) | cache | {' | '.join(REPORT_TEXTS)} | passkey (original's) |",
            f"|---|---|{'---|' * len(REPORT_TEXTS)}---|"]
     for r in found:
         cells = " | ".join(f"{r['at_4096'][n]:.3f} ({r['at_512'][n]:.3f})" for n in REPORT_TEXTS)
