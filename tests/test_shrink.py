@@ -281,6 +281,29 @@ def test_a_two_bit_latent_wins_over_three_bits_only_by_the_margin(tiny, monkeypa
     assert result.to_dict()["candidates"][0]["label"] == result.best.label()
 
 
+@pytest.mark.parametrize("margin, chosen", [("1.05", "int2/g256+c4"), ("1.3", "int3/g256+c4")])
+def test_the_margin_variable_moves_the_choice_as_the_constant_does(tiny, monkeypatch, margin, chosen):
+    """ATTNLAB_TWO_BIT_MARGIN in TWO_BIT_MARGIN's place: the 2-bit latent's faked 1.0 against the 3-bit one's 1.1 is
+    chosen at a margin of 1.05 and loses at 1.3."""
+    import importlib
+
+    planner = importlib.import_module("attnlab.shrink.plan")
+    monkeypatch.setenv("ATTNLAB_TWO_BIT_MARGIN", margin)
+    faked = {"int2/g256+c4": 1.0, "int3/g256+c4": 1.1, "bf16": 10.0}
+    monkeypatch.setattr(planner, "proxy_kl", lambda m, *_: faked[hf.attnlab_modules(m)[0].kv_dtype])
+    _, model, tok, text, _ = tiny
+    result = plan(model, _ids(tok, text, 256), parse_budget("40%"), window=T,
+                  storages=("bf16", "int2/g256+c4", "int3/g256+c4"))
+    assert result.best.kv_dtype == chosen
+
+
+@pytest.mark.parametrize("value", ["0.9", "many", "inf", "nan"])
+def test_a_bad_margin_variable_is_refused_before_any_work(monkeypatch, value):
+    monkeypatch.setenv("ATTNLAB_TWO_BIT_MARGIN", value)
+    with pytest.raises(ValueError, match=f"ATTNLAB_TWO_BIT_MARGIN must be a number of at least 1, got '{value}'"):
+        check_request(ShrinkRequest(source="smollm2", out="x", kv_budget="25%"))
+
+
 @pytest.mark.parametrize("count", [None, 12])
 def test_the_best_latent_on_the_other_side_of_the_margin_is_checked_with_bkv_flipped_too(tiny, monkeypatch, count):
     """The proxy faked by storage and BKV: 16 bits 10 (11 with BKV, so that round 1 leaves BKV off), the 2-bit latent

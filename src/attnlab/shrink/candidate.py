@@ -3,6 +3,8 @@ it is scored by (proxy_kl against the teacher's log-probabilities on the proxy w
 search's result (PlanResult). The planner's rounds build candidates (shrink/plan.py, shrink/layer_rounds.py)."""
 from __future__ import annotations
 
+import math
+import os
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -12,6 +14,7 @@ from .sizes import LLAMA_CPP_CACHE, latent_bits
 
 # A 2-bit latent is ranked as if its proxy were this many times what it measured (rank(); docs/decisions.md)
 TWO_BIT_MARGIN = 1.2
+MARGIN_VARIABLE = "ATTNLAB_TWO_BIT_MARGIN"  # a number >= 1 in its place: the protocol's variants to fit it
 
 
 @dataclass
@@ -82,10 +85,24 @@ class PlanResult:
                 "candidates": [c.to_dict() for c in ranked]}
 
 
+def two_bit_margin() -> float:
+    """TWO_BIT_MARGIN, or ATTNLAB_TWO_BIT_MARGIN where set; ValueError naming a value that is not a number >= 1."""
+    value = os.environ.get(MARGIN_VARIABLE)
+    if value is None:
+        return TWO_BIT_MARGIN
+    try:
+        margin = float(value)
+    except ValueError:
+        margin = math.nan
+    if not margin >= 1 or math.isinf(margin):
+        raise ValueError(f"{MARGIN_VARIABLE} must be a number of at least 1, got {value!r}")
+    return margin
+
+
 def rank(cand: Candidate) -> float:
     """What candidates are ranked by (the planner's every choice of a winner): the proxy, a 2-bit latent's times
-    TWO_BIT_MARGIN."""
-    return cand.proxy * (TWO_BIT_MARGIN if latent_bits(cand.kv_dtype) == 2 else 1.0)
+    the margin (two_bit_margin)."""
+    return cand.proxy * (two_bit_margin() if latent_bits(cand.kv_dtype) == 2 else 1.0)
 
 
 def teacher_log_probs(teacher, windows: torch.Tensor) -> list[torch.Tensor]:
