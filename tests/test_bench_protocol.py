@@ -220,9 +220,9 @@ def test_a_long_part_is_read_against_the_original_of_its_baselines_row_or_its_ow
             "long/c/seed0": {"baselines": "long/baselines/m", "result": scored(10.5, 8.4)},
             "long/old/seed0": {"original": scored(20.0, 16.0), "result": scored(21.0, 16.0)}}
     found = {(r["key"], r["model"]): r for r in protocol.long_rows(data)}
-    assert set(found) == {("long/c/seed0", "result"), ("long/c/seed0", "q4_0"), ("long/old/seed0", "result")}
+    assert set(found) == {("long/c/seed0", "result"), ("long/baselines/m", "q4_0"), ("long/old/seed0", "result")}
     assert found["long/c/seed0", "result"]["at_4096"][texts[0]] == pytest.approx(8.4 / 8.0)
-    assert found["long/c/seed0", "q4_0"]["at_512"][texts[-1]] == pytest.approx(11.0 / 10.0)
+    assert found["long/baselines/m", "q4_0"]["at_512"][texts[-1]] == pytest.approx(11.0 / 10.0)
     assert found["long/old/seed0", "result"]["at_512"][texts[1]] == pytest.approx(21.0 / 20.0)
 
 

@@ -544,16 +544,18 @@ def part_report() -> None:
 def long_rows(data: dict | None = None) -> list[dict]:
     """Each finished long part: for the result and each baseline, perplexity over the original's at 4,096 tokens and
     at 512 on every text, and passkey accuracy (None for KIVI, which has no cache to decode through). A part whose
-    original and baselines sit in a long/baselines/<model> row ("baselines") is read with them."""
+    original and baselines sit in a long/baselines/<model> row ("baselines") gives its result, read against that
+    row's original; the row gives its baselines once."""
     data = rows() if data is None else data
     out = []
-    done = [k for k in data if k.startswith("long/") and not k.startswith("long/baselines/")
-            and not k.endswith("/partial")]
+    done = [k for k in data if k.startswith("long/") and not k.endswith("/partial")
+            and (not k.startswith("long/baselines/") or data[k].get("done"))]
     cut = [k for k in data if k.endswith("/partial") and k[:-len("/partial")] not in done]  # a part cut short
     for key in sorted(done + cut):
         row = {**data.get(data[key].get("baselines"), {}), **data[key]}
         orig = row["original"]
-        for name in ("result", *LONG_BASELINES):
+        names = ("result",) if "baselines" in data[key] else ("result", *LONG_BASELINES)
+        for name in names:
             if name not in row:
                 continue
             texts = row[name]["texts"]
