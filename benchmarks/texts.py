@@ -76,6 +76,9 @@ def sha256(path) -> str:
 
 def checked(text: Text) -> str:
     """The text's path, once its file is the one the rows were measured on; ValueError naming the file otherwise."""
+    if not Path(text.path).is_file():
+        raise ValueError(f"{text.path}: no such file ({text.kind}; benchmarks/texts.py): the study text is read from "
+                         "the shared/ folder beside the repository's own folder, the others from the OS and Python")
     found = sha256(text.path)
     if found != text.sha256:
         raise ValueError(f"{text.path}: sha256 {found}, expected {text.sha256}: not the text the rows were measured "

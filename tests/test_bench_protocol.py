@@ -1,6 +1,7 @@
 """benchmarks/quality/protocol.py records exactly the argv it ran (no flag added behind the user's back), and its table
 takes the median and the worst over seeds and texts, beside each text's best baseline at equal or more bytes."""
 import importlib.util
+import re
 import subprocess
 from pathlib import Path
 
@@ -236,6 +237,16 @@ def test_a_text_that_is_not_the_one_measured_is_refused_naming_it(protocol, tmp_
     expected = protocol.REPORT_TEXTS["python-docs"].sha256
     with pytest.raises(ValueError, match=rf"python-docs\.txt: sha256 [0-9a-f]{{64}}, expected {expected}"):
         protocol.text_hashes()
+
+
+def test_a_text_that_is_missing_is_refused_naming_it(protocol, tmp_path):
+    """A fresh clone away from the shared/ folder has no study text: the check names the file, not a traceback of
+    open()."""
+    from texts import Text, checked
+
+    gone = Text(str(tmp_path / "001.txt"), "0" * 64, "a maths/ML study text")
+    with pytest.raises(ValueError, match=rf"{re.escape(gone.path)}: no such file \(a maths/ML study text"):
+        checked(gone)
 
 
 @pytest.fixture(scope="module")
