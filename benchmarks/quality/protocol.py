@@ -221,26 +221,40 @@ def score(model, tok, long: bool = False) -> dict:
     return out
 
 
+def transformers_case(case: str) -> bool:
+    """Whether the case writes a --format transformers folder: its report beside it, scored in transformers."""
+    return "transformers" in CASES[case][1]
+
+
+def shrink_output(case: str, out: str):
+    """(the shrink's report, model, tokenizer) of a run's output; for a transformers folder the report beside it and
+    no model (score_in_transformers loads it)."""
+    from attnlab import models as hf
+
+    if transformers_case(case):
+        return json.loads(Path(out + ".shrink.json").read_text()), None, None
+    model, tok, meta = hf.load_model(out)
+    return meta.get("shrink") or {}, model, tok
+
+
 def in_transformers(out: str):
-    """(model, tokenizer, KVCache.from_pretrained(out, model)) of a --format transformers folder, in float32."""
+    """(model, tokenizer) of a --format transformers folder, in float32."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from attnlab.hf import KVCache
-
-    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-    return model, AutoTokenizer.from_pretrained(out), KVCache.from_pretrained(out, model)
+    return AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval(), AutoTokenizer.from_pretrained(out)
 
 
 def score_in_transformers(out: str, long: bool = False) -> dict:
     """score() for a --format transformers folder, in transformers' own forward over KVCache.from_pretrained(out):
     each window fed in chunks of WINDOW // 4, as decoding reads the cache (a plain cache gives one forward's figures
     to float64's rounding: tests/test_hf_cache.py), and with `long` LONG_TOKENS in chunks of LONG_CHUNK."""
-    from attnlab.hf import TransformersRunner
+    from attnlab.hf import KVCache, TransformersRunner
     from attnlab.hf.folder import value_bases
     from attnlab.models.evaluate import score_windows
 
-    model, tok, planned = in_transformers(out)  # its storage, and a keys-whole plan's bases and kept layers' storage
+    model, tok = in_transformers(out)
+    planned = KVCache.from_pretrained(out, model)  # its storage, and a keys-whole plan's bases and kept layers' storage
     runner = TransformersRunner(model, planned.kv_dtype, value_bases(out, model.config.num_hidden_layers),
                                 planned.kept_dtype)
     result = {}
@@ -260,7 +274,7 @@ def passkey_in_transformers(out: str) -> dict:
     from attnlab.hf import KVCache
     from attnlab.models.passkey import run_passkey
 
-    model, tok, _ = in_transformers(out)
+    model, tok = in_transformers(out)
     eos = getattr(model.generation_config, "eos_token_id", None) or tok.eos_token_id
 
     def decode(ids, n):
@@ -384,12 +398,7 @@ def part_run(case: str, seed: int, redo: bool, long: bool, at: str | None = None
     if row["returncode"]:
         save(key, row)
         raise SystemExit(f"shrink failed: {row.get('stderr', '')[-500:]}")
-    if "transformers" in CASES[case][1]:  # a transformers folder, its report beside it
-        model = tok = None
-        report = json.loads(Path(row["out"] + ".shrink.json").read_text())
-    else:
-        model, tok, meta = hf.load_model(row["out"])
-        report = meta.get("shrink") or {}
+    report, model, tok = shrink_output(case, row["out"])
     row["report"] = {k: report.get(k) for k in ("kv_bytes_per_token", "held_out", "minutes", "work", "heal_plan",
                                                    "environment")}
     row["report"]["heal"] = {k: (report.get("heal") or {}).get(k) for k in
@@ -635,7 +644,7 @@ def part_long(case: str, seed: int, redo: bool) -> None:
            "passkey_depths": PASSKEY_DEPTHS, "baselines": long_baselines(CASES[case][0], False),
            "provenance": this_run()}
     note_load(row, "load_before")
-    if "transformers" in CASES[case][1]:
+    if transformers_case(case):
         row["result"] = {"texts": score_in_transformers(run["out"], long=True),
                          "passkey": passkey_in_transformers(run["out"])}
     else:
@@ -657,8 +666,6 @@ def compare_repeat(first: dict, again: dict) -> dict:
 def part_repeat(case: str, seed: int, redo: bool) -> None:
     """The run of (case, seed) made again by the same argv, into another folder (from a fresh clone: what a stranger
     re-measures); saved as repeat/CASE/seedS with its comparison to the first run (compare_repeat)."""
-    from attnlab import models as hf
-
     key = f"repeat/{case}/seed{seed}"
     first = rows().get(f"run/{case}/seed{seed}")
     if first is None or first.get("returncode"):
@@ -671,13 +678,8 @@ def part_repeat(case: str, seed: int, redo: bool) -> None:
     if row["returncode"]:
         save(key, row)
         raise SystemExit(f"shrink failed: {row.get('stderr', '')[-500:]}")
-    if "transformers" in CASES[case][1]:  # a transformers folder, its report beside it, scored in transformers
-        report = json.loads(Path(row["out"] + ".shrink.json").read_text())
-        row["texts"] = score_in_transformers(row["out"])
-    else:
-        model, tok, meta = hf.load_model(row["out"])
-        report = meta.get("shrink") or {}
-        row["texts"] = score(model, tok)
+    report, model, tok = shrink_output(case, row["out"])
+    row["texts"] = score_in_transformers(row["out"]) if model is None else score(model, tok)
     row["plan"], row["work"] = (report.get("plan") or {}).get("chosen"), report.get("work")
     row["compared"] = compare_repeat(first, row)
     save(key, row)
