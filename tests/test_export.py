@@ -15,8 +15,8 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 
 from attnlab import models as hf  # noqa: E402
 from attnlab.cli import main  # noqa: E402
-from attnlab.models.export import export_deepseek  # noqa: E402
-from attnlab.models.latent_norm import add_latent_norm  # noqa: E402
+from attnlab.models.export.deepseek import export_deepseek  # noqa: E402
+from attnlab.models.export.latent_norm import add_latent_norm  # noqa: E402
 from attnlab.models.load import load_checkpoint  # noqa: E402
 from attnlab.models.stream import convert_checkpoint  # noqa: E402
 from reference import rel_err  # noqa: E402
@@ -108,7 +108,7 @@ def test_transformers_alone_matches_attnlab(exported, name):
 
 @pytest.mark.parametrize("name", CASES)
 def test_exported_cache_holds_latent_and_rope_key_only(exported, name):
-    from attnlab.models.latent_norm import kv_values_in_export
+    from attnlab.models.export.latent_norm import kv_values_in_export
 
     e = exported[name]
     S = e["logits"].shape[1]

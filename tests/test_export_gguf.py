@@ -15,8 +15,8 @@ gguf = pytest.importorskip("gguf")
 
 from attnlab import models as hf  # noqa: E402
 from attnlab.cli import main  # noqa: E402
-from attnlab.models.latent_norm import add_steady_channels  # noqa: E402
-from attnlab.models.export_gguf import export_gguf, gguf_rope_limit  # noqa: E402
+from attnlab.models.export.latent_norm import add_steady_channels  # noqa: E402
+from attnlab.models.export.deepseek_gguf import export_gguf, gguf_rope_limit  # noqa: E402
 from attnlab.models.load import load_checkpoint  # noqa: E402
 from reference import mla_reference, rel_err  # noqa: E402
 from tiny_checkpoints import TEXT, make_checkpoint  # noqa: E402
@@ -65,7 +65,7 @@ def test_linear_latent_norm_is_a_fixed_scale_up_to_the_input_bound():
     """The normed copy equals the MLA (float64) on inputs up to the bound, the worst one included: the input
     along the largest down-projection row, at the bound's norm."""
     from attnlab import MultiHeadLatentAttention
-    from attnlab.models.latent_norm import linear_latent_norm
+    from attnlab.models.export.latent_norm import linear_latent_norm
 
     g = torch.Generator().manual_seed(0)
     m = MultiHeadLatentAttention(dim=32, num_heads=4, latent_dim=8, rope_dim=4, dtype=torch.float64)

@@ -1,4 +1,4 @@
-"""A GGUF written back in its source's own architecture (models/export_native.py), and the shrink plan that keeps the
+"""A GGUF written back in its source's own architecture (models/export/native_gguf.py), and the shrink plan that keeps the
 original attention with only llama.cpp's cache codes (shrink/plan.py, round 0).
 
 Oracles: transformers' GGUF reader (it undoes llama.cpp's query/key row order; a file it reads back must give the
@@ -16,8 +16,8 @@ from test_gguf_families import _model, _write
 from tiny_checkpoints import TEXT
 
 from attnlab import models as hf
-from attnlab.models.export_gguf import copy_gguf_fields
-from attnlab.models.export_native import check_native, export_native, permute_rows
+from attnlab.models.export.deepseek_gguf import copy_gguf_fields
+from attnlab.models.export.native_gguf import check_native, export_native, permute_rows
 from attnlab.models.load import gguf_name
 from attnlab.shrink import ShrinkRequest, parse_budget, plan, shrink
 from attnlab.shrink.candidate import apply

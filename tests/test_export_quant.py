@@ -15,8 +15,8 @@ pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
 
 from attnlab import models as hf  # noqa: E402
-from attnlab.models.latent_norm import add_steady_channels  # noqa: E402
-from attnlab.models.export_gguf import export_gguf  # noqa: E402
+from attnlab.models.export.latent_norm import add_steady_channels  # noqa: E402
+from attnlab.models.export.deepseek_gguf import export_gguf  # noqa: E402
 from attnlab.models.load import load_checkpoint  # noqa: E402
 from reference import gqa_reference, mla_reference, rel_err  # noqa: E402
 from tiny_checkpoints import TEXT, make_checkpoint  # noqa: E402
@@ -146,7 +146,7 @@ def test_the_steady_channel_stays_out_of_a_q8_0_cache(exports):
 def _llama_gguf(model, folder, tok, path):
     """The original tiny Llama as a llama.cpp `llama` GGUF (F32), written as convert_hf_to_gguf.py lays it out:
     q/k rows permuted from rotate-half to llama.cpp's adjacent pairs."""
-    from attnlab.models.export_gguf import _folder_tokenizer
+    from attnlab.models.export.deepseek_gguf import _folder_tokenizer
 
     cfg = model.config
     H, G = cfg.num_attention_heads, cfg.num_key_value_heads

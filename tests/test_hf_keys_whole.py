@@ -99,7 +99,7 @@ def test_a_keys_whole_folder_loads_in_transformers_and_its_cache_holds_the_laten
 
     from attnlab.generation.loop import generate
     from attnlab.hf.cache import storage_bytes
-    from attnlab.models.export_transformers import VALUE_BASES, export_transformers
+    from attnlab.models.export.native_transformers import VALUE_BASES, export_transformers
 
     model = converted("gemma3", dtype=torch.float32)
     out = tmp_path / "gemma-kw"
@@ -125,7 +125,7 @@ def test_a_plan_that_keeps_the_sliding_layers_runs_each_layer_in_its_own_storage
     converted layer's storage and the kept layer's own (float32's unit roundoff), and holds its bytes."""
     from transformers import AutoModelForCausalLM
 
-    from attnlab.models.export_transformers import export_transformers
+    from attnlab.models.export.native_transformers import export_transformers
 
     model = tiny_model("gemma3", layers=2, dtype=torch.float64, attention_std=0.15)
     hf.convert_model(model, "mla", latent_dim=LATENT, rope_dim=G * HEAD, layers=[1])
@@ -151,7 +151,7 @@ def test_a_keys_whole_plan_with_bits_by_layer_runs_each_layer_in_its_own_storage
     as above) and holds the bytes attnlab's caches hold."""
     from transformers import AutoModelForCausalLM
 
-    from attnlab.models.export_transformers import export_transformers
+    from attnlab.models.export.native_transformers import export_transformers
 
     model = tiny_model("gemma3", layers=2, dtype=torch.float64, attention_std=0.15)
     hf.convert_model(model, "mla", latent_dim=LATENT, rope_dim=G * HEAD)

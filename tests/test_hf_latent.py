@@ -15,7 +15,7 @@ from attnlab import models as hf  # noqa: E402
 from attnlab.hf import KVCache, TransformersRunner  # noqa: E402
 from attnlab.models.adapters import attnlab_modules  # noqa: E402
 from attnlab.models.evaluate import score_windows  # noqa: E402
-from attnlab.models.export import export_deepseek  # noqa: E402
+from attnlab.models.export.deepseek import export_deepseek  # noqa: E402
 from attnlab.models.load import load_checkpoint  # noqa: E402
 from test_hf_cache import _tensors_reachable  # noqa: E402
 

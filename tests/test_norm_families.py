@@ -291,7 +291,7 @@ def test_check_convertible_takes_only_the_keys_whole_of_a_normed_model():
 
 
 def test_exports_refuse_a_per_head_key_norm_in_one_line():
-    from attnlab.models.export import check_deepseek_request, check_exportable
+    from attnlab.models.export.deepseek import check_deepseek_request, check_exportable
     from attnlab.shrink.feasible import check_format
 
     model = tiny_model("gemma3", dtype=torch.float32)

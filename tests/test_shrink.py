@@ -341,7 +341,7 @@ def test_a_budget_below_every_storage_names_the_smallest_that_can_be_met(tiny):
 
 
 def test_the_gguf_plan_keeps_within_what_llama_cpp_can_turn(tiny):
-    from attnlab.models.export_gguf import gguf_rope_limit
+    from attnlab.models.export.deepseek_gguf import gguf_rope_limit
 
     _, model, tok, text, _ = tiny
     result = plan(model, _ids(tok, text, 256), parse_budget("50%"), fmt="gguf", window=T)

@@ -42,7 +42,7 @@ def dequantised_copy(source: Path, out: Path) -> Path:
     import gguf
     from gguf.quants import dequantize
 
-    from attnlab.models.export_gguf import copy_gguf_fields, write_gguf
+    from attnlab.models.export.deepseek_gguf import copy_gguf_fields, write_gguf
 
     reader = gguf.GGUFReader(str(source))
     arch = reader.fields["general.architecture"].contents()
@@ -159,7 +159,7 @@ def run(quick: bool, timing: bool = False) -> dict:
     import torch
 
     from attnlab import models as hf
-    from attnlab.models.latent_norm import add_steady_channels
+    from attnlab.models.export.latent_norm import add_steady_channels
 
     torch.set_grad_enabled(False)
     model, tok = hf.load_smollm2()

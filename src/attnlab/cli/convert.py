@@ -113,7 +113,7 @@ def _convert_model(source, to, out, latent_dim, rope_dim, kv_heads, method, cali
     if latent_norm == "fit":
         norm_errors = hf.add_latent_norms(model, ids)
     elif latent_norm == "steady":
-        from ..models.latent_norm import add_steady_channels
+        from ..models.export.latent_norm import add_steady_channels
         norm_errors = add_steady_channels(model, ids)
     modules = hf.attnlab_modules(model)
     # what the written model caches: attnlab's modules, or the DeepSeek export (+1 constant channel without a norm)

@@ -66,7 +66,7 @@ def export(source: str = typer.Argument(..., help="A converted-model folder (att
             raise UsageProblem(f"every layer of {source} already has a latent norm: "
                                f"{'--calibration' if calibration is not None else '--exact-f32'} is not needed")
         if calibration is not None:
-            from ..models.export_gguf import gguf_rope_limit
+            from ..models.export.deepseek_gguf import gguf_rope_limit
             hf.check_gguf_exportable(modules, limit=gguf_rope_limit(model), exact_f32=True)  # before fitting
             _fit_steady(model, tok, calibration, calibration_tokens)
         hf.export_gguf(model, out, tokenizer=tok, force=force, pre_tokenizer=gguf_pre, exact_f32=exact_f32)
@@ -90,7 +90,7 @@ def _cached(m, constant: bool) -> tuple[int, str]:
 def _fit_steady(model, tok, calibration: Path, calibration_tokens: int) -> None:
     """Give every layer a latent norm with a steady channel fitted on the text (in place); print the errors."""
     from .. import models as hf
-    from ..models.latent_norm import add_steady_channels
+    from ..models.export.latent_norm import add_steady_channels
 
     ids = hf.read_text_ids(tok, calibration, calibration_tokens)
     if ids.numel() == 0:

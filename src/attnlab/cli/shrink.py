@@ -72,6 +72,70 @@ def _candidates(report: dict) -> Table | None:
     return table
 
 
+def _check_numbers(place, *, minutes, tokens, seq_len, context, latent_dim, rope_dim, device: str, layer_steps,
+                   shard: bool, batch_size: int) -> None:
+    """The command line's numbers and their fit to the processes (UsageProblem naming the option)."""
+    positive("--minutes", minutes)
+    positive("--tokens", tokens, integer=True)
+    positive("--seq-len", seq_len, integer=True)
+    positive("--context", context, integer=True)
+    positive("--latent-dim", latent_dim, integer=True)
+    positive("--rope-dim", rope_dim, integer=True)
+    if device not in ("cpu", "cuda"):
+        raise UsageProblem(f"--device must be cpu or cuda, not {device!r}")
+    if layer_steps is not None and layer_steps < 0:
+        raise UsageProblem(f"--layer-steps must be 0 (skip the phase) or more, got {layer_steps}")
+    if shard and not place.distributed:
+        raise UsageProblem("--shard needs a process group: it shards the trained weights over the processes of "
+                           "a torchrun job (torchrun --nproc-per-node N -m attnlab shrink ..., N >= 2); this is "
+                           "one process")
+    positive("--batch-size", batch_size, integer=True)
+    if place.distributed and batch_size % place.size:
+        fits = [n for n in range(2, batch_size + 1) if batch_size % n == 0]
+        runs = f"run {', '.join(map(str, fits))} of them" if fits else "run one process"
+        bigger = place.size * -(-batch_size // place.size)  # the nearest batch that splits over these processes
+        raise UsageProblem(f"shrink's heal splits batches of --batch-size {batch_size} windows over the processes: "
+                           f"{place.size} processes do not divide it; {runs}, or give a --batch-size that "
+                           f"{place.size} divides (--batch-size {bigger})")
+
+
+def _print_report(report: dict) -> None:
+    """What a finished run prints: the candidates, the summary, the lines that judge it, the minutes and work."""
+    from ..heal.guard import guard_line, probe_line, switch_line
+    from ..shrink.pipeline import NOT_RUN
+
+    table = _candidates(report)
+    if table is not None:
+        console.print(table)
+    console.print(_summary(report))
+    where = report.get("runs_in") or {}
+    runs = f"runs in {where['engine']}: {where['how']}" if where else None
+    for line in (_against_baselines(report), (report.get("llama_cpp") or {}).get("note"), runs):
+        if line:
+            console.print(line)
+    heal = report.get("heal") or {}
+    # the verdict's line reads the evaluation after the heal, which the report keeps under held_out
+    for line in (probe_line(heal), switch_line({**heal, "after": (report.get("held_out") or {}).get("after")}),
+                 guard_line(heal)):
+        if line:
+            console.print(line)
+    skipped = heal.get("status") == NOT_RUN
+    if skipped:
+        console.print("no heal ran (--no-heal): the converted weights were written")
+    if heal.get("kept"):  # the heal made it worse: the converted weights are what was written
+        console.print(f"kept {heal['kept']}")
+    minutes_by_phase = ", ".join(f"{k} {v:.1f}" for k, v in report["minutes"].items())
+    console.print(f"minutes per phase: {minutes_by_phase}")
+    work = report.get("work") or {}
+    if work:
+        healed = "no heal" if skipped else \
+            f"{work.get('heal_steps')} heal steps ({work.get('end_to_end_steps')} end to end, " \
+            f"{work.get('end_to_end_tokens')} tokens)"
+        console.print(f"work: {work.get('training_windows')} training windows, {work.get('candidates_measured')} "
+                      f"candidates planned, {healed}" + ("; pinned" if work.get("pinned") else
+                                                         "; the clock set how much"))
+
+
 def shrink(source: str = typer.Argument(..., help="The model: smollm2, a transformers folder or a .gguf file "
                                           "(Llama, Mistral, Qwen2)."),
            kv_budget: str = typer.Option(..., "--kv-budget", help="The KV cache to keep: a share of the original's "
@@ -145,38 +209,18 @@ def shrink(source: str = typer.Argument(..., help="The model: smollm2, a transfo
     Example: torchrun --standalone --nproc-per-node 8 -m attnlab shrink ~/Llama-3.2-1B --kv-budget 25% --device cuda
     --batch-size 16 --minutes 60 --out small (rank 0 plans and converts once; the heal runs on every process)
     """
-    from ..heal.guard import guard_line, probe_line, switch_line
     from ..runtime.budget import Budget, Stopped, stop_on_signals
     from ..shrink.request import ShrinkRequest, check_request
     from ..shrink.state import run_folder
-    from ..shrink.pipeline import NOT_RUN, shrink as run
+    from ..shrink.pipeline import shrink as run
 
     from ..heal import distributed as dd
 
     place = dd.world_from_env(device if device in ("cpu", "cuda") else "cpu")  # torchrun's; no group joined yet
     with said_by_rank0(place.rank):  # the command line's checks: the same on every rank
-        positive("--minutes", minutes)
-        positive("--tokens", tokens, integer=True)
-        positive("--seq-len", seq_len, integer=True)
-        positive("--context", context, integer=True)
-        positive("--latent-dim", latent_dim, integer=True)
-        positive("--rope-dim", rope_dim, integer=True)
-        if device not in ("cpu", "cuda"):
-            raise UsageProblem(f"--device must be cpu or cuda, not {device!r}")
-        if layer_steps is not None and layer_steps < 0:
-            raise UsageProblem(f"--layer-steps must be 0 (skip the phase) or more, got {layer_steps}")
-        if shard and not place.distributed:
-            raise UsageProblem("--shard needs a process group: it shards the trained weights over the processes of "
-                               "a torchrun job (torchrun --nproc-per-node N -m attnlab shrink ..., N >= 2); this is "
-                               "one process")
-        positive("--batch-size", batch_size, integer=True)
-        if place.distributed and batch_size % place.size:
-            fits = [n for n in range(2, batch_size + 1) if batch_size % n == 0]
-            runs = f"run {', '.join(map(str, fits))} of them" if fits else "run one process"
-            bigger = place.size * -(-batch_size // place.size)  # the nearest batch that splits over these processes
-            raise UsageProblem(f"shrink's heal splits batches of --batch-size {batch_size} windows over the processes: "
-                               f"{place.size} processes do not divide it; {runs}, or give a --batch-size that "
-                               f"{place.size} divides (--batch-size {bigger})")
+        _check_numbers(place, minutes=minutes, tokens=tokens, seq_len=seq_len, context=context,
+                       latent_dim=latent_dim, rope_dim=rope_dim, device=device, layer_steps=layer_steps, shard=shard,
+                       batch_size=batch_size)
         req = ShrinkRequest(source=source, kv_budget=kv_budget, out=str(out), fmt=fmt, minutes=minutes,
                             text=[str(t) for t in text or []], eval_text=[str(t) for t in eval_text or []],
                             seed=seed, device=device, calibration=not no_calibration, storage=kv_dtype,
@@ -211,34 +255,5 @@ def shrink(source: str = typer.Argument(..., help="The model: smollm2, a transfo
                                    f"written; --resume with more --minutes continues from {where}") from None
     if not world.main:
         return
-    table = _candidates(report)
-    if table is not None:
-        console.print(table)
-    console.print(_summary(report))
-    where = report.get("runs_in") or {}
-    runs = f"runs in {where['engine']}: {where['how']}" if where else None
-    for line in (_against_baselines(report), (report.get("llama_cpp") or {}).get("note"), runs):
-        if line:
-            console.print(line)
-    heal = report.get("heal") or {}
-    # the verdict's line reads the evaluation after the heal, which the report keeps under held_out
-    for line in (probe_line(heal), switch_line({**heal, "after": (report.get("held_out") or {}).get("after")}),
-                 guard_line(heal)):
-        if line:
-            console.print(line)
-    skipped = heal.get("status") == NOT_RUN
-    if skipped:
-        console.print("no heal ran (--no-heal): the converted weights were written")
-    if heal.get("kept"):  # the heal made it worse: the converted weights are what was written
-        console.print(f"kept {heal['kept']}")
-    minutes_by_phase = ", ".join(f"{k} {v:.1f}" for k, v in report["minutes"].items())
-    console.print(f"minutes per phase: {minutes_by_phase}")
-    work = report.get("work") or {}
-    if work:
-        healed = "no heal" if skipped else \
-            f"{work.get('heal_steps')} heal steps ({work.get('end_to_end_steps')} end to end, " \
-            f"{work.get('end_to_end_tokens')} tokens)"
-        console.print(f"work: {work.get('training_windows')} training windows, {work.get('candidates_measured')} "
-                      f"candidates planned, {healed}" + ("; pinned" if work.get("pinned") else
-                                                         "; the clock set how much"))
+    _print_report(report)
     console.print(f"wrote {out}")

@@ -79,12 +79,22 @@ def gqa_to_mla_decoupled(gqa: GroupedQueryAttention, latent_dim: int, rope_pairs
     SVD is.
     """
     normed = isinstance(gqa, GroupedQueryAttention) and gqa.k_head_norm is not None
+    count = _checked_count(gqa, normed, rope_pairs, calibration, pair_selection, rorope, balance, rope_planes, planes)
+    if rorope:
+        return _decoupled_rorope(gqa, latent_dim, count, calibration, plane_order, balance, context_len, planes)
+    return _decoupled_pairs(gqa, latent_dim, rope_pairs, calibration, pair_selection, balance, normed)
+
+
+def _checked_count(gqa, normed: bool, rope_pairs, calibration, pair_selection: str, rorope: bool, balance: bool,
+                   rope_planes, planes) -> int:
+    """gqa_to_mla_decoupled's arguments checked (ValueError naming the value); the number of rotary planes or
+    pairs kept over all KV heads."""
     _expect(gqa, GroupedQueryAttention, "gqa_to_mla_decoupled", carries=normed)
     if gqa.rope is None:
         raise ValueError("gqa_to_mla_decoupled needs a GQA with RoPE; use mha_to_mla for one without")
     if gqa.W_Q.bias is not None:
         raise ValueError("gqa_to_mla_decoupled does not carry biases yet")
-    H, G, d = gqa.num_heads, gqa.num_kv_heads, gqa.head_dim
+    G, d = gqa.num_kv_heads, gqa.head_dim
     if normed:
         check_keys_whole(gqa, rope_pairs, rorope or rope_planes is not None or planes is not None, balance)
     if not rorope and (rope_planes is not None or planes is not None):
@@ -110,30 +120,24 @@ def gqa_to_mla_decoupled(gqa: GroupedQueryAttention, latent_dim: int, rope_pairs
     if rorope:
         if pair_selection != "frequency":
             raise ValueError("rorope chooses mixed planes by plane_order; pair_selection applies without it")
-        return _decoupled_rorope(gqa, latent_dim, count, calibration, plane_order, balance, context_len, planes)
+        return count
     if pair_selection not in ("frequency", "norm"):
         raise ValueError(f"pair_selection must be 'frequency' or 'norm', got {pair_selection!r}")
     if pair_selection == "norm" and calibration is None:
         raise ValueError("pair_selection='norm' needs calibration inputs")
+    return count
+
+
+def _decoupled_pairs(gqa, latent_dim: int, rope_pairs: int, calibration, pair_selection: str, balance: bool,
+                     normed: bool):
+    """gqa_to_mla_decoupled without RoRoPE: each KV head's kept pairs (_kept_pairs) move into the rope key, the
+    rest and the values through the latent's SVD."""
+    H, G, d = gqa.num_heads, gqa.num_kv_heads, gqa.head_dim
     half, n = d // 2, rope_pairs
     wq = gqa.W_Q.weight.detach().reshape(H, d, -1)  # (H, d, D_1)
     wk = gqa.W_K.weight.detach().reshape(G, d, -1)  # (G, d, D_2)
     owner = kv_head_of(H, G, gqa.grouping)
-    pairs = torch.arange(half)
-    # the two dims of pair i within a head: (i, i + d/2) rotate-half, (2i, 2i+1) interleaved
-    dims_a = pairs * 2 if gqa.rope.interleaved else pairs
-    dims_b = dims_a + 1 if gqa.rope.interleaved else pairs + half
-    if pair_selection == "frequency":
-        kept = torch.argsort(gqa.rope.inv_freq, descending=True)[:n].sort().values.expand(G, n)  # (G, n)
-    else:
-        x = calibration.reshape(-1, calibration.shape[-1]).to(wk.dtype)
-        q_all = (x @ wq.reshape(H * d, -1).T).reshape(-1, H, d)  # (N, H, d)
-        k_all = (x @ wk.reshape(G * d, -1).T).reshape(-1, G, d)  # (N, G, d)
-        pair_norm = lambda t: (t[..., dims_a] ** 2 + t[..., dims_b] ** 2).sqrt().mean(0)  # noqa: E731
-        q_norm, k_norm = pair_norm(q_all), pair_norm(k_all)  # (H, half), (G, half)
-        score = torch.stack([q_norm[owner == g].mean(0) * k_norm[g] for g in range(G)])  # (G, half)
-        kept = torch.topk(score, n, dim=1).indices.sort(dim=1).values  # (G, n)
-    first, second = dims_a[kept], dims_b[kept]  # (G, n) each
+    first, second, kept = _kept_pairs(gqa, rope_pairs, pair_selection, calibration)
     nope = []
     for g in range(G):
         rotary = torch.zeros(d, dtype=torch.bool)
@@ -189,6 +193,31 @@ def gqa_to_mla_decoupled(gqa: GroupedQueryAttention, latent_dim: int, rope_pairs
         notes[0] = f"keys whole: every KV head's key is the rope key (rope_dim {p} = {G} x {d}), q/k norms carried"
     return mla, _report(gqa, mla, whole and values_exact, bases=False, calibration=calibration,
                         notes=notes)
+
+
+def _kept_pairs(gqa, n: int, pair_selection: str, calibration):
+    """(first, second, kept), each (G, n): the two dims of each KV head's n kept rotary pairs, and the pairs, by
+    frequency (the fastest) or by norm (the largest mean |q| |k| on the calibration inputs)."""
+    H, G, d = gqa.num_heads, gqa.num_kv_heads, gqa.head_dim
+    half = d // 2
+    wq = gqa.W_Q.weight.detach().reshape(H, d, -1)  # (H, d, D_1)
+    wk = gqa.W_K.weight.detach().reshape(G, d, -1)  # (G, d, D_2)
+    owner = kv_head_of(H, G, gqa.grouping)
+    pairs = torch.arange(half)
+    # the two dims of pair i within a head: (i, i + d/2) rotate-half, (2i, 2i+1) interleaved
+    dims_a = pairs * 2 if gqa.rope.interleaved else pairs
+    dims_b = dims_a + 1 if gqa.rope.interleaved else pairs + half
+    if pair_selection == "frequency":
+        kept = torch.argsort(gqa.rope.inv_freq, descending=True)[:n].sort().values.expand(G, n)  # (G, n)
+    else:
+        x = calibration.reshape(-1, calibration.shape[-1]).to(wk.dtype)
+        q_all = (x @ wq.reshape(H * d, -1).T).reshape(-1, H, d)  # (N, H, d)
+        k_all = (x @ wk.reshape(G * d, -1).T).reshape(-1, G, d)  # (N, G, d)
+        pair_norm = lambda t: (t[..., dims_a] ** 2 + t[..., dims_b] ** 2).sqrt().mean(0)  # noqa: E731
+        q_norm, k_norm = pair_norm(q_all), pair_norm(k_all)  # (H, half), (G, half)
+        score = torch.stack([q_norm[owner == g].mean(0) * k_norm[g] for g in range(G)])  # (G, half)
+        kept = torch.topk(score, n, dim=1).indices.sort(dim=1).values  # (G, n)
+    return dims_a[kept], dims_b[kept], kept
 
 
 def check_keys_whole(gqa: GroupedQueryAttention, rope_pairs: int | None, mixed: bool, balance: bool) -> None:

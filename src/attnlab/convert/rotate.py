@@ -7,7 +7,7 @@ score is unchanged, exactly in float64 and to rounding in float32. With a latent
 c = w * z / rms(z) with z = W_DKV y: w is first folded into the up-projections (W_U diag(w)) and set
 to 1, and rms(R z) = rms(z) (an orthogonal map keeps the norm), so the norm commutes with R and the
 rotation folds as above. Channels whose norm weight is exactly 0 (a GGUF's steady channel: it steadies
-the norm's scale and is cached as 0, models/export.py) are left out of the rotation and keep their 0:
+the norm's scale and is cached as 0, models/export/deepseek.py) are left out of the rotation and keep their 0:
 R acts on the other channels only, which keeps the whole latent's norm and so the norm's scale, and
 the steady channel (32 times the largest latent value) never reaches a block of codes.
 

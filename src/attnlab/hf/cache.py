@@ -88,7 +88,7 @@ def layer_shapes(config) -> list[LayerShape]:
 
 
 def latent_shapes(config) -> list[LatentShape]:
-    """Each layer's LatentShape from a DeepSeek-V3 config and its "attnlab" entry (models/export.py: attnlab_entry)."""
+    """Each layer's LatentShape from a DeepSeek-V3 config and its "attnlab" entry (models/export/deepseek.py: attnlab_entry)."""
     r, L = config.kv_lora_rank, config.num_hidden_layers
     entry = getattr(config, "attnlab", None) or {}
     coded = entry.get("latent_channels", r)
@@ -411,7 +411,7 @@ class _LatentLayer(_CodedLayer):
         if shape.constant is not None:  # the MLA's own latent: the norm's factor undone by the constant channel
             held = key_states[:, 0, :, shape.coded:shape.coded + 1] / shape.constant  # (B, n, 1): the factor
             latent = latent / held
-            if self.factor is None:  # every token's factor is this one to within 2^-24 (models/export.py)
+            if self.factor is None:  # every token's factor is this one to within 2^-24 (models/export/deepseek.py)
                 self.factor = held[:, :1]
         out = _extend_rows(rows, torch.cat([latent, value_states[:, 0]], dim=-1), self.mixed)  # (B, S(+M), coded + p)
         latent = out.new_zeros(out.shape[0], 1, out.shape[1], shape.latent_dim)

@@ -24,7 +24,7 @@ def planned_entry(folder) -> dict:
 
 
 def value_bases(folder, layers: int) -> list | None:
-    """The value bases a folder's config names (models/export_transformers.py), one per layer (None where a layer has
+    """The value bases a folder's config names (models/export/native_transformers.py), one per layer (None where a layer has
     none), read with safetensors; None when it names none. ValueError naming the file when it does not fit."""
     from pathlib import Path
 

@@ -6,11 +6,8 @@
 - evaluate.py  perplexity, top-1 agreement, sentence embeddings, KV bytes per token
 - store.py     save and reload converted models
 - load.py      the user's own checkpoint: a transformers folder or a GGUF file (Llama, Mistral, Qwen2)
-- export.py    a converted model as a standard DeepSeek-V3 checkpoint (transformers loads it alone)
-- latent_norm.py  the latent norm DeepSeek and llama.cpp apply, fitted on calibration text (steady channel or plain)
-- export_gguf.py  a converted model as a GGUF file llama.cpp runs (deepseek2)
-- export_native.py  a model that kept its attention's shape (healed for llama.cpp's cache codes) as its source GGUF
-- export_transformers.py  the same for transformers: the source's own class (save_pretrained), planned for attnlab.hf.KVCache
+- export/      the exporters: a DeepSeek-V3 checkpoint, a deepseek2 GGUF, and the source's own architecture as a GGUF
+               or a transformers folder (export/__init__.py)
 - stream.py    convert a checkpoint folder layer by layer, in bounded memory
 """
 from .adapters import (FAMILIES, BertAttentionAdapter, LlamaAttentionAdapter, TransformersCache, attnlab_modules,
@@ -19,11 +16,11 @@ from .bundled import MODELS, load_gemma3_270m, load_minilm, load_smollm2
 from .convert import DEFAULT_ROPE_PAIRS, check_convertible, convert_layers, convert_model, keys_whole_rope_dim
 from .evaluate import (attention_inputs, kv_bytes_per_token, mean_pooled, perplexity, read_text_ids, sentence_embeddings,
                        kv_fixed_bytes, set_kv_dtype, sliding_context, top1_agreement, windows)
-from .export import check_deepseek_request, export_deepseek
-from .latent_norm import add_latent_norm, add_latent_norms
-from .export_gguf import check_gguf_exportable, export_gguf, is_attnlab_gguf
-from .export_native import check_native, export_native
-from .export_transformers import export_transformers
+from .export.deepseek import check_deepseek_request, export_deepseek
+from .export.latent_norm import add_latent_norm, add_latent_norms
+from .export.deepseek_gguf import check_gguf_exportable, export_gguf, is_attnlab_gguf
+from .export.native_gguf import check_native, export_native
+from .export.native_transformers import export_transformers
 from .load import inspect_checkpoint, is_checkpoint, load_checkpoint
 from .store import LOADERS, MODEL_FORMAT, load_model, save_model, source_paths, sources_of
 from .stream import convert_checkpoint

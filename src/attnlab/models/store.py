@@ -1,7 +1,7 @@
 """Whole converted models on disk: attention.safetensors + config.json beside a base model.
 
 The base is a bundled model's name or the path of the checkpoint (folder or GGUF file)
-the conversion started from; for a folder that stands alone, export it (models/export.py).
+the conversion started from; for a folder that stands alone, export it (models/export/deepseek.py).
 """
 from __future__ import annotations
 

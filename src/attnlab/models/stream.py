@@ -25,7 +25,7 @@ import torch
 
 from ..io.folders import write_folder
 from ..modules.gqa import GroupedQueryAttention
-from .export import (
+from .export.deepseek import (
     NEEDS_LATENT,
     ShardWriter,
     attnlab_entry,
@@ -36,7 +36,7 @@ from .export import (
     deepseek_config,
     layer_constant,
 )
-from .latent_norm import add_latent_norm
+from .export.latent_norm import add_latent_norm
 from .load import NOT_CONVERTED, inspect_checkpoint, open_shards
 
 F32 = torch.float32
@@ -183,10 +183,45 @@ def _plane_scores(cfg: dict, rope, tensors: LazyTensors, calibration_ids: torch.
     return torch.stack(scores)
 
 
+def _check_stream_arguments(latent_dim, latent_norm: str, calibration_ids) -> None:
+    """convert_checkpoint's arguments that need no file: ValueError naming the one that does not hold."""
+    if latent_dim is None:
+        raise ValueError(NEEDS_LATENT)
+    if latent_norm not in ("constant", "fit"):
+        raise ValueError(f"latent_norm must be 'constant' or 'fit', got {latent_norm!r}")
+    if latent_norm == "fit" and calibration_ids is None:
+        raise ValueError("latent_norm='fit' fits the norm on calibration text: give calibration_ids (--calibration)")
+    if calibration_ids is not None and calibration_ids.numel() == 0:
+        raise ValueError("calibration_ids holds 0 tokens; calibration needs text")
+
+
+def _source_config(folder: Path) -> dict:
+    """The source folder's config, checked: a family convert_checkpoint converts, with sizes it can read."""
+    cfg = inspect_checkpoint(folder)
+    if cfg.get("model_type") in NOT_CONVERTED:
+        raise ValueError(f"{folder}: cannot convert model_type {cfg['model_type']!r} yet: "
+                         f"{NOT_CONVERTED[cfg['model_type']]}")
+    check_source_config(cfg)
+    return cfg
+
+
+def _rope_layout(cfg: dict, rope, tensors, calibration_ids, pair_selection: str, count: int):
+    """(planes, how): rorope-score's planes for every layer at once (else None), and gqa_to_mla_decoupled's
+    rope_pairs or rope_planes for the others."""
+    from .convert import ROROPE_SELECTIONS, plane_choice
+
+    planes = None
+    if pair_selection == "rorope-score":
+        planes = plane_choice(list(_plane_scores(cfg, rope, tensors, calibration_ids)), count)
+    how = {"rope_pairs": count} if pair_selection not in ROROPE_SELECTIONS else {"rope_pairs": None,
+                                                                                "rope_planes": count}
+    return planes, how
+
+
 def convert_checkpoint(source, out, *, latent_dim: int | None, rope_dim: int | None = None,
                        calibration_ids: torch.Tensor | None = None, pair_selection: str = "frequency",
-                       balance: bool = False, force: bool = False, shard_bytes: int = STREAM_SHARD_BYTES, latent_norm: str = "constant",
-                       progress=None) -> dict:
+                       balance: bool = False, force: bool = False, shard_bytes: int = STREAM_SHARD_BYTES,
+                       latent_norm: str = "constant", progress=None) -> dict:
     """Stream a Llama/Mistral/Qwen2 folder into a DeepSeek-V3 MLA checkpoint at `out`; returns a summary.
 
     latent_dim, rope_dim, pair_selection, balance: as convert_model (decoupled RoPE; rope_dim defaults to
@@ -197,24 +232,13 @@ def convert_checkpoint(source, out, *, latent_dim: int | None, rope_dim: int | N
     called after each layer.
     """
     from ..convert.decoupled import gqa_to_mla_decoupled, selection_options
-    from .convert import ROROPE_SELECTIONS, check_rope_dim, default_rope_dim
-    from .latent_norm import kv_values_in_export
+    from .convert import check_rope_dim, default_rope_dim
+    from .export.latent_norm import kv_values_in_export
 
     folder, out = Path(str(source)), Path(str(out))
-    if latent_dim is None:
-        raise ValueError(NEEDS_LATENT)
-    if latent_norm not in ("constant", "fit"):
-        raise ValueError(f"latent_norm must be 'constant' or 'fit', got {latent_norm!r}")
-    if latent_norm == "fit" and calibration_ids is None:
-        raise ValueError("latent_norm='fit' fits the norm on calibration text: give calibration_ids (--calibration)")
-    if calibration_ids is not None and calibration_ids.numel() == 0:
-        raise ValueError("calibration_ids holds 0 tokens; calibration needs text")
+    _check_stream_arguments(latent_dim, latent_norm, calibration_ids)
     options = selection_options(pair_selection, balance)
-    cfg = inspect_checkpoint(folder)
-    if cfg.get("model_type") in NOT_CONVERTED:
-        raise ValueError(f"{folder}: cannot convert model_type {cfg['model_type']!r} yet: "
-                         f"{NOT_CONVERTED[cfg['model_type']]}")
-    check_source_config(cfg)
+    cfg = _source_config(folder)
     from ..io.folders import check_output
     check_output(out, force=force, sources=[folder])
     tensors = LazyTensors(folder)
@@ -229,15 +253,8 @@ def convert_checkpoint(source, out, *, latent_dim: int | None, rope_dim: int | N
     dtype = tensors.get("model.layers.0.self_attn.q_proj.weight").dtype
     tied = bool(getattr(hf_cfg, "tie_word_embeddings", False))
     errors: list[float] = []
-    constants: list[float] = []  # each layer's constant channel K (models/export.py: attnlab_entry)
-    planes = None
-    if pair_selection == "rorope-score":
-        from .convert import plane_choice
-        planes = plane_choice(list(_plane_scores(cfg, rope, tensors, calibration_ids)), count)
-    if pair_selection not in ROROPE_SELECTIONS:
-        how = {"rope_pairs": count}
-    else:
-        how = {"rope_pairs": None, "rope_planes": count}
+    constants: list[float] = []  # each layer's constant channel K (models/export/deepseek.py: attnlab_entry)
+    planes, how = _rope_layout(cfg, rope, tensors, calibration_ids, pair_selection, count)
 
     def write(tmp: Path) -> None:
         shards = ShardWriter(tmp, shard_bytes)

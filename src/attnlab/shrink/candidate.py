@@ -129,7 +129,7 @@ def apply(model, cand: Candidate, calibration_ids: torch.Tensor | None, inputs=N
     from ..models.adapters import attnlab_modules
     from ..models.convert import convert_model
     from ..models.evaluate import set_kv_dtype
-    from ..models.latent_norm import add_steady_channels
+    from ..models.export.latent_norm import add_steady_channels
 
     if cand.native:  # nothing converted: every layer the original's, its cache in the engine's code
         set_kv_dtype(model, cand.kv_dtype)

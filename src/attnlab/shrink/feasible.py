@@ -21,8 +21,8 @@ def keys_whole(teacher) -> int | None:
 
 
 def writes_native(teacher) -> bool:
-    """Whether a GGUF of this model can be written in its source's own architecture (models/export_native.py)."""
-    from ..models.export_native import check_native
+    """Whether a GGUF of this model can be written in its source's own architecture (models/export/native_gguf.py)."""
+    from ..models.export.native_gguf import check_native
 
     try:
         check_native(teacher)
@@ -145,7 +145,7 @@ def _options(teacher, budget: KVBudget, budget_bytes: float, original: float, fm
     if whole is not None:
         check_format(teacher, fmt)
         if fmt == "gguf":  # a GGUF in the source's own architecture: no MLA holds them (a transformers folder does:
-            kind = getattr(teacher.config, "model_type", "this model")  # models/export_transformers.py)
+            kind = getattr(teacher.config, "model_type", "this model")  # models/export/native_transformers.py)
             raise ValueError(f"no converted plan fits a GGUF of {kind}: its per-head key norms keep the original "
                              "attention")
         options, kept = [], kept_storages(storages)
@@ -174,7 +174,7 @@ def _options(teacher, budget: KVBudget, budget_bytes: float, original: float, fm
     per_storage = {s: min(v, V - 2) for s, v in per_storage.items() if v >= 10}
     blocks = [s for s in storages if s in LLAMA_CPP_CACHE]
     if blocks:  # llama.cpp's block types: a rope key of whole blocks it can turn, and a whole-block latent beside it
-        from ..models.export_gguf import gguf_rope_limit
+        from ..models.export.deepseek_gguf import gguf_rope_limit
         limit = min(G * d, gguf_rope_limit(teacher))
         per_storage = {s: v for s, v in per_storage.items() if s not in blocks or (v >= 64 and limit >= 32)}
         if not per_storage:

@@ -213,7 +213,7 @@ def _begin(req: ShrinkRequest, resume: bool, force: bool, budget: Budget | None,
     """The request checked, its budget, the output checked, and the run folder: loaded to resume, else cleared."""
     from .. import models as hf
     from ..io.folders import check_output
-    from ..models.export_gguf import is_attnlab_gguf
+    from ..models.export.deepseek_gguf import is_attnlab_gguf
 
     check_request(req)
     budget = budget if budget is not None else Budget(req.minutes)
@@ -443,7 +443,7 @@ def _write_export(run: _Run, out: Path, report: dict) -> None:
     if req.fmt == "deepseek":
         hf.export_deepseek(student, out, tokenizer=tokenizer, force=force)
     elif req.fmt == "transformers" and (best.native or keys_whole(run.teacher) is not None):  # the source's class
-        from ..models.export_transformers import export_transformers  # (a keys-whole MLA with its value bases)
+        from ..models.export.native_transformers import export_transformers  # (a keys-whole MLA with its value bases)
 
         kept = best.kept_dtype if best.layers else None
         report["written"] = export_transformers(student, out, tok, force=force,
@@ -453,7 +453,7 @@ def _write_export(run: _Run, out: Path, report: dict) -> None:
         report["written"] = {"path": str(path), "architecture": "deepseek_v3",
                              "kv_dtype": best.kv_dtypes or best.kv_dtype}
     elif best.native:  # the source's own architecture, the attention tensors the heal moved rewritten
-        from ..models.export_native import export_native
+        from ..models.export.native_gguf import export_native
 
         report["written"] = export_native(student, out, force=force, cache_types=llama_cpp_types(best.kv_dtype))
     else:

@@ -36,7 +36,7 @@ frequency, rope_dim within gguf_rope_limit), a latent norm (fitted here, trained
 of 32 where they allow it (llama.cpp's q8_0 blocks); attnlab's own format takes any of them.
 
 Round 0 plans the original attention, only its cache coded: for a GGUF whose source llama.cpp runs in its own
-architecture (llama, qwen3, gemma3: models/export_native.py) in each of llama.cpp's cache types that fits, and for a
+architecture (llama, qwen3, gemma3: models/export/native_gguf.py) in each of llama.cpp's cache types that fits, and for a
 transformers folder in each GQA storage of attnlab.hf.KVCache that fits (TRANSFORMERS_CACHE). A transformers folder
 also holds converted plans, as a DeepSeek folder does. A model with per-head q/k norms (Qwen3, Gemma 3) has one layout
 only, its keys whole (convert/decoupled.py): the rope key is every KV head's whole key and the latent holds the
@@ -103,7 +103,7 @@ class _Planner:
         self.spread = spread_context(teacher, context)  # where the fixed rows are counted (the context, or default)
         self.max_rope = self.G * self.d
         if fmt == "gguf" and self.options:
-            from ..models.export_gguf import gguf_rope_limit
+            from ..models.export.deepseek_gguf import gguf_rope_limit
             self.max_rope = min(self.max_rope, gguf_rope_limit(teacher))
         self.selections = [("rorope", True), ("rorope", False)] if fmt == "gguf" else \
             [("rorope-score", True), ("rorope", True), ("rorope-score", False), ("rorope", False)]

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .adapters import attnlab_modules, check_own_attention
+from ..adapters import attnlab_modules, check_own_attention
 
 NATIVE = ("llama", "qwen3", "gemma3")  # what llama.cpp runs that attnlab loads from a GGUF
 ARCHITECTURE = {"llama": "llama", "qwen3": "qwen3", "gemma3_text": "gemma3"}  # transformers' model_type -> GGUF's
@@ -95,9 +95,9 @@ def export_native(model, path, *, force: bool = False, cache_types: tuple[str, s
 
     cache_types: (K, V) llama.cpp cache types the model was healed for, recorded in the metadata. Returns
     {"path", "architecture", "rewritten": [GGUF names written from the model], "copied": count}."""
-    from .export_gguf import WRITTEN_BY, copy_gguf_fields, write_gguf
-    from .load import read_gguf
-    from .store import sources_of
+    from .deepseek_gguf import WRITTEN_BY, copy_gguf_fields, write_gguf
+    from ..load import read_gguf
+    from ..store import sources_of
 
     source, arch = check_native(model)
     reader = read_gguf(source)

@@ -10,8 +10,8 @@ import math
 
 import torch
 
-from ..modules.mla import MultiHeadLatentAttention
-from .adapters import attnlab_modules
+from ...modules.mla import MultiHeadLatentAttention
+from ..adapters import attnlab_modules
 
 
 # -- one module ---------------------------------------------------------
@@ -48,7 +48,7 @@ def add_latent_norm(mla: MultiHeadLatentAttention, calibration: torch.Tensor | N
     module against `mla` on the calibration inputs (float64): the norm is not linear, so a
     token whose latent is larger or smaller than typical has its key and value rescaled.
     """
-    from ..convert.report import probe_error
+    from ...convert.report import probe_error
 
     _check_no_latent_norm(mla, "add_latent_norm")
     if calibration is None or calibration.numel() == 0:
@@ -193,7 +193,7 @@ def add_steady_channels(model, calibration_ids: torch.Tensor, *, eps: float | No
     the fit sees. Layer i fits on what it reads with layers < i already changed, as add_latent_norms.
     eps: the norm's eps, by default the model's rms_norm_eps (what llama.cpp's latent norm uses).
     """
-    from ..modules import checks
+    from ...modules import checks
 
     checks.positive_int("window", window)
     eps = float(getattr(model.config, "rms_norm_eps", 1e-6)) if eps is None else float(eps)
@@ -212,7 +212,7 @@ def _check_calibration_ids(ids, what: str) -> None:
 
 def _fit_layers(model, calibration_ids, fit, what: str) -> list[float]:
     """Replace every layer by fit(module, its input (B, L, D)) -> (module, error), from one forward (in place)."""
-    from .adapters import replace_attention
+    from ..adapters import replace_attention
 
     _check_calibration_ids(calibration_ids, what)
     modules = list(attnlab_modules(model))

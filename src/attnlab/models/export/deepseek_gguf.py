@@ -6,7 +6,7 @@ three places; each is handled or refused with the reason and a way out:
 
 - softmax scale 1/sqrt(qk_nope + qk_rope): the ratio to attnlab's scale multiplies the
   query weights (as for the DeepSeek-V3 export; the tensors come from
-  export.deepseek_attention_tensors, so the two exports share one mapping);
+  deepseek.deepseek_attention_tensors, so the two exports share one mapping);
 - rotary frequencies: pair i of the shared rope key turns at rope_theta^(-2i/p), in
   consecutive pairs (ggml's "normal" rope), and deepseek2 reads no per-pair factors. The
   kept frequencies, sorted fastest first, must be exactly such a sequence: then the rope
@@ -40,9 +40,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..modules.mla import MultiHeadLatentAttention
-from .adapters import _layers
-from .export import check_exportable, deepseek_attention_tensors, export_preflight
+from ...modules.mla import MultiHeadLatentAttention
+from ..adapters import _layers
+from .deepseek import check_exportable, deepseek_attention_tensors, export_preflight
 from .latent_norm import linear_latent_norm
 
 ARCH = "deepseek2"
@@ -75,7 +75,7 @@ def gguf_rope_limit(source, *, scaling: float = 1.0, rtol: float = 1e-6) -> int:
     """
     freq = source
     if hasattr(source, "config") and hasattr(source, "model"):  # a transformers causal LM
-        from .adapters import rope_from_rotary
+        from ..adapters import rope_from_rotary
         rot = getattr(source.model, "rotary_emb", None)
         if rot is None:
             raise ValueError("gguf_rope_limit needs a Llama-family model (its rotary embedding)")
@@ -96,12 +96,12 @@ def gguf_rope_limit(source, *, scaling: float = 1.0, rtol: float = 1e-6) -> int:
 def _rope_advice(limit: int | None) -> str:
     if limit is None:
         return ("export with --format deepseek (which carries per-pair frequencies), or convert with "
-                "--rope-select rorope and a rope_dim within export_gguf.gguf_rope_limit(model)")
+                "--rope-select rorope and a rope_dim within deepseek_gguf.gguf_rope_limit(model)")
     if limit == 0:
         return ("this source's rotary embedding has no such sequence (its fastest pair does not turn at 1, or "
                 "cos/sin are scaled): export with --format deepseek, which carries per-pair frequencies")
     return (f"export with --format deepseek (which carries per-pair frequencies), or convert with --rope-select "
-            f"rorope --rope-dim <= {limit} (this source's limit for llama.cpp: export_gguf.gguf_rope_limit)")
+            f"rorope --rope-dim <= {limit} (this source's limit for llama.cpp: deepseek_gguf.gguf_rope_limit)")
 
 
 def rope_order(m: MultiHeadLatentAttention, rtol: float = 1e-6, *, limit: int | None = None) -> tuple[torch.Tensor,
@@ -347,7 +347,7 @@ def export_gguf(model, path, tokenizer=None, *, force: bool = False, pre_tokeniz
         if not tied:
             add("output.weight", model.lm_head.weight)
 
-    from .store import sources_of
+    from ..store import sources_of
 
     return write_gguf(path, ARCH, build, force=force, sources=sources_of(model))
 
@@ -370,7 +370,7 @@ def write_gguf(path: Path, arch: str, build, *, force: bool = False, sources=())
     (io.folders.write_file: an existing file is replaced only with force and only if attnlab wrote it)."""
     import gguf
 
-    from ..io.folders import write_file
+    from ...io.folders import write_file
 
     def write(tmp: Path) -> None:
         writer = gguf.GGUFWriter(str(tmp), arch)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
-from .adapters import attnlab_modules, check_own_attention, family, from_attnlab
+from ..adapters import attnlab_modules, check_own_attention, family, from_attnlab
 
 
 VALUE_BASES = "attnlab_values.safetensors"  # beside the weights: each keys-whole layer's value basis U (G dv, r)
@@ -35,7 +35,7 @@ def check_transformers_export(model) -> None:
 def value_bases(model) -> list | None:
     """Each layer's value basis (convert.keys_whole.value_basis) where it is a keys-whole MLA, None elsewhere; None
     when no layer is."""
-    from ..convert.keys_whole import value_basis
+    from ...convert.keys_whole import value_basis
 
     bases = [value_basis(m) if getattr(m, "keys_whole", False) else None for m in attnlab_modules(model)]
     return None if all(u is None for u in bases) else bases
@@ -49,10 +49,10 @@ def export_transformers(model, folder, tokenizer=None, *, force: bool = False, s
     kept as they were. Returns {"path", "architecture", "kv_dtype"}."""
     from safetensors.torch import save_file
 
-    from ..io.folders import write_folder
-    from ..modules.storage import check_kv_dtype
-    from .evaluate import each_module
-    from .store import sources_of
+    from ...io.folders import write_folder
+    from ...modules.storage import check_kv_dtype
+    from ..evaluate import each_module
+    from ..store import sources_of
 
     check_transformers_export(model)
     for k in each_module(model, storage):

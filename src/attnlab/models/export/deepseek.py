@@ -35,8 +35,8 @@ from pathlib import Path
 
 import torch
 
-from ..modules.mla import MultiHeadLatentAttention
-from .adapters import _layers, attnlab_modules, family
+from ...modules.mla import MultiHeadLatentAttention
+from ..adapters import _layers, attnlab_modules, family
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "generation_config.json")
@@ -214,8 +214,8 @@ def export_preflight(model, target: Path, force: bool, what: str, ours=None) -> 
     """What every export checks before writing: the target (io.folders.check_output: never the model's own
     sources, an existing one only with force and only if attnlab wrote it: ours(path) for a file), the
     family, the layers (check_exportable)."""
-    from ..io.folders import check_output
-    from .store import sources_of
+    from ...io.folders import check_output
+    from ..store import sources_of
 
     check_output(target, force=force, sources=sources_of(model), ours=ours)
     if family(model) != "llama":
@@ -287,7 +287,7 @@ def export_deepseek(model, folder, tokenizer=None, *, force: bool = False,
     tokenizer: saved with save_pretrained; without it, tokenizer files beside the source
     checkpoint (model.attnlab_source, set by load_checkpoint) are copied.
     """
-    from ..io.folders import write_folder
+    from ...io.folders import write_folder
 
     folder = Path(folder)
     modules = export_preflight(model, folder, force, "export_deepseek")
@@ -318,7 +318,7 @@ def export_deepseek(model, folder, tokenizer=None, *, force: bool = False,
             tokenizer.save_pretrained(str(tmp))
         else:
             copy_tokenizer(getattr(model, "attnlab_source", None), tmp)
-    from .store import sources_of
+    from ..store import sources_of
 
     return write_folder(folder, write, force=force, sources=sources_of(model), info={"what": "DeepSeek-V3 export"})
 
