@@ -3,6 +3,7 @@ it is scored by (proxy_kl against the teacher's log-probabilities on the proxy w
 search's result (PlanResult). The planner's rounds build candidates (shrink/plan.py, shrink/layer_rounds.py)."""
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from dataclasses import asdict, dataclass, field
@@ -14,6 +15,7 @@ from .sizes import LLAMA_CPP_CACHE, latent_bits
 
 # A 2-bit latent is ranked as if its proxy were this many times what it measured (rank(); docs/decisions.md)
 TWO_BIT_MARGIN = 1.2
+PLAN_BF16_VARIABLE = "ATTNLAB_PLAN_BF16"  # "0" or "1": the proxy's forwards in float32 or bf16, whatever the CPU
 MARGIN_VARIABLE = "ATTNLAB_TWO_BIT_MARGIN"  # a number >= 1 in its place: the protocol's variants to fit it
 
 
@@ -76,6 +78,7 @@ class PlanResult:
     note: str = ""
     context: int | None = None  # the sequence length bytes per token are counted at (None: every token held)
     spread: int | None = None  # the tokens a sequence's fixed rows were spread over (the context, or the default)
+    inputs: list | None = field(default=None, repr=False)  # the calibration inputs, for the conversion kept (apply)
 
     def to_dict(self) -> dict:
         ranked = sorted((c for c in self.measured if c.proxy is not None), key=rank)
@@ -105,20 +108,46 @@ def rank(cand: Candidate) -> float:
     return cand.proxy * (two_bit_margin() if latent_bits(cand.kv_dtype) == 2 else 1.0)
 
 
-def teacher_log_probs(teacher, windows: torch.Tensor) -> list[torch.Tensor]:
-    """The teacher's next-token log-probabilities on each proxy window (1, T, V), kept for every candidate."""
-    with torch.no_grad():
-        return [teacher(w[None]).logits.float().log_softmax(-1) for w in windows]
+def plan_bf16_asked() -> bool | None:
+    """ATTNLAB_PLAN_BF16 where set ("0": float32, "1": bf16), else None; ValueError naming another value."""
+    value = os.environ.get(PLAN_BF16_VARIABLE)
+    if value not in (None, "0", "1"):
+        raise ValueError(f"{PLAN_BF16_VARIABLE} must be 0 or 1, got {value!r}")
+    return None if value is None else value == "1"
 
 
-def proxy_kl(student, windows: torch.Tensor, reference: list[torch.Tensor]) -> float:
-    """Mean KL(teacher || student) per position over the proxy windows."""
+def proxy_bf16(model) -> bool:
+    """Whether the proxy's forwards run in bf16 autocast: for a float32 model on the CPU, as plan_bf16_asked() says,
+    else where the CPU multiplies bf16 natively (twice float32's rate there: runtime/environment.py)."""
+    from ..runtime.environment import cpu_bf16
+
+    asked = plan_bf16_asked()
+    weight = next(model.parameters())
+    return weight.device.type == "cpu" and weight.dtype == torch.float32 and (cpu_bf16() if asked is None else asked)
+
+
+def _precision(bf16: bool):
+    return torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
+
+
+def teacher_log_probs(teacher, windows: torch.Tensor, bf16: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The teacher's next-token log-probabilities and probabilities on each proxy window (1, T, V), kept for every
+    candidate; bf16: the forwards in bf16 autocast (proxy_bf16)."""
+    with torch.no_grad(), _precision(bf16):
+        logs = [teacher(w[None]).logits.float().log_softmax(-1) for w in windows]
+    return [(t, t.exp()) for t in logs]
+
+
+def proxy_kl(student, windows: torch.Tensor, reference: list[tuple[torch.Tensor, torch.Tensor]],
+             bf16: bool = False) -> float:
+    """Mean KL(teacher || student) per position over the proxy windows (reference: teacher_log_probs's, of the same
+    precision)."""
     from .layer_costs import kl_sum
 
     total, count = 0.0, 0
-    with torch.no_grad():
-        for w, t in zip(windows, reference):
-            total += kl_sum(t, student(w[None]).logits.float().log_softmax(-1))
+    with torch.no_grad(), _precision(bf16):
+        for w, (t, probs) in zip(windows, reference):
+            total += kl_sum(t, student(w[None]).logits.float().log_softmax(-1), probs)
             count += w.numel()
     return total / count
 

@@ -11,9 +11,10 @@ from __future__ import annotations
 import torch
 
 
-def kl_sum(teacher: torch.Tensor, student: torch.Tensor) -> float:
-    """sum over positions of KL(teacher || student), both next-token log-probabilities (..., V)."""
-    return float((teacher.exp() * (teacher - student)).sum())
+def kl_sum(teacher: torch.Tensor, student: torch.Tensor, probs: torch.Tensor | None = None) -> float:
+    """sum over positions of KL(teacher || student), both next-token log-probabilities (..., V); probs: the
+    teacher's exp(), where kept from an earlier call."""
+    return float(((teacher.exp() if probs is None else probs) * (teacher - student)).sum())
 
 
 class Prefix:
@@ -26,16 +27,17 @@ class Prefix:
         self.model, self.windows = model, windows
         self.layers = decoder_layers(model)
         self.outputs: list[list] = []  # [window][layer]: what the layer returned
-        self.reference: list[torch.Tensor] = []
+        self.reference: list[tuple[torch.Tensor, torch.Tensor]] = []  # log-probabilities and probabilities
         for w in windows:
             seen: list = []
             hooks = [layer.register_forward_hook(lambda mod, args, out: seen.append(out)) for layer in self.layers]
             try:
                 with torch.no_grad():
-                    self.reference.append(model(w[None]).logits.float().log_softmax(-1))
+                    logs = model(w[None]).logits.float().log_softmax(-1)
             finally:
                 for h in hooks:
                     h.remove()
+            self.reference.append((logs, logs.exp()))
             self.outputs.append(seen)
 
     def kl(self, start: int) -> float:
@@ -45,7 +47,7 @@ class Prefix:
         if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start < len(self.layers):
             raise ValueError(f"start must be a layer index in 0..{len(self.layers) - 1}, got {start!r}")
         total, count = 0.0, 0
-        for w, ref, outs in zip(self.windows, self.reference, self.outputs):
+        for w, (ref, probs), outs in zip(self.windows, self.reference, self.outputs):
             for layer, out in zip(self.layers[:start], outs):
                 layer.forward = (lambda out: lambda *args, **kwargs: out)(out)  # the original's output, not run
             try:
@@ -54,7 +56,7 @@ class Prefix:
             finally:
                 for layer in self.layers[:start]:
                     del layer.forward  # the class's forward again
-            total += kl_sum(ref, student)
+            total += kl_sum(ref, student, probs)
             count += w.numel()
         return total / count
 

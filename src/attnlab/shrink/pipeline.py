@@ -183,6 +183,7 @@ class _Run:
     meta: dict = field(default_factory=dict)
     data: dict = field(default_factory=dict)
     best: Candidate | None = None
+    inputs: list | None = None  # the planner's calibration inputs, until the convert phase reuses them
     student: object = None
 
     def minutes(self, start: float) -> float:
@@ -298,6 +299,7 @@ def _phase_plan(run: _Run) -> None:
             if run.budget.stop_requested:  # a search cut short is not the plan of this request: nothing saved
                 raise Stopped("stop")
             chosen = result.to_dict()
+            run.inputs = result.inputs  # the convert phase's calibration inputs, computed once
         state.data["plan"] = chosen
         state.finish("plan", run.minutes(t))
     run.best = Candidate(**{k: v for k, v in state.data["plan"]["chosen"].items()
@@ -317,7 +319,8 @@ def _phase_convert(run: _Run) -> None:
         t = run.budget.clock()
         run.show.phase(f"converting: {run.best.label()}")
         run.student = copy.deepcopy(run.teacher)
-        apply(run.student, run.best, run.data["calibration"] if run.req.calibration else None)
+        apply(run.student, run.best, run.data["calibration"] if run.req.calibration else None, inputs=run.inputs)
+        run.inputs = None
         hf.save_model(run.student, run.meta["base"], student_dir, force=True, sources=run.readers)
         run.state.finish("convert", run.minutes(t))
     run.budget.check()

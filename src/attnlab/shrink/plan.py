@@ -55,7 +55,7 @@ from __future__ import annotations
 import torch
 
 from . import layer_rounds
-from .candidate import Candidate, PlanResult, apply, proxy_kl, rank, teacher_log_probs, token_windows
+from .candidate import Candidate, PlanResult, apply, proxy_bf16, proxy_kl, rank, teacher_log_probs, token_windows
 from .feasible import feasible, keys_whole, native_storages
 from .sizes import (FORMATS, LLAMA_CPP_CACHE, KVBudget, Layout, cached_extra, few_bit, fit, layer_bytes, latent_bits,
                     layers_bytes, original_sizes, planned_bytes, splits, spread_context, storage_ok)
@@ -125,7 +125,8 @@ class _Planner:
         self.calibration = (calibration_ids, inputs) if calibrate else (None, None)
         self.window = window
         self.windows = token_windows((calibration_ids if proxy_ids is None else proxy_ids)[0], window, proxy_windows)
-        self.reference = teacher_log_probs(self.teacher, self.windows)
+        self.bf16 = proxy_bf16(self.teacher)  # the proxy's forwards in bf16 where the CPU multiplies it natively
+        self.reference = teacher_log_probs(self.teacher, self.windows, self.bf16)
 
     # -- what the rounds share -------------------------------------------------------------------------------
     def split(self, values: int, shares, storage: str) -> list[tuple[int, int]]:
@@ -173,7 +174,7 @@ class _Planner:
             if cand.bytes_per_token > self.budget_bytes:
                 raise RuntimeError(f"planner bug: {cand.label()} takes {cand.bytes_per_token} bytes/token, over the "
                                    f"budget's {self.budget_bytes:.0f}")
-            cand.proxy = proxy_kl(self.teacher, self.windows, self.reference)
+            cand.proxy = proxy_kl(self.teacher, self.windows, self.reference, self.bf16)
         finally:
             self.restore()
         self.measured.append(cand)
@@ -202,7 +203,7 @@ class _Planner:
 
     def result(self, best: Candidate, note: str) -> PlanResult:
         return PlanResult(best, self.measured, str(self.budget), self.original, self.budget_bytes, note,
-                          self.context, self.spread)
+                          self.context, self.spread, self.calibration[1])
 
     # -- the search ------------------------------------------------------------------------------------------
     def run(self, per_layer: bool, layer_ids: torch.Tensor | None) -> PlanResult:
