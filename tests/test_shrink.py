@@ -20,7 +20,7 @@ from attnlab.shrink import ShrinkRequest, parse_budget, plan, shrink
 from attnlab.shrink.request import check_request
 from attnlab.shrink.state import run_folder
 from attnlab.shrink.feasible import feasible
-from attnlab.shrink.candidate import Candidate, apply, proxy_kl, rank, teacher_log_probs
+from attnlab.shrink.candidate import Candidate, apply, proxy_bf16, proxy_kl, rank, teacher_log_probs
 from attnlab.shrink.sizes import bytes_per_token
 from attnlab.shrink.sizes import spread_context
 
@@ -102,11 +102,12 @@ def test_the_plan_scores_candidates_on_the_proxy_text_it_is_given(tiny):
     cal, other = _ids(tok, text, 256), _ids(tok, held, 4 * T)
     result = plan(model, cal, parse_budget("50%"), window=T, proxy_ids=other, storages=("bf16",))
     windows = other[0].reshape(4, T)
-    reference = teacher_log_probs(model, windows)
+    bf16 = proxy_bf16(model)  # the planner's precision on this machine
+    reference = teacher_log_probs(model, windows, bf16)
     for cand in result.measured[:2]:
         m = copy.deepcopy(model)
         apply(m, cand, cal)
-        assert proxy_kl(m, windows, reference) == pytest.approx(cand.proxy, rel=1e-6)
+        assert proxy_kl(m, windows, reference, bf16) == pytest.approx(cand.proxy, rel=1e-6)
     in_sample = plan(model, cal, parse_budget("50%"), window=T, storages=("bf16",))
     assert in_sample.measured[0].proxy != pytest.approx(result.measured[0].proxy, rel=1e-3)
 
@@ -302,6 +303,30 @@ def test_a_bad_margin_variable_is_refused_before_any_work(monkeypatch, value):
     monkeypatch.setenv("ATTNLAB_TWO_BIT_MARGIN", value)
     with pytest.raises(ValueError, match=f"ATTNLAB_TWO_BIT_MARGIN must be a number of at least 1, got '{value}'"):
         check_request(ShrinkRequest(source="smollm2", out="x", kv_budget="25%"))
+
+
+@pytest.mark.parametrize("value", ["2", "yes", ""])
+def test_a_bad_plan_bf16_variable_is_refused_before_any_work(monkeypatch, value):
+    monkeypatch.setenv("ATTNLAB_PLAN_BF16", value)
+    with pytest.raises(ValueError, match=f"ATTNLAB_PLAN_BF16 must be 0 or 1, got '{value}'"):
+        check_request(ShrinkRequest(source="smollm2", out="x", kv_budget="25%"))
+
+
+def test_the_proxy_runs_in_bf16_only_for_a_float32_model_on_the_cpu_as_asked(tiny, monkeypatch):
+    """ATTNLAB_PLAN_BF16 decides for a float32 CPU model; a bf16 model's forwards are never autocast. Scored in
+    bf16, a candidate's proxy is near its float32 one (bf16's own rounding: within 10%), not equal to it."""
+    _, model, tok, text, _ = tiny
+    monkeypatch.setenv("ATTNLAB_PLAN_BF16", "0")
+    assert not proxy_bf16(model)
+    monkeypatch.setenv("ATTNLAB_PLAN_BF16", "1")
+    assert proxy_bf16(model) and not proxy_bf16(copy.deepcopy(model).to(torch.bfloat16))
+    cal = _ids(tok, text, 256)
+    windows = cal[0, :4 * T].reshape(4, T)
+    m = copy.deepcopy(model)
+    apply(m, Candidate(40, 16, "rorope", True, "bf16", False), cal)
+    kl32 = proxy_kl(m, windows, teacher_log_probs(model, windows))
+    kl16 = proxy_kl(m, windows, teacher_log_probs(model, windows, True), True)
+    assert kl16 != kl32 and kl16 == pytest.approx(kl32, rel=0.1)
 
 
 @pytest.mark.parametrize("count", [None, 12])
