@@ -17,7 +17,7 @@ KEY_BITS = {"c2": 2, "c3": 3, "c4": 4, "r8": 8}
 LATENT_BITS = (2, 7)  # the few-bit latents' range ("int2" to "int7")
 PROBE_LATENT = 7  # the latent's bits while a key is measured
 PROBE_KEY = "r8"  # the key's code while a latent is measured
-COST_WINDOWS = 1  # of the planner's proxy windows, what each single-layer KL reads
+COST_WINDOWS = 2  # of the planner's proxy windows, what each single-layer KL reads
 LAYER_BITS_VARIABLE = "ATTNLAB_LAYER_BITS"  # "0" or "1": round 5 off or on, whatever the run (the protocol's variants)
 _SPELLING = re.compile(r"int([2-7])/g([1-9][0-9]*)\+(c[234]|r8)((?:\+s[0-9]+)?(?:\+w[0-9]+)?)")
 
