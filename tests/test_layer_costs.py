@@ -59,6 +59,23 @@ def test_the_kl_from_a_layer_on_is_the_whole_models(four, layer):
     assert all("forward" not in vars(m) for m in decoder_layers(student))  # the class's forward again
 
 
+def test_windows_read_in_batches_score_as_one_at_a_time(four, monkeypatch):
+    """The proxy and Prefix.kl read WINDOW_BATCH windows a forward: the same KL as one window a forward, to float32's
+    rounding of a sum over positions (an odd count leaves a last batch of one)."""
+    import attnlab.shrink.layer_costs as costs_module
+
+    model, ids, windows = four
+    student = copy.deepcopy(model)
+    _convert_one(student, 1, 12, ids)
+    three = ids[0, :192].reshape(3, 64)
+    batched = proxy_kl(student, three, teacher_log_probs(model, three))
+    from_two = Prefix(model, three)
+    monkeypatch.setattr(costs_module, "WINDOW_BATCH", 1)
+    single = proxy_kl(student, three, teacher_log_probs(model, three))
+    assert len(costs_module.batches(three)) == 3 and len(from_two.reference) == 2
+    assert batched > 1e-4 and batched == pytest.approx(single, rel=1e-5)
+
+
 def test_an_unchanged_model_costs_nothing_and_a_bad_start_is_named(four):
     model, _, windows = four
     prefix = Prefix(model, windows)

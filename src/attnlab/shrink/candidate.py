@@ -131,10 +131,12 @@ def _precision(bf16: bool):
 
 
 def teacher_log_probs(teacher, windows: torch.Tensor, bf16: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The teacher's next-token log-probabilities and probabilities on each proxy window (1, T, V), kept for every
-    candidate; bf16: the forwards in bf16 autocast (proxy_bf16)."""
+    """The teacher's next-token log-probabilities and probabilities on the proxy windows, (B, T, V) a batch
+    (layer_costs.batches), kept for every candidate; bf16: the forwards in bf16 autocast (proxy_bf16)."""
+    from .layer_costs import batches
+
     with torch.no_grad(), _precision(bf16):
-        logs = [teacher(w[None]).logits.float().log_softmax(-1) for w in windows]
+        logs = [teacher(batch).logits.float().log_softmax(-1) for batch in batches(windows)]
     return [(t, t.exp()) for t in logs]
 
 
@@ -142,13 +144,13 @@ def proxy_kl(student, windows: torch.Tensor, reference: list[tuple[torch.Tensor,
              bf16: bool = False) -> float:
     """Mean KL(teacher || student) per position over the proxy windows (reference: teacher_log_probs's, of the same
     precision)."""
-    from .layer_costs import kl_sum
+    from .layer_costs import batches, kl_sum
 
     total, count = 0.0, 0
     with torch.no_grad(), _precision(bf16):
-        for w, (t, probs) in zip(windows, reference):
-            total += kl_sum(t, student(w[None]).logits.float().log_softmax(-1), probs)
-            count += w.numel()
+        for batch, (t, probs) in zip(batches(windows), reference):
+            total += kl_sum(t, student(batch).logits.float().log_softmax(-1), probs)
+            count += batch.numel()
     return total / count
 
 
