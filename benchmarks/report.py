@@ -409,8 +409,8 @@ def results_md(data: dict, table: dict) -> str:
               "at or above the command's; the README's is the best by median of those at the two smallest sizes."),
         "", *md_summary(data, table), "",
         "### Each seed on each text", "", *md_runs(data, table),
-        *wrap(f"protocol.json also keeps {at} rows of designs measured and not kept (its at/ keys); "
-              "`python benchmarks/quality/protocol.py report` lists them."), "",
+        *wrap(f"protocol.json also keeps {at} rows of other commits (its at/ keys: designs measured and not kept, "
+              "and re-timings of a plan); `python benchmarks/quality/protocol.py report` lists them."), "",
         "## The baselines: the original model's cache quantized", "",
         *wrap("`python benchmarks/quality/protocol.py baselines --model M`: llama.cpp's cache types (its Hadamard "
               "rotation included) and KIVI-style codes, on the original model in attnlab, the same texts and "
