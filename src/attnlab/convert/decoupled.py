@@ -137,7 +137,7 @@ def _decoupled_pairs(gqa, latent_dim: int, rope_pairs: int, calibration, pair_se
     wq = gqa.W_Q.weight.detach().reshape(H, d, -1)  # (H, d, D_1)
     wk = gqa.W_K.weight.detach().reshape(G, d, -1)  # (G, d, D_2)
     owner = kv_head_of(H, G, gqa.grouping)
-    first, second, kept = _kept_pairs(gqa, rope_pairs, pair_selection, calibration)
+    first, second, kept = _kept_pairs(gqa, rope_pairs, pair_selection, calibration, wq, wk, owner)
     nope = []
     for g in range(G):
         rotary = torch.zeros(d, dtype=torch.bool)
@@ -195,14 +195,12 @@ def _decoupled_pairs(gqa, latent_dim: int, rope_pairs: int, calibration, pair_se
                         notes=notes)
 
 
-def _kept_pairs(gqa, n: int, pair_selection: str, calibration):
+def _kept_pairs(gqa, n: int, pair_selection: str, calibration, wq, wk, owner):
     """(first, second, kept), each (G, n): the two dims of each KV head's n kept rotary pairs, and the pairs, by
-    frequency (the fastest) or by norm (the largest mean |q| |k| on the calibration inputs)."""
+    frequency (the fastest) or by norm (the largest mean |q| |k| on the calibration inputs; wq (H, d, D), wk (G, d,
+    D) and owner, each query head's KV head, as _decoupled_pairs has them)."""
     H, G, d = gqa.num_heads, gqa.num_kv_heads, gqa.head_dim
     half = d // 2
-    wq = gqa.W_Q.weight.detach().reshape(H, d, -1)  # (H, d, D_1)
-    wk = gqa.W_K.weight.detach().reshape(G, d, -1)  # (G, d, D_2)
-    owner = kv_head_of(H, G, gqa.grouping)
     pairs = torch.arange(half)
     # the two dims of pair i within a head: (i, i + d/2) rotate-half, (2i, 2i+1) interleaved
     dims_a = pairs * 2 if gqa.rope.interleaved else pairs

@@ -15,8 +15,8 @@ from .sizes import LLAMA_CPP_CACHE, latent_bits
 
 # A 2-bit latent is ranked as if its proxy were this many times what it measured (rank(); docs/decisions.md)
 TWO_BIT_MARGIN = 1.2
-PLAN_BF16_VARIABLE = "ATTNLAB_PLAN_BF16"  # "0" or "1": the proxy's forwards in float32 or bf16, whatever the CPU
 MARGIN_VARIABLE = "ATTNLAB_TWO_BIT_MARGIN"  # a number >= 1 in its place: the protocol's variants to fit it
+PLAN_BF16_VARIABLE = "ATTNLAB_PLAN_BF16"  # "0" or "1": the proxy's forwards in float32 or bf16, whatever the CPU
 
 
 @dataclass

@@ -11,10 +11,10 @@ from __future__ import annotations
 import torch
 
 
-def kl_sum(teacher: torch.Tensor, student: torch.Tensor, probs: torch.Tensor | None = None) -> float:
+def kl_sum(teacher: torch.Tensor, student: torch.Tensor, probs: torch.Tensor) -> float:
     """sum over positions of KL(teacher || student), both next-token log-probabilities (..., V); probs: the
-    teacher's exp(), where kept from an earlier call."""
-    return float(((teacher.exp() if probs is None else probs) * (teacher - student)).sum())
+    teacher's exp(), kept beside its log-probabilities."""
+    return float((probs * (teacher - student)).sum())
 
 
 WINDOW_BATCH = 2  # windows a forward reads at once: 14% faster than one at a time on a 2-core CPU (SmolLM2)
