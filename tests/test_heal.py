@@ -514,6 +514,25 @@ def test_an_evaluations_positions_are_where_the_two_models_agree_and_flips_count
     assert flips({k: v for k, v in outs[0].items() if k != "top1_positions"}, outs[1]) is None
 
 
+def test_the_top1_alpha_variable_moves_the_sign_tests_line(monkeypatch):
+    """ATTNLAB_TOP1_ALPHA in TOP1_ALPHA's place: 6 positions lost and none gained (a chance of 2 ** -6) is no harm
+    at the default 0.01, harm at 0.05; at 0 no fall of top-1 agreement is, while a risen KL still is."""
+    import attnlab.heal.evaluate as ev
+    from attnlab.heal.guard import reason
+
+    def read(k, kl=1.0):
+        return {"kl": kl, "perplexity": 2.0, "top1_agreement": 1 - k / 24, "tokens": 24,
+                "top1_positions": ev.positions_code(torch.arange(24) >= k)}
+
+    monkeypatch.delenv("ATTNLAB_TOP1_ALPHA", raising=False)
+    assert reason(read(0), read(6)) is None and "7 positions lost" in reason(read(0), read(7))
+    monkeypatch.setenv("ATTNLAB_TOP1_ALPHA", "0.05")
+    assert "6 positions lost, 0 gained" in reason(read(0), read(6)) and "below 0.05" in reason(read(0), read(6))
+    assert reason(read(0), read(4)) is None  # 2 ** -4 = 0.0625
+    monkeypatch.setenv("ATTNLAB_TOP1_ALPHA", "0")
+    assert reason(read(0), read(24)) is None and "KL to the teacher" in reason(read(0), read(0, kl=1.1))
+
+
 def test_the_sign_test_is_the_binomial_tail_computed_by_hand():
     """guard.sign_test: the chance that lost + gained fair coin flips give lost or more losses, against sums written
     out by hand (5 of 5: 1/32; 4 of 5: 6/32; 3 of 4: 5/16), 1.0 when top-1 did not fall, and a ValueError on a

@@ -305,6 +305,13 @@ def test_a_bad_margin_variable_is_refused_before_any_work(monkeypatch, value):
         check_request(ShrinkRequest(source="smollm2", out="x", kv_budget="25%"))
 
 
+@pytest.mark.parametrize("value", ["1.5", "-0.01", "some", "nan"])
+def test_a_bad_top1_alpha_variable_is_refused_before_any_work(monkeypatch, value):
+    monkeypatch.setenv("ATTNLAB_TOP1_ALPHA", value)
+    with pytest.raises(ValueError, match=f"ATTNLAB_TOP1_ALPHA must be a number from 0 to 1, got '{value}'"):
+        check_request(ShrinkRequest(source="smollm2", out="x", kv_budget="25%"))
+
+
 @pytest.mark.parametrize("value", ["2", "yes", ""])
 def test_a_bad_plan_bf16_variable_is_refused_before_any_work(monkeypatch, value):
     monkeypatch.setenv("ATTNLAB_PLAN_BF16", value)

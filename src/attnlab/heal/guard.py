@@ -22,6 +22,7 @@ student against the end-to-end phase's after it (switch_line says what that verd
 from __future__ import annotations
 
 import math
+import os
 
 from .evaluate import flips
 
@@ -31,6 +32,7 @@ BLOW_UP = 2.0  # an end-to-end step whose loss is above this many times the phas
 # worse: a fall of top-1 agreement is a sign of harm when the positions lost outnumber those gained at this level of
 # a one-sided sign test (the chance that flips with no preferred direction lose that many or more)
 TOP1_ALPHA = 0.01
+ALPHA_VARIABLE = "ATTNLAB_TOP1_ALPHA"  # a level from 0 to 1 in its place: the protocol's variants to fit it
 # an evaluation without its positions ("top1_positions": a checkpoint of an older attnlab) may fall this much instead
 TOP1_TOLERANCE = 0.005
 
@@ -185,13 +187,27 @@ def reason(before: dict | None, after: dict | None) -> str | None:
         if counts is not None:
             lost, gained = counts
             chance = sign_test(lost, gained)
-            if chance < TOP1_ALPHA:
+            if chance < top1_alpha():
                 return (f"{fell}: {lost} positions lost, {gained} gained (a sign test's chance {chance:.2g}, below "
-                        f"{TOP1_ALPHA:g}; perplexity {b['perplexity']:.3f} -> {a['perplexity']:.3f}{kl})")
+                        f"{top1_alpha():g}; perplexity {b['perplexity']:.3f} -> {a['perplexity']:.3f}{kl})")
         elif a["top1_agreement"] < b["top1_agreement"] - TOP1_TOLERANCE:
             return (f"{fell}, by more than {TOP1_TOLERANCE:g} (perplexity {b['perplexity']:.3f} -> "
                     f"{a['perplexity']:.3f}{kl})")
     return None
+
+
+def top1_alpha() -> float:
+    """TOP1_ALPHA, or ATTNLAB_TOP1_ALPHA where set; ValueError naming a value that is not a number from 0 to 1."""
+    value = os.environ.get(ALPHA_VARIABLE)
+    if value is None:
+        return TOP1_ALPHA
+    try:
+        alpha = float(value)
+    except ValueError:
+        alpha = math.nan
+    if not 0 <= alpha <= 1:
+        raise ValueError(f"{ALPHA_VARIABLE} must be a number from 0 to 1, got {value!r}")
+    return alpha
 
 
 def sign_test(lost: int, gained: int) -> float:

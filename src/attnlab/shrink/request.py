@@ -59,6 +59,7 @@ def check_request(req: ShrinkRequest) -> None:
     """ValueError naming the value for anything the run cannot do, before any work."""
     from .candidate import plan_bf16_asked, two_bit_margin
     from .layer_bits import planned_layer_bits
+    from ..heal.guard import top1_alpha
     from .sizes import FORMATS
 
     if req.fmt not in FORMATS:
@@ -87,6 +88,7 @@ def check_request(req: ShrinkRequest) -> None:
     planned_layer_bits(req.heal)  # a bad ATTNLAB_LAYER_BITS before any work
     two_bit_margin()  # ... or ATTNLAB_TWO_BIT_MARGIN
     plan_bf16_asked()  # ... or ATTNLAB_PLAN_BF16
+    top1_alpha()  # ... or ATTNLAB_TOP1_ALPHA
     if req.context is not None and (isinstance(req.context, bool) or not isinstance(req.context, int) or
                                     req.context < 1):
         raise ValueError(f"--context must be a positive number of tokens, got {req.context!r}")
