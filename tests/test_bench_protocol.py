@@ -284,3 +284,32 @@ def test_the_engine_table_is_the_median_and_the_worst_of_each_ratio(engines):
     assert row["shrunk"] == {"median": pytest.approx(1.1), "worst": pytest.approx(1.2)}
     assert row["shrunk_q8_0_over_shrunk"]["worst"] == pytest.approx(1.01)
     assert row["heal_stood"] == [False, True] and row["rewritten"] == [0, 1] and row["seeds"] == [0, 1]
+
+
+def test_the_guard_levels_read_the_verdicts_guard_worse_reaches_at_each_level(monkeypatch):
+    """benchmarks/quality/guard_levels.py: a verdict is worse at a level exactly where guard.worse says so with
+    ATTNLAB_TOP1_ALPHA at that level, and every level inside the printed range gives the default's verdicts."""
+    import torch
+
+    from attnlab.heal.evaluate import positions_code
+    from attnlab.heal.guard import worse
+
+    spec = importlib.util.spec_from_file_location("guard_levels", ROOT / "benchmarks" / "quality" / "guard_levels.py")
+    levels = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(levels)
+
+    def read(lost, kl=1.0):  # 24 positions: the first `lost` disagree with the teacher
+        return {"kl": kl, "perplexity": 2.0, "top1_agreement": 1 - lost / 24, "tokens": 24,
+                "top1_positions": positions_code(torch.arange(24) >= lost)}
+
+    pairs = [(read(0), read(k)) for k in (3, 5, 6, 8)] + [(read(0), read(2, kl=1.5))]
+    judged = [levels.judge(b, a) for b, a in pairs]
+    assert [j["least_chance"] for j in judged[:4]] == [2.0 ** -k for k in (3, 5, 6, 8)]
+    assert judged[4]["kl_rose_on"] == [0]
+    low, high = levels.same_range([j["least_chance"] for j in judged[:4]])
+    assert (low, high) == (2.0 ** -8, 2.0 ** -6)
+    for level in (2.0 ** -7, high, 0.5, 0.0):
+        monkeypatch.setenv("ATTNLAB_TOP1_ALPHA", str(level))
+        said = [bool(j["kl_rose_on"]) or j["least_chance"] < level for j in judged]
+        assert said == [worse(b, a) for b, a in pairs]
+        assert (said == [False, False, False, True, True]) == (low < level <= high)
