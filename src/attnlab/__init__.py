@@ -1,12 +1,8 @@
 """attnlab: multi-head attention and its KV-sharing variants (MHA, GQA, MLA).
 
-Run them (`attnlab.modules`, its names re-exported here), convert between them
-(`attnlab.convert`), and explain them (`attnlab tour`). The subpackages are the
-layers of docs/architecture.md, each importing only those below it:
-kernels < modules < convert, io, runtime < study, models < generation, hf < heal, bench < shrink < cli.
-
-The names below and the subpackages are imported when first used (PEP 562), so that
-`import attnlab` and the command line's `--help` do not pay for torch until something needs it.
+Run them (`attnlab.modules`, its names re-exported here), convert between them (`attnlab.convert`), and explain them
+(`attnlab tour`). The subpackages are the layers of docs/architecture.md (see _SUBPACKAGES). Names and subpackages
+load on first use (PEP 562), so `import attnlab` and the command line's `--help` do not pay for torch.
 """
 import importlib as _importlib
 
@@ -16,6 +12,8 @@ _NAMES = {  # name: the module that defines it
     "GroupedQueryAttention": "attnlab.modules.gqa", "MultiHeadAttention": "attnlab.modules.gqa",
     "MultiHeadLatentAttention": "attnlab.modules.mla", "RotaryEmbedding": "attnlab.modules.rope",
 }
+# The layers of docs/architecture.md, each importing only those below it:
+# kernels < modules < convert, io, runtime < study, models < generation, hf < heal, bench < shrink < cli.
 _SUBPACKAGES = ("kernels", "modules", "convert", "io", "runtime", "study", "models", "generation", "hf", "heal",
                 "bench", "shrink", "cli")
 

@@ -1,22 +1,8 @@
 """Micro benchmarks of attnlab against torch and transformers, every comparison measured in one process.
 
-Each figure is the median of repeated runs after a warm-up (timing.py). Ratios compare
-numbers taken in the same run. suites.run_benchmarks runs them (and model.py's) by name.
-
-Suites:
-- decode: one decode step, B=1, float32, MHA / GQA / MLA expanded / MLA absorbed,
-  at several context lengths, with each variant's roofline fraction from the
-  matrix-multiply rate and memory bandwidth measured in the same run.
-- deepseek: MLA decode against transformers' DeepseekV3Attention with the same
-  weights and its own DynamicCache (needs transformers).
-- prefill: MultiHeadAttention against torch.nn.MultiheadAttention (copied
-  weights); GQA against the same computation with K/V repeated.
-- memory: peak resident memory of a GQA forward against MHA with the same H,
-  each measured in a fresh subprocess.
-- convert: factoring a tiled GQA projection through its rank (Part 9) from the
-  tiling's structure against an SVD of the tiled matrix.
-- model: whole models (SmolLM2 on CPU, the Llama-3.2-1B shape on CUDA), prefill and
-  decode of transformers and attnlab's swapped and converted models (model.py).
+Each figure is the median of repeated runs after a warm-up (timing.py); ratios compare numbers of the same run.
+Suites: `decode_suite`, `deepseek_suite`, `prefill_suite`, `memory_suite`, `convert_suite` (and model.py's
+`--suite model`: whole models), run by name by suites.run_benchmarks.
 """
 from __future__ import annotations
 
@@ -34,6 +20,8 @@ F32 = torch.float32
 
 
 # -- decode ----------------------------------------------------------------------------------------
+# One decode step, B=1, float32, MHA / GQA / MLA expanded / MLA absorbed, at several context lengths, with each
+# variant's roofline fraction from the matrix-multiply rate and memory bandwidth measured in the same run.
 def _decode_cost(kind: str, dim: int, H: int, d: int, G: int, r: int, S: int, elt: int = 4) -> tuple[float, float]:
     """(FLOPs, bytes read) of one decode step over S cached tokens: weights, cache, up-projections."""
     if kind in ("mha", "gqa"):
@@ -93,6 +81,8 @@ def decode_suite(contexts=(1024, 4096, 16384), dim=4096, H=32, d=128, G=8, r=512
 
 
 # -- deepseek --------------------------------------------------------------------------------------
+# MLA decode against transformers' DeepseekV3Attention with the same weights and its own DynamicCache (needs
+# transformers).
 def deepseek_suite(context=4096, reps=5, hidden=2048, heads=16, kv_lora_rank=512, qk_nope=128, qk_rope=64,
                    v_head=128, progress=None, device="cpu") -> list[dict]:
     """attnlab absorbed decode vs transformers' DeepseekV3Attention (re-expands the cache each step)."""
@@ -151,6 +141,8 @@ def deepseek_suite(context=4096, reps=5, hidden=2048, heads=16, kv_lora_rank=512
 
 
 # -- prefill ---------------------------------------------------------------------------------------
+# MultiHeadAttention against torch.nn.MultiheadAttention (copied weights); GQA against the same computation with K/V
+# repeated.
 def prefill_suite(B=4, L=1024, dim=1024, H=16, G=4, reps=5, progress=None) -> list[dict]:
     torch.manual_seed(0)
     ours = MultiHeadAttention(dim, H, bias=True).eval()
@@ -189,6 +181,7 @@ def prefill_suite(B=4, L=1024, dim=1024, H=16, G=4, reps=5, progress=None) -> li
 
 
 # -- memory ----------------------------------------------------------------------------------------
+# Peak resident memory of a GQA forward against MHA with the same H, each measured in a fresh subprocess.
 _PEAK_SCRIPT = r"""
 import sys, torch
 from attnlab import GroupedQueryAttention
@@ -228,6 +221,8 @@ def memory_suite(dim=4096, H=32, G=8, B=1, L=8192, progress=None) -> list[dict]:
 
 
 # -- convert ---------------------------------------------------------------------------------------
+# Factoring a tiled GQA projection through its rank (Part 9) from the tiling's structure against an SVD of the tiled
+# matrix.
 def convert_suite(D=4096, H=32, G=8, d=128, reps=3, progress=None) -> list[dict]:
     """Part 9's factorisation of a tiled GQA projection: the tiling's structure vs an SVD of the tiled matrix."""
     from ..convert.linalg import factor_tiled

@@ -1,21 +1,8 @@
-"""The whole-model benchmark (`attnlab bench --suite model`): serving speed of
-converted models against the model they came from, every figure of a table measured in one process.
+"""The whole-model benchmark (`attnlab bench --suite model`): serving speed of converted models against their source.
 
-Rows (variants): transformers "eager" and "sdpa" (unconverted, their own DynamicCache, the loop
-transformers' generate runs); attnlab's GQA swap; the exact MLA (GQA-tiled latent, mla.py);
-compressed MLAs (decoupled RoPE) at two latent sizes; bfloat16 variants of the attnlab rows.
-The attnlab rows decode through attnlab.generation.Generator (static caches), the transformers rows
-through transformers' DynamicCache (the JSON says which: "loop").
-
-Columns: prefill ms (one prompt of `prompt` tokens, B rows), decode tokens/s (B / the median
-step), peak memory beyond the weights (caches + prefill activations: CPU, the process's resident
-high-water mark, reset through /proc/self/clear_refs, less the resident set before the caches
-were made; CUDA, torch's peak allocation less the allocation before), KV bytes/token, roofline
-fractions and ratios against the GQA swap of the same dtype, batch and prompt.
-Rooflines: a decode step must read every weight once (tied embedding once; a GQA-tiled MLA
-skips W_UK/W_UV) plus B * context * KV bytes/token, at the copy bandwidth measured here (bytes
-read + written by a large copy); prefill must do 2 * B * L * (weights in matrix products) plus
-B * H * L^2 * (qk + v head size) FLOPs (causal half) at the GEMM rate measured here in that dtype.
+`model_suite` measures every figure of a table in one process. Rows are variants (transformers eager and sdpa,
+attnlab's GQA swap, the exact MLA, compressed MLAs, bfloat16 variants); columns are prefill, decode, peak memory,
+KV bytes a token and roofline fractions. `markdown` writes the table of docs/performance.md.
 """
 from __future__ import annotations
 
@@ -90,6 +77,10 @@ def _memory_mb(device, peak: bool) -> float | None:
 
 
 # -- models ----------------------------------------------------------------------------------------
+# Rows (variants): transformers "eager" and "sdpa" (unconverted, their own DynamicCache, the loop transformers' generate
+# runs); attnlab's GQA swap; the exact MLA (GQA-tiled latent, mla.py); compressed MLAs (decoupled RoPE) at two latent
+# sizes; bfloat16 variants of the attnlab rows. The attnlab rows decode through attnlab.generation.Generator (static
+# caches), the transformers rows through transformers' DynamicCache (the JSON says which: "loop").
 def _variant(base, name: str, compressed: dict):
     """A fresh model for one row: transformers (eager/sdpa), or attnlab-swapped and maybe converted."""
     from ..models import convert_model, to_attnlab
@@ -201,6 +192,15 @@ def _loop(model, name, B, max_len, device):
     return _TransformersLoop(model), "transformers-cache"
 
 
+# Columns: prefill ms (one prompt of `prompt` tokens, B rows), decode tokens/s (B / the median step), peak memory beyond
+# the weights (caches + prefill activations: CPU, the process's resident high-water mark, reset through
+# /proc/self/clear_refs, less the resident set before the caches were made; CUDA, torch's peak allocation less the
+# allocation before), KV bytes/token, roofline fractions and ratios against the GQA swap of the same dtype, batch and
+# prompt.
+# Rooflines: a decode step must read every weight once (tied embedding once; a GQA-tiled MLA skips W_UK/W_UV) plus
+# B * context * KV bytes/token, at the copy bandwidth measured here (bytes read + written by a large copy); prefill
+# must do 2 * B * L * (weights in matrix products) plus B * H * L^2 * (qk + v head size) FLOPs (causal half) at the
+# GEMM rate measured here in that dtype.
 def _measure_point(models: dict, B: int, L: int, steps: int, device, rate, vocab, progress=None) -> list[dict]:
     """Rows of one (batch, prompt) point. Variants take turns, step by step, so that the load of a
     shared machine falls on all of them alike; each variant's prefill is timed once after a warm-up."""
@@ -266,7 +266,7 @@ def _llama_1b(device):
 
 
 def model_suite(quick: bool = False, device: str = "cpu", grid=None, variants=None, progress=None) -> list[dict]:
-    """Rows of the whole-model benchmark (see the module docstring).
+    """Rows of the whole-model benchmark (rows and columns: the comments above `_variant` and `_measure_point`).
 
     CPU: real SmolLM2-135M weights, fp32 and bf16 rows. CUDA: the Llama-3.2-1B shape, random
     bf16 weights, the issue's GPU grid. quick: a 2-layer SmolLM2-shaped model with random

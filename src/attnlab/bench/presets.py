@@ -1,11 +1,8 @@
-"""Attention sizes of real models (published configs) and their KV-cache footprint.
+"""Attention sizes of real models (published configs, `PRESETS`) and their KV-cache footprint (`kv_footprint`).
 
-The footprint is measured, not typed: each preset builds one attention layer
-on the meta device (no memory, no weights), asks it for a cache, and reads the
-allocated buffers' sizes, the same way Part 14 is answered for small modules.
-A model with sliding-window layers (Gemma 3) has two kinds of layer: a global
-one caches every token, a sliding one at most its window (modules/cache.py), so
-its bytes per token depend on the context and are stated at one.
+The footprint is measured, not typed: each preset builds one attention layer on the meta device (no memory, no
+weights), asks it for a cache and reads the allocated buffers' sizes, as Part 14 is answered for small modules.
+With sliding-window layers (Gemma 3) a sliding layer caches at most its window: bytes per token depend on the context.
 """
 from __future__ import annotations
 

@@ -282,11 +282,9 @@ def convert(source: str = typer.Argument(..., help="An attnlab checkpoint folder
                                             "gets one more channel, nearly constant, so the norm is nearly a fixed "
                                             "scale (small error; what a GGUF for llama.cpp's quantisers needs); "
                                             "fit: a plain norm (large error before training; heal trains it).")):
-    """Convert a saved attention module, or every layer of a real model, to another family.
+    """Convert a saved attention module, or every layer of a real model, to another family; print the report table.
 
-    Writes safetensors + config.json and prints the report table.
     Example: attnlab convert smollm2 --to mla --kv-budget 50% --out smollm2-half
-    Example: attnlab convert smollm2 --to mla --latent-dim 256 --out smollm2-mla256
     Example: attnlab convert ckpt/gqa --to mla --latent-dim 64 --out ckpt/mla64
     Example: attnlab convert ~/Llama-3.2-1B --to mla --latent-dim 256 --format deepseek --out llama-mla
     """

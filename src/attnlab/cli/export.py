@@ -35,9 +35,8 @@ def export(source: str = typer.Argument(..., help="A converted-model folder (att
                                                "Q4_K_M) destroy it, so never quantise such a file.")):
     """Write a converted model in a standard format, with the tokenizer, for transformers or llama.cpp.
 
-    gguf needs an MLA whose kept rotary frequencies llama.cpp can turn (convert with
-    --rope-select rorope and --rope-dim within the source's limit, which the error names) and a
-    latent norm (--latent-norm steady at convert time, or --calibration here).
+    gguf needs an MLA whose kept rotary frequencies llama.cpp can turn (convert with --rope-select rorope, --rope-dim
+    within the source's limit that the error names) and a latent norm (convert --latent-norm steady, or --calibration).
     Example: attnlab export smol-mla --format gguf --calibration corpus.txt --out smol-mla.gguf
     """
     from .. import models as hf

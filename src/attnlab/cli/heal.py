@@ -1,19 +1,8 @@
 """`attnlab heal`: distil a converted model back towards the original (attnlab.heal does the work).
 
-The budget (`--minutes`) starts when the command starts and covers everything: loading the
-models, the teacher's writing (a bounded share), the evaluation before training (a bounded
-share), training, and the evaluation after it (kept in reserve). Ctrl-C or SIGTERM stop at
-the next step or evaluation window with a checkpoint (`--resume` continues); a second one
-interrupts at once. A run that trained nothing writes nothing and exits 2. One lock per
-output: a second run into the same --out is refused while the first runs.
-
-Under torchrun (`torchrun --nproc-per-node N -m attnlab heal ...`) the heal is data-parallel
-(attnlab.heal.distributed): every process joins the process group, rank 0 alone prints, holds
-the output lock, prepares the training text (the teacher's writing included) and sends it to the
-others, and writes the checkpoint, the healed folder and its report; --shard shards the trained
-weights with FSDP2 instead of replicating them under DDP. The command-line checks are the same on
-every rank, so only rank 0 reports them; a rank whose peer stopped answering at a collective (it
-died, or exceeded --collective-timeout) says so in one line and exits 2.
+`heal` is the command, `report_table` its before/after table. `--minutes` covers everything from the command's start;
+Ctrl-C or SIGTERM stop at the next step with a checkpoint (`--resume` continues). Under torchrun (`torchrun
+--nproc-per-node N -m attnlab heal ...`) the heal is data-parallel (attnlab.heal.distributed); rank 0 alone writes.
 """
 from __future__ import annotations
 
@@ -95,7 +84,6 @@ def heal(source: Path = typer.Argument(..., help="A converted-model folder writt
     Example: attnlab heal smollm2-mla192 --out smollm2-mla192-healed --minutes 25
     Example: attnlab heal smollm2-mla192 --out healed --text notes.txt --eval-text other.txt --tokens 200000
     Example: torchrun --standalone --nproc-per-node 4 -m attnlab heal smollm2-mla192 --out healed --device cuda
-    --tokens 2000000 --batch-size 16
     """
     from .. import models as hf
     from ..heal import distributed as dd
@@ -110,7 +98,16 @@ def heal(source: Path = typer.Argument(..., help="A converted-model folder writt
         place = dd.world_from_env(device if device in ("cpu", "cuda") else "cpu")  # torchrun's; no group joined yet
     except ValueError as e:
         raise UsageProblem(str(e)) from None
-    with said_by_rank0(place.rank):  # the command line's checks: the same on every rank
+    # The budget covers loading the models, the teacher's writing (a bounded share), the evaluation before training (a
+    # bounded share), training, and the evaluation after it (kept in reserve). Ctrl-C or SIGTERM stop at the next step
+    # or evaluation window with a checkpoint; a second one interrupts at once. A run that trained nothing writes nothing
+    # and exits 2. One lock per output: a second run into the same --out is refused while the first runs.
+    # Under torchrun every process joins the process group; rank 0 alone prints, holds the output lock, prepares the
+    # training text (the teacher's writing included) and sends it to the others, and writes the checkpoint, the healed
+    # folder and its report. --shard shards the trained weights with FSDP2 instead of replicating them under DDP. A rank
+    # whose peer stopped answering at a collective (it died, or exceeded --collective-timeout) says so in one line and
+    # exits 2.
+    with said_by_rank0(place.rank):  # the command line's checks: the same on every rank, so only rank 0 reports them
         budget = Budget(positive("--minutes", minutes))  # from the command's start: loading counts
         for name, value, integer in (("--tokens", tokens, True), ("--checkpoint-minutes", checkpoint_minutes, False),
                                      ("--windows", windows, True), ("--collective-timeout", collective_timeout, False),

@@ -76,15 +76,9 @@ def eval_(source: str = typer.Argument(..., help="A model (smollm2, gemma3-270m)
                                      "over attnlab's modules) or transformers (transformers' own forward and "
                                      "generate over attnlab.hf.KVCache with the same storage; a --format "
                                      "transformers folder in the storage it was planned for, its MLA included).")):
-    """Perplexity of a causal model on texts (one row each, then the worst), its KV-cache bytes per token, and
-    passkey retrieval.
+    """Perplexity of a causal model on texts (a row each, then the worst), its KV bytes per token, passkey retrieval.
 
-    With --kv-dtype the keys and values go through that storage (quantised and read back) as cached decode reads
-    them, and the bytes count its scales. Long windows (above --chunk, e.g. --window 4096) are scored through the
-    cache by default: later tokens read the stored codes, not a full-precision forward. With --reference every row
-    also holds the original's perplexity on the same tokens and the ratio; the worst row is the highest ratio.
-    Example: attnlab eval smollm2-mla256 --text /usr/share/common-licenses/GPL-3 --kv-dtype int8
-    Example: attnlab eval smollm2 --reference smollm2 --kv-dtype q4_0 --window 4096 --text /usr/share/common-licenses/GPL-3 --text /usr/share/common-licenses/MPL-2.0 --json q4_0.json
+    Example: attnlab eval smollm2 --reference smollm2 --kv-dtype q4_0 --window 4096 --text A.txt --json q4_0.json
     Example: attnlab eval smollm2 --passkey --passkey-lengths 2048,4096 --kv-dtype q4_0
     Example: attnlab eval smollm2 --engine transformers --kv-dtype q4_0 --reference smollm2 --text A.txt --text B.txt
     """

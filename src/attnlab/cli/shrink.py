@@ -203,11 +203,9 @@ def shrink(source: str = typer.Argument(..., help="The model: smollm2, a transfo
            shard: bool = SHARD, collective_timeout: float = COLLECTIVE_TIMEOUT):
     """Shrink a model's KV cache to a budget: plan, convert, heal and export in one run.
 
-    Example: attnlab shrink smollm2 --kv-budget 50% --out smol-half
     Example: attnlab shrink smollm2 --kv-budget 25% --no-heal --format transformers --out small (the codec alone)
     Example: attnlab shrink ~/Llama-3.2-1B --kv-budget 25% --text notes.txt --minutes 30 --format gguf --out small.gguf
-    Example: torchrun --standalone --nproc-per-node 8 -m attnlab shrink ~/Llama-3.2-1B --kv-budget 25% --device cuda
-    --batch-size 16 --minutes 60 --out small (rank 0 plans and converts once; the heal runs on every process)
+    Example: torchrun --nproc-per-node 8 -m attnlab shrink ~/Llama-3.2-1B --kv-budget 25% --device cuda --out small
     """
     from ..runtime.budget import Budget, Stopped, stop_on_signals
     from ..shrink.request import ShrinkRequest, check_request

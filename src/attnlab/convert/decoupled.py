@@ -1,22 +1,8 @@
-"""GQA with RoPE -> MLA with DeepSeek's decoupled RoPE (lossy; the MHA2MLA recipe without training).
+"""GQA with RoPE -> MLA with DeepSeek's decoupled RoPE (lossy; MHA2MLA without training): gqa_to_mla_decoupled.
 
-Notation as in exact.py: H query heads, G KV heads, d head size, r latent size,
-P rope_dim (the shared rotary key's width). Two ways to choose what keeps rotating:
-per KV head, the d/2 rotary pairs by frequency or by 2-norm (`pair_selection`); or
-RoRoPE (`rorope=True`, transforms.py), mixed key planes per frequency across the KV
-heads. The rest of the keys, with the values, go through the joint SVD of lossy.py
-(`_svd_latent`: whitened by calibration, optionally K/V balanced).
-
-Per KV head (by frequency or norm), each KV head's kept pairs form its own part of the rope key and only its
-own query heads read them: the MLA gets a rope key per KV head (MultiHeadLatentAttention's rope_kv_heads), so its
-expanded path (prefill) dots each query head's own part alone, as narrow as the GQA's scores. RoRoPE's planes mix
-the KV heads, and every query head reads all of them.
-
-Keys whole (a module with per-head q/k norms: Qwen3, Gemma 3): every pair of every KV head keeps its
-rotation (rope_pairs = d/2, by frequency or norm: no RoRoPE mixing across heads), so the rope key is each
-KV head's whole key and the MLA normalises it per KV head before RoPE exactly as the GQA did
-(MultiHeadLatentAttention's rope_kv_heads); the latent holds only the values, by the same SVD (exact at
-latent_dim = G x dv, or at the rank of W_V). The norms, the softmax scale and the sliding window are copied.
+What keeps rotating (selection_options): each KV head's rotary pairs by frequency or 2-norm, its own part of the rope
+key (rope_kv_heads = G, read by its own query heads only); or RoRoPE's planes mixed across KV heads (transforms.py),
+read by every query head. The rest of the keys and the values go through lossy.py's joint SVD (`_svd_latent`).
 """
 from __future__ import annotations
 
@@ -48,35 +34,23 @@ def selection_options(rope_select: str = "frequency", balance: bool = False) -> 
                 "balance": balance}
     return {"pair_selection": rope_select, "balance": balance}
 
-def gqa_to_mla_decoupled(gqa: GroupedQueryAttention, latent_dim: int, rope_pairs: int | None, *,
-                         calibration: torch.Tensor | None = None, pair_selection: str = "frequency",
-                         rorope: bool = False, plane_order: str = "frequency", balance: bool = False,
-                         context_len: int = 2048, rope_planes: int | None = None,
+def gqa_to_mla_decoupled(gqa: GroupedQueryAttention,
+                         latent_dim: int,  # r, the latent of the keys that lose their rotation and the values
+                         rope_pairs: int | None,  # pairs of each KV head's d/2 that keep rotating
+                         *, calibration: torch.Tensor | None = None,  # inputs that whiten the SVD (needed by "norm")
+                         pair_selection: str = "frequency",  # fastest pairs; "norm": largest mean |q||k| (MHA2MLA)
+                         rorope: bool = False,  # mix each frequency's G key planes (transforms.py; exact); head_dim d
+                         plane_order: str = "frequency",  # RoRoPE's planes by "frequency" or "score"
+                         balance: bool = False,  # BKV: K and V balanced before the SVD (transforms.kv_balance)
+                         context_len: int = 2048,  # the positions plane_order "score" weighs (transforms.select_planes)
+                         rope_planes: int | None = None,  # RoRoPE planes kept (any number); None: G x rope_pairs
+                         # RoRoPE: exactly these (P, 2) rows [pair, component], e.g. a layer of transforms.shared_planes
                          planes: torch.Tensor | None = None):
-    """GQA with RoPE -> MLA with DeepSeek's decoupled RoPE, lossy (the MHA2MLA recipe, without training).
+    """GQA with RoPE -> (MLA with DeepSeek's decoupled RoPE, ConversionReport), lossy (MHA2MLA without training).
 
-    Of each KV head's d/2 rotary pairs, `rope_pairs` keep their rotation: they move, for
-    all G KV heads, into the shared rotary key k_R (rope_dim = 2 * G * rope_pairs, each
-    slot with its own pair's frequency), and each query head's rotary part is non-zero
-    only in its own KV head's slots, so that part of the scores is exact. The other pairs
-    lose their rotation (the loss) and, with the values, go through a latent of
-    `latent_dim` by the SVD of `mha_to_mla` (whitened by `calibration` when given). The
-    softmax scale stays 1/sqrt(d). KV values per token: latent_dim + 2 * G * rope_pairs.
-    pair_selection: "frequency" (default) keeps the fastest-turning pairs; "norm" (needs
-    calibration inputs) keeps, per KV head, the pairs with the largest mean |q| * |k| on
-    them, the 2-norm criterion of MHA2MLA (on SmolLM2 it measured worse: docs/decisions.md).
-    rorope: mix each frequency's G key planes by their principal directions first (transforms.py;
-    exact, folded into the queries), then keep rotation for some of the G * d/2 mixed planes:
-    `rope_planes` of them (any number; rope_dim = 2 * rope_planes), or G * rope_pairs when
-    rope_planes is None, chosen by plane_order ("frequency" or "score", transforms.select_planes,
-    context_len for "score"), or exactly `planes` ((P, 2) rows [pair, component], e.g. one layer of
-    transforms.shared_planes, which gives every layer of a model the same frequencies). Keeping
-    every plane is exact. The MLA's head_dim is then d.
-    balance: BKV, K and V balanced before the joint SVD (transforms.kv_balance).
-    A module with per-head q/k norms converts only with its keys whole (module docstring): rope_pairs =
-    head_dim / 2, a per-head pair_selection, no RoRoPE, no balance; anything else is refused naming rope_dim
-    and G x d. Its norms, softmax scale and sliding window are carried; the report is exact when the values'
-    SVD is.
+    Kept pairs (or planes) become the rope key, exact in the scores; the rest lose their rotation and go with the
+    values through `mha_to_mla`'s SVD. KV values a token: latent_dim + rope_dim (2 G rope_pairs or 2 rope_planes).
+    Softmax scale kept. Per-head q/k norms need keys whole (check_keys_whole). Bad arguments raise ValueError.
     """
     normed = isinstance(gqa, GroupedQueryAttention) and gqa.k_head_norm is not None
     count = _checked_count(gqa, normed, rope_pairs, calibration, pair_selection, rorope, balance, rope_planes, planes)
@@ -218,6 +192,10 @@ def _kept_pairs(gqa, n: int, pair_selection: str, calibration, wq, wk, owner):
     return dims_a[kept], dims_b[kept], kept
 
 
+# Keys whole (a module with per-head q/k norms: Qwen3, Gemma 3): every pair of every KV head keeps its rotation
+# (rope_pairs = d/2, by frequency or norm, no RoRoPE), so the rope key is each KV head's whole key, normalised per KV
+# head before RoPE as the GQA did (rope_kv_heads). The latent holds only the values, by the same SVD (exact at
+# latent_dim = G x dv, or at the rank of W_V). The norms, softmax scale and sliding window are copied.
 def check_keys_whole(gqa: GroupedQueryAttention, rope_pairs: int | None, mixed: bool, balance: bool) -> None:
     """ValueError naming rope_dim and G x d unless a conversion of this module with per-head q/k norms keeps
     each KV head's whole key as the rope key (the only decoupled layout a per-head key norm survives)."""

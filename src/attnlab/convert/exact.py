@@ -1,10 +1,8 @@
 """The exact conversions: gqa_to_mha, gqa_to_mla, mla_to_mha, absorb (Parts 8-12 as code).
 
-Every function takes a module and returns (new_module, ConversionReport); the input
-is never changed. Notation: H query heads, G KV heads, C = H/G, d query/key head size,
-dv value head size, r latent size, D_1 = dim, D_2 = context_dim. Exact means the
-report's float64 errors are rounding only; biases are carried exactly (each
-docstring says how).
+Each takes a module and returns (new_module, ConversionReport); the input is never changed. Exact: the report's
+float64 errors are rounding only, biases included. Notation: H query heads, G KV heads, C = H/G, d query/key head
+size, dv value head size, r latent size, D_1 = dim, D_2 = context_dim.
 """
 from __future__ import annotations
 
@@ -40,24 +38,14 @@ def gqa_to_mha(gqa: GroupedQueryAttention):
     return mha, _report(gqa, mha, True)
 
 
-def gqa_to_mla(gqa: GroupedQueryAttention, *, shared: bool = True, method: str | None = None):
-    """GQA (or MHA) -> MLA, exact, using the tiling's structure (never an SVD of the tiled matrix).
+def gqa_to_mla(gqa: GroupedQueryAttention, *,
+               shared: bool = True,  # one latent for K and V; False: K's and V's latents side by side (Part 9)
+               method: str | None = None):  # "select" or "block-svd"; None: select where G(d + dv) <= D_2
+    """GQA (or MHA) -> MLA, exact, from the tiling's structure (never an SVD of the tiled matrix).
 
-    shared=True: one latent for K and V, the rows of the stacked block [W_K; W_V]
-    (G*(d + dv) x D_2): method "select" uses the block itself as W_DKV and 0/1
-    up-projections (r = G*(d+dv), no arithmetic); "block-svd" factors the block by
-    SVD (r = its rank, which is below G*(d+dv) when D_2 is smaller). Default: select
-    when G*(d+dv) <= D_2, else block-svd.
-    shared=False: Part 9 per matrix, K and V each factored through their own
-    r = rank <= G*d latent by the block SVD; the MLA latent is the two side by side.
-    K/V biases move to the up-projections (W_UK, W_UV), exactly. Per-head q/k norms (Qwen3, Gemma 3), a
-    softmax scale and a sliding window carry over as they are: the latent holds each KV head's key before
-    its norm, and W_UK hands every query head exactly that vector, which the MLA then normalises (the same
-    gain for every head) and rotates as the GQA did, so the scores are the GQA's. A GQA with RoPE becomes
-    an MLA with rope_after_up=True: the latent holds the keys before rotation and RoPE
-    is applied after the up-projection, as the GQA applied it (expanded path only).
-    With method "select" the MLA records its kv_tiling and attends on slices of its
-    cache as the GQA did (MultiHeadLatentAttention's docstring), at the GQA's cost.
+    "select": [W_K; W_V] is W_DKV with 0/1 up-projections (r = G(d + dv)); the MLA records its kv_tiling and attends
+    on its cache as the GQA did, at the GQA's cost. "block-svd": the block's SVD, r = its rank. K/V biases move to
+    W_UK/W_UV. q/k norms, softmax scale and sliding window carry over; RoPE gives rope_after_up=True.
     """
     _expect(gqa, GroupedQueryAttention, "gqa_to_mla", carries=True)
     H, G, d, dv = gqa.num_heads, gqa.num_kv_heads, gqa.head_dim, gqa.v_head_dim
@@ -85,6 +73,9 @@ def gqa_to_mla(gqa: GroupedQueryAttention, *, shared: bool = True, method: str |
         up_k = torch.cat([uk, torch.zeros(H * d, dv_.shape[0], dtype=F64)], 1).to(wk.dtype)
         up_v = torch.cat([torch.zeros(H * dv, dk.shape[0], dtype=F64), uv], 1).to(wk.dtype)
     has_bias = gqa.W_Q.bias is not None
+    # per-head q/k norms: the latent holds each KV head's key before its norm and W_UK hands every query head that
+    # vector, which the MLA normalises (one gain for all heads) and rotates as the GQA did. With RoPE
+    # (rope_after_up) the latent holds the keys before rotation, rotated after the up-projection (expanded path only)
     mla = _mla(gqa, down.shape[0], has_bias)
     tile = lambda t: None if t is None else tile_heads(t.detach(), H, G, gqa.grouping)  # noqa: E731
     _set(mla.W_Q, gqa.W_Q.weight, _bias(gqa.W_Q))
@@ -101,10 +92,9 @@ def gqa_to_mla(gqa: GroupedQueryAttention, *, shared: bool = True, method: str |
 def mla_to_mha(mla: MultiHeadLatentAttention):
     """MLA -> MHA, exact: W_K = W_UK W_DKV, W_V = W_UV W_DKV (biases: W_UK b_DKV + b_UK).
 
-    The MLA's softmax scale is folded into W_Q (and its bias) when it is not 1/sqrt(d), except with per-head
-    q/k norms (which would undo the fold): then the scale, the norms and any sliding window carry over as
-    they are. Needs a linear MLA: no latent norm, no decoupled RoPE, no low-rank query
-    (rope_after_up is fine: the MHA applies the same RoPE to its keys).
+    The softmax scale folds into W_Q and its bias; with per-head q/k norms (which would undo the fold) it, the norms
+    and any sliding window carry over. Needs a linear MLA: no latent norm, decoupled RoPE or low-rank query
+    (rope_after_up is fine). Anything else is refused.
     """
     _expect(mla, MultiHeadLatentAttention, "mla_to_mha", carries=True)
     _linear_mla(mla, "mla_to_mha", allow_rope_after_up=True)
@@ -138,13 +128,9 @@ def mla_to_mha(mla: MultiHeadLatentAttention):
 def absorb(mla: MultiHeadLatentAttention):
     """MLA -> its absorbed form (Part 12) as a module: multi-query attention with head size r.
 
-    One KV head of size r whose key and value projections are both W_DKV (so K = V = c),
-    W_Q = the stacked W_UK_h^T W_Q_h (times sqrt(r) * scale so that the 1/sqrt(r)
-    scale of an r-sized head gives the MLA's scores), W_O = [W_O_h W_UV_h]_h. The
-    same matrices as `usaaio.reduced_matrices`, from the same functions.
-    Biases: b_Q maps like W_Q; the W_UK bias drops out exactly (it shifts a query's
-    scores equally); the W_UV bias moves into b_O (W_O b_UV), exact wherever a query
-    attends to at least one key.
+    One KV head of size r, K = V = c (both W_DKV); W_Q = stacked W_UK_h^T W_Q_h x sqrt(r) x scale; W_O = [W_O_h
+    W_UV_h]_h: `usaaio.reduced_matrices`'s matrices. b_Q maps like W_Q; b_UK drops out (an equal shift of a query's
+    scores); b_UV moves into b_O (W_O b_UV), exact wherever a query attends to at least one key.
     """
     _expect(mla, MultiHeadLatentAttention, "absorb")
     _linear_mla(mla, "absorb")

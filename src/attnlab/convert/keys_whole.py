@@ -1,10 +1,8 @@
-"""A keys-whole MLA (a Qwen3 or Gemma 3 layer converted with its keys whole) as the GQA of the source's shape, and
-the value basis that lets a cache hold the latent again (attnlab.hf.KVCache: rows [c | k] with c = U^+ v).
+"""A keys-whole MLA (a Qwen3 or Gemma 3 layer converted with its keys whole) as the GQA of the source's shape.
 
-The GQA's keys are the MLA's rope key split back into KV heads, its queries each head's own part, its norms the
-MLA's. Its values are v_g = A_g W_DKV x, A_g the value up-projection of KV head g's first query head. A query head
-whose A_h differs (a heal moved it) has A_h = M_h A_g with M_h = A_h A_g^+ where A_g has full column rank: M_h goes
-into W_O's block of that head. Exact to float64 rounding; anything else is refused in one line.
+keys_whole_to_gqa: keys are the MLA's rope key split by KV head, norms the MLA's, values v_g = A_g W_DKV x (A_g: the
+value up-projection of KV head g's first query head; a healed head's A_h = M_h A_g puts M_h in its W_O block).
+value_basis: U, so a cache holds the latent again (attnlab.hf.KVCache: rows [c | k], c = U^+ v). Exact to float64.
 """
 from __future__ import annotations
 
@@ -26,7 +24,7 @@ def value_heads(mla: MultiHeadLatentAttention) -> tuple[torch.Tensor, torch.Tens
     own = kv_head_of(H, G, mla.rope_grouping)
     up = mla.W_UV.weight.detach().to(F64).reshape(H, dv, -1)  # (H, dv, r)
     first = [int(torch.nonzero(own == g)[0]) for g in range(G)]
-    A = up[first]  # (G, dv, r)
+    A = up[first]  # (G, dv, r); M_h = A_h A_g^+ exists where A_g has full column rank
     folds = []
     for h in range(H):
         a = A[int(own[h])]

@@ -1,10 +1,7 @@
 """Linear algebra on projection matrices, shared by the conversions and the study (usaaio).
 
-Everything here acts on plain weight matrices (torch tensors, or numpy arrays
-where noted) and knows nothing about modules. Head layouts and tilings (strided,
-blocked) are modules/heads.py's.
-
-Notation: H query heads, G key/value heads, C = H // G query heads per KV
+Plain weight matrices only (torch tensors, or numpy arrays where noted), no modules; head layouts and tilings
+(strided, blocked) are modules/heads.py's. Notation: H query heads, G key/value heads, C = H // G query heads per KV
 head, d head size, D model width, r latent size.
 """
 from __future__ import annotations
@@ -90,17 +87,14 @@ def fold_output(w_o: torch.Tensor, w_uv: torch.Tensor, num_heads: int) -> torch.
 FACTOR_METHODS = ("select", "block-svd", "tiled-svd")
 
 
-def factor_tiled(block: torch.Tensor, num_heads: int, num_kv_heads: int, grouping: str = "strided",
+def factor_tiled(block: torch.Tensor,  # the (G*d, D) projection
+                 num_heads: int, num_kv_heads: int, grouping: str = "strided",
                  method: str = "block-svd", rtol: float | None = None):
-    """Part 9 for a GQA projection: tile(block) = up @ down with r = rank(block) <= G*d.
+    """Part 9 for a GQA projection: tile(block) = up @ down, r = rank(block) <= G*d. Returns (up (H*d, r), down (r, D)).
 
-    block is the (G*d, D) projection; the tiled (H*d, D) matrix is never formed
-    except by method="tiled-svd" (the study's route, Part 10, kept for comparison).
-    - "select": down = block itself, up = the 0/1 tiling matrix (r = G*d, no arithmetic);
-    - "block-svd": block = U S V^T, up = tile(U) / sqrt(C), down = sqrt(C) S V^T, which is the
-      SVD of the tiled matrix (its singular values are sqrt(C) S), at the cost of a G*d x D SVD;
-    - "tiled-svd": SVD of the tiled H*d x D matrix.
-    Returns (up (H*d, r), down (r, D)).
+    "select": down = block, up = the 0/1 tiling (r = G*d, no arithmetic). "block-svd": block = U S V^T, up = tile(U) /
+    sqrt(C), down = sqrt(C) S V^T: the tiled matrix's SVD (values sqrt(C) S) for the cost of a G*d x D one.
+    "tiled-svd" forms the tiled (H*d, D) matrix and takes its SVD (the study's route, Part 10, kept for comparison).
     """
     if method not in FACTOR_METHODS:
         raise ValueError(f"method must be one of {FACTOR_METHODS}, got {method!r}")
@@ -127,16 +121,16 @@ def svd_factors(weight: torch.Tensor, rtol: float | None = None):
     return u[:, :r], s[:r, None] * vh[:r]
 
 
-_COVARIANCES = WeakIdKeyDictionary()  # input_covariance's memo: a calibration tensor (held weakly) -> (version, cov)
+# input_covariance's memo: a calibration tensor (held weakly: its entry goes with it) -> (version, cov). A planner
+# converts every layer once per candidate from the same calibration inputs, so each tensor's product is made once
+_COVARIANCES = WeakIdKeyDictionary()
 
 
 def input_covariance(calibration: torch.Tensor) -> torch.Tensor:
     """(D, D) float64 second moment Y^T Y / N of calibration inputs (..., D), the samples Y as rows.
 
-    Computed once per tensor: a planner converts every layer once per candidate from the same calibration inputs
-    (21 candidates of 30 layers on SmolLM2), and the product was a seventh of its planning time there. The memo holds
-    the tensor weakly (an entry goes with it) and keeps its version counter, so a tensor changed in place since (its
-    views share the counter) is computed again; the same float64 product either way."""
+    Memoised per tensor (_COVARIANCES); a tensor changed in place since (its views share the version counter) is
+    computed again. The same float64 product either way."""
     version = calibration._version
     hit = _COVARIANCES.get(calibration)
     if hit is not None and hit[0] == version:

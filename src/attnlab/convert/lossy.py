@@ -1,9 +1,8 @@
 """The lossy conversions without RoPE: mha_to_gqa (mean or fit) and mha_to_mla (truncated SVD).
 
-Notation as in exact.py. mha_to_gqa pools (mean) or fits a shared subspace per group
-with per-head maps folded into W_Q and W_O; mha_to_mla takes the truncated SVD of the
-stacked [W_K; W_V], optionally whitened by calibration activations and K/V balanced
-(transforms.kv_balance). Each returns the report of every error (report.py).
+Notation as in exact.py. mha_to_gqa pools (mean) or fits a shared subspace per group, per-head maps folded into W_Q
+and W_O; mha_to_mla truncates the SVD of the stacked [W_K; W_V], optionally whitened by calibration activations and
+K/V balanced (transforms.kv_balance). Each returns the report of every error (report.py).
 """
 from __future__ import annotations
 
@@ -23,20 +22,15 @@ MHA_TO_GQA_METHODS = ("mean", "fit")
 
 
 
-def mha_to_gqa(mha: GroupedQueryAttention, num_kv_heads: int, *, method: str = "mean",
-               calibration: torch.Tensor | None = None, grouping: str | None = None):
-    """MHA (or a GQA with more KV heads) -> GQA with num_kv_heads, lossy.
+def mha_to_gqa(mha: GroupedQueryAttention, num_kv_heads: int, *,
+               method: str = "mean",  # "mean" (the GQA paper's uptraining start) or "fit"
+               calibration: torch.Tensor | None = None,  # inputs that whiten "fit"'s SVD
+               grouping: str | None = None):  # which query heads share a KV head in the result; None: the input's
+    """MHA (or a GQA with more KV heads) -> GQA with num_kv_heads, lossy. Needs a module without RoPE.
 
-    method="mean": each KV head is the mean of the K (V) projections and biases of the
-      query heads it serves (the GQA paper's uptraining initialisation).
-    method="fit": per group, the best d-dimensional subspace shared by the group's
-      key (value) projections (an SVD of the stacked heads, whitened by `calibration`
-      inputs when given), then each query head's own d x d map from the shared keys to
-      its original keys is folded into W_Q (for values, into W_O). Exact when the
-      heads of a group already share a subspace; never worse than mean on the
-      weight-space (or calibration) objective it minimises. Biases ride along as an
-      extra input column. Needs a module without RoPE.
-    grouping: which query heads share a KV head in the result (default: the input's).
+    "mean": each KV head is the mean of its query heads' K (V) projections and biases. "fit": per group, the best
+    shared d-dim subspace of the keys (values) by SVD, each head's d x d map into it folded into W_Q (W_O), biases as an
+    extra input column; exact where a group shares one, never worse than mean on the objective it minimises.
     """
     _expect(mha, GroupedQueryAttention, "mha_to_gqa")
     checks.positive_int("num_kv_heads", num_kv_heads)
@@ -127,17 +121,15 @@ def _shared_subspace(w: torch.Tensor, H: int, size: int, members, L: torch.Tenso
 
 
 
-def mha_to_mla(module: GroupedQueryAttention, *, latent_dim: int | None = None, energy: float | None = None,
-               joint: bool = True, calibration: torch.Tensor | None = None):
-    """MHA or GQA -> MLA by truncated SVD, lossy (exact at full rank).
+def mha_to_mla(module: GroupedQueryAttention, *,
+               latent_dim: int | None = None,  # the rank
+               energy: float | None = None,  # or the least rank keeping this share of the squared singular values
+               joint: bool = True,  # one latent from [W_K; W_V]; False: K and V apart (latent_dim split evenly)
+               calibration: torch.Tensor | None = None):  # the K/V projections' inputs (..., context_dim)
+    """MHA or GQA -> MLA by truncated SVD, lossy (exact at full rank; neither latent_dim nor energy: full rank).
 
-    joint=True: one shared latent from the SVD of the stacked [W_K; W_V] block;
-    joint=False: K and V factored separately (latent_dim split evenly; energy per matrix).
-    The rank is latent_dim, or the smallest keeping `energy` of the squared singular
-    values, or (neither given) the full numerical rank. With `calibration` inputs of
-    the K/V projections (..., context_dim), the SVD is taken of W L where L L^T is their
-    covariance, and L is undone afterwards: the best rank for those inputs, not for
-    the weights. K/V biases go to the up-projections, exactly.
+    With calibration the SVD is of W L, L L^T the inputs' covariance, and L is undone after: the best rank for those
+    inputs, not for the weights. energy applies per matrix when joint=False. K/V biases go to W_UK/W_UV, exactly.
     """
     _expect(module, GroupedQueryAttention, "mha_to_mla")
     _no_rope(module, "mha_to_mla")

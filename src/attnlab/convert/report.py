@@ -1,12 +1,8 @@
 """What a conversion must preserve, measured: the ConversionReport every conversion returns.
 
-Notation: H query heads, d query/key head size, dv value head size, D_1 = dim,
-D_2 = context_dim. Per query head the report compares the score form
-scale * W_Q_h^T W_K_h ("QK", D_1 x D_2), the value path W_O_h W_V_h ("OV", D_1 x D_2)
-and, where head bases are kept, the effective K and V projections; its output error
-runs both modules on a probe batch in float64 (calibration inputs of a self-attention
-module double as the probe). A caller that converts a model many ways only to score it (the shrink planner's
-candidates) can leave the reports out inside `unreported()`: the conversions are the same, their reports None.
+Per query head it compares the score form scale W_Q_h^T W_K_h ("QK"), the value path W_O_h W_V_h ("OV"), both D_1 x
+D_2 (dim x context_dim), and where head bases are kept the effective K and V projections; its output error runs both
+modules on a probe batch in float64. Inside `unreported()` conversions return no report (the shrink planner's).
 """
 from __future__ import annotations
 
@@ -30,9 +26,8 @@ _UNREPORTED = contextvars.ContextVar("attnlab_unreported", default=False)
 
 @contextlib.contextmanager
 def unreported():
-    """Conversions inside this block return None for their report (nothing else differs). The report's float64
-    products and probe run cost a fifth of a 12.5% candidate's time in the shrink planner (1.1 of 5.7 s on SmolLM2,
-    this CPU), which scores a candidate by its KL and drops it; the conversion a run keeps is reported."""
+    """Conversions inside this block return None for their report (nothing else differs). For the shrink planner,
+    which scores a candidate by its KL and drops it; the conversion a run keeps is reported."""
     token = _UNREPORTED.set(True)
     try:
         yield
@@ -80,7 +75,8 @@ def _is_probe(calibration, module) -> bool:
 
 
 def _heads(m: nn.Module):
-    """Per-query-head (RoPE and norms left out) (scale * W_Q_h, W_K_h, W_V_h, W_O_h): (H, d, D_1), (H, d, D_2), (H, dv, D_2), (H, D_1, dv)."""
+    """Per-query-head (RoPE and norms left out) (scale * W_Q_h, W_K_h, W_V_h, W_O_h): (H, d, D_1), (H, d, D_2),
+    (H, dv, D_2), (H, D_1, dv)."""
     H = m.num_heads
     if isinstance(m, MultiHeadLatentAttention):  # a decoupled rotary key joins every head's key rows
         d, dv = m.head_dim + m.rope_dim, m.v_head_dim

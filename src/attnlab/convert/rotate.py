@@ -1,33 +1,12 @@
 """An orthogonal rotation of an MLA's latent, folded into its weights, so that few-bit codes see no outlier channel.
 
-A latent c = W_DKV y is read only through the up-projections, k_h = W_UK_h c and v_h = W_UV_h c. For an
-orthogonal R (R^T R = I), caching c' = R c with W_DKV' = R W_DKV (and its bias b' = R b) and reading it
-through W_UK' = W_UK R^T, W_UV' = W_UV R^T gives W_UK' c' = W_UK R^T R c = W_UK c: every key, value and
-score is unchanged, exactly in float64 and to rounding in float32. With a latent RMSNorm of weight w,
-c = w * z / rms(z) with z = W_DKV y: w is first folded into the up-projections (W_U diag(w)) and set
-to 1, and rms(R z) = rms(z) (an orthogonal map keeps the norm), so the norm commutes with R and the
-rotation folds as above. Channels whose norm weight is exactly 0 (a GGUF's steady channel: it steadies
-the norm's scale and is cached as 0, models/export/deepseek.py) are left out of the rotation and keep their 0:
-R acts on the other channels only, which keeps the whole latent's norm and so the norm's scale, and
-the steady channel (32 times the largest latent value) never reaches a block of codes.
-
-The model is the same; what changes is what a quantiser sees. An SVD latent
-puts most of its energy in few channels, and a few-bit code with one scale per group of channels
-spends its levels on those outliers; after a rotation that spreads every direction over all channels,
-each group holds values of similar size and the same bits buy a smaller error (QuaRot and SpinQuant's
-argument for rotated KV caches, here folded into weights the conversion writes anyway, so decode pays
-nothing).
-
-The rotary key k_R is not rotated: RoPE turns it after W_KR, and a rotation would have to be applied
-to it and to every query at run time.
-
-Rotations: "hadamard" (Sylvester's, scaled by 1/sqrt(n), for n a power of two) and "random" (a Haar
-orthogonal matrix from a seeded QR, any n); both in float64.
-Core module: torch only.
+rotate_latent caches c' = R c (W_DKV' = R W_DKV, W_UK' = W_UK R^T, W_UV' = W_UV R^T): every key, value and score is
+unchanged (exact in float64, to rounding in float32) and decode pays nothing. ROTATIONS (float64): "hadamard"
+(Sylvester's, scaled by 1/sqrt(n), n a power of two) and "random" (Haar, from a seeded QR, any n). k_R is not rotated.
 """
 from __future__ import annotations
 
-import torch
+import torch  # core module: torch only
 
 from ..modules.rotation import hadamard as lowbit_hadamard
 
@@ -72,12 +51,20 @@ def fold_latent(mla, T: torch.Tensor, T_inv: torch.Tensor) -> None:
             up.weight.copy_((up.weight.to(F64) @ T_inv).to(up.weight.dtype))
 
 
+# Why: an SVD latent puts most of its energy in few channels, and a few-bit code with one scale per group of channels
+# spends its levels on those outliers; after a rotation each group holds values of similar size (QuaRot's and
+# SpinQuant's argument for rotated KV caches, here folded into weights the conversion writes anyway). The rotary key
+# k_R is left alone: RoPE turns it after W_KR, so a rotation would have to be applied to it and every query at run time.
 def rotate_latent(mla, rotation="random", *, seed: int = 0):
     """Rotate `mla`'s latent in place (module docstring); returns the latent_dim x latent_dim float64 rotation applied
     (the identity on channels whose norm weight is 0).
 
     rotation: "random", "hadamard", or an orthogonal (r, r) tensor, r the channels rotated. A GQA tiling (kv_tiling) no
     longer holds afterwards and is dropped."""
+    # A latent RMSNorm c = w * z / rms(z), z = W_DKV y: w is folded into the up-projections (W_U diag(w)) and set to 1;
+    # rms(R z) = rms(z), so the norm commutes with R. Channels whose norm weight is exactly 0 (a GGUF's steady channel,
+    # models/export/deepseek.py: it steadies the norm's scale, is cached as 0 and is 32 times the largest latent value)
+    # stay out of R, which keeps the whole latent's norm and keeps that channel out of every block of codes.
     weight = None if mla.kv_norm is None else getattr(mla.kv_norm, "weight", None)
     moved = torch.arange(mla.latent_dim) if weight is None else torch.nonzero(weight.detach() != 0).flatten()
     r = moved.numel()  # the channels rotated: every one, or those whose norm weight is not 0

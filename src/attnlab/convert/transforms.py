@@ -1,34 +1,8 @@
-"""Transforms that concentrate what a lossy GQA -> MLA conversion keeps, applied before the cut.
+"""Transforms that concentrate what a lossy GQA -> MLA conversion keeps, applied before the cut (TransMLA's ideas).
 
-Notation: H query heads, G KV heads, d head_dim, half = d / 2 rotary pairs per head,
-i a rotary pair (one frequency), j a component of the G planes of that frequency,
-P planes that keep their rotation (rope_dim = 2 P), D_1 = dim, D_2 = context_dim.
-
-RoRoPE (TransMLA's idea, written from its algebra). For frequency i every KV head g
-has a 2-D key plane k_g^i, rotated by the same angle at a given position. An
-orthogonal G x G matrix U_i mixing the heads, k'^i = U_i k^i (heads stacked), commutes
-with that rotation: R k'_j = sum_g U_i[j, g] R k_g. Since k_g = sum_j U_i[j, g] k'_j,
-query head h (reading KV head g(h)) scores
-    q_h . k_g(h) = sum_j (U_i[j, g(h)] q_h^i) . k'_j^i,
-so the mix is folded into the queries and every score is unchanged. With U_i the
-principal directions of the calibrated keys of frequency i, component j = 0 carries
-most of that frequency's energy; the planes that keep rotation are then chosen among
-the G * half mixed planes, and the rest lose it. The rest, summed back, is the key
-    k_nope_g^i = (N_i k^i)_g,  N_i = I - sum_{kept j} U_i[j]^T U_i[j]   (projection off the kept rows),
-read by the original queries: a GQA of the same shape whose keys go through the latent.
-Keeping all planes gives N_i = 0 and the exact model. Which planes keep rotating: by
-frequency (component 0 of the fastest pairs first), or by score (plane_scores), one layer
-alone (select_planes) or for a whole model at once (shared_planes: one allocation of planes
-to frequencies, so every layer turns at the same frequencies, as one DeepSeek rotary
-embedding needs).
-
-BKV (TransMLA's balanced K/V): before the joint SVD of [W_K; W_V], scale W_K by
-alpha = ||W_V L|| / ||W_K L|| (L the activation whitening, or 1) so that neither block
-dominates the shared latent, and divide the key up-projection by alpha afterwards
-(exact at full rank). It also makes the cut independent of how the model splits a
-score between W_Q and W_K (W_K c, W_Q / c give the same model and, with BKV, the same cut).
-
-Core module: torch only.
+RoRoPE: frequency_mixes mixes each frequency's G key planes (folded into the queries, exact); select_planes (one layer)
+or shared_planes (a whole model) choose the planes that keep rotating; rorope_split splits the scores. BKV: kv_balance
+scales W_K before the joint SVD of [W_K; W_V]. Core module: torch only.
 """
 from __future__ import annotations
 
@@ -38,6 +12,22 @@ import torch
 
 F64 = torch.float64
 PLANE_ORDERS = ("frequency", "score")
+
+# Notation: H query heads, G KV heads, d head_dim, half = d / 2 rotary pairs per head, i a rotary pair (one frequency),
+# j a component of the G planes of that frequency, P planes that keep their rotation (rope_dim = 2 P), D_1 = dim,
+# D_2 = context_dim.
+#
+# RoRoPE (TransMLA's idea, written from its algebra). For frequency i every KV head g has a 2-D key plane k_g^i,
+# rotated by the same angle at a given position. An orthogonal G x G matrix U_i mixing the heads, k'^i = U_i k^i
+# (heads stacked), commutes with that rotation: R k'_j = sum_g U_i[j, g] R k_g. Since k_g = sum_j U_i[j, g] k'_j,
+# query head h (reading KV head g(h)) scores
+#     q_h . k_g(h) = sum_j (U_i[j, g(h)] q_h^i) . k'_j^i,
+# so the mix is folded into the queries and every score is unchanged. With U_i the principal directions of the
+# calibrated keys of frequency i (frequency_mixes), component j = 0 carries most of that frequency's energy; the planes
+# that keep rotation are chosen among the G * half mixed planes, and the rest lose it. The rest, summed back, is
+#     k_nope_g^i = (N_i k^i)_g,  N_i = I - sum_{kept j} U_i[j]^T U_i[j]   (projection off the kept rows),
+# read by the original queries: a GQA of the same shape whose keys go through the latent (rorope_split). Keeping all
+# planes gives N_i = 0 and the exact model.
 
 
 def pair_dims(head_dim: int, interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,10 +86,8 @@ def select_planes(count: int, inv_freq: torch.Tensor, key_energy: torch.Tensor,
                   context_len: int = 2048) -> torch.Tensor:
     """Which `count` of the (half, G) mixed planes keep their rotation: (count, 2) rows [i, j], sorted.
 
-    order "frequency": component 0 of every pair first (fastest-turning pair first), then
-    component 1, ... (TransMLA keeps the rotation of the first mixed head only).
-    order "score": the largest plane_scores (one layer alone; shared_planes chooses for a whole
-    model so that every layer keeps the same frequencies).
+    order "frequency": component 0 of every pair, fastest pair first, then component 1, ... (TransMLA keeps the first
+    mixed head's rotation only). order "score": this layer's largest plane_scores (shared_planes: a whole model's).
     """
     half, G = key_energy.shape
     if not 0 <= count <= half * G:
@@ -121,12 +109,9 @@ def select_planes(count: int, inv_freq: torch.Tensor, key_energy: torch.Tensor,
 def plane_allocation(scores: torch.Tensor, count: int) -> torch.Tensor:
     """(half,) how many mixed planes of each pair (frequency) keep their rotation, in every layer.
 
-    scores: (layers, half, G) plane_scores of every layer. The gain of keeping c planes of
-    pair i is the sum over layers of each layer's c best scores at i; the c-th plane adds
-    m[i, c] = sum over layers of the c-th largest, which does not grow with c (each layer's
-    scores are sorted). Maximising a sum of such concave gains under a total of `count` is
-    solved by taking the `count` largest m[i, c] (greedy), and because m[i, :] does not
-    grow, any prefix-closed choice of them is a valid allocation.
+    scores: (layers, half, G) plane_scores of every layer. The c-th plane of pair i adds m[i, c], the sum over layers
+    of each layer's c-th largest score, which does not grow with c; so the `count` largest m[i, c] (greedy) maximise
+    the summed gain and form a valid allocation.
     """
     _, half, G = scores.shape
     if not 0 <= count <= half * G:
@@ -140,11 +125,9 @@ def plane_allocation(scores: torch.Tensor, count: int) -> torch.Tensor:
 def shared_planes(scores: torch.Tensor, count: int) -> torch.Tensor:
     """(layers, count, 2): per layer the planes [i, j] that keep rotation, the same frequencies in every layer.
 
-    plane_allocation decides how many planes each pair keeps (summed over layers); each
-    layer then keeps, for pair i, its own best-scoring components. Slots are sorted by pair,
-    then component, so slot s turns at the same frequency in every layer: the layers share one
-    rotary embedding (what a DeepSeek config holds), where select_planes layer by layer would
-    give each its own.
+    plane_allocation decides how many planes each pair keeps; each layer keeps, for pair i, its own best-scoring
+    components. Slots are sorted by pair, then component, so slot s turns at one frequency in every layer: the layers
+    share one rotary embedding, as a DeepSeek config holds (select_planes layer by layer would give each its own).
     """
     layers, _, G = scores.shape
     per_pair = plane_allocation(scores, count)  # (half,)
@@ -168,16 +151,17 @@ def mixed_query_energy(wq: torch.Tensor, owner: torch.Tensor, mixes: torch.Tenso
     return torch.einsum("ijh,hi->ij", weight, per_head)
 
 
-def rorope_split(wq: torch.Tensor, wk: torch.Tensor, owner: torch.Tensor, mixes: torch.Tensor,
-                 planes: torch.Tensor, dims_a, dims_b):
+def rorope_split(wq: torch.Tensor,  # (H, d, D_1) per-head query rows, scale not included
+                 wk: torch.Tensor,  # (G, d, D_2) per-head key rows
+                 owner: torch.Tensor,  # (H,) each query head's KV head
+                 mixes: torch.Tensor,  # (half, G, G), frequency_mixes' rows
+                 planes: torch.Tensor,  # (P, 2) rows [pair i, component j]
+                 dims_a, dims_b):  # pair_dims
     """Split a RoPE'd GQA's scores into kept rotary planes and a no-rotation remainder.
 
-    wq (H, d, D_1), wk (G, d, D_2): per-head rows (scale not included); owner (H,): KV head
-    of each query head; mixes (half, G, G); planes (P, 2) [pair i, component j].
-    Returns q_rope (H, 2P, D_1), k_rope (2P, D_2), k_nope (G, d, D_2): slot s and s + P hold the
-    two coordinates of plane s (rotate-half layout of a RotaryEmbedding of size 2P whose
-    frequency of slot s is that of pair planes[s, 0]); q_h . k_g(h) = q_rope_h . k_rope + q_h . k_nope_g(h)
-    before rotation, and the first term rotates exactly.
+    Returns q_rope (H, 2P, D_1), k_rope (2P, D_2), k_nope (G, d, D_2): q_h . k_g(h) = q_rope_h . k_rope + q_h .
+    k_nope_g(h) before rotation, and the first term rotates exactly. Slots s and s + P hold plane s's two coordinates
+    (rotate-half layout of a size-2P RotaryEmbedding; slot s turns at pair planes[s, 0]'s frequency).
     """
     G, P = wk.shape[0], planes.shape[0]
     i, j = planes[:, 0], planes[:, 1]
@@ -195,6 +179,10 @@ def rorope_split(wq: torch.Tensor, wk: torch.Tensor, owner: torch.Tensor, mixes:
     return q_rope.reshape(q_rope.shape[0], 2 * P, -1), k_rope.reshape(2 * P, -1), k_nope
 
 
+# BKV (TransMLA's balanced K/V): before the joint SVD of [W_K; W_V], W_K is scaled by alpha = ||W_V L|| / ||W_K L||
+# (L the activation whitening, or 1) so that neither block dominates the shared latent, and the key up-projection is
+# divided by alpha afterwards (exact at full rank). It also makes the cut independent of how the model splits a score
+# between W_Q and W_K (W_K c, W_Q / c give the same model and, with BKV, the same cut).
 def kv_balance(wk: torch.Tensor, wv: torch.Tensor, whiten: torch.Tensor | None = None) -> float:
     """BKV's alpha = ||W_V L||_F / ||W_K L||_F (1 where either block is zero)."""
     nk = torch.linalg.norm(wk.to(F64) @ whiten if whiten is not None else wk.to(F64))

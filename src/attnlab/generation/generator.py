@@ -1,34 +1,8 @@
-"""A lean whole-model forward for generation: a Llama-family causal LM driven layer by layer.
+"""A lean whole-model forward for generation: a Llama-family causal LM driven layer by layer (`Generator`).
 
-Notation: B batch, P prompt length, S tokens cached so far, S_max = max_len, V vocabulary.
-
-`Generator` shares the model's parameters (no copies) and calls them directly,
-as gpt-fast does, instead of going through transformers' forward:
-embed_tokens -> per layer: input_layernorm, the layer's attnlab module with its own
-static cache, residual, post_attention_layernorm, mlp, residual (Gemma 3: its own norms
-around each branch, models.adapters.decoder_block) -> norm -> lm_head, the last two only
-for the last position. Each layer's cache is the attnlab
-module's preallocated KVCache or LatentCache (`init_cache`), allocated once per
-Generator and written in place; nothing grows by concatenation. `kv_dtype` stores them
-quantised or in another float type (modules/cache.py); the default is each module's own kv_dtype.
-
-Left padding. Prompts of different lengths are padded on the left (attention_mask:
-1 real, 0 pad) so that every row's last token sits in the same slot and decode
-steps write one slot for all rows. Pad keys are masked out. Every token is rotated
-at its *slot index* (the cache's default positions 0, 1, ..., S-1), not at its
-position within its own row. This is exact: a RoPE score q_i . k_j depends on the
-positions only through i - j, and a row with n pads has slot = position + n for all
-of its tokens, so every real query-key pair has the same offset, and pads are
-masked. (An exact MLA in the `rope_after_up` layout rotates cached keys at slots
-0..S-1 by construction, so slot indices are the one choice that fits every module.)
-In float32 the result differs from per-row positions only by rounding of the angles.
-
-CUDA graphs. A decode step normally attends to the S tokens cached so far, a shape
-that changes every step. With `fixed_shape` it attends to all S_max slots instead,
-those not yet written hidden by the key-padding mask, and writes its token at a slot
-held in a tensor (`_Cache.fixed_slot`), so every step runs the same kernels on the
-same shapes and torch.compile(mode="reduce-overhead") captures it once as a CUDA graph.
-It reads more keys than it needs (S_max instead of S): the price of replaying one graph.
+Like gpt-fast it shares the model's parameters and calls them directly, not transformers' forward: embed_tokens ->
+layers -> norm -> lm_head (last position only). Each layer's cache is its module's KVCache or LatentCache
+(`init_cache`), made once and written in place; `kv_dtype` stores it quantised or in another float type.
 """
 from __future__ import annotations
 
@@ -36,6 +10,8 @@ import torch
 
 from ..modules import checks
 from ..modules.storage import check_kv_dtype
+
+# Notation: B batch, P prompt length, S tokens cached so far, S_max = max_len, V vocabulary.
 
 
 def _llama_parts(model):
@@ -49,29 +25,28 @@ def _llama_parts(model):
 class Generator:
     """Prefill and decode steps of an attnlab'd Llama-family causal LM over static caches.
 
-    Args:
-        model: a LlamaForCausalLM after attnlab.models.to_attnlab (and possibly convert_model).
-        max_batch_size: rows the caches hold; a smaller batch uses their first rows.
-        max_len: tokens per row the caches hold (prompt, padding included, plus generated).
-        dtype, device: of the caches and activations; default the model's. The model's
-            weights must already have them (convert with model.to(...) first).
-        fixed_shape: decode with steps of one fixed shape (default: on CUDA): each step writes
-            its token at a slot given as a tensor and attends to all max_len slots, those not
-            yet written masked, so the step can be captured once and replayed.
-        compile: run that step through torch.compile(mode="reduce-overhead"), i.e. as a CUDA
-            graph on CUDA (default: on CUDA). Reuse one Generator across prompts to reuse the graph.
-        kv_dtype: storage of every layer's cache ("fp32", "bf16", "int8", "fp8", "int8/g<N>", "fp8/g<N>"; see
-            modules/cache.py); default each module's own kv_dtype (None there: plain, in dtype).
-        sliding: sliding-window layers' caches keep only their window (default; not with fixed_shape, whose
-            step needs every slot); False keeps every token there too, the window applied by the mask alone.
-
-    prefill(input_ids, attention_mask) -> logits (B, V) of the last position; step(ids (B,))
-    -> logits (B, V) of the token just fed. `kv_bytes_per_token` is measured from the caches.
-    The layers' attention modules are read when the Generator is made: make it after any conversion.
+    prefill(input_ids, attention_mask) -> logits (B, V) of the last position; step(ids (B,)) -> logits (B, V) of the
+    token just fed. `kv_bytes_per_token` is measured from the caches. The layers' attention modules are read when the
+    Generator is made: make it after any conversion. Bad arguments raise ValueError or TypeError.
     """
 
-    def __init__(self, model, max_batch_size: int, max_len: int, dtype: torch.dtype | None = None, device=None,
-                 *, fixed_shape: bool | None = None, compile: bool | None = None, kv_dtype: str | None = None,
+    def __init__(self,
+                 model,  # a LlamaForCausalLM after attnlab.models.to_attnlab (and possibly convert_model)
+                 max_batch_size: int,  # rows the caches hold; a smaller batch uses their first rows
+                 max_len: int,  # tokens a row holds: the prompt (padding included) plus those generated
+                 # of the caches and activations; default the model's, whose weights must have them (model.to first)
+                 dtype: torch.dtype | None = None, device=None,
+                 # decode steps of one shape (default: on CUDA): the token's slot is a tensor, all max_len slots are
+                 # read, the unwritten ones masked, so the step is captured once and replayed
+                 *, fixed_shape: bool | None = None,
+                 # that step through torch.compile(mode="reduce-overhead"), a CUDA graph on CUDA (default: on CUDA);
+                 # reuse one Generator across prompts to reuse the graph
+                 compile: bool | None = None,
+                 # every layer's cache storage ("fp32", "bf16", "int8", "fp8", "int8/g<N>", "fp8/g<N>";
+                 # modules/cache.py); default each module's own kv_dtype (None there: plain, in dtype)
+                 kv_dtype: str | None = None,
+                 # sliding-window layers' caches keep only their window (not with fixed_shape, whose step needs every
+                 # slot); False keeps every token, the window applied by the mask alone
                  sliding: bool = True):
         checks.positive_int("max_batch_size", max_batch_size)
         checks.positive_int("max_len", max_len)
@@ -123,6 +98,8 @@ class Generator:
             torch._dynamo.mark_static_address(t)
 
     # -- the model, layer by layer -------------------------------------------------------------
+    # a layer (self._block, models.adapters.decoder_block): input_layernorm, its attnlab module over its own cache,
+    # residual, post_attention_layernorm, mlp, residual (Gemma 3: its own norms around each branch)
     def _layers(self, x: torch.Tensor, caches, mask, key_padding_mask, is_causal: bool,
                 positions: torch.Tensor | None = None) -> torch.Tensor:
         for layer, attn, cache in zip(self.layers, self.modules, caches):
@@ -141,6 +118,12 @@ class Generator:
             raise ValueError(f"{name} must be integer token ids of shape {want}, got {ids.dtype} "
                              f"{tuple(ids.shape)}")
 
+    # Left padding: prompts of different lengths are padded on the left (attention_mask: 1 real, 0 pad) so that every
+    # row's last token sits in the same slot and a decode step writes one slot for all rows; pad keys are masked. Every
+    # token is rotated at its slot index (the cache's default positions 0..S-1), not its position in its own row. Exact:
+    # a RoPE score q_i . k_j depends only on i - j, and a row with n pads has slot = position + n for all its tokens.
+    # (An exact MLA in the rope_after_up layout rotates cached keys at slots 0..S-1 by construction, so slot indices
+    # fit every module.) In float32 it differs from per-row positions only by the angles' rounding.
     @torch.no_grad()
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Start afresh with a batch of prompts (B, P), left-padded; logits (B, V) of their last tokens."""
@@ -223,6 +206,10 @@ class Generator:
         self.length = S
         return self._logits(x)
 
+    # CUDA graphs: a plain decode step attends to the S tokens cached so far, a shape that changes every step. The
+    # fixed-shape step attends to all S_max slots, the unwritten ones hidden by the key-padding mask, and writes its
+    # token at a slot held in a tensor (_Cache.fixed_slot), so every step runs the same kernels on the same shapes and
+    # torch.compile(mode="reduce-overhead") captures it once. It reads S_max keys instead of S: the price of one graph.
     def _fixed_step(self, ids: torch.Tensor) -> torch.Tensor:
         """One decode step with the same shapes at every length: it writes slot `_slot` and attends to all
         max_len slots, the unwritten ones masked. ids (B,) -> logits (B, V)."""

@@ -1,12 +1,8 @@
 """Generation with attnlab's own loop: static caches, batched left-padded prompts, sampling, EOS, streaming.
 
-Notation: B batch, P prompt length (padding included), V vocabulary.
-
-`generate(model, input_ids, ...)` prefills once (generator.Generator), then feeds one
-token per row per step, each chosen by sampling.sample (greedy at temperature 0, else
-temperature, top-k, top-p and one seeded draw per row). Rows that produced an EOS token are finished:
-they receive pad tokens from then on, and the loop ends when every row has finished
-or max_new_tokens are out.
+`generate(model, input_ids, ...)` prefills once (generator.Generator), then feeds one token per row per step, chosen
+by sampling.sample. A row that produced an EOS token is finished and gets pad tokens from then on; the loop ends when
+every row has finished or max_new_tokens are out. Notation: B batch, P prompt length (padding included), V vocabulary.
 """
 from __future__ import annotations
 
@@ -28,24 +24,24 @@ def _eos_ids(eos_token_id, device) -> torch.Tensor | None:
     return torch.tensor(ids, device=device)
 
 
-def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *, max_new_tokens: int,
-             temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
-             seed: int | None = None, eos_token_id: int | Iterable[int] | None = None,
-             pad_token_id: int | None = None, stream: Callable[[torch.Tensor], None] | None = None,
-             max_len: int | None = None, generator: Generator | None = None, budget=None) -> torch.Tensor:
+def generate(model,  # a Llama-family causal LM after attnlab.models.to_attnlab, possibly converted (convert_model)
+             input_ids: torch.Tensor,  # (B, P), padded on the left
+             attention_mask: torch.Tensor | None = None,  # (B, P): 1 real, 0 pad
+             *, max_new_tokens: int,
+             temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,  # sampling.sample
+             seed: int | None = None,  # seeds a torch.Generator on the model's device for the draws
+             eos_token_id: int | Iterable[int] | None = None,  # one id or several; None never stops early
+             pad_token_id: int | None = None,  # a finished row's token; default the config's, else the first EOS id
+             stream: Callable[[torch.Tensor], None] | None = None,  # called with each new (B,) column as chosen
+             max_len: int | None = None,  # tokens a row's caches hold; default P + max_new_tokens
+             # a Generator of this model to reuse (its caches, and on CUDA its captured decode step) instead of a new
+             # one; it must hold B rows of P + max_new_tokens tokens
+             generator: Generator | None = None,
+             budget=None) -> torch.Tensor:  # runtime.Budget, checked before each decode step
     """Continue a batch of left-padded prompts (B, P); returns (B, P + new) token ids.
 
-    model: a Llama-family causal LM after attnlab.models.to_attnlab (GQA), possibly converted
-    (convert_model: exact or compressed MLA, absorbed or not). attention_mask: (B, P), 1 real,
-    0 pad, padding on the left. temperature 0 is greedy; top_k, top_p and seed (a
-    torch.Generator on the model's device) shape sampling. eos_token_id: one id or several;
-    None never stops early. A finished row gets pad_token_id (default the model config's
-    pad_token_id, else the first EOS id). stream(column) is called with each new (B,) column
-    as it is chosen. max_len: tokens per row the caches hold, default P + max_new_tokens.
-    generator: a generation.Generator of this model to reuse (its caches, and on CUDA its captured
-    decode step) instead of making one; it must hold B rows of P + max_new_tokens tokens.
-    budget (runtime.Budget): checked before every decode step (a stop request or a spent budget
-    raises runtime.Stopped). max_len is checked against the model's max_position_embeddings.
+    temperature 0 is greedy. A stop request or a spent budget raises runtime.Stopped. max_len is checked against the
+    model's max_position_embeddings; bad arguments raise ValueError.
     """
     checks.positive_int("max_new_tokens", max_new_tokens)
     check_sampling(temperature, top_k, top_p)

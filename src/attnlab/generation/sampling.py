@@ -1,9 +1,8 @@
-"""Sampling the next token: temperature, top-k, top-p, one seeded draw per row.
+"""Sampling the next token (sample): temperature, top-k, top-p, one seeded draw per row.
 
-Notation: B batch, V vocabulary. In this order: temperature (0 = greedy argmax),
-top-k (keep the k most likely tokens, ties at the k-th kept), top-p (keep the
-smallest set of most likely tokens whose probability reaches p), then one draw per
-row from a seeded torch.Generator.
+In this order: temperature (0 = greedy argmax), top-k (the k most likely tokens, ties at the k-th kept), top-p (the
+smallest set of most likely tokens whose probability reaches p), then one draw per row from a seeded torch.Generator.
+Notation: B batch, V vocabulary.
 """
 from __future__ import annotations
 
@@ -32,7 +31,8 @@ def check_sampling(temperature, top_k, top_p) -> None:
 
 def filtered_probs(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None,
                    top_p: float | None = None) -> torch.Tensor:
-    """The distribution a draw samples from: logits (B, V) -> probabilities (B, V), float32, zero outside the support."""
+    """The distribution a draw samples from: logits (B, V) -> probabilities (B, V), float32, zero outside the
+    support."""
     if temperature <= 0:
         raise ValueError(f"filtered_probs needs temperature > 0 (0 is greedy argmax), got {temperature}")
     scores = logits.float() / temperature  # (B, V)
@@ -55,13 +55,9 @@ def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = N
            generator: torch.Generator | None = None) -> torch.Tensor:
     """Next token ids (B,) from logits (B, V): argmax at temperature 0, else one draw from filtered_probs.
 
-    With top-k or top-p the draw looks only at the CANDIDATES most likely tokens (sorted by topk
-    instead of sorting the whole vocabulary every step): exact whenever the support lies among them,
-    which top-k <= CANDIDATES guarantees and which is checked for top-p, row by row: only the rows whose
-    nucleus is wider (or whose k-th score is tied beyond the candidates) are drawn from the whole
-    vocabulary (filtered_probs), the others from their candidates, in that order from `generator`. At
-    temperature 1 and top-p 0.95 a few rows in eight are wide on SmolLM2; when one wide row sent the whole
-    batch to the full sort, the sort and the draw over 49,152 tokens were 60% of a decode step of 32 rows.
+    With top-k or top-p the draw reads only the CANDIDATES most likely tokens (a topk, not a sort of the vocabulary).
+    Exact: each row is checked, and one whose nucleus is wider (or whose k-th score is tied beyond the candidates) is
+    drawn from the whole vocabulary (filtered_probs). From `generator`: the other rows first, then those.
     """
     if temperature == 0:
         return logits.argmax(dim=-1)

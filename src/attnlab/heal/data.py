@@ -1,26 +1,14 @@
 """What healing trains and measures on: token windows from text files, or text the teacher writes itself.
 
-Notation: N windows, T tokens per window (seq_len), V vocabulary.
-
-- `text_windows`: the user's text files, tokenised and cut into windows of T tokens, in an order whose every
-  prefix spans the whole text (spread_order); the last `holdout` fraction of each file's tokens (at least one
-  window in all) is held out for evaluation and never trained on, unless a separate evaluation text is given.
-- `teacher_windows`: data-free self-distillation. The teacher continues prompts by sampling (temperature 1,
-  top-p 0.95, a seeded generator), and each prompt + continuation is one training window; training_data's prompts
-  are a fixed set of varied ones (PROMPTS, written for this repo) and, for every DRAWN_EVERY-th window, one token
-  drawn from the vocabulary (vocabulary_prompts).
-- `training_data`: one of the two for a heal (or shrink) run, inside a time budget: the
-  teacher's writing gets a bounded share of it, past the windows a plan reads, which are the same on any machine.
-- `judge_texts`: held-out text of other kinds (shipped sentences, Python source) that a heal is judged on too;
-  `planning_texts`: the same files' next tokens, which a shrink plan's per-layer costs read (never the judge's).
-- `batch_generator`: the seeded generator a heal's batches are chosen from.
-- `check_pair`: the teacher and the student must be the same network around their attention.
+text_windows (the user's files, the last `holdout` of each held out), teacher_windows (data-free self-distillation:
+the teacher continues PROMPTS or vocabulary_prompts), training_data (one of the two for a run, within a time budget),
+judge_texts and planning_texts (held-out text of other kinds), batch_generator, check_pair. N windows of T tokens.
 """
 from __future__ import annotations
 
 import torch
 
-PROMPTS = (
+PROMPTS = (  # varied prompts, written for this repo, that the teacher continues (teacher_windows)
     "The history of the Roman Empire begins", "In a small village by the sea, an old fisherman",
     "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"", "Photosynthesis is the process by which",
     "Question: Why is the sky blue?\nAnswer:", "Dear hiring manager,\n\nI am writing to apply for",

@@ -1,70 +1,8 @@
-"""Heal a converted model by distillation from the unconverted one (the teacher), which stays frozen.
+"""Heal a converted model by distillation from the unconverted one (the teacher, frozen): `Healer`, run by run.py.
 
-Notation: B windows per step, T tokens per window (seq_len), V vocabulary, N training windows.
-
-Two phases, on token windows (data.py: the user's text, or text the teacher writes):
-1. Layer-wise: each converted attention module learns, one layer at a time, to reproduce
-   the teacher's attention output on the teacher's own hidden states (normalised MSE,
-   AdamW, cosine learning rate). No whole-model backward: one attention layer per step.
-   A guard (guard.py) compares each layer's error on a few check windows (held out from the phase's
-   batches where the text has windows to spare) before and after its steps: a layer that
-   ended worse gets its start weights back and the next layer's steps are 4 times smaller;
-   a layer that ended better puts them back up by 4 (up to the plan's rates); the end-to-end
-   phase runs at the factor the last layer left. A model whose conversion starts close to the
-   original, or whose weights are smaller than the rates assume, backs off instead of being
-   trained away from the teacher; a single near-exact layer costs the others nothing.
-   With a deadline, once its first layer is timed, the steps a layer are cut where the plan's would
-   not fit the time left (Healer._fit_layers): no layer is left untrained by the clock.
-2. End-to-end: KL(teacher || student) of the next-token distributions, training only the
-   converted attention weights (or, with lora_rank, LoRA adapters on them through peft,
-   merged back at the end). Both phases' steps run under bf16 autocast on CUDA, and on the CPU
-   where the plan says so (HealPlan.bf16: shrink sets it where the CPU multiplies bf16 natively);
-   float32 otherwise. A blow-up guard (guard.py): a step whose loss is above twice the phase's
-   first loss, and twice what the last good weights read on its batch, does not stand: the trained
-   weights go back to those of the last step that read well, no worse than the first (an in-memory
-   copy of the trained parameters, renewed at each such step, and in the checkpoint), the optimizer
-   starts afresh, and the rates are divided by 4 (the guard's lr_scale; state["rollbacks"] records each
-   one, state["hard_batches"] the steps past the first line that stood).
-   heal_model judges this phase as a whole (Healer(judge=True), run.py): where it would start, the held-out texts
-   are scored and the layer-wise phase's weights kept; if its steps leave the student farther from the teacher on
-   any text (guard.worse), those weights come back at the end. With less time left there than one evaluation took,
-   the phase is not run: steps that cannot be judged are not taken (docs/decisions.md).
-With a probe (HealPlan.probe, what shrink plans for a student that keeps every value) the order turns
-round: the end-to-end phase runs first, and heal_model scores the held-out texts after that share of
-its steps; if the student moved away from the teacher there (guard.worse: the KL to the teacher rose,
-or top-1 agreement fell, on any held-out text), the converted weights come back and the layer-wise
-phase takes the rest of the time, with no end-to-end phase after it (Healer.settle_probe); its steps a
-layer are fitted to that time once its first layer is timed (Healer._fit_layers).
-
-`Healer` runs the phases as one resumable state machine: the plan, step, phase, layer,
-weights, optimizer state and training windows go into one checkpoint file (torch.save,
-read back with weights_only=True, written atomically), with fingerprints of the student as it
-started and of the teacher, so a checkpoint of another model is refused; every batch is chosen
-from (seed, phase, step) alone, so a run stopped and resumed gives the same weights as one
-that was never stopped. It keeps a time budget (runtime.Budget: the deadline and the stop
-request every long loop checks, the teacher's hidden states included), checkpoints every few
-minutes, and stops cleanly at a step boundary when asked (request_stop, e.g. from a signal).
-`heal_model` (run.py) is the whole job inside one budget: evaluate
-before (a bounded share), train (leaving time for the evaluation after), evaluate after, on one held-out
-text or several (evaluate.evaluate_texts), and keep the converted weights if the healed student is farther
-from the teacher on any of them (guard.worse).
-
-Data-parallel (distributed.py, under torchrun): given a `world` of N > 1 processes, plan.batch_size
-and the layer-wise batch stay the global batches; rank k computes rows [k B/N, (k+1) B/N) of the
-very batch one process would pick, the trained part is wrapped (DDP, or FSDP2 with shard=True),
-the losses are built so that the averaged gradient is the one-process gradient (the layer-wise
-loss divides by the whole batch's target power), the recorded losses are the whole batch's,
-every stop is agreed, and rank 0 alone writes the checkpoint, in the one-process format. With
-FSDP2 the frozen teacher is sharded as well (distributed.shard_frozen: each rank keeps 1/N of it and
-every teacher forward is a collective the ranks run together); heal_model gathers it whole for the
-evaluations and leaves it whole for the caller. The work that is not a batch is split too: each rank computes its
-share of the teacher's layer inputs for the layer-wise phase and of the evaluations' windows, and the shares are
-gathered (distributed.gather_rows), so no rank repeats another's.
-Without a world (or with one process) nothing of this runs: the one-process path is unchanged.
-The plan (HealPlan and the constants it is sized with) is in plan.py, the losses and the rate schedule in losses.py,
-what trains (and LoRA) in trainable.py; the layer-wise phase's steps and verdicts in layer_wise.py (Healer's LayerWise
-part, which reads each layer's input as layer_inputs.py says), the end-to-end phase's steps and its blow-up guard in
-end_to_end.py (its EndToEnd part); this file holds the state machine, its checkpoints and its loop.
+1. Layer-wise (layer_wise.py): each converted attention learns the teacher's attention output, one layer at a time.
+2. End-to-end (end_to_end.py): KL(teacher || student) of the next-token distributions. With a probe (HealPlan.probe)
+phase 2 runs first and is judged (settle_probe). Healer: one resumable, time-budgeted state machine (comments below).
 """
 from __future__ import annotations
 
@@ -89,6 +27,8 @@ from .trainable import attention_modules as _modules
 from .trainable import attention_weights, load_attention_weights
 from .trained import TrainedPart
 
+# Notation: B windows per step, T tokens per window (seq_len), V vocabulary, N training windows.
+
 
 def _check_split(world: dd.World, plan: HealPlan, windows: torch.Tensor) -> None:
     """ValueError naming the numbers unless the world's size divides the global batches (checked before any work)."""
@@ -106,8 +46,23 @@ def _check_split(world: dd.World, plan: HealPlan, windows: torch.Tensor) -> None
                              f"over {n} processes: it must be a multiple of {n}")
 
 
+# Healer runs the phases as one resumable state machine: the plan, step, phase, layer, weights, optimizer state and
+# training windows go into one checkpoint file (torch.save, read back with weights_only=True, written atomically) with
+# fingerprints of the student as it started and of the teacher, so a checkpoint of another model is refused. Every
+# batch is chosen from (seed, phase, step) alone, so a run stopped and resumed gives the same weights as one never
+# stopped. It keeps a time budget (runtime.Budget: the deadline and the stop request every long loop checks, the
+# teacher's hidden states included), checkpoints every checkpoint_seconds and stops at a step boundary when asked.
+#
+# Data-parallel (distributed.py, under torchrun): with a world of N > 1 ranks plan.batch_size and the layer-wise batch
+# stay the global batches; rank k computes rows [k B/N, (k+1) B/N) of the batch one process would pick, the trained
+# part is wrapped (DDP, or FSDP2 with shard=True), the losses are built so that the averaged gradient is the
+# one-process one (the layer-wise loss divides by the whole batch's target power), the recorded losses are the whole
+# batch's, every stop is agreed, and rank 0 alone writes the checkpoint, in the one-process format. With FSDP2 the
+# frozen teacher is sharded too (every teacher forward a collective); heal_model gathers it whole for the evaluations
+# and leaves it whole. The teacher's layer inputs and the evaluations' windows are split over the ranks and gathered
+# (distributed.gather_rows). Without a world (or with one process) none of this runs.
 class Healer(LayerWise, EndToEnd):
-    """Layer-wise then end-to-end distillation of `student` from `teacher`, resumable (module docstring). windows:
+    """Layer-wise then end-to-end distillation of `student` from `teacher`, resumable (the comments above). windows:
     (N, T) training ids; checkpoint: a file (None: none); budget: a runtime.Budget; progress(info) after every step.
     world: N > 1 ranks to train data-parallel (shard=True: FSDP2, else DDP). judge: run() returns "switch" where an
     end-to-end phase would follow the layer-wise one, for heal_model to judge (keep_layer_wise, end_at_switch)."""
@@ -132,7 +87,9 @@ class Healer(LayerWise, EndToEnd):
         self.checkpoint = None if checkpoint is None else Path(checkpoint)
         self.checkpoint_seconds, self.progress = checkpoint_seconds, progress
         self.budget = budget if budget is not None else Budget()
-        self.autocast = self.device.type == "cuda" or plan.bf16  # the steps in bf16 (HealPlan.bf16)
+        # both phases' steps under bf16 autocast: on CUDA, and on the CPU where the plan says so (HealPlan.bf16: shrink
+        # sets it where the CPU multiplies bf16 natively); float32 otherwise
+        self.autocast = self.device.type == "cuda" or plan.bf16
         probing = bool(plan.probe and plan.layer_steps)
         self.state = {"phase": "layers" if plan.layer_steps and not probing else "distill", "layer": self.layers[0],
                       "step": 0, "tokens": 0,
@@ -267,6 +224,7 @@ class Healer(LayerWise, EndToEnd):
             self.optimizer = None
             return
         params = self.trained.wrap(s["phase"], s["layer"])
+        # lr_scale: the guards' factor (guard.py); the end-to-end phase starts at the one the last layer left
         lr = (self.plan.layer_lr if s["phase"] == "layers" else self.plan.lr) * s["lr_scale"]
         self.optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
 

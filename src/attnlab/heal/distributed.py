@@ -1,39 +1,8 @@
 """Data-parallel healing: the process group of a torchrun job, what its ranks share, how the trained part is wrapped.
 
-torchrun starts N processes (ranks) and gives each RANK, WORLD_SIZE and LOCAL_RANK in its
-environment. `init_world` reads them and joins the process group: gloo for a CPU device, NCCL for
-CUDA (one GPU per rank, cuda:LOCAL_RANK), every collective bounded by `timeout_s`. A single
-process (no WORLD_SIZE, or 1) joins nothing: `World()`, and every helper here is then the
-identity, so the one-process path of a heal runs no collective at all.
-
-Every rank holds the whole student and, with DDP, the whole teacher, and computes its slice of each global
-batch (`World.rows`: rank k takes rows [k B/N, (k+1) B/N) of the B rows the one-process run would
-pick). `wrap` puts the trained part under DistributedDataParallel, which averages the gradients
-over the ranks, or with shard=True under FSDP2 (`fully_shard` over a one-dimensional device mesh),
-which all-gathers the weights for each forward and backward and reduce-scatters the averaged
-gradients, so each rank keeps 1/N of the trained weights, their gradients and the optimizer's
-moments; the frozen teacher is then sharded too (shard_frozen: each rank keeps 1/N of it, and each of its
-forwards all-gathers one unit at a time), and gathered whole for the evaluations (`whole`). Either way a
-step is the one-process step on the whole batch, up to the order of floating-point sums.
-
-What ranks share beyond gradients:
-- decisions: `agree(flag)` is True on every rank when it is True on any (a stop request, an
-  expired budget, a checkpoint due), so all ranks stop, or write, at the same step;
-- figures: `global_mean` of a per-rank loss is the loss of the whole batch, the one to print;
-- what rank 0 alone makes (the teacher's text, a file only it can read): `broadcast_object`,
-  `broadcast_tensors`, and `from_rank0`, which also carries rank 0's error to every rank. These go
-  through a second, gloo group with a long timeout (`patient_s`), because the others may wait
-  minutes for rank 0 (the teacher writing text) where a training collective waits seconds.
-  Objects travel pickled between the job's own processes (torch.distributed.broadcast_object_list);
-  nothing read from disk is unpickled.
-- checkpoints: `full_state_dict` / `full_optimizer_state` give the unsharded weights and the
-  optimizer state in the one-process format (optimizer.state_dict(): parameters by index), so
-  a checkpoint of N ranks resumes at any number of ranks, one included; `load_optimizer_state`
-  shards such a state again.
-
-A rank that dies makes the others fail at their next collective: gloo raises a RuntimeError
-("Connection closed by peer", "Timed out waiting"), NCCL a torch.distributed.DistError;
-`collective_failure(e)` tells those from other errors.
+init_world joins the group torchrun's environment describes (RANK, WORLD_SIZE, LOCAL_RANK; gloo on a CPU, NCCL on
+CUDA); a single process joins nothing (World()) and every helper here is then the identity. Each rank computes its
+rows of every global batch (World.rows), and wrap makes a step the one-process step, up to the order of float sums.
 """
 from __future__ import annotations
 
@@ -172,6 +141,8 @@ def _device() -> torch.device:
 
 
 # -- decisions and figures ---------------------------------------------------------------------------
+# agree: a stop request, an expired budget, a checkpoint due on any rank is seen by all, so all stop or write at the
+# same step; global_mean: a per-rank loss -> the whole batch's, the one to print.
 def agree(flag: bool) -> bool:
     """True on every rank if `flag` is True on any (all_reduce MAX): all ranks stop at the same step."""
     if not _active():
@@ -251,6 +222,9 @@ def gather_objects(obj) -> list:
 
 
 # -- what rank 0 alone makes ---------------------------------------------------------------------------
+# (the teacher's text, a file only it can read). patient=True goes through a second gloo group with a long timeout
+# (patient_s), since the others may wait minutes for rank 0 where a training collective waits seconds. Objects travel
+# pickled between the job's own processes (broadcast_object_list); nothing read from disk is unpickled.
 def broadcast_object(obj=None, *, patient: bool = True):
     """Rank 0's `obj` on every rank (the others pass anything); patient: through the long-timeout gloo group."""
     if not _active():
@@ -317,6 +291,12 @@ def from_rank0(make, *, carry: tuple = (ValueError,)):
 
 
 # -- the trained part ------------------------------------------------------------------------------
+# With DDP every rank holds the whole student and teacher, and the gradients are averaged over the ranks. FSDP2
+# (fully_shard over a one-dimensional device mesh) all-gathers the weights for each forward and backward and
+# reduce-scatters the averaged gradients: each rank keeps 1/N of the trained weights, their gradients and the
+# optimizer's moments; the frozen teacher is sharded too (shard_frozen) and gathered whole for evaluations (whole).
+# Checkpoints hold the one-process format (full_state_dict, full_optimizer_state: parameters by index), so a
+# checkpoint of N ranks resumes at any number, one included; load_optimizer_state shards it again.
 def _mesh(world: World):
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -464,6 +444,8 @@ def sharded_params(optimizer) -> bool:
 
 
 # -- failures ----------------------------------------------------------------------------------------
+# A rank that dies makes the others fail at their next collective: gloo raises a RuntimeError ("Connection closed by
+# peer", "Timed out waiting"), NCCL a torch.distributed.DistError.
 def collective_failure(e: BaseException) -> bool:
     """True for the error a collective raises when a peer stopped answering (died, or exceeded the timeout)."""
     try:

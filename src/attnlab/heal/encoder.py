@@ -1,8 +1,7 @@
 """Heal a converted encoder (BERT, e.g. all-MiniLM-L6-v2) by distillation: cosine loss on sentence embeddings.
 
-The teacher is the unconverted encoder; the student's converted attention modules are
-the only weights that train (AdamW, cosine learning rate); the loss is 1 - cos between
-the student's and the teacher's mean-pooled, normalised sentence embeddings
+heal_encoder trains only the student's converted attention modules (AdamW, cosine learning rate) against the
+unconverted teacher; the loss is 1 - cos between their mean-pooled, normalised sentence embeddings
 (models.evaluate.mean_pooled, as sentence-transformers pools all-MiniLM-L6-v2).
 """
 from __future__ import annotations

@@ -1,19 +1,7 @@
 """The end-to-end phase of a heal (distill.Healer's EndToEnd part): KL(teacher || student) of the next-token
 distributions over whole windows, training only the converted attention weights (or LoRA adapters on them), and its
-blow-up guard.
-
-Notation: B windows per step, T tokens per window, V vocabulary.
-
-- `_distill_step`: one step on the batch chosen from (seed, epoch, position) alone (`_batch`: every epoch a
-  permutation of the training windows).
-- The blow-up guard (guard.py decides, this part acts): a step past guard.BLOW_UP times the phase's first loss is
-  asked again with the last good weights on its own batch (`_good_loss`, one more forward, only past that line); above
-  that line too, it is rolled back (`_roll_back`: the good weights back, the rates cut, a new optimizer), else it
-  stands as a hard batch. The good weights are a copy of the trained parameters renewed at each step that reads no
-  worse than the first (`_keep_good`); checkpoints hold them as weights (`_good_weights`).
-
-`EndToEnd` reads the healer's plan, state, teacher, windows, world, device, optimizer and trained part and the
-helpers Healer defines (_trained_params, _put, _loss_value, _make_optimizer); it is not used alone.
+blow-up guard (guard.py decides, this part acts: the comment above _keep_good). `_distill_step` steps on the batch
+chosen from (seed, epoch, position) alone (`_batch`: every epoch a permutation of the training windows).
 """
 from __future__ import annotations
 
@@ -26,7 +14,11 @@ from .data import batch_generator
 from .losses import cosine, kl_loss
 from .trainable import attention_weights
 
+# Notation: B windows per step, T tokens per window, V vocabulary.
 
+
+# EndToEnd reads the healer's plan, state, teacher, windows, world, device, optimizer and trained part and the helpers
+# Healer defines (_trained_params, _put, _loss_value, _make_optimizer); it is not used alone.
 class EndToEnd:
     """distill.Healer's end-to-end phase and its blow-up guard (module docstring)."""
 
@@ -77,6 +69,11 @@ class EndToEnd:
             self._make_optimizer()  # none: the trained weights are the student's own again
         return value
 
+    # The blow-up guard: a step past guard.BLOW_UP times the phase's first loss is asked again with the last good
+    # weights on its own batch (_good_loss, one more forward, only past that line); above that line too, it is rolled
+    # back (_roll_back: the good weights back, the rates cut, a new optimizer), else it stands as a hard batch. The
+    # good weights are a copy of the trained parameters renewed at each step that reads no worse than the first
+    # (_keep_good); checkpoints hold them as weights (_good_weights).
     def _keep_good(self) -> None:
         """The blow-up guard's copy of the trained parameters as they are now (they just read no worse than the
         phase's first step: guard.good), in place."""

@@ -1,28 +1,8 @@
-"""A student against its teacher on held-out text: how close it stays to the teacher (KL, top-1 agreement), its
-perplexity, and greedy agreement.
+"""A student against its teacher on held-out text: evaluate_pair (one text), evaluate_texts (several, combined).
 
-The report that heal and shrink print before and after training, and what heal_model's decisions read (guard.worse:
-the mean KL(teacher || student) per position and top-1 agreement, never perplexity alone). One pass over the
-held-out windows scores both models (each window: the teacher's and the student's next-token loss, the KL between
-their next-token distributions at every position, summed in float64, and whether their most likely tokens agree);
-greedy agreement then runs both through attnlab's generation loop. With a budget, the "before" evaluation scores as
-many windows as the budget allows (at least one), and remembers how many, so the "after" evaluation scores the same
-text and costs about the same: the teacher runs again on each window (its full-vocabulary logits are not kept
-between evaluations: their memory would grow with the windows), its most likely tokens and greedy continuations are
-kept. Which positions agree is kept too, packed ("top1_positions": positions_code), so that two evaluations of the
-same windows can be compared position by position (flips: the keep-better test's sign test, guard.worse).
-evaluate_texts scores several held-out texts (of different kinds) and combines them over all their tokens.
-
-evaluate_pair's figures: "kl", the mean over every scored position (each predicts the next token) of KL(teacher ||
-student) in nats (float64 sums: kl_sum); "top1_agreement", the share of those positions where both models' most
-likely tokens are equal; "perplexity", exp of the student's mean next-token loss ("tokens" positions in "windows"
-windows of `window` tokens, default 512 or the model's context where shorter). Its budget: a window is scored if the
-last one's time still fits (the first always), greedy agreement is left out if the budget runs out first, a stop
-request raises runtime.Stopped. Its reference (the "before" evaluation): the same windows, the teacher's cached most
-likely tokens and greedy continuations reused. Over N ranks (world) window i is scored by rank i mod N in rounds whose
-start every rank agrees on, the sums reduced and the teacher's answers gathered: every rank returns one process's
-result, up to the order of its sums. greedy_agreement's "prefix" is the mean share of new tokens before the first
-difference, "tokens" the share of equal positions; over N ranks each continues its share of the prompts.
+Figures: KL and top-1 agreement (what heal_model's decisions read, guard.worse; never perplexity alone), perplexity,
+greedy agreement. Which positions agree is kept, packed (positions_code), so two evaluations of the same windows
+compare position by position (flips: the keep-better test's sign test). heal and shrink print it before and after.
 """
 from __future__ import annotations
 
@@ -46,10 +26,12 @@ def decodes(model) -> bool:
     return not any(m._kv_format is not None and m._kv_format.evaluation_only for m in attnlab_modules(model))
 
 
+# greedy_agreement's "prefix": the mean share of new tokens before the first difference; "tokens": the share of equal
+# positions. Both models run through attnlab's generation loop; over N ranks each continues its share of the prompts.
 def greedy_agreement(teacher, student, prompts: torch.Tensor, new_tokens: int = 64, *, budget=None,
                      teacher_tokens: torch.Tensor | None = None, world=None) -> dict:
     """Both models continue the same prompts (B, P) greedily for new_tokens: how alike the continuations are
-    ("prefix", "tokens", "prompts": B; module docstring). teacher_tokens: the teacher's continuations from an earlier
+    ("prefix", "tokens", "prompts": B; the comment above). teacher_tokens: the teacher's continuations from an earlier
     call, so that only the student generates. world: the prompts split over the ranks, every rank gets all B figures
     (no budget then: a rank must not stop alone between collectives)."""
     B, P = prompts.shape
@@ -100,11 +82,23 @@ def _prompts(held_out: torch.Tensor, prompts: int, prompt_len: int) -> torch.Ten
     return torch.stack([held_out[0, s:s + prompt_len] for s in starts.tolist()])  # (prompts, prompt_len)
 
 
+# One pass over the held-out windows scores both models: each one's next-token loss, the KL between their next-token
+# distributions at every position (float64 sums: kl_sum), and whether their most likely tokens agree. evaluate_pair's
+# figures: "kl", the mean over every scored position (each predicts the next token) of KL(teacher || student) in nats;
+# "top1_agreement", the share of those positions where both models' most likely tokens are equal; "perplexity", exp
+# of the student's mean next-token loss ("tokens" positions in "windows" windows of `window` tokens, default 512 or
+# the model's context where shorter). With a budget the "before" evaluation scores windows while the last one's time
+# still fits (the first always) and remembers how many, so the "after" one (its reference) scores the same text at
+# about the same cost: the teacher runs again on each window (its full-vocabulary logits are not kept: their memory
+# would grow with the windows), its most likely tokens and greedy continuations are reused. Greedy agreement is left
+# out if the budget runs out first; a stop request raises runtime.Stopped. Over N ranks window i is scored by rank
+# i mod N in rounds whose start every rank agrees on, the sums reduced and the teacher's answers gathered: every rank
+# returns one process's result, up to the order of its sums.
 def evaluate_pair(teacher, student, held_out: torch.Tensor, *, prompts: int = 8, prompt_len: int = 32,
                   new_tokens: int = 64, window: int | None = None, budget=None, reference: dict | None = None,
                   world=None) -> dict:
     """The student against the teacher on held-out token ids (1, M): "kl", "top1_agreement", "perplexity", greedy
-    agreement, "tokens" and "windows" (module docstring). budget: windows scored while they fit; reference: an earlier
+    agreement, "tokens" and "windows" (the comment above). budget: windows scored while they fit; reference: an earlier
     result, whose windows and teacher answers are reused; window: tokens per window; world: the windows split over
     the ranks, every rank returning the one result. Without a reference the result holds the teacher's perplexity."""
     split = world is not None and world.distributed

@@ -1,23 +1,7 @@
-"""What keeps a heal from leaving the model worse than it was converted: the layer-wise guard's rule and state, the
-end-to-end phase's blow-up guard, and heal_model's keep-better test, which also judges the end-to-end probe (the
-Healer of distill.py and heal_model of run.py apply them; docs/decisions.md says why).
-
-The layer-wise guard scores each layer on WINDOWS check windows before and after its steps. A layer that ended
-worse gets its start weights back and the later learning rates are divided by GUARD_CUT; one that ended better
-multiplies them by GUARD_CUT again, up to the plan's rates. Its part of the Healer's state is plain numbers and
-lists (initial_state), so checkpoints hold it as they hold the rest.
-
-The blow-up guard: an end-to-end step whose loss exceeds BLOW_UP times the phase's first loss, and BLOW_UP times
-what the last good weights read on the same batch, does not stand; the trained weights go back to those of the last
-step that read well (good), the optimizer starts afresh and the rates are divided by GUARD_CUT (rolled_back). The
-second reading is taken only past the first line; a step whose batch reads as high on the good weights is a hard
-batch, and stands (hard_batch records it).
-
-The keep-better test (worse) compares the student with the teacher, not with the text: KL and top-1 agreement on
-every held-out text, never perplexity; a fall of top-1 agreement counts only when the positions it lost outnumber
-those it gained beyond chance (a sign test at TOP1_ALPHA: flips, sign_test). heal_model applies it three ways: the
-converted student against the healed one, the probe of an end-to-end phase run first, and the layer-wise phase's
-student against the end-to-end phase's after it (switch_line says what that verdict was).
+"""What keeps a heal from leaving the model worse than it was converted (docs/decisions.md says why): the layer-wise
+guard (after_layer), the end-to-end phase's blow-up guard (past_line, blown_up, rolled_back) and heal_model's
+keep-better test (worse), which also judges the end-to-end probe. distill.Healer and run.heal_model apply them; their
+part of the Healer's state is plain numbers and lists (initial_state), so checkpoints hold it as they hold the rest.
 """
 from __future__ import annotations
 
@@ -46,6 +30,9 @@ def initial_state() -> dict:
             "hard_batches": []}
 
 
+# The layer-wise guard scores each layer on WINDOWS check windows before and after its steps. A layer that ended worse
+# gets its start weights back and the later learning rates are divided by GUARD_CUT; one that ended better multiplies
+# them by GUARD_CUT again, up to the plan's rates.
 def layer_worse(before: float, after: float) -> bool:
     """The layer-wise guard's rule: a layer whose check error rose over its steps ended worse (any rise)."""
     return after > before
@@ -63,6 +50,10 @@ def after_layer(state: dict, layer: int, before: float, after: float) -> bool:
     return False
 
 
+# The blow-up guard: an end-to-end step whose loss exceeds BLOW_UP times the phase's first loss, and BLOW_UP times what
+# the last good weights read on the same batch, does not stand; the trained weights go back to those of the last step
+# that read well (good), the optimizer starts afresh and the rates are divided by GUARD_CUT (rolled_back). The second
+# reading is taken only past the first line; a step whose batch reads as high on the good weights stands (hard_batch).
 def good(state: dict, loss: float) -> bool:
     """Whether the weights an end-to-end step reads `loss` on are the blow-up guard's new fallback: the phase's first
     step, or a loss no higher than its (not merely below the BLOW_UP line, so that a slow climb goes back too)."""
@@ -166,6 +157,11 @@ def _texts(result: dict) -> list[dict]:
     return result.get("texts") or [result]
 
 
+# The keep-better test (worse, reason) compares the student with the teacher, not with the text: KL and top-1 agreement
+# on every held-out text, never perplexity; a fall of top-1 agreement counts only when the positions it lost outnumber
+# those it gained beyond chance (sign_test at top1_alpha() on evaluate.flips). heal_model applies it three ways: the
+# converted student against the healed one, the probe of an end-to-end phase run first, and the layer-wise phase's
+# student against the end-to-end phase's after it (switch_line says what that verdict was).
 def reason(before: dict | None, after: dict | None) -> str | None:
     """Why `after` is worse than `before` (worse), in words naming the text and the figures; None when it is not."""
     if before is None or after is None:

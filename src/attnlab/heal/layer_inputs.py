@@ -1,19 +1,8 @@
-"""Where the layer-wise phase of a heal (distill.Healer) reads each layer's attention input.
+"""Where the layer-wise phase of a heal (distill.Healer) reads each layer's attention input (HealPlan.layer_inputs).
 
-Notation: n layer-wise windows, c check windows (guard.WINDOWS), T tokens per window, dim the model's width.
-
-Two sources (HealPlan.layer_inputs):
-- "teacher": the teacher's own hidden states at each attention, on the first layer_windows training windows and
-  the guard's check windows after them, computed once a heal (`LayerInputs._layer_inputs`; over N ranks each
-  computes its share and the shares are gathered);
-- "student": the student's own, so that each layer is fitted to what it will really read: the teacher's residual
-  stream into layer 0 carried through the student's layers before it as they stand (their steps done), and read at
-  the layer's attention without running the rest of the layer (`_attention_input`: the model's own decoder block,
-  stopped where it calls its attention). The teacher's attention output on its own input stays the target.
-
-`LayerInputs` is a part of Healer: it reads the healer's plan, windows, world, device, teacher, student, attention
-modules (_attn) and budget check (_check), and keeps the inputs between steps (_inputs, _check_x, _stream,
-_stream_start, _own).
+"teacher": the teacher's own hidden states at each attention, computed once a heal (LayerInputs._layer_inputs);
+"student": the student's own (_own_inputs), so that each layer is fitted to what it will really read. The teacher's
+attention output on its own input stays the target.
 """
 from __future__ import annotations
 
@@ -24,6 +13,8 @@ import torch
 from ..models.adapters import decoder_block, decoder_layers
 from . import distributed as dd
 from . import guard
+
+# Notation: n layer-wise windows, c check windows (guard.WINDOWS), T tokens per window, dim the model's width.
 
 
 class _Read(Exception):
@@ -48,6 +39,9 @@ def _attention_input(block, layer, h: torch.Tensor) -> torch.Tensor:
 
 
 
+# LayerInputs is a part of Healer: it reads the healer's plan, windows, world, device, teacher, student, attention
+# modules (_attn) and budget check (_check), and keeps the inputs between steps (_inputs, _check_x, _stream,
+# _stream_start, _own).
 class LayerInputs:
     """The layer-wise phase's inputs, a part of distill.Healer (module docstring)."""
 

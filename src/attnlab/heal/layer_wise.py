@@ -1,18 +1,7 @@
 """The layer-wise phase of a heal (distill.Healer's LayerWise part): each converted attention module learns, one layer
 at a time, to reproduce the teacher's attention output on the inputs layer_inputs.py gives it (normalised MSE, AdamW,
-the plan's cosine rate), with no whole-model backward.
-
-Notation: n layer-wise windows, c check windows (guard.WINDOWS), T tokens per window, dim the model's width.
-
-- `_layer_step`: one step of the current layer on a batch chosen from (seed, layer, step) alone; after the layer's
-  last step the guard judges it (`_guard`: a layer that ends worse on the check windows than it started gets its
-  start weights back, guard.after_layer).
-- `judge_cut_layer`: the same verdict on a layer the clock or a stop cut off inside its steps.
-- `_fit_layers`, `_time_layer`: with a deadline, the steps a layer fitted to the time left once the first layer is
-  timed, where the plan's would not fit (it sized them from one step timed before the phase).
-
-`LayerWise` reads the healer's plan, state, teacher, attention modules (_attn), optimizer, trained part, world and
-the helpers Healer defines (_loss_value, _make_optimizer); it is not used alone.
+the plan's cosine rate), with no whole-model backward. `_layer_step` steps it on a batch chosen from (seed, layer,
+step) alone; `_guard` and `judge_cut_layer` judge a finished or cut-off layer; `_fit_layers` fits the steps to the time.
 """
 from __future__ import annotations
 
@@ -27,7 +16,11 @@ from .losses import cosine, normalised_mse, warmup_steps
 from .plan import MIN_LAYER_STEPS
 from .trainable import attention_modules as _modules
 
+# Notation: n layer-wise windows, c check windows (guard.WINDOWS), T tokens per window, dim the model's width.
 
+
+# LayerWise reads the healer's plan, state, teacher, attention modules (_attn), optimizer, trained part, world and the
+# helpers Healer defines (_loss_value, _make_optimizer); it is not used alone.
 class LayerWise(LayerInputs):
     """distill.Healer's layer-wise phase (module docstring)."""
 

@@ -1,10 +1,8 @@
 """What a heal step lowers, and at what rate: KL(teacher || student) of the next-token distributions (the end-to-end
 phase), the normalised squared error of an attention layer's output (the layer-wise phase), and the warm-up and
-cosine schedule both phases follow (heal/distill.py runs them).
-
-Both losses are computed in at least float32 and are built so that over N ranks of a torchrun job, each with an
-equal share of the batch, the mean of the ranks' losses (what DDP's averaged gradient follows) is the one-process
-loss of the whole batch.
+cosine schedule both phases follow. Both losses are computed in at least float32; over N ranks of a torchrun job,
+each with an equal share of the batch, the mean of the ranks' losses (what DDP's averaged gradient follows) is the
+one-process loss of the whole batch.
 """
 from __future__ import annotations
 

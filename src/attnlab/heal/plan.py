@@ -1,10 +1,7 @@
 """HealPlan: what a heal does, everything that decides its result (the time budget is not part of it), and the
 constants a plan is sized with (shrink/heal_plan.py sizes one for a shrink; distill.Healer runs it).
 
-Its fields: the windows' length and the batches of both phases, the end-to-end tokens, the layer-wise steps a layer
-and the windows that phase reads, the two learning rates and the warm-up, the seed every batch is drawn from, LoRA,
-the probe (the end-to-end phase first, judged at a share of its steps), where a layer-wise layer reads its inputs,
-the greedy prompts an evaluation writes, and whether the steps run in bf16 on the CPU. check() refuses a plan that cannot run, naming the field and value.
+Its fields are described beside them. check() refuses a plan that cannot run, naming the field and value.
 """
 from __future__ import annotations
 
@@ -22,17 +19,17 @@ LAYER_INPUTS = ("teacher", "student")  # HealPlan.layer_inputs
 @dataclass
 class HealPlan:
     """What a heal does (everything that decides its result; the time budget is not part of it)."""
-    seq_len: int = 256
-    batch_size: int = 4
+    seq_len: int = 256  # tokens per window
+    batch_size: int = 4  # end-to-end windows per step
     tokens: int | None = None  # end-to-end tokens; None: as many as the time budget allows
     layer_steps: int = 100  # layer-wise steps per layer; 0 skips the phase
     layer_windows: int = 64  # windows whose teacher hidden states the layer-wise phase reads
-    layer_batch: int = 8
-    layer_lr: float = 3e-3
-    lr: float = 3e-4
-    warmup: int = 8
-    seed: int = 0
-    lora_rank: int | None = None
+    layer_batch: int = 8  # layer-wise windows per step
+    layer_lr: float = 3e-3  # the layer-wise learning rate
+    lr: float = 3e-4  # the end-to-end learning rate
+    warmup: int = 8  # the end-to-end phase's warm-up steps
+    seed: int = 0  # what every batch is drawn from (data.batch_generator)
+    lora_rank: int | None = None  # LoRA adapters of this rank train instead of the attention weights; None: no LoRA
     # with layer_steps: the end-to-end phase first, judged on the held-out texts after this share of its steps
     # (heal_model): if the student moved away from the teacher there (guard.worse), the converted weights come back
     # and the layer-wise phase takes the rest of the time, with no end-to-end phase after it; 0: the layer-wise phase

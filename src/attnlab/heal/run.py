@@ -1,35 +1,8 @@
 """heal_model: one heal as a whole job inside one time budget, around the Healer of distill.py.
 
-Evaluate the student against the teacher on the held-out texts before (a bounded share of the budget), train
-(Healer.run, leaving the time that evaluation took for the one after), judge a probe of the end-to-end phase where
-the plan has one (_probe: guard.worse on every held-out text), score the layer-wise phase's student where an
-end-to-end phase would follow it (_switch), evaluate after, keep the layer-wise weights where the end-to-end steps
-left the student farther from the teacher on any text, and the converted weights where the healed student is
-farther from it than they were (guard.worse both). The report holds every figure and every
-decision's reason. Over a torchrun job every rank calls it alike (distributed.py).
-
-heal_model's arguments and report:
-- held_out: token ids (1, M), or a list of them (several texts; every decision then needs the student no farther from
-  the teacher on every one). report["before"], ["after"] (and ["healed"], ["probe"]) hold evaluate.evaluate_texts'
-  figures: over all the texts' tokens under the keys of one text ("kl", "top1_agreement", "perplexity", "tokens",
-  "windows", ...) and "texts", each text's own; report["teacher"] the teacher's perplexity, alike.
-- budget: a runtime.Budget (or minutes: a new one). The evaluation before training gets at most eval_share of what is
-  left; training stops early enough to leave that time for the one after. A stop request is honoured at the next step
-  or evaluation window: the checkpoint is written and the status is "stopped". report["trained_steps"] counts this
-  call's steps (0: nothing trained).
-- resume: continue from `checkpoint` (its plan, student, teacher and number of held-out texts must be this run's).
-  stop_hook(healer) is called once the Healer exists (e.g. to wire a signal to request_stop).
-- world, shard: data-parallel over a torchrun job (Healer). Rank 0 reads the checkpoint and sends it to the others;
-  the evaluations split each text's windows and prompts over the ranks, so every rank takes the same decisions. With
-  shard the teacher is sharded for the training and comes back whole.
-- keep_better: a healed student worse than the converted one (guard.worse) gets the converted weights back:
-  report["kept"] says why, report["healed"] holds the healed student's figures, report["after"] the model returned.
-  An end-to-end phase after a layer-wise one is then judged as a whole (_switch): report["layer_wise"] holds the
-  layer-wise student's figures and the verdict, report["end_to_end"] the student its weights replaced; with less time
-  left there than the evaluation before training took, no end-to-end step is taken. Not with LoRA (plan.lora_rank).
-- the guards (guard.py): report["layers_restored"], ["lr_scale"], ["rollbacks"], ["hard_batches"], ["layer_cut"]
-  (a layer cut off inside its steps, judged alike: Healer.judge_cut_layer) and ["layer_steps_fitted"] (the steps a
-  layer Healer._fit_layers fitted to the time; None: the plan's).
+Evaluate the student against the teacher on the held-out texts, train (Healer.run), judge an end-to-end probe
+(_probe) and an end-to-end phase after a layer-wise one (_switch), evaluate again, and keep the converted weights
+where the healed student is farther from the teacher on any text (guard.worse). Every rank of a torchrun job calls it.
 """
 from __future__ import annotations
 
@@ -49,14 +22,42 @@ from .trainable import attention_modules, attention_weights, load_attention_weig
 _STATUSES = (None, "budget", "stopped")  # a run's end, by rank: the largest over the ranks wins
 
 
-def heal_model(teacher, student, windows: torch.Tensor, held_out, plan: HealPlan, *,
-               minutes: float | None = None, budget: Budget | None = None, device="cpu", checkpoint=None,
-               resume: bool = False, checkpoint_seconds: float = 300.0, progress=None, evaluate: bool = True,
-               stop_hook=None, eval_share: float = 0.1, world: dd.World | None = None, shard: bool = False,
+# heal_model's report holds every figure and every decision's reason. "before", "after" (and "healed", "probe"):
+# evaluate.evaluate_texts' figures, over all the texts' tokens under the keys of one text ("kl", "top1_agreement",
+# "perplexity", "tokens", "windows", ...) and "texts", each text's own; "teacher": the teacher's perplexity, alike;
+# "trained_steps": this call's steps (0: nothing trained). With keep_better: "kept" says why, "healed" holds the healed
+# student's figures, "after" the model returned; "layer_wise" the layer-wise student's figures and the verdict on the
+# end-to-end phase after it (_switch), "end_to_end" the student its weights replaced. The guards (guard.py):
+# "layers_restored", "lr_scale", "rollbacks", "hard_batches", "layer_cut" (a layer cut off inside its steps, judged
+# alike: Healer.judge_cut_layer) and "layer_steps_fitted" (the steps a layer Healer._fit_layers fitted; None: the
+# plan's).
+def heal_model(teacher, student,
+               windows: torch.Tensor,  # (N, T) training ids
+               # token ids (1, M), or a list of them (several texts: every decision then needs the student no farther
+               # from the teacher on every one)
+               held_out,
+               plan: HealPlan, *,
+               minutes: float | None = None,  # a new Budget of that many minutes, or that share of `budget`
+               # a runtime.Budget: the evaluation before training gets at most eval_share of what is left, and training
+               # stops early enough to leave that time for the one after
+               budget: Budget | None = None,
+               device="cpu", checkpoint=None,
+               resume: bool = False,  # from checkpoint: its plan, student, teacher and count of texts must be ours
+               checkpoint_seconds: float = 300.0, progress=None, evaluate: bool = True,
+               stop_hook=None,  # stop_hook(healer), called once the Healer exists (e.g. a signal -> request_stop)
+               eval_share: float = 0.1,
+               # data-parallel over a torchrun job (Healer): rank 0 reads the checkpoint and sends it to the others; the
+               # evaluations split each text's windows and prompts over the ranks, so every rank takes the same
+               # decisions. With shard the teacher is sharded for the training and comes back whole
+               world: dd.World | None = None, shard: bool = False,
+               # a healed student worse than the converted one (guard.worse) gets the converted weights back; an
+               # end-to-end phase after a layer-wise one is judged as a whole (_switch), and not run with less time
+               # left there than the evaluation before training took. Not with LoRA (plan.lora_rank)
                keep_better: bool = True) -> dict:
-    """Measure, heal (Healer), measure again, all inside one budget; returns the report (module docstring: the
-    arguments and the report's keys). The student heals in place; with keep_better it comes back converted where the
-    heal left it farther from the teacher on any held-out text."""
+    """Measure, heal (Healer), measure again, all inside one budget; returns the report (its keys: the comment above).
+    The student heals in place; with keep_better it comes back converted where the heal left it farther from the
+    teacher on any held-out text. A stop request is honoured at the next step or evaluation window: the checkpoint is
+    written and the status is "stopped"."""
     from .data import check_pair
     from .evaluate import held_out_texts
 

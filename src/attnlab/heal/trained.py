@@ -1,13 +1,8 @@
-"""What a heal phase trains, wrapped for the ranks of a torchrun job: the module the optimizer steps and the one a
-step calls.
+"""What a heal phase trains, wrapped for the ranks of a torchrun job (TrainedPart): the module the optimizer steps and
+the one a step calls.
 
-One process: the layer-wise phase trains one attention module and calls it; the end-to-end phase trains the
-student's attention weights and calls the student. Over N ranks (distributed.py) with DDP the called part is the
-DDP wrapper of that module or of the student. With FSDP2 (shard=True) each trained attention module gets a sharded
-twin (distributed.replica, then fully_shard): the layer-wise phase calls its layer's twin; the end-to-end phase
-swaps the twins into the student for the training steps only (attach), so that an evaluation between runs sees the
-student's own modules and runs no collective, and gathers the twins' full weights back into those modules (sync)
-before a checkpoint, a guard's comparison or the end (detach, release).
+One process: the layer-wise phase's attention module, or the end-to-end phase's student. With DDP (distributed.py)
+the called part is their DDP wrapper; with FSDP2 (shard=True) each trained attention module gets a sharded twin.
 """
 from __future__ import annotations
 
@@ -53,6 +48,10 @@ class TrainedPart:
                     return
         raise ValueError("an attention module is no longer in the student")  # pragma: no cover - a bug
 
+    # FSDP2: each twin is distributed.replica, then fully_shard. The layer-wise phase calls its layer's twin; the
+    # end-to-end phase swaps the twins into the student for the training steps only (attach), so that an evaluation
+    # between runs sees the student's own modules and runs no collective, and gathers the twins' full weights back
+    # into those modules (sync) before a checkpoint, a guard's comparison or the end (detach, release).
     def attach(self, phase: str) -> None:
         """FSDP2, end-to-end: the sharded twins take their modules' places in the student, for the training steps."""
         if phase == "distill" and self._twins and not self._attached:

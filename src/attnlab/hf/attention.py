@@ -1,9 +1,8 @@
 """transformers' attention over KVCache's recent window: each query of a call reads its own newest N rows plain.
 
-A "+w<N>" layer of KVCache answers a call of several tokens with its S rows as stored, then the plain rows of the
-newest positions (modules/recent.py), and announces that here. The attention registered as "attnlab" (sdpa
-otherwise) then masks them as attnlab's own modules do (recent.mixed_mask): a chunk, a prefill or a batch scores
-what decoding one token at a time scores. KVCache switches a model to it when a storage keeps a window.
+A "+w<N>" layer of KVCache returns a call's S rows as stored, then the newest positions' plain rows
+(modules/recent.py), and says so through `announce`. `attention` (registered as "attnlab" by `use_on`, which KVCache
+calls for a windowed storage) masks them as recent.mixed_mask does, so a chunk scores what one-token decoding scores.
 """
 from __future__ import annotations
 

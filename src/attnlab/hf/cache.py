@@ -1,16 +1,8 @@
 """KVCache: a transformers `Cache` whose layers hold keys and values in attnlab's storages.
 
-Each layer keeps one attnlab `modules.cache.KVCache`: the same codes, scales and llama.cpp rotation as attnlab's own
-loop, written once per token when it arrives (the prefill included) and read back dequantised for transformers'
-attention. A full-attention layer grows its buffers in steps (`GROWTH`); a sliding layer keeps its window's rows.
-A "+w<N>" storage also keeps each layer's newest N keys and values plain (modules/recent.py's ring). A decode step
-reads those N rows plain; a call of several tokens returns the rows as stored and then the plain ones, and the
-attention KVCache sets on the model (hf/attention.py) lets each query read its own newest N plain, as attnlab's
-own latent caches do.
-A DeepSeek-V3 folder (an MLA attnlab wrote) passes each layer's normalised latent and rope key: its layers hold
-`modules.cache.LatentCache` rows [latent, rope key] in the MLA's storage ("int3/g256+c4+w8"), the latent's first
-`latent_channels` channels only (an export's constant channel, which kv_b_proj ignores, reads back as 0).
-The classes are made on first use, so this module imports transformers only then.
+Each layer keeps one attnlab `modules.cache.KVCache` (an MLA layer a `modules.cache.LatentCache`): the same codes,
+scales and llama.cpp rotation as attnlab's own loop. `KVCache(model, kv_dtype)` or `KVCache.from_pretrained(folder)`
+makes one. The classes are made on first use (`_classes`), so this module imports transformers only then.
 """
 from __future__ import annotations
 
@@ -88,7 +80,8 @@ def layer_shapes(config) -> list[LayerShape]:
 
 
 def latent_shapes(config) -> list[LatentShape]:
-    """Each layer's LatentShape from a DeepSeek-V3 config and its "attnlab" entry (models/export/deepseek.py: attnlab_entry)."""
+    """Each layer's LatentShape from a DeepSeek-V3 config and its "attnlab" entry
+    (models/export/deepseek.py: attnlab_entry)."""
     r, L = config.kv_lora_rank, config.num_hidden_layers
     entry = getattr(config, "attnlab", None) or {}
     coded = entry.get("latent_channels", r)
@@ -161,7 +154,11 @@ class _Owner:
 
 
 class _CodedLayer(_Owner):
-    """One layer of KVCache (see the module docstring); transformers' CacheLayerMixin is mixed in by _classes()."""
+    """One GQA layer of KVCache; transformers' CacheLayerMixin is mixed in by _classes().
+
+    Rows are coded once, when they arrive (the prefill included), and read back dequantised. A full layer grows its
+    buffers in steps (GROWTH); a sliding layer keeps its window's rows. A "+w<N>" storage also keeps the newest N keys
+    and values plain (`plain`): a decode step reads them plain, a call of several tokens gets `_mixed`'s rows."""
 
     is_compileable = False
     supports_early_init = False
@@ -385,7 +382,11 @@ def joint(kv_dtype) -> bool:
 
 
 class _LatentLayer(_CodedLayer):
-    """One MLA layer of KVCache: update(latent (B, 1, S, r), rope key (B, 1, S, p)) as DeepSeek-V3 passes them."""
+    """One MLA layer of KVCache: update(latent (B, 1, S, r), rope key (B, 1, S, p)) as DeepSeek-V3 passes them.
+
+    It holds `modules.cache.LatentCache` rows [latent, rope key] in the MLA's storage ("int3/g256+c4+w8"), the
+    latent's first `coded` channels only (config's `latent_channels`): an export's constant channel, which
+    kv_b_proj ignores, reads back as 0."""
 
     def __init__(self, kv_dtype, shape: LatentShape, index: int):
         super().__init__(kv_dtype, shape, index)
@@ -442,14 +443,13 @@ def _heads(rows: torch.Tensor, heads: int) -> torch.Tensor:
 class _KVCacheBase:
     """KVCache(model, kv_dtype): a transformers Cache of attnlab's storages, one layer per decoder layer.
 
-    model: a transformers model (or config) of a family attnlab knows; kv_dtype: any storage attnlab's GQA caches
-    take ("int8", "q4_0", "q8_0,q4_0", "int4/g32", None for plain), or a list of them, one a layer. value_bases, kept_dtype: a keys-whole plan's
-    (KVCache.from_pretrained reads them): each converted layer's value basis, and the storage of the layers it kept.
-    Refused in one line when it is made: another family, a storage the head size cannot take. A "+w<N>" storage
-    sets the model's attention to hf/attention.py's (sdpa, each query reading its own newest N rows plain); made
-    from a config, a call of several tokens reads the newest N plain for every query, as its last does."""
+    model: a transformers model (or config) of a family attnlab knows; kv_dtype: a GQA cache storage ("int8", "q4_0",
+    "q8_0,q4_0", "int4/g32"; None: plain) or a list, one a layer. ValueError when made, for another family or a
+    storage the head size cannot take. A "+w<N>" storage sets the model's attention to hf/attention.py's."""
 
-    def __init__(self, model, kv_dtype=None, value_bases=None, kept_dtype=None):
+    def __init__(self, model, kv_dtype=None,
+                 value_bases=None,  # a keys-whole plan's value basis for each converted layer (from_pretrained)
+                 kept_dtype=None):  # a keys-whole plan's storage for the layers it kept
         config = text_config(model)
         shapes = layer_shapes(config)
         widths = _latent_widths(value_bases, len(shapes))
@@ -463,7 +463,9 @@ class _KVCacheBase:
             joint_class(k, s, i, u) if joint(k) or u is not None else layer_class(k, s, i)
             for i, (s, u, k) in enumerate(zip(shapes, bases, storages))])
         windowed = [layer for layer, k in zip(self.layers, storages) if getattr(check_kv_dtype(k), "recent", None)]
-        if windowed and hasattr(model, "set_attn_implementation"):  # a model, not its config: mix as decoding reads
+        # a model, not its config: each query reads its own newest N rows plain, as decoding does. Made from a
+        # config, a call of several tokens reads the newest N plain for every query, as its last does.
+        if windowed and hasattr(model, "set_attn_implementation"):
             use_on(model)
             for layer in windowed:
                 layer.mixed = True

@@ -1,9 +1,8 @@
 """A fingerprint of a set of weights: which model a checkpoint belongs to, without storing the model.
 
-fingerprint(named tensors) hashes every tensor's name, dtype, shape and a strided sample of at
-most SAMPLE of its values (all of them for small tensors), so two models of the same shape but
-different weights (another training run, another seed) get different fingerprints in well under
-a second even for billions of parameters.
+`fingerprint(named tensors)` hashes every tensor's name, dtype, shape and a strided sample of at most SAMPLE of its
+values (all of a small tensor's), so two models of one shape but other weights (another run, another seed) get
+different fingerprints, quickly even for billions of parameters.
 """
 from __future__ import annotations
 

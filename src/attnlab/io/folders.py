@@ -1,21 +1,8 @@
 """Where attnlab may write, and how: atomically, never over the user's files, one writer at a time.
 
-The rules every command gets (they live here, below the commands):
-- An output path is refused when it is the current folder or one of its parents, when it is a
-  source the run reads (or lies inside one, or contains one), and when it exists, unless
-  `force` is given AND attnlab wrote it: a folder with attnlab's marker file (MARKER, which
-  lists the files attnlab put there; a folder holding anything else is refused too), or a file
-  that the caller's `ours(path)` recognises (a GGUF carries attnlab's key in its metadata).
-  `--force` therefore never deletes anything attnlab did not write.
-- Folders and files are written under a temporary name beside the target
-  (`.NAME.attnlab-tmp-PID-XXXX`) and renamed into place at the end, so a failure leaves nothing
-  half-written; the old output is moved aside first and deleted only once the new one is in
-  place. Temporaries left by a run that was killed (its PID is gone) are removed by the next
-  write beside them.
-- `output_lock(path)` holds an exclusive lock beside an output for the length of a run, so two
-  runs cannot write (or checkpoint) into the same place.
-- What is written gets the permissions the user's umask gives a new file or folder (not the
-  0600/0700 of a temporary).
+`check_output` applies the output rules every command gets (`--force` never deletes what attnlab did not write);
+`write_folder`, `write_file` and `replace_with` write under a temporary name beside the target and rename it into
+place; `output_lock` keeps a second run out of an output. The rules are in comments beside each section.
 """
 from __future__ import annotations
 
@@ -34,6 +21,10 @@ _TMP = ".attnlab-tmp-"
 
 
 # -- the rules --------------------------------------------------------------------------------------
+# An output path is refused when it is the current folder or one of its parents, when it is a source the run reads
+# (or lies inside one, or contains one), and when it exists, unless `force` is given AND attnlab wrote it: a folder
+# with attnlab's marker file (MARKER, which lists the files attnlab put there; a folder holding anything else is
+# refused too), or a file that the caller's `ours(path)` recognises (a GGUF carries attnlab's key in its metadata).
 def _resolved(p) -> Path:
     return Path(os.path.abspath(os.path.expanduser(str(p))))
 
@@ -115,6 +106,11 @@ def check_output(path, *, force: bool = False, sources: Iterable = (), ours: Cal
 
 
 # -- temporaries ------------------------------------------------------------------------------------
+# Folders and files are written under a temporary name beside the target (`.NAME.attnlab-tmp-PID-XXXX`) and renamed
+# into place at the end, so a failure leaves nothing half-written; the old output is moved aside first and deleted
+# only once the new one is in place. A killed run's temporaries (its PID is gone) are removed by the next write
+# beside them. What is written gets the permissions the user's umask gives a new file or folder (not the 0600/0700
+# of a temporary).
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

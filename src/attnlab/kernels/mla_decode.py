@@ -1,35 +1,8 @@
 """MLA's absorbed decode in one pass over the latent cache: a Triton kernel and its PyTorch twin.
 
-Notation: B batch, H heads, S cache rows (the buffer may be longer than the
-tokens held; `lengths` says how many count), r = latent_dim, p = rope_dim.
-
-For each sequence b and head h, with the cache row j = [c_j, k_rope_j] (r + p)
-and the absorbed query q[b, h] = [W_UK_h^T q_nope, q_rope] (r + p):
-    s_j = (q[b, h] . kv[b, j]) * scale        for j < lengths[b] and key_padding_mask[b, j]
-    o[b, h] = sum_j softmax(s)_j c_j           (r numbers; W_UV is applied by the module)
-Softmax and accumulation run in float32 for bfloat16, float16 and float32
-inputs; the output has the input dtype. A head with no key to attend gets zeros
-(as the attention core does).
-
-A quantised cache (modules/cache.py) comes as its codes, kv (B, S, r+p) int8 or
-float8_e4m3fn, and float32 kv_scales (B, S, n): one scale for the latent part and one for
-the rope part of each row, or with scale_group = g one per g channels of each part
-(n = ceil(r/g) + ceil(p/g)). Both readers dequantise a row as the cache does,
-(code * scale) in float32 (float64 for float64 q) rounded to q's dtype, and go on as
-with a plain cache of those values: the twin up front, the kernel in its tile load.
-
 - `absorbed_decode_reference`: plain torch ops, the oracle and the fallback anywhere.
-- `absorbed_decode`: the Triton kernel (mla_decode_triton.py), split along the
-  sequence for long contexts (flash-decoding); on CPU tensors it runs in
-  triton's interpreter (slow; tests only).
-- `try_decode`: what MultiHeadLatentAttention._absorbed calls; the kernel's
-  output when it applies and is selected, else None.
-
-Selection, by the environment variable ATTNLAB_MLA_DECODE (read on every eager call;
-under torch.compile, once when the step is traced, where the kernel is the opaque
-operator attnlab::mla_absorbed_decode):
-"auto" (default) uses the kernel on CUDA when triton imports; "torch" never
-uses it; "triton" always does (CPU tensors go through the interpreter).
+- `absorbed_decode`: the Triton kernel (mla_decode_triton.py), split along the sequence (flash-decoding).
+- `try_decode`: what MultiHeadLatentAttention._absorbed calls; the kernel's output where selected and applicable.
 """
 from __future__ import annotations
 
@@ -38,15 +11,25 @@ import os
 
 import torch
 
+# Notation: B batch, H heads, S cache rows (the buffer may be longer than the tokens held; `lengths` says how many
+# count), r = latent_dim, p = rope_dim. For each sequence b and head h, with the cache row j = [c_j, k_rope_j] (r + p)
+# and the absorbed query q[b, h] = [W_UK_h^T q_nope, q_rope] (r + p):
+#     s_j = (q[b, h] . kv[b, j]) * scale        for j < lengths[b] and key_padding_mask[b, j]
+#     o[b, h] = sum_j softmax(s)_j c_j           (r numbers; W_UV is applied by the module)
+# Softmax and accumulation run in float32 for bfloat16, float16 and float32 inputs; the output has the input dtype.
+# A head with no key to attend gets zeros (as the attention core does).
+
+# Selection by ATTNLAB_MLA_DECODE, read on every eager call (under torch.compile once, when the step is traced, where
+# the kernel is the opaque operator attnlab::mla_absorbed_decode): "auto" (default) uses the kernel on CUDA when triton
+# imports; "torch" never uses it; "triton" always does (CPU tensors go through triton's interpreter: slow, tests only).
 ENV = "ATTNLAB_MLA_DECODE"
 MODES = ("auto", "torch", "triton")
 
 
 def constant_under_compile(fn):
-    """torch.compiler.assume_constant_result without importing torch._dynamo at import time (about 1.4 s
-    here): the public decorator imports dynamo and only marks the function, so the mark is set here
-    directly while dynamo is not loaded, and by the public decorator once it is (tests/test_startup.py
-    checks that the two marks agree)."""
+    """torch.compiler.assume_constant_result without importing torch._dynamo at import time: the public decorator
+    imports dynamo and only marks the function, so the mark is set here directly while dynamo is not loaded, and by
+    the public decorator once it is (tests/test_startup.py checks that the two marks agree)."""
     import sys
 
     if "torch._dynamo" in sys.modules:
@@ -78,6 +61,11 @@ def mode() -> str:
 
 
 # -- inputs --------------------------------------------------------------------------------------
+# A quantised cache (modules/cache.py) comes as its codes, kv (B, S, r+p) int8 or float8_e4m3fn, and float32 kv_scales
+# (B, S, n): one scale for the latent part and one for the rope part of each row, or with scale_group = g one per g
+# channels of each part (n = ceil(r/g) + ceil(p/g)). Both readers dequantise a row as the cache does, (code * scale) in
+# float32 (float64 for float64 q) rounded to q's dtype, and go on as with a plain cache of those values: the twin up
+# front, the kernel in its tile load.
 CODES = (torch.int8, getattr(torch, "float8_e4m3fn", torch.int8))  # the storage dtypes of a quantised cache
 
 
@@ -89,7 +77,7 @@ def _scale_columns(latent_dim: int, rope_dim: int, scale_group: int | None) -> t
 
 
 def _check_scales(kv, kv_scales, scale_group, latent_dim: int) -> None:
-    """A quantised kv comes with its scales (see the module docstring); a floating one without."""
+    """A quantised kv comes with its scales (see the comment above CODES); a floating one without."""
     quantised = kv.dtype in CODES
     if kv_scales is None:
         if quantised:
@@ -169,7 +157,7 @@ def absorbed_decode_reference(q: torch.Tensor, kv: torch.Tensor, lengths, scale:
 
     Scores and softmax in at least float32 (float64 stays float64); the softmax
     weights are rounded to the input dtype before the weighted sum, as the kernel does.
-    kv_scales, scale_group: for a quantised kv (int8 or float8_e4m3fn codes), see the module docstring.
+    kv_scales, scale_group: for a quantised kv (int8 or float8_e4m3fn codes), see the comment above CODES.
     """
     lengths = _check(q, kv, lengths, latent_dim, key_padding_mask, kv_scales, scale_group)
     if kv_scales is not None:
@@ -200,24 +188,22 @@ PARTIAL_SHARE = 4  # a split reads at least this many times the bytes its partia
 
 
 def plan(batch: int, num_heads: int, rows: int, latent_dim: int, device: torch.device,
-         num_splits: int | None = None, block_n: int | None = None, row_bytes: int | None = None,
-         element_size: int = 2, quantised: bool = False) -> dict:
-    """Launch geometry: heads per program, rows per tile, splits of the sequence.
+         num_splits: int | None = None, block_n: int | None = None,
+         row_bytes: int | None = None,  # bytes of one cache row; default 2 * latent_dim (16-bit, no rope)
+         element_size: int = 2,  # bytes of an activation (q)
+         quantised: bool = False) -> dict:  # the cache holds codes and scales
+    """Launch geometry: heads per program (BH), rows per tile (BN), splits of the sequence (num_splits, chunk).
 
-    Heads per program (a power of two, >= 16 for tl.dot) are capped so that the
-    float32 accumulator stays at 16 x 512 values; float32 inputs (element_size 4, whose
-    tl.dot runs on CUDA cores in full precision) take 16 heads and 2 pipeline stages,
-    which compile for sm_90 without register spills (1 stage when float32 activations read a
-    quantised cache: 2 stages spill). Without num_splits, the sequence
-    is split until there is about one program per SM, but each split keeps at
-    least 4 tiles and reads at least PARTIAL_SHARE times the bytes of its float32
-    partial accumulator (written once, read once by the combine step), so that the
-    partials cost at most about 1/PARTIAL_SHARE of the cache traffic.
-    row_bytes: bytes of one cache row, default 2 * latent_dim (16-bit, no rope); element_size: bytes of
-    an activation (q); quantised: the cache holds codes and scales.
+    Without num_splits the sequence is split until there is about one program per SM, each split keeping at least
+    4 tiles and reading at least PARTIAL_SHARE times the bytes of its float32 partial accumulator.
+    Raises ValueError for a block_n that is not a power of two >= 16 or a num_splits that is not a positive int.
     """
     BR = _pow2(latent_dim)
     wide = element_size >= 4
+    # Heads per program: a power of two, >= 16 for tl.dot, capped so that the float32 accumulator stays at 16 x 512
+    # values. float32 inputs (element_size 4, whose tl.dot runs on CUDA cores in full precision) take 16 heads and
+    # 2 pipeline stages, which compile for sm_90 without register spills (1 stage when float32 activations read a
+    # quantised cache: 2 stages spill).
     BH = 16 if wide else max(16, min(64, _pow2(num_heads), (16 * 512) // BR))
     BN = block_n if block_n is not None else (32 if BR >= 256 or wide else 64)
     if isinstance(BN, bool) or not isinstance(BN, int) or BN < 16 or BN & (BN - 1):
@@ -225,6 +211,7 @@ def plan(batch: int, num_heads: int, rows: int, latent_dim: int, device: torch.d
     head_blocks = -(-num_heads // BH)
     tiles = max(1, -(-rows // BN))
     if num_splits is None:
+        # a split reads >= PARTIAL_SHARE times its partial's bytes: partials cost <= ~1/PARTIAL_SHARE of the traffic
         partial = 2 * num_heads * BR * 4  # bytes per split: float32 accumulators, written and read back
         min_rows = max(4 * BN, PARTIAL_SHARE * partial // (row_bytes or 2 * latent_dim))
         wanted = -(-_sm_count(device) // (batch * head_blocks))
@@ -244,11 +231,9 @@ def absorbed_decode(q: torch.Tensor, kv: torch.Tensor, lengths, scale: float, la
                block_n: int | None = None) -> torch.Tensor:
     """The Triton kernel: q (B, H, r+p), kv (B, S, r+p) -> (B, H, r); same contract as the twin.
 
-    kv_scales, scale_group: for a quantised kv, dequantised in the kernel's tile load.
-    num_splits and block_n override the launch plan (see `plan`). CUDA tensors are
-    compiled for the GPU; CPU tensors run in triton's interpreter. The grid depends
-    only on the shapes, not on `lengths`, so a static cache buffer with a lengths
-    tensor can be captured in a CUDA graph.
+    kv_scales, scale_group: a quantised kv, dequantised in the tile load; num_splits and block_n override `plan`.
+    CUDA tensors run compiled, CPU tensors in triton's interpreter. The grid depends only on the shapes, not on
+    `lengths`, so a static cache buffer with a lengths tensor can be captured in a CUDA graph.
     """
     lengths = _check(q, kv, lengths, latent_dim, key_padding_mask, kv_scales, scale_group)
     B, S, width = kv.shape
@@ -290,7 +275,7 @@ def absorbed_decode(q: torch.Tensor, kv: torch.Tensor, lengths, scale: float, la
         keep = keep if keep.stride(-1) == 1 else keep.contiguous()
     else:
         keep = lengths  # a placeholder pointer, never read
-    dot_f32 = interpreted and q.dtype == torch.bfloat16  # see mla_decode_triton's docstring
+    dot_f32 = interpreted and q.dtype == torch.bfloat16  # see DOT_F32 in mla_decode_triton.py
     precision = "ieee" if q.dtype == torch.float32 else "tf32"  # fp32: no TF32 rounding; 16-bit: ignored
     kernels.split_kernel[(B, g["head_blocks"], T)](
         q, kv, scales, lengths, keep, out, m_part, l_part, acc_part,

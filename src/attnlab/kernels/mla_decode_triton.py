@@ -1,42 +1,22 @@
 """Triton kernels of MLA's absorbed decode (imports triton; reached only through mla_decode.py).
 
-Notation: B batch, H heads, S cached length, r = latent_dim, p = rope_dim,
-BH heads per program, BN cache rows per tile, BR/BP = r/p rounded up to a
-power of two (masked), T splits of the sequence.
-
-Flash-decoding in two launches:
-1. `split_kernel`, grid (B, cdiv(H, BH), T): program (b, hb, t) walks its
-   chunk of the cache rows of sequence b, tile by tile. The BH heads are the
-   rows of one matrix product, so each tile of the latent (BN, r) and rope key
-   (BN, p) is read once for all of them:
-       s = (q_lat c^T + q_rope k_rope^T) * scale     (BH, BN), float32
-       online softmax (running max m, running sum l), acc += p c   (BH, r)
-   With T == 1 it normalises and writes the output directly; otherwise it
-   writes the partial (m, l, acc) in float32.
-2. `combine_kernel`, grid (B, H): merges the T partials of one head,
-   o = sum_t 2^(m_t - M) acc_t / sum_t 2^(m_t - M) l_t with M = max_t m_t.
-DOT_F32 (bfloat16 in triton's CPU interpreter only, never on a GPU) works around two
-interpreter gaps of triton 3.9: tl.dot multiplies bfloat16 bit patterns as integers, so
-operands are widened to float32 first (values unchanged), and float32 -> bfloat16 casts
-truncate, so values are first rounded to nearest-even by hand (_round_to_bfloat16),
-as the GPU's casts do.
-Scores are kept in base 2 (scale * log2(e) folded in once), so exp is exp2.
-Masked or empty keys score -inf; a head with nothing to attend gets zeros.
-
-Quantised caches (QUANT 1: int8 codes, 2: float8_e4m3fn codes passed as their bytes and
-decoded by _e4m3_to_float32, so the interpreter and GPUs without fp8 loads read them alike):
-each tile is dequantised right after its load, code * scale in float32, then rounded to q's
-dtype, as the cache's own read does. Scales cover GR latent channels (column j // GR) and GP
-rope channels (column n_lat + j // GP), powers of two, GR = BR for one scale per part: a tile's
-(BN, BR//GR) scales are loaded once and broadcast over groups, so the scales cost a few
-registers, not one gathered pointer per element.
+Flash-decoding in two launches: `split_kernel` walks each split of the cache rows for a block of heads,
+`combine_kernel` merges the splits' partial results. `interpreted` says whether triton runs on the CPU interpreter.
 """
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
+LOG2E = 1.4426950408889634  # scores are kept in base 2 (scale * log2(e) folded in once), so exp is exp2
+
+# Notation: B batch, H heads, S cached length, r = latent_dim, p = rope_dim, BH heads per program, BN cache rows per
+# tile, BR/BP = r/p rounded up to a power of two (masked), T splits of the sequence.
+#
+# DOT_F32 (bfloat16 in triton's CPU interpreter only, never on a GPU) works around two interpreter gaps of triton 3.9:
+# tl.dot multiplies bfloat16 bit patterns as integers, so operands are widened to float32 first (values unchanged),
+# and float32 -> bfloat16 casts truncate, so values are first rounded to nearest-even by hand (_round_to_bfloat16),
+# as the GPU's casts do.
 
 
 @triton.jit
@@ -60,6 +40,12 @@ def _e4m3_to_float32(code):
     return tl.where(e == 0, tl.where(sign != 0, -sub, sub), normal)
 
 
+# Quantised caches (QUANT 1: int8 codes, 2: float8_e4m3fn codes passed as their bytes and decoded by _e4m3_to_float32,
+# so the interpreter and GPUs without fp8 loads read them alike): each tile is dequantised right after its load,
+# code * scale in float32, then rounded to q's dtype, as the cache's own read does. Scales cover GR latent channels
+# (column j // GR) and GP rope channels (column n_lat + j // GP), powers of two, GR = BR for one scale per part:
+# a tile's (BN, BR//GR) scales are loaded once and broadcast over groups, so the scales cost a few registers,
+# not one gathered pointer per element.
 @triton.jit
 def _dequantised(code, scale_rows, first, count, row_ok, BN: tl.constexpr, WIDTH: tl.constexpr,
                  GROUP: tl.constexpr, QUANT: tl.constexpr, OUT_TY: tl.constexpr, DOT_F32: tl.constexpr):
@@ -79,6 +65,13 @@ def _dequantised(code, scale_rows, first, count, row_ok, BN: tl.constexpr, WIDTH
     return x.to(OUT_TY)
 
 
+# Launch 1, grid (B, cdiv(H, BH), T): program (b, hb, t) walks its chunk of the cache rows of sequence b, tile by tile.
+# The BH heads are the rows of one matrix product, so each tile of the latent (BN, r) and rope key (BN, p) is read once
+# for all of them:
+#     s = (q_lat c^T + q_rope k_rope^T) * scale     (BH, BN), float32
+#     online softmax (running max m, running sum l), acc += p c   (BH, r)
+# With T == 1 it normalises and writes the output directly; otherwise it writes the partial (m, l, acc) in float32.
+# Masked or empty keys score -inf; a head with nothing to attend gets zeros.
 @triton.jit
 def split_kernel(Q, KV, SCALES, LENGTHS, KEEP, OUT, M_PART, L_PART, ACC_PART,
                   num_heads, latent_dim, rope_dim, chunk, qk_scale, n_lat, n_rope,
@@ -168,6 +161,8 @@ def split_kernel(Q, KV, SCALES, LENGTHS, KEEP, OUT, M_PART, L_PART, ACC_PART,
         tl.store(out, o.to(OUT.dtype.element_ty), mask=h_ok[:, None] & r_ok[None, :])
 
 
+# Launch 2, grid (B, H): merges the T partials of one head,
+#     o = sum_t 2^(m_t - M) acc_t / sum_t 2^(m_t - M) l_t  with M = max_t m_t.
 @triton.jit
 def combine_kernel(OUT, M_PART, L_PART, ACC_PART, latent_dim, num_splits,
                     stride_ob, stride_oh, stride_pb, stride_ph, stride_pt,

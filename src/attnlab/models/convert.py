@@ -1,13 +1,8 @@
-"""Convert every attention layer of an attnlab'd model (calibrated from one forward).
+"""Convert every attention layer of an attnlab'd model, calibrated from one forward (`convert_model`).
 
-RoRoPE by score (`pair_selection="rorope-score"`) chooses for the whole model at once: every
-layer's plane scores first, then one allocation of the kept planes to frequencies
-(convert.transforms.shared_planes), so that every layer keeps the same frequencies, which is
-what a DeepSeek config (one rotary embedding) can hold.
-
-A model with per-head q/k norms (Qwen3, Gemma 3) compresses only with its keys whole (convert.decoupled):
-rope_dim = G x d (the default for it), a per-head pair selection (frequency), no BKV; check_convertible
-refuses anything else before any work.
+RoRoPE by score chooses for the whole model at once: every layer's plane scores, then one allocation of the kept
+planes (convert.transforms.shared_planes), so every layer keeps the same frequencies, as a DeepSeek config requires.
+A model with per-head q/k norms (Qwen3, Gemma 3) compresses only with its keys whole; check_convertible says why not.
 """
 from __future__ import annotations
 
@@ -31,9 +26,8 @@ def convert_layers(model, fn, *, calibration_ids: torch.Tensor | None = None, pr
     """Apply fn(module, calibration or None) -> (new module, report) to every layer (or to the indices in
     `layers`: the others stay as they are, their report None); returns the reports.
 
-    Calibration inputs of all layers come from one forward of the model as it was
-    before the conversion (one shot, not layer by layer); `inputs` gives them instead
-    when the caller already has them (attention_inputs).
+    Calibration inputs of all layers come from one forward of the model as it was before the conversion (one shot,
+    not layer by layer); `inputs` gives them instead when the caller already has them (attention_inputs).
     """
     modules = attnlab_modules(model)
     chosen = check_layers(layers, len(modules))
@@ -191,33 +185,30 @@ def layer_ropes(rope_dim, count: int) -> list[int]:
     return _one_per_layer(rope_dim, count, "rope_dim", 0)
 
 
-def convert_model(model, to: str, *, latent_dim: int | list[int] | None = None,
-                  rope_dim: int | list[int] | None = None,
-                  num_kv_heads: int | None = None, method: str | None = None,
-                  calibration_ids: torch.Tensor | None = None, pair_selection: str = "frequency",
-                  balance: bool = False, shared_planes: bool = True, progress=None, inputs: list | None = None,
-                  layers=None):
+def convert_model(model, to: str, *,
+                  latent_dim: int | list[int] | None = None,  # one size, or a list of one a layer (a per-layer plan)
+                  rope_dim: int | list[int] | None = None,  # decoupled rotary dims (default 2 G * 16); one or a list
+                  num_kv_heads: int | None = None, method: str | None = None,  # BERT -> "gqa"
+                  calibration_ids: torch.Tensor | None = None,  # token ids whose attention inputs whiten the SVDs
+                  pair_selection: str = "frequency",  # what keeps rotating: one of convert.ROPE_SELECTIONS
+                  balance: bool = False,  # BKV before the joint SVD (convert.selection_options)
+                  shared_planes: bool = True,  # rorope-score: the same planes in every layer (exportable)
+                  progress=None,
+                  inputs: list | None = None,  # each layer's calibration inputs, where the caller has them already
+                  layers=None):  # the indices of the layers to convert (default all); the others stay GQA
     """Convert every attention layer of an attnlab'd model in place; returns the per-layer reports.
 
-    Llama (RoPE GQA) -> "mla": without latent_dim, the exact gqa_to_mla (the latent holds
-    pre-RoPE K and V); with latent_dim, gqa_to_mla_decoupled with rope_dim decoupled rotary dims
-    (default 2 G * 16, half the pairs). BERT (MHA) -> "gqa" (num_kv_heads, method)
-    or "mla" (latent_dim; one size, or a list of one per layer: a per-layer plan; rope_dim too, one or a list of
-    one per layer, except with rorope-score's shared planes). calibration_ids: token ids
-    whose attention inputs whiten the SVDs;
-    pair_selection: what keeps rotating in a compressed Llama MLA, one of convert.ROPE_SELECTIONS
-    (frequency, norm: rope_dim a multiple of 2 G; rorope, rorope-score: any even rope_dim); a model with
-    per-head q/k norms (Qwen3, Gemma 3) takes only its keys whole: rope_dim G x d (its default), frequency;
-    balance: BKV before the joint SVD (convert.selection_options). rorope-score chooses the
-    kept planes for all layers at once (shared_planes=True: the same frequencies in every layer,
-    exportable); shared_planes=False lets each layer choose alone (a little better before
-    training, but the layers then turn at different frequencies and no export can hold them).
-    Weights must be finite (checked first, naming the layer and tensor). inputs: each layer's
-    calibration inputs, when the caller has them already (attention_inputs of the model as it is):
-    a planner converting one model many ways computes them once. layers: the indices of the layers to
-    convert (default all); the others stay GQA, a mixed model (the planner keeps a sliding-window model's
-    sliding layers so, shrink/plan.py); rorope-score then shares its planes among the converted layers.
+    Llama (RoPE GQA) -> "mla": without latent_dim the exact gqa_to_mla (the latent holds pre-RoPE K and V), with it
+    gqa_to_mla_decoupled. BERT (MHA) -> "gqa" (num_kv_heads, method) or "mla" (latent_dim). ValueError for a model
+    already converted, weights not finite (checked first, naming layer and tensor) or what check_convertible refuses.
     """
+    # pair_selection: frequency, norm: rope_dim a multiple of 2 G; rorope, rorope-score: any even rope_dim. A model with
+    # per-head q/k norms (Qwen3, Gemma 3) takes only its keys whole: rope_dim G x d (its default), frequency.
+    # rope_dim as a list (one a layer) does not go with rorope-score's shared planes. shared_planes=False lets each
+    # layer choose alone; its layers then turn at different frequencies, which no export can hold.
+    # inputs: attention_inputs of the model as it is, so that a planner converting one model many ways computes them
+    # once. layers: a mixed model (the planner keeps a sliding-window model's sliding layers GQA, shrink/plan.py);
+    # rorope-score then shares its planes among the converted layers.
     from ..convert.choose import convert as convert_module
     from ..convert.decoupled import gqa_to_mla_decoupled, rorope_plane_scores, selection_options
     from ..convert.exact import gqa_to_mla

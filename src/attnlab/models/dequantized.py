@@ -1,21 +1,8 @@
 """GGUF files de-quantised once: transformers' GGUF reader, then a float32 copy on disk keyed by the file's content.
 
-transformers reads a GGUF by de-quantising every tensor with numpy and by rebuilding a fast tokenizer from the
-file's vocabulary: most of a minute for SmolLM2-135M, more for Gemma 3 270M, on every load. `load_gguf` does it
-once per file content and keeps the result as an ordinary transformers folder (model.safetensors in float32, the
-config, the tokenizer), which later loads read in seconds.
-
-The key is the sha256 of the GGUF's bytes, the keyword arguments that override its metadata, and the transformers
-version (its reader may change what it builds): a file rewritten in place is a new key, never a stale copy. The
-copy is written into a temporary folder beside its final name and renamed into place, so a crash or two processes
-loading the same file at once (torchrun's ranks) leave either nothing or a whole copy.
-
-The digest of a file already hashed is not recomputed while its size, modification time and inode are unchanged
-(file_digest; DIGESTS beside the copies), so a second load reads no GGUF bytes at all.
-
-Where: $ATTNLAB_CACHE/gguf (default ~/.cache/attnlab/gguf). ATTNLAB_CACHE=off reads the GGUF every time and writes
-nothing. A model over LARGEST bytes in float32 is not copied, and a copy that cannot be written (a full or read-only
-disk) is skipped; both say so in a warning and the load goes on.
+transformers de-quantises every tensor with numpy and rebuilds the tokenizer on each load of a GGUF. `load_gguf` does
+that once per file content and keeps an ordinary transformers folder (float32 model.safetensors, config, tokenizer)
+under $ATTNLAB_CACHE/gguf (default ~/.cache/attnlab/gguf; ATTNLAB_CACHE=off reads the GGUF every time, writes nothing).
 """
 from __future__ import annotations
 
@@ -80,6 +67,8 @@ def file_digest(path: Path, chunk: int = 1 << 23) -> str:
 
 def copy_key(path: Path, overrides: dict) -> str:
     """What names a copy: the file's content, the metadata overrides and transformers' version."""
+    # The sha256 of the GGUF's bytes, so a file rewritten in place is a new key, never a stale copy; transformers'
+    # version, because its reader may change what it builds.
     import transformers
 
     extra = json.dumps({"overrides": overrides, "transformers": transformers.__version__}, sort_keys=True)
@@ -153,6 +142,8 @@ def _save_weights(model, folder: Path) -> None:
 
 
 def _write_copy(root: Path, key: str, model, tok, source: Path) -> None:
+    # Written into a temporary folder beside its final name and renamed into place, so a crash or two processes
+    # loading the same file at once (torchrun's ranks) leave either nothing or a whole copy.
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=root))
     try:
@@ -191,7 +182,7 @@ def load_gguf(path, dtype=None, overrides: dict | None = None):
             warnings.warn(f"the de-quantised copy {folder} of {path} is unreadable ({e}); reading the GGUF")
             shutil.rmtree(folder, ignore_errors=True)
             model = None
-    if model is None:
+    if model is None:  # a model over LARGEST bytes, or a copy that cannot be written: a warning, and the load goes on
         model, tok = read_gguf_model(path, overrides)
         size = sum(t.numel() for t in model.state_dict().values()) * 4
         if folder is not None and size > LARGEST:

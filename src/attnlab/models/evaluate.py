@@ -32,10 +32,9 @@ class _AllRead(Exception):
 def attention_inputs(model, input_ids: torch.Tensor, *, stop: bool = True) -> list[torch.Tensor]:
     """What each attention layer reads, (N, dim) per layer, from one forward of the (attnlab'd) model.
 
-    stop: the forward ends where the last attention module is called (its attention, the last MLP, the final norm and
-    the output head are not run: on SmolLM2 the output head alone is a fifth of a forward's multiplications). False
-    runs the whole forward, for a model whose forward must not be left half-way (one sharded by FSDP2, whose hooks
-    put each unit's weights back after it runs)."""
+    stop: end the forward where the last attention module is called (its attention, the last MLP, the final norm and
+    the output head are not run). False runs the whole forward, for a model whose forward must not be left half-way
+    (one sharded by FSDP2, whose hooks put each unit's weights back after it runs)."""
     seen: list[torch.Tensor] = []
     modules = attnlab_modules(model)
 
@@ -142,17 +141,11 @@ _causal_parts = causal_parts
 
 
 class CacheRunner:
-    """An attnlab'd Llama-family causal LM fed through its attnlab modules' own static caches, any number of
-    tokens per call, as decoding reads them.
+    """An attnlab'd Llama-family causal LM (batch of one, no padding) fed through its modules' own static caches.
 
-    Each layer's cache is its module's `init_cache(1, max_len, kv_dtype=...)` (the storage: kv_dtype, default
-    each module's own), written in place; `feed(ids)` runs the layers as generation.Generator does (the model's
-    decoder_block around each module, `attn(h, cache=cache, is_causal=True)`), so the tokens fed attend to every
-    earlier token as its cache stores it (quantised codes and scales where the storage says so) and to each
-    other causally. Feeding a prompt whole is the Generator's prefill; feeding one token, its decode step
-    (tests/test_eval_protocol.py checks both, to the bit); feeding chunks of a long text is how a long context
-    reaches the model in serving. Unlike the Generator it returns every position's logits (perplexity needs them).
-    Batch of one, no padding.
+    Each layer's cache is its module's `init_cache(1, max_len, kv_dtype=...)` (default each module's own storage);
+    `feed(ids)` runs the layers as generation.Generator does: a whole prompt is its prefill, one token its decode step
+    (tests/test_eval_protocol.py checks both, to the bit). Unlike the Generator it returns every position's logits.
     """
 
     def __init__(self, model, max_len: int, *, kv_dtype: str | None = None):
@@ -188,6 +181,8 @@ class CacheRunner:
             raise ValueError(f"{self.length} cached + {n} new tokens = {self.length + n} exceed max_len "
                              f"{self.max_len}")
         x = self.embed(ids.to(self.embed.weight.device))  # (1, n, dim)
+        # the model's decoder_block around each module: the tokens fed attend to every earlier token as its cache stores
+        # it (quantised codes and scales where the storage says so) and to each other causally
         for layer, attn, cache in zip(self.layers, self.modules, self.caches):
             x = self._block(layer, x, lambda h: attn(h, cache=cache, is_causal=True))  # (1, n, dim)
         self.length += n
@@ -222,21 +217,20 @@ def check_chunk(chunk) -> None:
 
 
 def score_windows(model, input_ids: torch.Tensor, window: int = EVAL_WINDOW, *, chunk: int | None = None,
-                  kv_dtype: str | None = None, budget=None, progress=None, runner=None) -> TextScore:
-    """Next-token log-likelihood of token ids (1, N) over non-overlapping windows (models.evaluate.windows), each
-    window scored afresh (no context carried over): `TextScore(...).perplexity`.
+                  kv_dtype: str | None = None,  # the CacheRunner's storage; default each module's own
+                  budget=None,  # runtime.Budget, checked before every window after the first
+                  progress=None,  # progress(i): called before window i
+                  runner=None) -> TextScore:  # what the chunks are fed to (reset(), feed(ids)); default a CacheRunner
+    """Next-token log-likelihood of token ids (1, N) over non-overlapping windows (`windows`), each scored afresh.
 
-    chunk None: one forward per window (model(window)), each attnlab module passing its keys and values through
-    its kv_dtype's storage (quantised and read back) before attention. chunk n: through the cache, as decoding
-    reads it: each window fed in chunks of n tokens to a CacheRunner (every layer's own cache, its storage
-    kv_dtype, default each module's own), each chunk attending to the earlier chunks' keys and values as the
-    cache holds them. For a storage that keeps each token's row alone (plain, bf16, int8, fp8, q8_0 ... q4_1,
-    int4/g<N>) both give the same numbers up to rounding (float64: 1e-10 relative, tests/test_eval_protocol.py);
-    an MLA's "+c4" rope key differs as decoding does (the cache holds its newest group of tokens unquantised);
-    KIVI has no cache (a ValueError). budget (runtime.Budget): checked before every window after the first.
-    progress(i): called before window i. runner: what the chunks are fed to (reset(), feed(ids)), default a
-    CacheRunner; hf.score.TransformersRunner feeds transformers' own forward through attnlab.hf.KVCache.
+    chunk None: one forward per window, each attnlab module passing its keys and values through its kv_dtype's storage
+    (quantised and read back) before attention. chunk n: through the cache, as decoding reads it: each window fed in
+    chunks of n tokens, each attending to the earlier chunks as the cache holds them. Returns a TextScore (.perplexity).
     """
+    # For a storage that keeps each token's row alone (plain, bf16, int8, fp8, q8_0 ... q4_1, int4/g<N>) both ways give
+    # the same numbers up to rounding (float64: 1e-10 relative, tests/test_eval_protocol.py); an MLA's "+c4" rope key
+    # differs as decoding does (the cache holds its newest group of tokens unquantised); KIVI has no cache (a
+    # ValueError). hf.score.TransformersRunner, as `runner`, feeds transformers' own forward through attnlab.hf.KVCache.
     check_window(window, input_ids, model)
     check_chunk(chunk)
     if chunk is None and kv_dtype is not None:
@@ -266,15 +260,17 @@ def score_windows(model, input_ids: torch.Tensor, window: int = EVAL_WINDOW, *, 
     return TextScore(total, sum(w.shape[1] - 1 for w in parts), input_ids.shape[1], len(parts))
 
 
-def kv_bytes_per_token(model, dtype: torch.dtype | None = None, kv_dtype: str | list | None = None,
+def kv_bytes_per_token(model,
+                       dtype: torch.dtype | None = None,  # the activations'; default each module's weight dtype
+                       kv_dtype: str | list | None = None,  # the storage ("bf16", "int8", "fp8", ...; a list: one a
+                       # module), scales counted; default each module's own kv_dtype, else plain in dtype
                        context: int | None = None):
-    """KV-cache bytes per token for the whole model, read from caches the attnlab modules allocate
-    (on the meta device). dtype: the activations' (default each module's weight dtype); kv_dtype: the
-    storage ("fp32", "bf16", "int8", "fp8", ...: scales counted; or a list, one a module), default each module's
-    own kv_dtype, else plain in dtype. context: None, bytes per token held (an int; a sliding layer counts as a
-    global one; what a sequence holds whatever its length is kv_fixed_bytes); or a sequence length, bytes
-    per token of a sequence that long (a float: a sliding layer's cache holds at most its window and some
-    room, and the fixed bytes are spread over the context, _Cache.bytes_at)."""
+    """KV-cache bytes per token for the whole model, read from caches the attnlab modules allocate on the meta device.
+
+    context None: bytes per token held (an int; a sliding layer counts as a global one; what a sequence holds whatever
+    its length is kv_fixed_bytes). A sequence length: bytes per token of a sequence that long (a float: a sliding
+    layer's cache holds at most its window and some room, and the fixed bytes are spread over it: _Cache.bytes_at).
+    """
     from ..modules import lowbit
     from ..modules.cache import window_rows
     from ..modules.storage import check_kv_dtype

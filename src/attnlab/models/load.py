@@ -1,28 +1,8 @@
-"""Load the user's own Llama-family checkpoint: a transformers folder or a GGUF file.
+"""Load the user's own Llama-family checkpoint: a transformers folder or a GGUF file (extra [hf]).
 
-Supported: model_type llama (Llama 2/3 with any rope scaling transformers knows, SmolLM2,
-TinyLlama), mistral (without a sliding window shorter than max_position_embeddings),
-qwen2 (biases on Q/K/V; without sliding-window layers), qwen3 (per-head q/k norms) and
-gemma3_text (Gemma 3's text model: per-head q/k norms, sliding-window layers with their own
-RoPE base, its own query scale; attention soft-capping refused): these two load and swap, convert in
-memory (the exact MLA, or the compressed one with their keys whole: models/convert.py), but not by the
-streamed route (NOT_CONVERTED). Their GGUF files (architectures qwen3 and gemma3) load too, with what
-transformers' GGUF reader leaves out put back from the metadata (the head size from attention.key_length:
-Qwen3's is not hidden / heads; Gemma 3's query scale as llama.cpp sets it), and a rope scaling it would drop
-refused naming the field.
-Anything else is refused with "not supported: <why>" rather than loaded as a wrong model.
-
-`inspect_checkpoint(path)` checks a source without loading weights, so nothing is built from
-transformers' defaults or silently dropped: for a folder, config.json (a JSON object whose
-sizes are positive ints, the KV heads dividing the heads), the shards named by the index
-(present, readable safetensors headers, not cut off), every attention, MLP, norm, embedding
-and output tensor's shape against the config, and no layer beyond num_hidden_layers; for a
-GGUF file (`inspect_gguf`), the same from its metadata (block_count, embedding_length, head
-counts, ...) and its tensor table (GGUF's shapes are PyTorch's reversed), and its length
-against the last tensor's end. `load_checkpoint` then loads it with transformers (offline)
-and refuses weights holding NaN or inf (`check_finite`). Every refusal is one ValueError line
-naming the file and the value. transformers, gguf and safetensors are imported inside the
-functions (extra [hf]).
+`inspect_checkpoint` (`inspect_gguf` for a GGUF) checks a source without loading weights, so nothing is built from
+transformers' defaults or silently dropped; `load_checkpoint` loads it offline and refuses NaN or inf weights.
+Families: SUPPORTED; anything else, or a bad file, size or shape, is one ValueError line naming the file and value.
 """
 from __future__ import annotations
 
@@ -31,6 +11,16 @@ import math
 import os
 from pathlib import Path
 
+# transformers, gguf and safetensors are imported inside the functions (extra [hf]).
+
+# llama: Llama 2/3 with any rope scaling transformers knows, SmolLM2, TinyLlama; mistral: without a sliding window
+# shorter than max_position_embeddings; qwen2: biases on Q/K/V, without sliding-window layers; qwen3: per-head q/k
+# norms; gemma3_text: Gemma 3's text model (per-head q/k norms, sliding-window layers with their own RoPE base, its own
+# query scale; attention soft-capping refused). qwen3 and gemma3_text load, swap and convert in memory (the exact MLA,
+# or the compressed one with their keys whole: models/convert.py), not by the streamed route (NOT_CONVERTED). Their
+# GGUF files (architectures qwen3 and gemma3) load too, with what transformers' GGUF reader leaves out put back from
+# the metadata (GGUF_FAMILY_KEYS: the head size from attention.key_length, Qwen3's not being hidden / heads; Gemma 3's
+# query scale as llama.cpp sets it), and a rope scaling it would drop refused naming the field.
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 # loaded, swapped and converted in memory (their keys whole), not by the streamed route: what it would lose
 NOT_CONVERTED = {
@@ -118,15 +108,13 @@ def _positive_number(v) -> bool:
 REQUIRED_SIZES = ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size")
 
 
-def check_sizes(cfg: dict, where: str, names: dict | None = None) -> None:
+def check_sizes(cfg: dict, where: str,
+                names: dict | None = None) -> None:  # how the file spells each key (a GGUF's metadata keys)
     """Refuse sizes transformers would build a wrong model from (or fail on deep inside), naming the key and value.
 
-    hidden_size, num_attention_heads, num_hidden_layers, vocab_size and intermediate_size must be
-    there (a missing one would be the config class's default, e.g. a 4096-wide Llama) and positive
-    ints; num_key_value_heads (default num_attention_heads) a positive divisor of
-    num_attention_heads; head_dim (default hidden_size / num_attention_heads, which must then
-    divide) positive; max_position_embeddings and rope_theta positive where given.
-    names: how each key is spelt in the file (a GGUF's metadata keys), default the key itself.
+    REQUIRED_SIZES must be there (else the config class's default, e.g. a 4096-wide Llama) as positive ints;
+    num_key_value_heads (default num_attention_heads) a positive divisor of the heads; head_dim (default hidden_size /
+    num_attention_heads, which must then divide) positive; max_position_embeddings and rope_theta positive where given.
     """
     def name(key):
         return (names or {}).get(key, key)
@@ -257,12 +245,11 @@ def _layers_beyond(names, pattern: str, declared: int) -> int | None:
 
 
 def inspect_checkpoint(source) -> dict:
-    """Check a transformers folder (or a GGUF file: inspect_gguf) without loading its weights; returns its
-    config (dict).
+    """Check a transformers folder (a GGUF file: inspect_gguf) without loading its weights; returns its config (dict).
 
-    Raises ValueError naming the file and the problem: no config.json, a config that is not a JSON
-    object or has an unusable size (check_sizes), an unsupported model_type, a missing or truncated
-    shard, a tensor missing or of the wrong shape, tensors of more layers than num_hidden_layers.
+    Raises ValueError naming the file and the problem: no config.json, a config that is not a JSON object or has an
+    unusable size (check_sizes), an unsupported model_type, a missing or truncated shard, a tensor missing or of the
+    wrong shape, tensors of more layers than num_hidden_layers.
     """
     folder = Path(str(source))
     if folder.suffix == ".gguf" and not folder.is_dir():
@@ -353,14 +340,9 @@ def read_gguf(path: Path):
 def inspect_gguf(source) -> dict:
     """Check a GGUF file without loading its weights; returns the config transformers will build (dict).
 
-    The architecture must be supported (llama, mistral, qwen2); the metadata must hold the sizes
-    (<arch>.block_count, embedding_length, feed_forward_length, attention.head_count, and
-    vocab_size or tokenizer.ggml.tokens), each a positive int (check_sizes, naming the GGUF key);
-    every tensor must be there with the shape those sizes imply (GGUF lists dimensions innermost
-    first, PyTorch's reversed): token_embd, output_norm, per block attn_q/k/v/output, ffn_gate/up/down
-    and the two norms (qwen2: Q/K/V biases), output.weight unless the embedding is tied (no
-    output.weight). No block may lie beyond block_count and no block tensor may be one transformers
-    would drop. ValueError naming the file and the first problem.
+    The architecture must be supported, the metadata's sizes (GGUF_KEYS; vocab_size or tokenizer.ggml.tokens) positive
+    ints, every tensor there with the shape they imply (expected_shapes; GGUF lists dimensions innermost first, output
+    missing when the embedding is tied), no block beyond block_count. Else a ValueError naming file and first problem.
     """
     path = Path(str(source))
     reader = read_gguf(path)
@@ -414,18 +396,14 @@ def inspect_gguf(source) -> dict:
 def check_finite(model, where: str, rename=None) -> None:
     """Refuse a model whose parameters hold NaN or inf, naming the first such tensor and the counts.
 
-    Every parameter, one torch.aminmax each (NaN propagates to both ends, inf shows at one; nothing
-    the size of the tensor is allocated), on one intra-op thread (restored after): a memory-bound
-    pass gains nothing from threads that wait at each op's barrier on a busy machine. Measured on
-    SmolLM2-135M (135M float32 parameters, the first pass after loading, fresh processes, the 2-core
-    VM at load average 4-5): 0.03-0.04 s; the same pass on torch's 2 threads 0.02-2.5 s, and
-    torch.isfinite(p).all() (a boolean copy of each tensor) 0.24-9 s.
-    rename: how to show a parameter's name (a GGUF's tensor name beside transformers').
+    One torch.aminmax per parameter (NaN reaches both ends, inf one; nothing the size of the tensor is allocated), on
+    one intra-op thread, restored after. rename: how to show a parameter's name (a GGUF's tensor name beside
+    transformers').
     """
     import torch
 
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(1)  # a memory-bound pass gains nothing from threads that wait at each op's barrier
     try:
         bad = next((name for name, p in model.named_parameters() if p.is_floating_point() and p.numel()
                     and not p.is_meta and not all(math.isfinite(float(x)) for x in torch.aminmax(p.detach()))), None)
@@ -450,13 +428,12 @@ def _with_gguf_name(name: str) -> str:
 GGUF_OVERRIDES = ("head_dim", "query_pre_attn_scalar", "sliding_window")
 
 
-def load_checkpoint(source, dtype=None):
+def load_checkpoint(source, dtype=None):  # dtype None: the checkpoint's own (config.json's torch_dtype; GGUF float32)
     """(model, tokenizer or None) for a transformers folder or a GGUF file, checked first (inspect_checkpoint,
     inspect_gguf), loaded offline, then its weights checked finite (check_finite).
 
-    dtype: None keeps the checkpoint's own (torch_dtype in config.json; float32 for GGUF).
-    The tokenizer is None when the source has no tokenizer files (tokenizer.json, tokenizer_config.json,
-    ...; a GGUF's tokenizer.ggml metadata): conversions without calibration need none.
+    The tokenizer is None when the source has no tokenizer files (tokenizer.json, tokenizer_config.json, ...; a GGUF's
+    tokenizer.ggml metadata): conversions without calibration need none.
     """
     import torch
 

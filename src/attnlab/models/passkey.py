@@ -1,22 +1,8 @@
 """Passkey retrieval: can a model (and its KV cache) find a number hidden in a long, dull text?
 
-A prompt is an instruction, filler sentences, the line "The pass key is 48213. Remember it. 48213 is the pass
-key." at a depth (a fraction of the filler: 0 first, 1 last), more filler, and "What is the pass key? The pass key is". The model
-continues it greedily for a few tokens, through its own cache (its kv_dtype); the answer counts when its first run
-of digits is the key, exactly (`passkey_match`).
-
-Prompts are built in token ids, from pieces each tokenised alone (the instruction, every filler sentence, the key
-line, the question), so that the length is what was asked: `length` tokens for prompt and answer together, the
-prompt `length - answer_tokens` long (short by at most the shortest filler piece's tokens minus one where the
-tokenizer has no one-token newline to fill the last gap). Everything comes from the seed: the key, the order of
-the sentences, where the newlines go. `with_key=False` builds the same kind of prompt with filler where the key
-line would be: the control, whose accuracy can only be the luck of a guess.
-
-Decoding: `run_passkey(..., decode=)` takes any function (prompt ids (1, P), n) -> the n (or fewer) new ids;
-the command line passes attnlab's generation loop (generation.generate: static caches, the prompt in one forward,
-then decode steps). The default here, `greedy_through_cache`, reads the same caches the same way (evaluate.
-CacheRunner: the prompt in chunks of 512 tokens, then one token per step), greedy; tests/test_eval_protocol.py
-checks that the two choose the same tokens.
+`passkey_prompt` builds a prompt (instruction, filler, the key line at a depth, more filler, the question) in token
+ids; `run_passkey` has the model continue each greedily through its own cache (its kv_dtype) and counts exact answers
+(`passkey_match`). Everything comes from the seed; `with_key=False` builds the control (accuracy: a guess's luck).
 """
 from __future__ import annotations
 
@@ -67,8 +53,8 @@ def _key_line(key: str) -> str:
 
 class PasskeyPrompt(NamedTuple):
     """One passkey prompt: ids (1, P); the key (digits); the total length asked (prompt + answer_tokens) and the
-    depth asked (a fraction of the filler); key_position: the index of the key line's first token (None without the key); answer_tokens:
-    tokens to generate (the key's tokens and 2 more)."""
+    depth asked (a fraction of the filler); key_position: the index of the key line's first token (None without the
+    key); answer_tokens: tokens to generate (the key's tokens and 2 more)."""
     ids: torch.Tensor
     key: str
     length: int
@@ -106,13 +92,16 @@ def check_lengths(lengths, depths, trials) -> tuple[tuple[int, ...], tuple[float
 
 def passkey_prompt(tok, length: int, depth: float, *, seed: int = 0, trial: int = 0,
                    with_key: bool = True) -> PasskeyPrompt:
-    """The prompt of (length, depth, seed, trial): the same ids every time (module docstring).
+    """The prompt of (length, depth, seed, trial): the same ids every time.
 
-    length: tokens of prompt and answer together; depth: where the key line starts, as a fraction of the filler
-    (0: right after the instruction, 1: right before the question; the boundary between filler sentences nearest
-    it). ValueError naming the values when the length cannot hold the instruction, the key line and the question,
-    or the tokenizer is missing.
+    length: tokens of prompt and answer together; depth: where the key line starts, a fraction of the filler (0: right
+    after the instruction, 1: right before the question; the nearest boundary between filler sentences). ValueError
+    naming the values when the length cannot hold the instruction, the key line and the question, or with no tokenizer.
     """
+    # Built in token ids from pieces each tokenised alone (the instruction, every filler sentence, the key line, the
+    # question), so that the length is what was asked: the prompt is `length - answer_tokens` long (short by at most
+    # the shortest filler piece's tokens minus one where the tokenizer has no one-token newline to fill the last gap).
+    # The seed decides the key, the order of the sentences and where the newlines go.
     if tok is None:
         raise ValueError("a passkey prompt needs the model's tokenizer; this model came without tokenizer files")
     check_lengths([length], [depth], 1)
@@ -239,12 +228,13 @@ def run_passkey(model, tok, *, lengths: Sequence[int] = LENGTHS, depths: Sequenc
                 with_key: bool = True, progress: Callable[[int, int], None] | None = None) -> PasskeyReport:
     """Exact-match passkey accuracy of a causal LM at every (length, depth), `trials` prompts (keys) each.
 
-    lengths above the model's max_position_embeddings become it (duplicates dropped). decode: see the module
-    docstring (default greedy_through_cache(model)). with_key=False: the control prompts (no key line).
-    progress(i, total): called before prompt i. ValueError/TypeError naming the values for bad lengths, depths,
-    trials or seed, before any decoding.
+    lengths above the model's max_position_embeddings become it (duplicates dropped); decode(prompt ids (1, P), n) ->
+    the n (or fewer) new ids, default greedy_through_cache(model); with_key=False: the control prompts; progress(i,
+    total): called before prompt i. ValueError/TypeError naming bad lengths, depths, trials or seed, before decoding.
     """
     cases = passkey_prompts(model, tok, lengths=lengths, depths=depths, trials=trials, seed=seed, with_key=with_key)
+    # The command line passes attnlab's generation loop (generation.generate: static caches, the prompt in one forward,
+    # then decode steps); tests/test_eval_protocol.py checks that it chooses the tokens greedy_through_cache chooses.
     decode = greedy_through_cache(model) if decode is None else decode
     rows = []
     for i, (n, d, t, p) in enumerate(cases):

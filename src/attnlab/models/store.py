@@ -39,11 +39,9 @@ def source_paths(source) -> list[str]:
 def save_model(model, base: str, folder, *, extra: dict | None = None, force: bool = False, sources=()):
     """Write the attention layers of an attnlab'd model: attention.safetensors + config.json.
 
-    Everything else comes back from the base model's package on load, so the folder
-    holds only what a conversion changed. Written atomically (nothing half-written), under
-    the output rules of io.folders.check_output: never over the model's own sources
-    (sources_of(model), the base, and `sources`), an existing folder only with force and only
-    if attnlab wrote it.
+    The folder holds only what a conversion changed; the rest comes back from the base model on load. Written atomically
+    under io.folders.check_output's rules: never over the model's own sources (sources_of(model), the base and
+    `sources`), an existing folder only with force and only if attnlab wrote it.
     """
     from pathlib import Path
 
@@ -72,14 +70,11 @@ def save_model(model, base: str, folder, *, extra: dict | None = None, force: bo
 
 
 def load_model(source: str):
-    """(model, tokenizer, meta) for a base model name ("smollm2", "minilm", "gemma3-270m"), a checkpoint (a folder with
-    config.json naming a model_type, or a .gguf file: models/load.py) or a folder from save_model.
+    """(model, tokenizer, meta) for a bundled name (LOADERS), a checkpoint (models/load.py) or a save_model folder.
 
-    The model comes back attnlab'd (to_attnlab); a folder's attention layers replace the base's.
-    Anything else is refused with one ValueError line naming what was looked for; so is a
-    converted-model folder whose config.json is not an object, lacks "format", "base" or the
-    "layers" list (one module record per attention layer), whose attention.safetensors holds
-    more layers than it lists, or whose layer count differs from its base model's.
+    The model comes back attnlab'd (to_attnlab), a folder's attention layers replacing the base's. Anything else is one
+    ValueError line naming what was looked for; so is a folder whose config.json is not an object or lacks "format",
+    "base" or "layers" (a module record a layer), whose weights hold more layers, or whose base has another count.
     """
     from pathlib import Path
 

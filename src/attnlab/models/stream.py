@@ -1,19 +1,8 @@
-"""Convert a transformers checkpoint folder to a DeepSeek-V3 MLA checkpoint one layer at a time.
+"""Convert a transformers checkpoint folder to a DeepSeek-V3 MLA checkpoint one layer at a time (`convert_checkpoint`).
 
-Nothing holds the whole model: tensors are read lazily from the shards (safetensors'
-safe_open, one tensor at a time, the file closed again), each layer is converted
-(float32 arithmetic) and written in the source dtype into output shards as it comes,
-with an index file. The output goes to a temporary folder beside `out` that is renamed
-into place at the end (nothing half-written is left on error).
-
-Calibration, optional: the token ids' hidden states are carried through the layers as
-they are read, twice: through the original layers (their inputs whiten each layer's SVD,
-as convert_model does from one forward of the original model) and through the converted
-ones (their inputs fit the latent norm, as add_latent_norms does). RoRoPE by score allocates
-the kept planes for all layers at once (convert.transforms.shared_planes), so it reads the
-attention weights (and carries the calibration states through the original layers) in a
-first pass that only scores the planes, then converts in a second. The result equals the
-in-memory convert_model + add_latent_norms + export_deepseek (tests/test_export.py).
+Nothing holds the whole model: tensors are read lazily from the shards (`LazyTensors`), each layer is converted in
+float32 and written in the source dtype into output shards as it comes, and the folder is renamed into place at the
+end. The result equals the in-memory convert_model + add_latent_norms + export_deepseek (tests/test_export.py).
 """
 from __future__ import annotations
 
@@ -55,7 +44,8 @@ def _release_freed_memory() -> None:
 
 
 class LazyTensors:
-    """Tensors of a checkpoint by name, read one at a time (the shard is opened and closed per read)."""
+    """Tensors of a checkpoint by name, read one at a time (safetensors' safe_open; the shard is opened and closed per
+    read)."""
 
     def __init__(self, folder: Path):
         self.where = open_shards(folder)
@@ -208,6 +198,9 @@ def _source_config(folder: Path) -> dict:
 def _rope_layout(cfg: dict, rope, tensors, calibration_ids, pair_selection: str, count: int):
     """(planes, how): rorope-score's planes for every layer at once (else None), and gqa_to_mla_decoupled's
     rope_pairs or rope_planes for the others."""
+    # RoRoPE by score allocates the kept planes for all layers at once (convert.transforms.shared_planes), so it reads
+    # the attention weights (and carries the calibration states through the original layers) in a first pass that only
+    # scores the planes (_plane_scores); the conversion is a second pass.
     from .convert import ROROPE_SELECTIONS, plane_choice
 
     planes = None
@@ -224,12 +217,9 @@ def convert_checkpoint(source, out, *, latent_dim: int | None, rope_dim: int | N
                        latent_norm: str = "constant", progress=None) -> dict:
     """Stream a Llama/Mistral/Qwen2 folder into a DeepSeek-V3 MLA checkpoint at `out`; returns a summary.
 
-    latent_dim, rope_dim, pair_selection, balance: as convert_model (decoupled RoPE; rope_dim defaults to
-    2 * num_kv_heads * 16; rorope-score allocates its planes for all layers at once, as convert_model does).
-    calibration_ids (1, N): token ids whose activations whiten the SVDs and fit the latent norms.
-    latent_norm: "constant" (exact: export.constant_channel, latent + 1 cached) or "fit"
-    (add_latent_norm from the calibration, lossy; needs calibration_ids). progress(i, n) is
-    called after each layer.
+    latent_dim, rope_dim (default 2 * num_kv_heads * 16), pair_selection, balance: as convert_model. calibration_ids
+    (1, N): ids whose activations whiten the SVDs and fit the latent norms. latent_norm: "constant" (exact, latent + 1
+    cached: export.constant_channel) or "fit" (add_latent_norm, lossy; needs calibration_ids). progress(i, n): a layer.
     """
     from ..convert.decoupled import gqa_to_mla_decoupled, selection_options
     from .convert import check_rope_dim, default_rope_dim
@@ -259,6 +249,9 @@ def convert_checkpoint(source, out, *, latent_dim: int | None, rope_dim: int | N
     def write(tmp: Path) -> None:
         shards = ShardWriter(tmp, shard_bytes)
         embed = tensors.get("model.embed_tokens.weight")
+        # Calibration: the ids' hidden states are carried through the layers as they are read, twice: through the
+        # original layers (their inputs whiten each layer's SVD, as convert_model does from one forward of the original
+        # model) and through the converted ones (their inputs fit the latent norm, as add_latent_norms does).
         h_orig = h_conv = None
         if calibration_ids is not None:
             h_orig = h_conv = embed[calibration_ids.reshape(-1)].to(F32)  # (N, D)

@@ -2,12 +2,7 @@
 
 q_nope_h . (W_UK_h c) = (W_UK_h^T q_nope_h) . c: each head's query moves into the latent space, all H heads attend
 to the one latent row per token in a single product (heads folded into rows), and W_UV_h is applied to the r-dim
-result afterwards, so nothing is up-projected per cached token. A value bias on W_UV is added back after attention
-(weighted by each row's softmax sum). On int8/fp8 codes the scales fold into the scores and weights instead of a
-dequantised copy; one decode row per sequence on CUDA goes to the Triton kernel (kernels/mla_decode.py).
-
-A mixin of MultiHeadLatentAttention: it reads the module's W_UK, W_UV, head sizes, latent_dim, rope_dim and scale, and
-keeps the per-head weights in _absorbed_cache.
+result afterwards, so nothing is up-projected per cached token. `AbsorbedPath` is a mixin of MultiHeadLatentAttention.
 """
 from __future__ import annotations
 
@@ -20,16 +15,17 @@ from .tiling import _weights_key
 
 
 class AbsorbedPath:
-    """The absorbed path's methods (module docstring). The module sets _absorbed_cache itself."""
+    """The absorbed path's methods. A value bias on W_UV is added back after attention (weighted by each row's softmax
+    sum). On int8/fp8 codes the scales fold into the scores and weights instead of a dequantised copy; one decode row
+    per sequence on CUDA goes to the Triton kernel (kernels/mla_decode.py). It reads the module's W_UK, W_UV, head
+    sizes, latent_dim, rope_dim and scale; the module sets _absorbed_cache (the per-head weights) itself."""
 
     def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """W_UK per head (H, d, r) and W_UV^T per head (H, r, dv), contiguous for batched products.
 
-        Recomputed whenever either weight is replaced or changed in place (an
-        optimizer step, load_state_dict): the key is each tensor's identity and
-        version counter. Not cached while autograd records (the copy would hold
-        a stale graph) or under torch.compile (which traces the computation).
-        """
+        Recomputed whenever either weight is replaced or changed in place (an optimizer step, load_state_dict): the key
+        is each tensor's identity and version counter. Not cached while autograd records (the copy would hold a stale
+        graph) or under torch.compile (which traces the computation)."""
         wk, wv = self.W_UK.weight, self.W_UV.weight
         cacheable = not torch.compiler.is_compiling() and not (
             torch.is_grad_enabled() and (wk.requires_grad or wv.requires_grad))

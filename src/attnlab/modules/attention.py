@@ -1,24 +1,8 @@
-"""The one attention core: scaled dot-product attention with grouped KV heads.
+"""The one attention core: `attend`, scaled dot-product attention with grouped KV heads, which are never copied.
 
-Notation: B batch, H query heads, G key/value heads, C = H // G query heads per
-KV head, L query length, S key length (everything cached plus the new tokens),
-d query/key head size, dv value head size.
-
-Grouped heads are never copied: K and V keep their G heads. Two routes:
-- *folded*: the C query heads that share a KV head are folded into the rows of
-  one matrix product, (B, G, C*L, d) @ (B, G, d, S). Used whenever the mask is
-  the same for every head of a group and for every query row (no mask, or one
-  decode step); this is also how MLA's absorbed decode runs all heads against
-  the one latent in a single product.
-- *grouped*: torch's scaled_dot_product_attention with enable_gqa=True, which
-  indexes the shared KV head without materialising copies. Used for masks that
-  differ per row (causal prefill) or per head.
-
-Masks: a boolean mask is True where a query may attend (SDPA's convention); a
-floating mask is added to the scores. Shapes broadcast to (B, H, L, S): (L, S),
-(B, L, S) or (B|1, H|1, L|1, S). `is_causal` is aligned bottom-right: query i
-of L sees keys j <= (S - L) + i, so a query after S - L cached tokens sees
-them all and itself. A query row with nothing to attend returns zeros.
+B batch, H query heads, G key/value heads, C = H // G, L query length, S key length (cached plus new), d query/key
+and dv value head size. Masks: bool, True where a query may attend (SDPA's convention), or float, added to the scores;
+broadcast to (B, H, L, S) from (L, S), (B, L, S) or (B|1, H|1, L|1, S). A row with nothing to attend returns zeros.
 """
 from __future__ import annotations
 
@@ -80,12 +64,9 @@ def combine_masks(mask, is_causal: bool, shape: tuple[int, int, int, int], dtype
 def fused_sdpa(q, k, v, *, attn_mask=None, is_causal=False, scale=None, enable_gqa=False):
     """torch's scaled_dot_product_attention, kept on its fused kernels when head sizes differ.
 
-    With query-key size d != value size dv (decoupled-RoPE MLA: d + p vs dv), SDPA's fused
-    CPU and CUDA kernels refuse the call and its math fallback materialises every score
-    (4-10x slower prefill, measured in docs/performance.md). Zero columns change nothing:
-    V is padded to d and the output sliced back (dv < d), or q and k are padded to dv (dv > d,
-    same scores). The default scale stays 1/sqrt(d).
-    """
+    With query-key size d != value size dv (decoupled-RoPE MLA: d + p vs dv) SDPA's fused kernels refuse the call and
+    its math fallback materialises every score. Zero columns change nothing: V is padded to d and the output sliced
+    back (dv < d), or q and k are padded to dv (dv > d, same scores). The default scale stays 1/sqrt(d)."""
     d, dv = q.shape[-1], v.shape[-1]
     if d == dv:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
@@ -99,6 +80,11 @@ def fused_sdpa(q, k, v, *, attn_mask=None, is_causal=False, scale=None, enable_g
                                           is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)  # (B, H, L, dv)
 
 
+# Fused SDPA is the wrong tool for a few rows against a long cache in two cases (docs/performance.md): on the CPU, when
+# q/k and v head sizes differ (MLA's absorbed decode with RoPE: key = [latent, rope key], value = latent), SDPA falls
+# back to a math path that rescales the whole key tensor on every call; on CUDA, a kernel that parallelises over query
+# blocks gets one block per KV head, leaving most of the GPU idle. There _rows_attention writes the two products out
+# (cuBLAS splits the long key axis across the GPU).
 ROWS_WRITTEN_OUT = 64  # at most this many query rows per KV head take the plain-products route
 
 
@@ -109,22 +95,11 @@ def _part_bounds(parts: tuple[int, ...]) -> list[tuple[int, int]]:
 
 
 def _rows_attention(q, k, v, attn_mask, scale, key_scale=None, value_scale=None, key_parts=None):
-    """Attention of the query rows that share one KV head, q (B, G, R, d) -> (B, G, R, dv).
+    """Attention of the query rows that share one KV head, q (B, G, R, d) -> (B, G, R, dv); few rows (see
+    ROWS_WRITTEN_OUT) as two written-out products, the scale on the query rows and the softmax in at least float32.
 
-    key_scale (B, G, S, n), with key_parts the n column widths of the key it covers, and value_scale
-    (B, G, S), or None: per-key factors of the keys' parts and the values' rows (a quantised cache's
-    scales), applied to the partial scores and the weights instead of to k and v, which saves a pass
-    over the cache; they always take the written-out products.
-
-    Fused SDPA kernels are the wrong tool for a few rows against a long cache in two
-    cases, measured (docs/performance.md): on the CPU, when q/k and v head sizes
-    differ (MLA's absorbed decode with RoPE: key = [latent, rope key], value =
-    latent), SDPA falls back to a math path that rescales the whole key tensor on
-    every call; on CUDA, a kernel that parallelises over query blocks gets one block
-    per KV head, leaving most of the GPU idle. There the two products are written
-    out (cuBLAS splits the long key axis across the GPU): the scale goes on the few
-    query rows, and the softmax runs in at least float32.
-    """
+    key_scale (B, G, S, n), with key_parts the n column widths it covers, and value_scale (B, G, S), or None: a
+    quantised cache's scales, applied to the partial scores and the weights instead of k and v (always written out)."""
     few = q.shape[-2] <= ROWS_WRITTEN_OUT
     scaled = key_scale is not None or value_scale is not None
     if not scaled and (not few or (q.device.type == "cpu" and k.shape[-1] == v.shape[-1])):
@@ -148,21 +123,20 @@ def _rows_attention(q, k, v, attn_mask, scale, key_scale=None, value_scale=None,
     return p.to(v.dtype) @ v  # (B, G, R, dv)
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, grouping: str = "blocked",
-           mask: torch.Tensor | None = None, is_causal: bool = False,
-           scale: float | None = None, key_scale: torch.Tensor | None = None,
-           value_scale: torch.Tensor | None = None, key_parts: tuple[int, ...] | None = None) -> torch.Tensor:
-    """softmax(q k^T * scale + mask) v with G shared KV heads.
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+           grouping: str = "blocked",  # query head h reads KV head h mod G ("strided") or h // (H/G) ("blocked")
+           mask: torch.Tensor | None = None,  # bool (True = may attend) or float, broadcast to (B, H, L, S)
+           is_causal: bool = False,  # bottom-right aligned: query i of L sees keys j <= (S - L) + i
+           scale: float | None = None,  # default 1/sqrt(d)
+           key_scale: torch.Tensor | None = None,  # (B, G, S); with key_parts (B, G, S, len(key_parts))
+           value_scale: torch.Tensor | None = None,  # (B, G, S)
+           key_parts: tuple[int, ...] | None = None,  # widths adding up to d, scaled apart (an MLA's latent, rope key)
+           ) -> torch.Tensor:
+    """softmax(q k^T * scale + mask) v with G shared KV heads: q (B, H, L, d), k (B, G, S, d), v (B, G, S, dv) ->
+    (B, H, L, dv).
 
-    q (B, H, L, d), k (B, G, S, d), v (B, G, S, dv) -> (B, H, L, dv).
-    grouping says which KV head query head h reads: h mod G ("strided") or
-    h // (H/G) ("blocked"). scale defaults to 1/sqrt(d).
-    key_scale, value_scale (B, G, S): optional factors of each key and value row, as if k and v
-    were k * key_scale[..., None] and v * value_scale[..., None] (int8 codes and their per-row
-    scales); on the few-rows route they multiply the scores and the weights instead. With
-    key_parts (widths adding up to d), key_scale is (B, G, S, len(key_parts)): one factor per
-    part of each key row (an MLA row's latent and rope key are scaled apart).
-    """
+    key_scale, value_scale: per-row factors, as if k and v were k * key_scale[..., None] and v * value_scale[..., None]
+    (int8 codes and their scales); on the few-rows route they multiply the scores and the weights instead."""
     check_grouping(grouping)
     B, H, L, d = q.shape
     G, S, dv = k.shape[1], k.shape[2], v.shape[-1]
@@ -180,6 +154,10 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, grouping: str =
     C = H // G
     attn_mask, native_causal = combine_masks(mask, is_causal, (B, H, L, S), q.dtype, q.device)
 
+    # Two routes, neither copying K or V. Folded: the C query heads of a KV head folded into the rows of one product,
+    # (B, G, C*L, d) @ (B, G, d, S), when the mask is the same for every head of a group and every query row (no mask,
+    # or one decode step; MLA's absorbed decode runs so). Grouped: SDPA with enable_gqa=True, which indexes the shared
+    # KV head without copies, for masks that differ per row (causal prefill) or per head.
     foldable = not native_causal and (attn_mask is None or (L == 1 and attn_mask.shape[1] == 1))
     if not (foldable and C * L <= ROWS_WRITTEN_OUT):  # the factors go on the rows themselves
         if key_scale is not None:

@@ -1,48 +1,8 @@
 """KV and latent caches: preallocated buffers that grow along the sequence axis, stored plain or quantised.
 
-A cache belongs to the module that made it (`module.init_cache(...)`) and is
-passed back to that module's forward. It is a plain object, not an nn.Module:
-torch.compile treats int attributes of modules as constants, which would
-recompile a compiled decode step for every token; the length of a plain object
-becomes a dynamic size after its first change, so a compiled step compiles
-twice and then never again. Its tensors never enter a module's state_dict.
-
-- `KVCache` (MHA, GQA): k (B, G, S_max, d) and v (B, G, S_max, dv), only the
-  num_kv_heads heads, never the H query heads.
-- `LatentCache` (MLA): one buffer (B, S_max, r + rope_dim) holding the latent
-  c = W_DKV y (after the optional RMSNorm) and, beside it, the shared RoPE key.
-  Keeping them side by side lets the absorbed decode read key and value as
-  views of one tensor, with no copy per step.
-
-Storage (`kv_dtype`: plain, int8/fp8 with scales, few-bit codes) is modules/storage.py's; a cache
-writes each new token's codes and scales once (`extend`) and hands them back as stored (QuantisedKV)
-or dequantised. In llama.cpp's block formats a GQA's
-KVCache rotates its keys and values as llama.cpp does (storage.rotation; decided when the cache is made,
-LLAMA_ATTN_ROT_DISABLE included): rows are rotated before they are quantised and rotated back when read
-(QuantisedKV.rotation). A LatentCache, and the KVCache of a GQA-tiled MLA, are not rotated (llama.cpp's
-deepseek2 does not rotate an MLA's cache).
-
-Recent window ("+w<N>" storages, LatentCache only): beside the codes the cache keeps its newest N
-rows plain (modules/recent.py: RecentRows), counted in fixed_bytes; extend_recent() returns the rows
-as stored and the plain rows the new queries read, which the module mixes (each query reads its newest
-N rows plain). truncate() takes the positions the ring no longer held from the stored rows.
-
-Cross-attention: the first call with a context fills the cache and marks it
-`static`; later calls reuse it and append nothing.
-
-Sliding window (`window=W`, what init_cache gives a module with a sliding_window, Gemma 3's sliding
-layers): a query at position i sees keys i - W < j <= i, so between calls the cache needs only the
-last W - 1 tokens. It allocates window_rows(W, max_len) = min(max_len, W + min(W, 64)) rows, not
-max_len: the tokens held, in order, and room for new ones; when the room runs out the last W - 1 rows
-move to the front (for Gemma 3's W = 512, 511 rows copied every 65 tokens: about 8 rows per token
-written, against the 512 each decode step reads). A chunk longer than the room (a long prompt) is
-attended whole from the returned rows and only its last W - 1 are kept. `length` stays
-the number of tokens written (the next position); `key_start` is the position of the first row the
-last extend() returned, which the module's window mask and a RoPE applied after the cache read.
-Tokens dropped are gone: truncate() cannot go back before what a later query would need, and a
-fixed_slot view (a fixed-shape step) needs every slot, so a module's init_cache(sliding=False)
-keeps every token and leaves the window to the mask; so does a "+c4" storage (window_for), whose
-rope key is quantised per channel over groups of 64 tokens and cannot drop one token at a time.
+`KVCache` (MHA, GQA): k (B, G, S_max, d) and v (B, G, S_max, dv), the KV heads only. `LatentCache` (MLA): one buffer
+(B, S_max, r + rope_dim) of the latent c = W_DKV y and the shared RoPE key side by side. A module makes its cache
+(`module.init_cache(...)`) and gets it back in its forward; the storage (`kv_dtype`) is modules/storage.py's.
 """
 from __future__ import annotations
 
@@ -58,11 +18,20 @@ from .recent import RecentRows
 from .sink import SinkRows
 from .storage import SCALE_DTYPE, QuantisedKV, check_kv_dtype, dense, num_scales, quantise, rotation
 
+# Sliding window (`window=W`, what init_cache gives a module with a sliding_window, Gemma 3's sliding layers): a query
+# at position i sees keys i - W < j <= i, so between calls the cache needs only the last W - 1 tokens. It allocates
+# window_rows(W, max_len) rows, the tokens held in order and room for new ones; when the room runs out the last W - 1
+# rows move to the front (W = 512: 511 rows copied every 65 tokens). A chunk longer than the room (a long prompt) is
+# attended whole from the returned rows and only its last W - 1 are kept. `length` stays the number of tokens written
+# (the next position); `key_start` is the position of the first row the last extend() returned, which the module's
+# window mask and a RoPE applied after the cache read. Dropped tokens are gone: truncate() cannot go back before what
+# a later query needs and a fixed_slot view needs every slot, so init_cache(sliding=False) keeps every token and
+# leaves the window to the mask; so does a "+c4" or "+s<N>" storage (window_for).
 WINDOW_ROOM = 64  # rows a window cache allocates beyond its window (at most the window itself)
 
 
 def window_rows(window: int, max_len: int) -> int:
-    """Rows a cache of that window allocates for sequences of up to max_len tokens (module docstring)."""
+    """Rows a cache of that window allocates for sequences of up to max_len tokens (the comment above WINDOW_ROOM)."""
     return min(max_len, window + min(window, WINDOW_ROOM))
 
 
@@ -77,14 +46,15 @@ def window_for(sliding_window: int | None, kv_dtype, sliding: bool = True) -> in
 
 
 # -- the caches ----------------------------------------------------------------------------------
+# A cache is a plain object, not an nn.Module: torch.compile treats a module's int attributes as constants and would
+# recompile a decode step for every token, while a plain object's length becomes a dynamic size after its first change.
+# Its tensors never enter a module's state_dict.
 class _Cache:
     """Named buffers of shape (B, ..., S_max, width) that share a length; quantised ones with scales beside them.
 
-    parts[name]: the widths each scale covers in a row of buffer `name` (see the module docstring).
-    roles[name]: "key" or "value" where buffer `name` holds a GQA's keys or values (llama.cpp's block formats rotate
-    them: storage.rotation; a K/V pair kv_dtype stores each in its own type: StorageFormat.for_role), absent for rows
-    that are not rotated (an MLA's, a GQA-tiled MLA's; a pair is refused for them).
-    """
+    parts[name]: the widths each scale covers in a row of buffer `name` (storage.py: one scale per part). roles[name]:
+    "key" or "value" where buffer `name` holds a GQA's keys or values, which llama.cpp's block formats rotate
+    (storage.rotation) and a K/V pair stores each in its own type (StorageFormat.for_role); absent for an MLA's rows."""
 
     key_start = 0  # position of the first row the last extend() returned (a window cache drops older ones)
     _recent: RecentRows | None = None  # "+w<N>": the newest N rows plain (LatentCache; modules/recent.py)
@@ -114,7 +84,7 @@ class _Cache:
         buffers = {name: (*shape[:-2], self.capacity, shape[-1]) for name, shape in buffers.items()}
         self._length = 0
         self._start = 0  # tokens dropped from the front (a window cache): row 0 holds position _start
-        self.static = False
+        self.static = False  # cross-attention: filled by the first call with a context, then reused, nothing appended
         self._dtype, self.kv_dtype = dtype, kv_dtype
         roles = roles or {}
         # each buffer's storage (a K/V pair: the key's or the value's), ValueError for a pair's rows of no role
@@ -151,8 +121,8 @@ class _Cache:
         return self._names + list(self._scale_names.values())
 
     def tensors(self) -> list[torch.Tensor]:
-        """Every tensor the cache allocated: the buffers and, for quantised storage, their scales (and for a
-        rope key per channel its meta per group of tokens and its newest group, unquantised; a recent window's rows)."""
+        """Every tensor the cache allocated: the buffers and, for quantised storage, their scales (and for a rope key
+        per channel its meta per group of tokens and its newest group, unquantised; a recent window's rows)."""
         return [getattr(self, n) for n in self._row_names()] + [t for g in self._channel.values() for t in g.tensors()] \
             + self._plain_rows()
 
@@ -231,15 +201,11 @@ class _Cache:
     _slot: torch.Tensor | None = None
 
     def fixed_slot(self, slot: torch.Tensor) -> "_Cache":
-        """A fixed-shape view of this cache for one-token decode steps (CUDA graphs, torch.compile).
+        """A fixed-shape view for one-token decode steps (CUDA graphs, torch.compile), sharing this cache's memory.
 
-        extend() writes the one new token at `slot`, a 1-element int64 tensor (its value is
-        data, not a Python int, so every step runs the same operations on the same shapes), and
-        returns the whole max_len buffers; attention must then mask the slots not yet written
-        (a key-padding mask over max_len). The view shares this cache's memory and reports
-        length max_len - 1, so a module attends to max_len keys; after the steps, tell this
-        cache how far it is filled with mark_filled().
-        """
+        extend() writes the new token at `slot` (a 1-element int64 tensor: data, so every step runs the same shapes) and
+        returns the whole max_len buffers (length max_len - 1), whose unwritten slots attention must mask; afterwards
+        call mark_filled(). TypeError for another slot; ValueError for "+c4", "+w<N>", "+s<N>" and window caches."""
         if not isinstance(slot, torch.Tensor) or slot.dtype != torch.int64 or slot.numel() != 1:
             raise TypeError(f"slot must be a 1-element int64 tensor, got {slot!r}")
         if self._channel:
@@ -359,7 +325,7 @@ class _Cache:
         return rows if rows.dtype == self.dtype else rows.to(self.dtype)
 
     def _extend_window(self, new: dict[str, torch.Tensor], n: int) -> tuple:
-        """A window cache's write (module docstring); returns the rows this call attends, as stored()."""
+        """A window cache's write (the comment above WINDOW_ROOM); returns the rows this call attends, as stored()."""
         keep_max = self.window - 1
         held = self.held
         if held + n > self.capacity and held > keep_max:  # drop what no later query sees, keep the order
@@ -476,10 +442,9 @@ class _Cache:
 class KVCache(_Cache):
     """K (B, G, S_max, d) and V (B, G, S_max, dv); quantised: scales per token and KV head (or per group).
 
-    A K/V pair kv_dtype ("q8_0,q4_0") stores K in its first type and V in its second (where rotate).
-    rotate: whether llama.cpp's block formats rotate K and V here (storage.rotation); default: where the owner
-    keeps keys and values apart (a GQA: owner.separate_keys), not for a GQA-tiled MLA, whose GGUF llama.cpp runs
-    as deepseek2 with an unrotated latent cache."""
+    A K/V pair kv_dtype ("q8_0,q4_0") stores K in its first type and V in its second (only where rotate). rotate:
+    whether llama.cpp's block formats rotate K and V here (storage.rotation); by default where the owner keeps keys and
+    values apart (owner.separate_keys), not for a GQA-tiled MLA (llama.cpp runs its GGUF as deepseek2, unrotated)."""
 
     def __init__(self, owner, batch_size: int, max_len: int, num_kv_heads: int, head_dim: int, v_head_dim: int,
                  *, dtype, device=None, kv_dtype=None, window: int | None = None, rotate: bool | None = None):
@@ -500,7 +465,9 @@ class KVCache(_Cache):
 
 class LatentCache(_Cache):
     """[c, k_R] rows (B, S_max, r + p); quantised: a scale per token for c and one for k_R (or per group),
-    or, for a GQA-tiled MLA, `parts` = its KV heads' widths (one scale per token and head of K and of V)."""
+    or, for a GQA-tiled MLA, `parts` = its KV heads' widths (one scale per token and head of K and of V).
+    Side by side, the absorbed decode reads key and value as views of one tensor, with no copy per step. A "+w<N>"
+    storage also keeps the newest N rows plain (RecentRows, in fixed_bytes): see extend_recent."""
 
     def __init__(self, owner, batch_size: int, max_len: int, latent_dim: int, rope_dim: int, *, dtype, device=None,
                  kv_dtype=None, parts: tuple[int, ...] | None = None, window: int | None = None):

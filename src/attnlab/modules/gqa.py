@@ -1,12 +1,8 @@
-"""Grouped-query attention, and multi-head attention as its G = H case (Part 8).
+"""Grouped-query attention, and multi-head attention as its G = H case (Part 8): `GroupedQueryAttention`.
 
-Notation: B batch, L query length, S key length, H = num_heads,
-G = num_kv_heads, d = head_dim, dv = v_head_dim.
-
-Weights follow the study (Parts 2, 4, 7): W_Q (H*d, dim), W_K (G*d, context_dim),
-W_V (G*dv, context_dim), W_O (dim, H*dv), each an nn.Linear. Head h owns rows
-[h*d, (h+1)*d) of W_Q and reads KV head h mod G ("strided", the study's rule)
-or h // (H/G) ("blocked", Llama's rule).
+B batch, L query length, S key length, H = num_heads, G = num_kv_heads, d = head_dim, dv = v_head_dim. Weights
+(Parts 2, 4, 7), each an nn.Linear: W_Q (H*d, dim), W_K (G*d, context_dim), W_V (G*dv, context_dim), W_O (dim, H*dv).
+Head h owns rows [h*d, (h+1)*d) of W_Q and reads KV head h mod G ("strided") or h // (H/G) ("blocked", Llama's).
 """
 from __future__ import annotations
 
@@ -26,35 +22,27 @@ from .rope import RotaryEmbedding
 class GroupedQueryAttention(AttentionModule):
     """Attention with `num_kv_heads` key/value heads shared by `num_heads` query heads.
 
-    Args:
-        dim: width of the attending sequence x (the study's D_1).
-        num_heads: query heads H. num_kv_heads: key/value heads G, a divisor of H.
-        head_dim: query/key size per head (default dim // num_heads).
-        v_head_dim: value size per head (default head_dim).
-        context_dim: width of the attended sequence (default dim).
-        bias: biases on all four projections (BERT, Qwen2 style carry them).
-        grouping: "strided" (query head h reads KV head h mod G) or "blocked" (h // (H/G)).
-        rope_base: apply rotary embeddings of this base to q and k (None: no RoPE).
-        rope_interleaved: rotate pairs (2i, 2i+1) instead of (i, i + d/2).
-        kv_dtype: storage of K and V in a cache ("fp32", "bf16", "int8", "fp8", "int8/g<N>", "fp8/g<N>";
-            None: plain, in the activation dtype); see AttentionModule.kv_dtype and modules/cache.py.
-        qk_norm_eps: give every query and key head an RMSNorm over its head_dim (one gain vector each for
-            queries and keys, shared by the heads), applied before RoPE, as Qwen3 and Gemma 3 do; None: no
-            norm. The exact gqa_to_mla carries it (and softmax_scale, sliding_window); the other conversions
-            refuse such a module.
-        softmax_scale: the scores' scale (default head_dim ** -0.5; Gemma 3: query_pre_attn_scalar ** -0.5).
-        sliding_window: self-attention to the last `sliding_window` positions only (key position j is seen
-            from query position i when i - sliding_window < j <= i; causal by construction), as Gemma 3's
-            sliding layers do. Applied by this module for a forward without a cache and with its own
-            cache (which keeps every token: the result honours the window, the bytes do not shrink yet);
-            transformers' own cache passes its window mask in and is trusted. None: no window.
-    """
+    The arguments are described beside them in __init__'s signature. The exact gqa_to_mla carries qk_norm_eps,
+    softmax_scale and sliding_window; the other conversions refuse a module with qk_norm_eps."""
 
-    def __init__(self, dim: int, num_heads: int, num_kv_heads: int, *, head_dim: int | None = None,
-                 v_head_dim: int | None = None, context_dim: int | None = None, bias: bool = False,
-                 grouping: str = "strided", rope_base: float | None = None, rope_interleaved: bool = False,
-                 kv_dtype: str | None = None, qk_norm_eps: float | None = None, softmax_scale: float | None = None,
-                 sliding_window: int | None = None, device=None, dtype=None):
+    def __init__(self, dim: int,  # width of the attending sequence x (the study's D_1)
+                 num_heads: int,  # query heads H
+                 num_kv_heads: int, *,  # key/value heads G, a divisor of H
+                 head_dim: int | None = None,  # query/key size per head (default dim // num_heads)
+                 v_head_dim: int | None = None,  # value size per head (default head_dim)
+                 context_dim: int | None = None,  # width of the attended sequence (default dim)
+                 bias: bool = False,  # biases on all four projections (as BERT and Qwen2 carry them)
+                 grouping: str = "strided",  # query head h reads KV head h mod G ("strided") or h // (H/G) ("blocked")
+                 rope_base: float | None = None,  # rotary embeddings of this base on q and k (None: no RoPE)
+                 rope_interleaved: bool = False,  # rotate pairs (2i, 2i+1) instead of (i, i + d/2)
+                 kv_dtype: str | None = None,  # K and V's storage in a cache (modules/storage.py; None: plain)
+                 qk_norm_eps: float | None = None,  # an RMSNorm over each query and each key head, before RoPE (Qwen3,
+                 # Gemma 3): one gain vector for the queries, one for the keys, shared by the heads; None: none
+                 softmax_scale: float | None = None,  # the scores' scale, default head_dim ** -0.5 (Gemma 3:
+                 # query_pre_attn_scalar ** -0.5)
+                 sliding_window: int | None = None,  # key j seen from query i when i - sliding_window < j <= i (Gemma
+                 # 3's sliding layers), without a cache or with this module's; transformers' cache passes its own mask
+                 device=None, dtype=None):
         super().__init__()
         self.kv_dtype = kv_dtype
         checks.positive_int("dim", dim)
@@ -119,17 +107,16 @@ class GroupedQueryAttention(AttentionModule):
             k = self.rope(k, positions if positions is not None else torch.arange(S, device=source.device))
         return k, v
 
-    def forward(self, x: torch.Tensor, context: torch.Tensor | None = None, *, mask: torch.Tensor | None = None,
-                key_padding_mask: torch.Tensor | None = None, is_causal: bool = False,
+    def forward(self, x: torch.Tensor, context: torch.Tensor | None = None, *,
+                mask: torch.Tensor | None = None,  # bool (True = may attend) or additive float, to (B, H, L, S)
+                key_padding_mask: torch.Tensor | None = None,  # (B, S) bool, True for real tokens
+                is_causal: bool = False,  # bottom-right aligned
                 cache: KVCache | None = None, positions: torch.Tensor | None = None) -> torch.Tensor:
         """x (B, L, dim), context (B, S, context_dim) or None for self-attention -> (B, L, dim).
 
-        mask: bool (True = may attend) or additive float, broadcastable to (B, H, L, S).
-        key_padding_mask: (B, S) bool, True for real tokens. is_causal: bottom-right aligned.
-        cache: from init_cache(); the new K/V are appended and everything cached is attended.
-            Without one (or with transformers' cache), K/V go through self.kv_dtype's storage first.
-        positions: RoPE positions of x, (L,) or (B, L); default cache.length + arange(L).
-        """
+        cache: from init_cache(); the new K/V are appended and everything cached is attended. Without one (or with
+        transformers' cache), K/V go through self.kv_dtype's storage first. positions: RoPE positions of x, (L,) or
+        (B, L); default cache.length + arange(L)."""
         source, positions, mask = self._prepare(x, context, cache, positions, mask,
                                                 key_padding_mask, self.num_heads)
         B, L, _ = x.shape

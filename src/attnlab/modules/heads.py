@@ -1,14 +1,8 @@
-"""Which key/value head each query head reads, and the tilings that follow from it.
+"""Which key/value head each query head reads, and the tilings that follow (`kv_head_of`, `tile_heads`, `gqa_block`).
 
-Notation: H query heads, G key/value heads, C = H // G query heads per KV head,
-d head size. Row layout of a stacked projection: head h owns rows [h*d, (h+1)*d).
-Two ways to spread G key/value heads over H query heads:
-- "strided" (the study, Part 7): query head h reads KV head h mod G, so the
-  tiled matrix is C copies of the whole (G*d, D) block stacked on top of each other.
-- "blocked" (Llama, transformers): query head h reads KV head h // C, so each
-  KV head's d rows are repeated C times in a row.
-Used by the attention core and the modules (GQA, the MLA's GQA tiling); the
-conversions' linear algebra (convert/linalg.py) builds on it.
+H query heads, G KV heads, C = H // G, d head size; head h owns rows [h*d, (h+1)*d) of a stacked projection.
+"strided" (the study, Part 7): query head h reads KV head h mod G, so the tiled matrix is C copies of the whole
+(G*d, D) block stacked; "blocked" (Llama, transformers): h reads KV head h // C, each KV head's d rows repeated C times.
 """
 from __future__ import annotations
 

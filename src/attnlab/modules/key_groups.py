@@ -1,18 +1,7 @@
 """A cached MLA row's rope key stored per channel over groups of tokens ("+c4"), beside its per-token latent.
 
-A latent cache row is [c, k_R]: r latent numbers and p rope-key numbers. With a "+c4" storage
-(modules/lowbit.py) the latent is quantised per token as it is written, like every other row,
-but the rope key is quantised per channel over a group of `lowbit.KEY_TOKENS` tokens (KIVI's key
-layout: one scale and minimum per channel and group), which needs the whole group first. So the
-newest, incomplete group is kept in the activation dtype (`recent`, KEY_TOKENS rows per sequence)
-and quantised into the packed row buffer when its last token arrives; the groups' float16 meta
-live in `meta` (one row per group of tokens). Reading returns dequantised rows: the groups' keys
-decoded, then the newest group as it is.
-
-`RopeKeyGroups` holds that state for one cache buffer and does the writing, the reading and a
-truncate; `_Cache` (cache.py) owns the packed buffer and the latent's scales and passes them in.
-A truncate into a quantised group puts the kept tokens of that group back into `recent` at their
-stored (quantised) values: they are re-quantised with the rest of the group when it completes.
+`RopeKeyGroups` holds that state for one cache buffer and does the writing, the reading and a truncate; `_Cache`
+(cache.py) owns the packed buffer and the latent's scales and passes them in.
 """
 from __future__ import annotations
 
@@ -25,14 +14,17 @@ from .sink import without_sinks
 
 
 class RopeKeyGroups:
-    """The "+c4" state of one buffer of rows (..., S_max, r + p): the meta per group of tokens and the newest group.
+    """The "+c4" state of one buffer of rows (..., S_max, r + p): the rope key per channel over groups of KEY_TOKENS
+    tokens (KIVI's key layout), its float16 meta in `meta`, one row per group; the latent is coded per token. A group's
+    scales need all its tokens, so the newest, incomplete group stays in the activation dtype (`recent`, KEY_TOKENS
+    rows a sequence) and is coded into the packed buffer when its last token arrives. Reads give dequantised rows; a
+    truncate into a coded group puts its kept tokens back into `recent` at their stored values."""
 
-    shape: the buffer's unpacked shape (..., S_max, r + p); parts: (r, p); low: the lowbit format (rope_channel);
-    sink: the first rows a "+s<N>" storage keeps plain, left out of the first group's range (modules/sink.py).
-    """
-
-    def __init__(self, shape: tuple[int, ...], parts: tuple[int, int], low, max_len: int, dtype: torch.dtype, device,
-                 sink: int = 0):
+    def __init__(self, shape: tuple[int, ...],  # the buffer's unpacked shape (..., S_max, r + p)
+                 parts: tuple[int, int],  # (r, p)
+                 low,  # the lowbit format (rope_channel)
+                 max_len: int, dtype: torch.dtype, device,
+                 sink: int = 0):  # a "+s<N>" storage's first rows kept plain, out of the first group's range (sink.py)
         T = lowbit.KEY_TOKENS
         self.parts, self.low, self.dtype, self.sink = tuple(parts), low, dtype, sink
         self.meta = torch.zeros(*shape[:-2], -(-max_len // T), lowbit.channel_meta(self.parts, low),

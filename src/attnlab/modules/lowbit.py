@@ -1,78 +1,8 @@
-"""Few-bit cache storages, packed into bytes: llama.cpp's block formats, attnlab's asymmetric groups, KIVI.
+"""Few-bit cache storages packed into bytes: llama.cpp's block formats, attnlab's asymmetric groups, KIVI, quanto.
 
-Beside int8's quantiser (modules/cache.py), which stores one byte per value and a float32 scale per part,
-these store b-bit codes packed into uint8 bytes and, per group of channels, a float16 scale (and a float16
-minimum where the format is asymmetric), so that a cache's allocated tensors are the bytes it costs.
-
-llama.cpp's block formats (groups of 32 channels, a row must be a whole number of blocks), as its
-reference quantisers write them (ggml-quants.c, quantize_row_*_ref), bytes per 32 values in brackets:
-- q8_0 [34]: d = amax / 127, code = round(x / d) (half away from zero); x = code * d.
-- q4_0 [18]: m = the value of largest magnitude (first on ties), d = m / -8, code = min(15, trunc(x / d + 8.5));
-  x = (code - 8) * d.
-- q5_0 [22]: as q4_0 with d = m / -16, code = min(31, trunc(x / d + 16.5)); x = (code - 16) * d.
-- q4_1 [20]: d = (max - min) / 15, code = min(15, trunc((x - min) / d + 0.5)); x = code * d + min.
-- iq4_nl [18]: non-linear, x = d * IQ4_NL_VALUES[code], 16 levels from -127 to 113 (kvalues_iq4nl). As
-  quantize_row_iq4_nl_ref (what llama.cpp's CPU backend writes into a cache: from_float): m = the value of
-  largest magnitude (first on ties), d0 = m / -127, code = the level nearest x / d0 (best_index_int8: of the
-  two levels around it, the upper one on a tie), then the scale refitted to those codes by least squares
-  with weights x^2, d = sum(x^2 q x) / sum(x^2 q^2) (q the code's level; float32 sums in the block's order),
-  and no search over other scales (that is quantize_iq4_nl's, ntry = 7, which llama-quantize uses for
-  weights). A block with largest magnitude below 1e-15 stores d = 0.
-The codes are computed with the float32 d, the stored d (and min) are float16: what llama.cpp reads back.
-
-llama.cpp's rotation of a quantised K/V cache (a Hadamard transform of each head's blocks) is in rotation.py.
-
-attnlab's own ("int4/g<N>", "int2/g<N>", any of 2 to 7 bits; N = 32 when not given): asymmetric round-to-nearest over groups
-of N channels of each part of a row (the last group of a part may be short). For a range [lo, hi],
-m = float16(lo), d = float16((hi - m) / (2^b - 1)), code = clamp(round((x - m) / d), 0, 2^b - 1);
-x = code * d + m. The range is the group's [min, max] shrunk about its middle by the first ratio of
-CLIP_RATIOS (1, 0.95, ..., 0.6) whose read-back has the least squared error over the group (computed in
-float32): with 2-4 bits one outlier otherwise spends the few levels on the space between it and the rest
-(SmolLM2, no training: every value in 4-bit values beside a 4-bit key per channel 1.047x -> 1.022x, the
-12.5% plan 2.30x -> 2.15x; docs/decisions.md). The codes are computed with the stored m and d, so a read
-returns the nearest level the storage holds (a value outside the range, its end). Only how a group's range
-is chosen differs from plain min-max; the stored bytes and their reading are the same.
-
-Transform coding of an MLA's latent ("tc4x40-3x56-2x16+c4": issue `eighth`): the latent's channels in runs (segments)
-of their own bits, here 40 channels in 4 bits, 56 in 3, 16 in 2, each run stored as attnlab's asymmetric groups of
-that many bits (groups of N = 32 channels within a run, /g<N> to change it), the runs' codes packed one after another,
-and the rope key by its suffix (required for a row with a rope key). The runs are the latent's components in order
-of decreasing variance (a transform coder, deleted after it measured worse, rotated the latent so and chose the bits);
-the storage only reads the widths and bits from the spelling.
-
-An MLA's rope key per channel ("+c4", e.g. "int3/g64+c4"): the latent as above, per token, and the rope
-key k_R in 4 asymmetric bits per channel over groups of KEY_TOKENS (64) tokens, KIVI's layout for keys. A
-RoPE'd key has outlier channels that keep their size from token to token, so one scale per channel and group
-of tokens fits it where one per token and group of channels does not (docs/models.md: at 25% of
-SmolLM2's bytes, 1.07x perplexity per channel against 1.12-1.30x per token, rotated or not). A group's
-scales need all its tokens: a cache keeps the newest, incomplete group in its activation dtype and quantises
-a group when its last token arrives (modules/cache.py); bytes per token count the steady state, the codes
-and 1/KEY_TOKENS of each channel's scale and minimum.
-
-KIVI-style ("kivi4", "kivi2"; Liu et al. 2024): asymmetric b-bit codes with a float16 scale and zero per
-group of 32, over each group's [min, max] (as KIVI stores them: no range search); keys per channel over groups of 32 tokens, values per token over groups of 32 channels.
-A key's scale needs its whole group of tokens, so KIVI keeps the newest (incomplete) group in 16 bits;
-attnlab applies it as an evaluation baseline of a GQA cache (a forward without a cache: whole groups of
-tokens quantised, a trailing partial group kept as it is) and counts its bytes in the steady state,
-(b + 1) bits a value; its caches refuse it.
-
-transformers' QuantizedCache with its quanto backend ("quanto4", "quanto2"; optimum-quanto's MaxOptimizer and
-quantize_weight, as transformers' QuantoQuantizedLayer calls them with its defaults axis 0, q_group_size 64):
-keys and values alike, the (B, H, S, D) tensor read in order as groups of 64 consecutive values (for a head
-size that is a multiple of 64, 64 channels of one token and head), min-max with no range search, in the
-tensor's own dtype: scale = (max - min) / (2^b - 1), code = clamp(round((x - min) / scale), 0, 2^b - 1),
-read back as scale * code + min. transformers keeps the newest tokens (up to residual_length, 128) and a
-prefill's own attention unquantised; attnlab applies the codes to every key and value of a forward without a
-cache (the tokens older than that window, which is where the codes cost), counts the steady state, b bits a
-value and a 16-bit scale and minimum per group (transformers stores them in the model's dtype: bfloat16 or
-float16 when served so), and its caches refuse it: it is a storage to heal for and to score, not one of
-attnlab's caches. tests/test_transformers_cache.py compares it with optimum-quanto's own.
-
-Packing: codes of b in (1, 2, 4, 8) bits sit 8/b to a byte, the first in the low bits; a code of other b is cut
-into the binary digits of b, low bits first (chunks()), each chunk packed so: 5-bit codes are their low 4 bits
-packed as 4-bit codes, followed by their fifth bits packed 8 to a byte (5/8 of a byte a value, as llama.cpp's
-q5_0); 3-bit codes their low 2 bits then their third bits; 6-bit codes 4 + 2, 7-bit codes 4 + 2 + 1. A row
-whose width is not a multiple of 8 is padded with zero codes, so b-bit codes take exactly b/8 bytes a value.
+`parse(spelling)` gives a storage's `LowBit`; `encode` and `decode` write and read rows of b-bit codes packed into
+uint8 (`pack`) with a float16 scale (and minimum) per group, so a cache's tensors are the bytes it costs. Spellings
+and byte layouts: the comments beside SPELLING, BLOCK_FORMATS, CLIP_RATIOS, KEY_TOKENS, KIVI_FORMATS, QUANTO_FORMATS.
 """
 from __future__ import annotations
 
@@ -85,8 +15,19 @@ from . import turbo
 
 META_DTYPE = torch.float16
 BLOCK = 32  # llama.cpp's block, KIVI's group
-CLIP_RATIOS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6)  # attnlab's groups: the ranges tried, largest first (a tie keeps the larger);
-# below 0.6 measured no better (the 12.5% plan: the same 2.15x) and worse for 2-bit keys (1.83x -> 1.88x)
+# attnlab's own groups ("int<b>/g<N>", 2 to 7 bits, N = 32 when not given): asymmetric round-to-nearest over groups of
+# N channels of each part of a row (a part's last group may be short). For a range [lo, hi]: m = float16(lo),
+# d = float16((hi - m) / (2^b - 1)), code = clamp(round((x - m) / d), 0, 2^b - 1); x = code * d + m. The range is the
+# group's [min, max] shrunk about its middle by the first of CLIP_RATIOS whose read-back has the least squared error
+# over the group (in float32), so that one outlier does not spend the few levels on the gap between it and the rest.
+# The codes use the stored m and d (a value outside the range reads back as its end); the bytes are min-max's.
+CLIP_RATIOS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6)  # the ranges tried, largest first (a tie keeps the
+# larger); below 0.6 measured no better (the 12.5% plan: the same 2.15x) and worse for 2-bit keys (1.83x -> 1.88x)
+# An MLA's rope key per channel ("+c4", e.g. "int3/g64+c4"; KIVI's layout for keys): the latent per token as above,
+# the rope key k_R in b asymmetric bits per channel over groups of KEY_TOKENS tokens (a RoPE'd key's outlier channels
+# keep their size from token to token). A cache keeps the newest, incomplete group in its activation dtype and codes
+# it when its last token arrives (modules/cache.py); bytes per token count the steady state: the codes and
+# 1/KEY_TOKENS of each channel's scale and minimum.
 KEY_TOKENS = 64  # tokens per group of a rope key stored per channel ("+c4"): with 3-bit values it keeps every value
 # of SmolLM2 in 25% of the bytes (groups of 32 would not fit); groups of 128 measured worse (1.090x against 1.073x)
 
@@ -112,17 +53,47 @@ class LowBit(NamedTuple):
         return 2 if self.zero else 1
 
 
+# llama.cpp's block formats (groups of 32 channels; a row must be whole blocks), as its reference quantisers write
+# them (ggml-quants.c, quantize_row_*_ref), bytes per 32 values in brackets. The codes are computed with the float32
+# d; the stored d (and min) are float16, what llama.cpp reads back. Its rotation of a quantised cache: rotation.py.
+# - q8_0 [34]: d = amax / 127, code = round(x / d) (half away from zero); x = code * d.
+# - q4_0 [18]: m = the value of largest magnitude (first on ties), d = m / -8, code = min(15, trunc(x / d + 8.5));
+#   x = (code - 8) * d.
+# - q5_0 [22]: as q4_0 with d = m / -16, code = min(31, trunc(x / d + 16.5)); x = (code - 16) * d.
+# - q4_1 [20]: d = (max - min) / 15, code = min(15, trunc((x - min) / d + 0.5)); x = code * d + min.
+# - iq4_nl [18]: non-linear, x = d * IQ4_NL_VALUES[code] (16 levels from -127 to 113); _iq4_nl_codes.
 BLOCK_FORMATS = {"q8_0": LowBit("q8_0", 8, BLOCK, False, "block"), "q5_0": LowBit("q5_0", 5, BLOCK, False, "block"),
                  "q4_0": LowBit("q4_0", 4, BLOCK, False, "block"), "q4_1": LowBit("q4_1", 4, BLOCK, True, "block"),
                  "iq4_nl": LowBit("iq4_nl", 4, BLOCK, False, "block")}
+# KIVI ("kivi4", "kivi2"; Liu et al. 2024): asymmetric b-bit codes, a float16 scale and zero per group of 32 over its
+# [min, max] (no range search); keys per channel over groups of 32 tokens, values per token over 32 channels. KIVI
+# keeps the newest, incomplete group of keys in 16 bits; attnlab applies it as an evaluation baseline of a GQA cache
+# (a forward without a cache: whole groups of tokens coded, a trailing partial group kept as it is) and counts the
+# steady state, (b + 1) bits a value.
 KIVI_FORMATS = {"kivi4": LowBit("kivi4", 4, BLOCK, True, "kivi"), "kivi2": LowBit("kivi2", 2, BLOCK, True, "kivi")}
+# transformers' QuantizedCache, quanto backend ("quanto4", "quanto2"; optimum-quanto's MaxOptimizer and
+# quantize_weight as QuantoQuantizedLayer calls them: axis 0, q_group_size 64): keys and values alike, the (B, H, S, D)
+# tensor read in order as groups of 64 consecutive values, min-max with no range search, in the tensor's own dtype:
+# scale = (max - min) / (2^b - 1), code = clamp(round((x - min) / scale), 0, 2^b - 1), x = scale * code + min.
+# transformers keeps the newest tokens (up to residual_length, 128) and a prefill's own attention unquantised; attnlab
+# codes every key and value of a forward without a cache and counts the steady state: b bits a value and a 16-bit
+# scale and minimum per group (transformers stores them in the model's dtype). A storage to heal for and to score.
+# tests/test_transformers_cache.py compares it with optimum-quanto's own.
 QUANTO_GROUP = 64  # transformers' QuantizedCache default q_group_size
 QUANTO_FORMATS = {"quanto4": LowBit("quanto4", 4, QUANTO_GROUP, True, "quanto"),
                   "quanto2": LowBit("quanto2", 2, QUANTO_GROUP, True, "quanto")}
 ENGINE_FORMATS = {**KIVI_FORMATS, **QUANTO_FORMATS}  # applied in a forward without a cache; attnlab's caches refuse them
+# Spellings (parse): llama.cpp's "q8_0", "q5_0", "q4_0", "q4_1", "iq4_nl"; attnlab's "int<b>[/g<N>]" (b in 2..7, N
+# channels a group, 32 when not given); an MLA row's rope key by a suffix, "+r8" (8 bits per token) or "+c<b>" (b in
+# 2..4, per channel over KEY_TOKENS tokens); "kivi4", "kivi2", "quanto4", "quanto2" (ENGINE_FORMATS); TurboQuant's
+# "tq1".."tq4" (modules/turbo.py); transform coding "tc<b>x<n>[-<b>x<n>...][/g<N>][+r8|+c<b>]" (TC_SPELLING).
 SPELLING = re.compile(r"(q8_0|q5_0|q4_0|q4_1|iq4_nl|kivi4|kivi2|quanto4|quanto2)"
                       r"|int([2-7])(?:/g([1-9][0-9]*))?(?:\+(r8|c[234]))?")
 TQ_SPELLING = re.compile(r"tq([1-4])")  # TurboQuant's codes (modules/turbo.py): b bits a value, a norm a head
+# Transform coding of an MLA's latent ("tc4x40-3x56-2x16+c4"): runs of the latent's channels in their own bits (here
+# 40 in 4, 56 in 3, 16 in 2), each stored as attnlab's groups of that many bits (N = 32 within a run, /g<N> to change
+# it), the runs' codes packed one after another; the rope key by its suffix (required for a row with one). The runs
+# are the latent's components by decreasing variance; the storage reads only the widths and bits (pieces()).
 TC_SPELLING = re.compile(r"tc([2-8]x[1-9][0-9]*(?:-[2-8]x[1-9][0-9]*)*)(?:/g([1-9][0-9]*))?(?:\+(r8|c[234]))?")
 IQ4_NL_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)  # ggml's kvalues_iq4nl
 IQ4_NL_TINY = 1e-15  # GROUP_MAX_EPS: a block whose largest magnitude is below it stores d = 0
@@ -192,6 +163,11 @@ def part_formats(parts: tuple[int, ...], fmt: LowBit) -> list[LowBit]:
 
 
 # -- packing ------------------------------------------------------------------------------------------
+# Codes of b in (1, 2, 4, 8) bits sit 8/b to a byte, the first in the low bits. A code of other b is cut into b's
+# binary digits, low bits first (chunks()), each chunk packed so: 5-bit codes are their low 4 bits packed as 4-bit
+# codes, then their fifth bits 8 to a byte (5/8 of a byte a value, as llama.cpp's q5_0); 3-bit codes 2 + 1, 6-bit
+# 4 + 2, 7-bit 4 + 2 + 1. A row whose width is not a multiple of 8 is padded with zero codes, so b-bit codes take
+# exactly b/8 bytes a value.
 def packed_width(width: int, bits: int) -> int:
     """Bytes of one packed row of `width` b-bit codes."""
     return -(-width // 8) * bits
@@ -219,7 +195,7 @@ def chunks(bits: int) -> tuple[int, ...]:
 
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """codes (..., W) of values below 2^bits -> (..., packed_width(W, bits)) uint8: each chunk of bits (chunks())
-    packed as codes of its width, the lowest first (module docstring)."""
+    packed as codes of its width, the lowest first (the comment at "packing")."""
     widths = chunks(bits)
     W = codes.shape[-1]
     pad = -W % 8
@@ -375,7 +351,10 @@ def _search_at_once(xg, lo, hi, m, d, top: int, real):
 
 def _iq4_nl_codes(xg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Blocks xg (..., n, 32) float32 -> codes (..., n, 32) uint8 (indices into IQ4_NL_VALUES) and d (..., n, 1)
-    float16, as ggml's quantize_row_iq4_nl_ref writes them (module docstring), in float32 throughout."""
+    float16 as ggml's quantize_row_iq4_nl_ref (a CPU cache's from_float) writes them, in float32: m the value of
+    largest magnitude (first on ties), d0 = m / -127, code the level nearest x / d0 (the upper on a tie), then
+    d = sum(x^2 q x) / sum(x^2 q^2), q the codes' levels, summed in the block's order; no search over other scales
+    (quantize_iq4_nl's, ntry = 7, for weights). A block whose largest magnitude is below IQ4_NL_TINY stores d = 0."""
     levels = torch.tensor(IQ4_NL_VALUES, dtype=torch.float32, device=xg.device)
     imax = xg.abs().argmax(-1, keepdim=True)  # the first of the largest magnitudes
     m = torch.take_along_dim(xg, imax, -1)  # (..., n, 1)
@@ -521,7 +500,7 @@ def kivi_bytes(values_per_token: int, fmt: LowBit) -> int:
 
 # -- transformers' QuantizedCache, quanto backend -----------------------------------------------------------
 def quanto_round_trip(x: torch.Tensor, fmt: LowBit, role: str | None = None) -> torch.Tensor:
-    """x (B, H, S, D) as transformers' quanto QuantizedCache stores it (module docstring): groups of fmt.group
+    """x (B, H, S, D) as transformers' quanto QuantizedCache stores it (QUANTO_GROUP's comment): groups of fmt.group
     consecutive values in x's order, min-max codes in x's dtype, read back in x's dtype. role: keys and values
     are stored alike (accepted for round_trip's call)."""
     if x.numel() % fmt.group:

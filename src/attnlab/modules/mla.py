@@ -1,55 +1,8 @@
 """Multi-head latent attention (DeepSeek-V2/V3's MLA), with the study's absorbed form (Part 12).
 
-Notation: B batch, L query length, S key length, H heads, d = head_dim (the
-no-RoPE part of a query/key head), p = rope_dim, dv = v_head_dim,
-r = latent_dim.
-
-Keys and values of every head come from one latent per position,
-c = W_DKV y (r numbers, optionally RMS-normalised); with rope_dim p > 0 a
-shared key k_R = RoPE(W_KR y) of p numbers sits beside it (DeepSeek's
-decoupled RoPE). A cache holds only [c, k_R]: r + p numbers per token.
-
-Two ways to attend, with the same result:
-- expanded: K_h = W_UK_h c and V_h = W_UV_h c for every head, then ordinary
-  attention. Costs S*r*H*(d + dv) per call just to rebuild K and V.
-- absorbed (Part 12): q_nope_h . (W_UK_h c) = (W_UK_h^T q_nope_h) . c, so each
-  head's query is moved into the latent space, all H heads attend to the one
-  latent in a single product (heads folded into rows), and W_UV_h is applied to
-  the r-dim result afterwards. Nothing is up-projected per cached token
-  (modules/absorbed.py).
-A key bias on W_UK adds the same number to every score of a query row, which
-softmax ignores; a value bias on W_UV is added back after attention.
-
-A third layout, `rope_after_up=True`, is what an exact conversion of a RoPE'd GQA
-model produces: the latent holds the keys before rotation, and RoPE (over the whole
-head_dim) is applied to queries and to the up-projected keys. Rotation sits
-between W_UK and the dot product, so this layout has only the expanded path; it
-saves cache memory but not the per-step up-projection. Cached keys are taken to
-sit at positions 0, 1, ..., S-1.
-
-The *GQA tiling* (`kv_tiling`, found by `detect_kv_tiling`, set by the exact
-convert.gqa_to_mla): the latent is [K of G heads, V of G heads] (r = G*(d + dv))
-and W_UK, W_UV are 0/1 matrices that hand each query head its group's slices.
-Then no up-projection is needed at all: the cache stores exactly what the GQA's
-KV cache would (keys already rotated at their positions and with their bias,
-values with theirs: selection commutes with RoPE), and attention reads it as GQA
-reads its cache. A module made with kv_tiling gets a GQA's KVCache from init_cache
-(K (B, G, S, d) and V (B, G, S, dv), each head's keys contiguous: SDPA reads strided
-slices of (B, S, r) rows about 30% slower, docs/performance.md); the general paths
-read it back as latent rows. Checked against the weights before every call (cheaply,
-by version counter): once W_UK/W_UV stop being that tiling (training), the general
-paths take over, and a cache filled in the tiled layout is refused. An explicit
-`absorbed=` also takes the general paths.
-
-A *rope key per KV head* and the *keys-whole* layout (`rope_kv_heads=G`, the form Qwen3's and Gemma 3's
-per-head q/k norms convert to): modules/rope_key.py.
-
-Quantised storage (`kv_dtype`, modules/cache.py): the cache holds codes and scales, one
-scale per token for c and one for k_R (a tiled module's KVCache: one per token and KV
-head of K and of V, as a GQA's). Every path reads the rows dequantised, except the absorbed
-decode kernel (kernels/mla_decode.py), which is handed the codes and scales and
-dequantises in its tile load. Without a cache, the new [c, k_R] go through the same
-quantisation before attention, so a whole-sequence forward equals cached decode.
+Keys and values of every head come from one latent per position, c = W_DKV y (r numbers, optionally RMS-normalised);
+with rope_dim p > 0 a shared key k_R = RoPE(W_KR y) of p numbers sits beside it (DeepSeek's decoupled RoPE), so a
+cache holds r + p numbers a token. `MultiHeadLatentAttention`; its paths and layouts: the comments above the class.
 """
 from __future__ import annotations
 
@@ -71,53 +24,62 @@ from .rope_key import RopeKeyPerHead
 from .tiling import GQATiling
 
 
+# Notation: B batch, L query length, S key length, H heads, d = head_dim (the no-RoPE part of a query/key head),
+# p = rope_dim, dv = v_head_dim, r = latent_dim. Two ways to attend, with the same result:
+# - expanded: K_h = W_UK_h c and V_h = W_UV_h c for every head, then ordinary attention (S*r*H*(d + dv) a call just
+#   to rebuild K and V).
+# - absorbed (Part 12, modules/absorbed.py): q_nope_h . (W_UK_h c) = (W_UK_h^T q_nope_h) . c, so all H heads attend to
+#   the one latent in a single product (heads folded into rows) and W_UV_h is applied to the r-dim result afterwards;
+#   nothing is up-projected per cached token. A key bias on W_UK adds the same number to every score of a query row,
+#   which softmax ignores; a value bias on W_UV is added back after attention.
+# `rope_after_up=True`, what an exact conversion of a RoPE'd GQA gives: the latent holds the keys before rotation, and
+# RoPE over the whole head_dim is applied to queries and up-projected keys. The rotation sits between W_UK and the dot
+# product, so only the expanded path: it saves cache memory, not the up-projection. Cached keys sit at 0, 1, ..., S-1.
+# The GQA tiling (`kv_tiling`, found by `detect_kv_tiling`, set by the exact convert.gqa_to_mla; modules/tiling.py):
+# the latent is [K of G heads, V of G heads] (r = G*(d + dv)) and W_UK, W_UV are 0/1 matrices that hand each query
+# head its group's slices, so nothing is up-projected: the cache stores what the GQA's would (keys rotated at their
+# positions and with their bias, values with theirs: selection commutes with RoPE), in a GQA's KVCache from
+# init_cache (K (B, G, S, d) and V (B, G, S, dv)), read as GQA reads it; the general paths read it as latent rows.
+# The tiling is checked against the weights before every call (by version counter): once W_UK/W_UV stop being it
+# (training) the general paths take over, and a cache filled in the tiled layout is refused. An explicit `absorbed=`
+# also takes the general paths.
+# A rope key per KV head and the keys-whole layout (`rope_kv_heads=G`, what Qwen3's and Gemma 3's per-head q/k norms
+# convert to): modules/rope_key.py.
+# Quantised storage (`kv_dtype`, modules/storage.py): codes and scales, one scale per token for c and one for k_R (a
+# tiled module's KVCache: one per token and KV head of K and of V). Every path reads the rows dequantised, except the
+# absorbed decode kernel (kernels/mla_decode.py), which dequantises in its tile load. Without a cache the new [c, k_R]
+# go through the same quantisation before attention, so a whole-sequence forward equals cached decode.
 class MultiHeadLatentAttention(GQATiling, RopeKeyPerHead, AbsorbedPath, AttentionModule):
-    """Attention whose keys and values are up-projected from a shared low-rank latent.
+    """Attention whose keys and values are up-projected from a shared low-rank latent (the comments above).
 
-    Args:
-        dim, num_heads, head_dim, v_head_dim, context_dim: as in GroupedQueryAttention.
-        latent_dim: r, the size of the latent c = W_DKV y shared by keys and values.
-        rope_dim: p > 0 adds DeepSeek's decoupled RoPE: p extra query dims per head
-            and one shared p-dim rotary key per position, cached beside the latent.
-        q_latent_dim: queries through a low-rank bottleneck W_UQ RMSNorm(W_DQ x).
-        latent_norm: RMSNorm on the latent before it is cached (DeepSeek does).
-        bias: biases on W_Q (or W_UQ), W_UK, W_UV and W_O.
-        latent_bias: biases on the down-projections W_DKV, W_KR and W_DQ.
-        softmax_scale: default 1/sqrt(head_dim + rope_dim).
-        rope_base, rope_interleaved: the rotary embedding of the rope dims.
-        rope_after_up: instead of decoupled RoPE, rotate queries and up-projected keys over
-            the whole head_dim (exact GQA -> MLA of RoPE models; expanded path only).
-        kv_tiling: "strided" or "blocked" when W_UK/W_UV are the 0/1 GQA tiling of a latent
-            [K of G heads, V of G heads], G = latent_dim / (head_dim + v_head_dim) (see the
-            module docstring); the fresh module's W_UK/W_UV are set to that tiling.
-        kv_dtype: storage of the cache ("fp32", "bf16", "int8", "fp8", "int8/g<N>", "fp8/g<N>"; None:
-            plain, in the activation dtype); see AttentionModule.kv_dtype and modules/cache.py.
-        qk_norm_eps: an RMSNorm over every query head and every key head before RoPE (Qwen3, Gemma 3). With
-            rope_after_up or no RoPE it normalises the up-projected key heads; that is not linear in the
-            latent, so such a module has no absorbed path (the expanded and GQA-tiled paths carry it). With a
-            decoupled rope_dim only in the keys-whole layout (rope_kv_heads), where it normalises each KV
-            head's d dims of the rope key before RoPE and before the cache, and each query head's own d rope
-            dims: every path carries it. Any other decoupled layout refuses it (there the key norm would be a
-            per-token scalar of keys split between latent and rope key, which the cache does not hold).
-        rope_kv_heads: G for a rope key per KV head (module docstring): G parts of w = rope_dim / G dims each
-            (w even), each query head reading its own. With head_dim 0 (the keys-whole layout) the parts are the
-            KV heads' whole keys, and v_head_dim defaults to w. rope_grouping ("strided" or "blocked", as
-            GroupedQueryAttention's grouping) says which KV head each query head reads.
-        sliding_window: self-attention to the last sliding_window positions, as in GroupedQueryAttention.
-    A latent_dim above min(H*(d + dv), context_dim) cannot compress anything; it
-    is allowed (exact conversions may produce it) with a warning.
-    """
+    The arguments are described beside them in __init__'s signature; dim, num_heads, head_dim, v_head_dim,
+    context_dim, softmax_scale and sliding_window are as in GroupedQueryAttention. A latent_dim above
+    min(H*(d + dv), context_dim) compresses nothing; it is allowed (exact conversions make it) with a warning."""
 
     separate_keys = False  # one latent row per token: KIVI's key/value split does not apply
 
-    def __init__(self, dim: int, num_heads: int, latent_dim: int, *, head_dim: int | None = None,
-                 v_head_dim: int | None = None, context_dim: int | None = None, rope_dim: int = 0,
-                 q_latent_dim: int | None = None, latent_norm: bool = False, bias: bool = False,
-                 latent_bias: bool = False, softmax_scale: float | None = None, rope_base: float = 10000.0,
-                 rope_interleaved: bool = False, rope_after_up: bool = False, norm_eps: float = 1e-6,
-                 kv_tiling: str | None = None, kv_dtype: str | None = None, qk_norm_eps: float | None = None,
-                 sliding_window: int | None = None, rope_kv_heads: int | None = None,
-                 rope_grouping: str = "strided", device=None, dtype=None):
+    def __init__(self, dim: int, num_heads: int,
+                 latent_dim: int, *,  # r, the size of the latent c = W_DKV y shared by keys and values
+                 head_dim: int | None = None, v_head_dim: int | None = None, context_dim: int | None = None,
+                 rope_dim: int = 0,  # p > 0: DeepSeek's decoupled RoPE, p more query dims a head and one shared p-dim
+                 # rotary key a position, cached beside the latent
+                 q_latent_dim: int | None = None,  # queries through a low-rank bottleneck W_UQ RMSNorm(W_DQ x)
+                 latent_norm: bool = False,  # an RMSNorm on the latent before it is cached (as DeepSeek's)
+                 bias: bool = False,  # biases on W_Q (or W_UQ), W_UK, W_UV and W_O
+                 latent_bias: bool = False,  # biases on the down-projections W_DKV, W_KR and W_DQ
+                 softmax_scale: float | None = None,  # default 1/sqrt(head_dim + rope_dim)
+                 rope_base: float = 10000.0, rope_interleaved: bool = False,  # the rope dims' rotary embedding
+                 rope_after_up: bool = False,  # instead of decoupled RoPE, rotate queries and up-projected keys over
+                 # the whole head_dim (exact GQA -> MLA of RoPE models; expanded path only)
+                 norm_eps: float = 1e-6,  # the eps of latent_norm's and the query bottleneck's RMSNorms
+                 kv_tiling: str | None = None,  # "strided" or "blocked": W_UK/W_UV set to the 0/1 GQA tiling of a
+                 # latent [K of G heads, V of G heads], G = latent_dim / (head_dim + v_head_dim)
+                 kv_dtype: str | None = None,  # the cache's storage (modules/storage.py; None: plain)
+                 qk_norm_eps: float | None = None,  # an RMSNorm over each query and key head before RoPE (body)
+                 sliding_window: int | None = None,
+                 rope_kv_heads: int | None = None,  # G: a rope key per KV head (modules/rope_key.py; body)
+                 rope_grouping: str = "strided",  # which KV head each query head reads, as GQA's grouping
+                 device=None, dtype=None):
         super().__init__()
         self.kv_dtype = kv_dtype
         checks.positive_int("dim", dim)
@@ -128,6 +90,8 @@ class MultiHeadLatentAttention(GQATiling, RopeKeyPerHead, AbsorbedPath, Attentio
             raise ValueError(f"rope_dim must be even (RoPE rotates pairs), got {rope_dim}")
         if rope_after_up and rope_dim:
             raise ValueError(f"rope_after_up rotates the whole head; it excludes a decoupled rope_dim ({rope_dim})")
+        # rope_kv_heads=G: G rope-key parts of w = rope_dim / G dims each (w even), each query head reading its own.
+        # With head_dim 0 (the keys-whole layout) the parts are the KV heads' whole keys; v_head_dim defaults to w.
         if rope_kv_heads is not None and not head_dim:  # keys whole: no no-RoPE query/key dims
             norm_dim = self._rope_part(num_heads, rope_dim, rope_kv_heads, rope_after_up, kv_tiling)
             _, v_head_dim, context_dim = checks.head_sizes(dim, num_heads, norm_dim, v_head_dim, context_dim)
@@ -154,6 +118,10 @@ class MultiHeadLatentAttention(GQATiling, RopeKeyPerHead, AbsorbedPath, Attentio
         self.head_dim, self.v_head_dim, self.rope_dim = head_dim, v_head_dim, rope_dim
         self.latent_dim, self.q_latent_dim = latent_dim, q_latent_dim
         kw = dict(device=device, dtype=dtype)
+        # qk_norm_eps: with rope_after_up or no RoPE it normalises the up-projected key heads, which is not linear in
+        # the latent: no absorbed path (the expanded and GQA-tiled ones carry it). With a decoupled rope_dim, keys
+        # whole only: it normalises each KV head's d dims of the rope key before RoPE and the cache, and each query
+        # head's own d rope dims. Elsewhere the key norm would be a per-token scalar the latent cache does not hold.
         if qk_norm_eps is not None and rope_dim and rope_kv_heads is None:
             raise ValueError(f"qk_norm_eps with a decoupled rope_dim ({rope_dim}) needs the keys-whole layout: "
                              f"rope_kv_heads=G with rope_dim = G x d (each KV head's whole key of d dims) and "
@@ -232,7 +200,7 @@ class MultiHeadLatentAttention(GQATiling, RopeKeyPerHead, AbsorbedPath, Attentio
     def init_cache(self, batch_size: int, max_len: int, *, dtype=None, device=None, kv_dtype=None,
                    sliding: bool = True) -> LatentCache | KVCache:
         """A preallocated cache of the latent (and the shared rotary key) only; with kv_tiling, the GQA's K and V
-        as a GQA's KVCache holds them (module docstring).
+        as a GQA's KVCache holds them (the comments above the class).
 
         dtype: the activation dtype it takes and returns (default the weights'); kv_dtype: its storage
         (default self.kv_dtype; None: plain in dtype). sliding: as in GroupedQueryAttention.init_cache."""
@@ -298,7 +266,7 @@ class MultiHeadLatentAttention(GQATiling, RopeKeyPerHead, AbsorbedPath, Attentio
         q_nope, q_rope = self.project_query(x, positions)  # (B, H, L, d), (B, H, L, p)
         tiled = self._choose_tiled(cache, absorbed)
         ours = isinstance(cache, (LatentCache, KVCache))  # else no cache, or transformers' (adapters.TransformersCache)
-        heads = isinstance(cache, KVCache)  # a tiled module's cache: the GQA's K and V (module docstring)
+        heads = isinstance(cache, KVCache)  # a tiled module's cache: the GQA's K and V (kv_tiling)
         # kv below: a tensor (B, S, r+p) in x's dtype, or QuantisedKV rows of a quantised cache (read by dense()); or,
         # from a tiled module's KVCache, (K (B, G, S, d), V (B, G, S, dv)), tensors or QuantisedKV
         recent = None if context is not None else self._recent_window(cache, ours)  # "+w<N>": N, else None
@@ -411,17 +379,15 @@ class MultiHeadLatentAttention(GQATiling, RopeKeyPerHead, AbsorbedPath, Attentio
         return attend(q, k, v, mask=mask, is_causal=is_causal, scale=self.scale)  # (B, H, L, dv)
 
     @classmethod
-    def from_transformers(cls, attn: nn.Module, rotary: nn.Module | None = None) -> "MultiHeadLatentAttention":
-        """Copy a transformers DeepseekV3Attention or DeepseekV2Attention (same weights, same outputs).
+    def from_transformers(cls, attn: nn.Module,
+                          rotary: nn.Module | None = None,  # model.model.rotary_emb: its inverse frequencies and
+                          # scaling are copied; None: the default RoPE of rope_theta
+                          ) -> "MultiHeadLatentAttention":
+        """Copy a transformers DeepseekV3Attention or DeepseekV2Attention (same weights and outputs; read by attribute).
 
-        Read by attribute, so transformers need not be imported here. kv_a_proj_with_mqa
-        splits into W_DKV (first kv_lora_rank rows) and W_KR; kv_b_proj, laid out per head as
-        [k_nope (qk_nope_head_dim rows), v (v_head_dim rows)], splits into W_UK and W_UV.
-        rotary: the model's rotary embedding (model.model.rotary_emb), whose inverse
-        frequencies and scaling are copied; without it the default RoPE of rope_theta is used.
-        With rope_interleave, transformers stores rotated keys de-interleaved ([even dims, odd
-        dims]) while attnlab keeps the pairs in place; scores are the same, cache layouts differ.
-        """
+        kv_a_proj_with_mqa splits into W_DKV (its first kv_lora_rank rows) and W_KR; kv_b_proj, per head [k_nope
+        (qk_nope_head_dim rows), v (v_head_dim rows)], into W_UK and W_UV. With rope_interleave transformers stores
+        rotated keys de-interleaved ([even dims, odd dims]), attnlab keeps the pairs in place: the same scores."""
         cfg = attn.config
         H, r, p = attn.num_heads, attn.kv_lora_rank, attn.qk_rope_head_dim
         d, dv = attn.qk_nope_head_dim, attn.v_head_dim

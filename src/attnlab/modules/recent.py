@@ -1,22 +1,8 @@
-"""A recent window kept plain: each query reads its newest N cached rows unquantised, the older ones as stored.
+"""A recent window kept plain ("+w<N>"): each query reads its newest N cached rows unquantised, older ones as stored.
 
-A quantised latent cache ("int3/g64+c4+w16", modules/storage.py: the "+w<N>" suffix) stores every
-row's codes as it is written, and beside them keeps the newest N rows in the activation dtype, the
-way KIVI keeps its newest keys and values. Decoding, a query at position i then reads rows
-i - N < j <= i plain and rows j <= i - N as stored. The N plain rows are a fixed cost a sequence
-(N x (r + p) values a layer, whatever its length): `_Cache.fixed_bytes` counts them and the
-planner prices them at a context (shrink/sizes.py), like a "+c4" rope key's newest group.
-
-`RecentRows` is that ring for one LatentCache: it updates on every write and hands a call the
-plain rows its queries need. `mixed_keys` is the attention side, one computation for every path
-(a forward without a cache, a prefill, a decode step): the keys become the stored rows of
-positions 0..S-1 followed by the plain rows of positions tail_start..S-1, and the mask lets query
-i (the last L of the S positions) see a stored row j only where j <= i - N and a plain row only
-where i - N < j <= i, on top of what the caller's mask or causality allowed. A forward without a
-cache therefore computes what decoding one token at a time through the cache computes (for a
-storage whose rows quantise one token at a time; a "+c4" rope key's groups differ as they do
-without the window). Training through it (a heal) sees the same mix, so a healed model learns the
-cache it will run with.
+`RecentRows` is the ring of a LatentCache's newest N rows, as KIVI keeps its newest keys and values (a fixed cost a
+sequence: `_Cache.fixed_bytes`, priced by shrink/sizes.py). `mixed_keys`/`mixed_mask`, the attention side, serve every
+path, so a forward without a cache (a heal too) computes what one-token decoding does (a "+c4" key's groups aside).
 """
 from __future__ import annotations
 
@@ -76,7 +62,7 @@ def mixed_mask(S: int, tail_start: int, query_len: int, size: int, mask: torch.T
                device=None) -> torch.Tensor:
     """The mask (..., L, 2S - tail_start) over S stored rows then the plain rows of positions tail_start..S-1: query
     l (position S - L + l) sees a plain row within its newest `size` positions and a stored row only outside them
-    (module docstring). `mask` (bool, True = seen, or additive float, key axis S) and is_causal: what the call
+    (i - size < j <= i). `mask` (bool, True = seen, or additive float, key axis S) and is_causal: what the call
     allowed before; the result needs is_causal False."""
     L = query_len
     if tail_start > S - L - size + 1 and tail_start > 0:

@@ -1,10 +1,8 @@
-"""Rotary position embeddings (RoPE).
+"""Rotary position embeddings (RoPE): `RotaryEmbedding`.
 
-A vector of size `dim` is split into dim/2 pairs; pair i at position p is
-rotated by the angle p * base^(-2i/dim). Two layouts of the pairs are common:
-- "half" (Llama, GPT-NeoX, transformers' rotate_half): pair i is (x_i, x_{i+dim/2});
-- "interleaved" (the original RoFormer, DeepSeek's checkpoints): pair i is (x_{2i}, x_{2i+1}).
-Angles are computed in float64 and cast to the input's dtype.
+A vector of size `dim` is split into dim/2 pairs; pair i at position p is rotated by p * base^(-2i/dim), the angles
+computed in float64 and cast to the input's dtype. Layouts: "half" (Llama, GPT-NeoX, transformers' rotate_half): pair
+i is (x_i, x_{i+dim/2}); "interleaved" (RoFormer, DeepSeek's checkpoints): pair i is (x_{2i}, x_{2i+1}).
 """
 from __future__ import annotations
 

@@ -1,26 +1,8 @@
-"""A rope key per KV head, and the keys-whole layout (MultiHeadLatentAttention's `rope_kv_heads`; modules/mla.py says
-what the module is): where each KV head's part of the rope key lies, and each query head's own part.
+"""A rope key per KV head, and the keys-whole layout (MultiHeadLatentAttention's `rope_kv_heads`; modules/mla.py).
 
-A *rope key per KV head* (`rope_kv_heads=G`): the rope key is G KV heads' parts of w = rope_dim / G dims each,
-laid out as a rotary embedding holds them (KV head g's rotary pairs are pairs g w/2 ... (g+1) w/2 - 1 of the rope
-key's), and each query head reads only its own KV head's part (`rope_grouping` says which; its other dims are masked
-to zero, so training cannot make them matter). It is what a decoupled conversion that keeps each KV head's own
-rotary pairs produces (convert.gqa_to_mla_decoupled by frequency or norm): the expanded path then dots each head's
-d no-RoPE dims and only its own w rope dims, d + w instead of d + rope_dim (prefill's scores as narrow as the GQA's);
-the absorbed path reads the whole rope key, the masked dims adding zeros.
-
-The *keys-whole* layout (`rope_kv_heads=G`, head_dim 0): the rope key is the whole key of G KV heads
-(rope_dim = G x d), each KV head's d dims laid out as a rotary embedding of d dims would hold them (its
-rotary pairs are pairs g d/2 ... (g+1) d/2 - 1 of the rope key's); a query head has no no-RoPE part and
-reads only its own KV head's d dims of its rope_dim (the others are masked to zero; `rope_grouping` says
-which KV head is its own), and the latent holds only the values. It is what a model with per-head q/k
-norms (Qwen3, Gemma 3) converts to: `qk_norm_eps` then normalises every query head and every KV head of
-the rope key over its d dims before RoPE, exactly as the GQA did, and the cache holds the rope key after
-its norm and RoPE (as it holds post-RoPE keys anyway), so every path reads it as it reads any rope key:
-expanded, absorbed (the Triton kernel included), and every kv_dtype.
-
-A mixin of MultiHeadLatentAttention: it reads the module's num_heads, rope_dim, rope_kv_heads, rope_grouping, rope and
-q_head_norm, and keeps each head's own part (index and mask, per device) in _rope_own.
+`RopeKeyPerHead`, a mixin of MultiHeadLatentAttention: where each KV head's part of the rope key lies, and each query
+head's own part. It reads the module's num_heads, rope_dim, rope_kv_heads, rope_grouping, rope and q_head_norm, and
+keeps each head's own part (index and mask, per device) in _rope_own. `by_head`, `from_heads`: the parts' order.
 """
 from __future__ import annotations
 
@@ -31,7 +13,11 @@ from .heads import kv_head_of
 
 
 class RopeKeyPerHead:
-    """The rope key's layout by KV head (module docstring). The module sets rope_kv_heads and _rope_own itself."""
+    """A rope key per KV head (`rope_kv_heads=G`): G parts of w = rope_dim / G dims, as a rotary embedding holds them
+    (KV head g's rotary pairs are the rope key's pairs g w/2 ... (g+1) w/2 - 1). Each query head reads only its own KV
+    head's part (`rope_grouping`; the other dims are masked to zero, so training cannot make them matter). A decoupled
+    conversion keeping each KV head's pairs (convert.gqa_to_mla_decoupled) gives it: the expanded path dots d + w dims
+    a head, not d + rope_dim; the absorbed path reads the whole rope key (the masked dims add zeros)."""
 
     @staticmethod
     def _rope_part(num_heads, rope_dim, rope_kv_heads, rope_after_up, kv_tiling) -> int:
@@ -49,7 +35,11 @@ class RopeKeyPerHead:
 
     @property
     def keys_whole(self) -> bool:
-        """The keys-whole layout (module docstring): the rope key is rope_kv_heads KV heads' whole keys."""
+        """The keys-whole layout (rope_kv_heads=G, head_dim 0): the rope key is G KV heads' whole keys (rope_dim = G x
+        d, each as a rotary embedding of d dims holds it), a query head reads only its own KV head's d dims, and the
+        latent holds only the values. Per-head q/k norms (Qwen3, Gemma 3) convert to it: `qk_norm_eps` normalises each
+        query head and KV head of the rope key over d dims before RoPE, as the GQA did; the cache holds it normed and
+        rotated, so every path (expanded, absorbed, the Triton kernel, every kv_dtype) reads it as any rope key."""
         return self.rope_kv_heads is not None and not self.head_dim
 
     def _rope_mask(self, like: torch.Tensor) -> torch.Tensor:

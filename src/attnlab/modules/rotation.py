@@ -1,24 +1,8 @@
 """The Hadamard rotation llama.cpp applies to a quantised K/V cache, as attnlab's caches apply it (storage.py).
 
-llama.cpp's rotation of a quantised K/V cache (since its PR #21038; src/llama-kv-cache.cpp, llama-graph.cpp):
-when the K cache type is quantised and the key head size a multiple of 64, each block of n consecutive values
-of every key head is multiplied by the n x n orthonormal Sylvester Walsh-Hadamard matrix H (entries
-+-1/sqrt(n)), n the largest power of two dividing the head size; the query is rotated alike, so its scores
-are those of the keys H^T Q(H k) (H is symmetric and its own inverse). Values likewise when the V type is
-quantised and the value head size a multiple of 64, always with n = 64, and the attention output is
-rotated back: the values read are H^T Q(H v). LLAMA_ATTN_ROT_DISABLE set to a nonzero integer (C's atoi)
-turns both off. llama.cpp decides once per model (from its layers' one head size), attnlab per module: the
-same for models whose layers share a head size. hadamard_transform is that product, rotation_size the rule;
-modules/storage.py applies it by role ("key", "value") to a GQA's rows, and a cache rotates when it writes and
-rotates back when it reads. An MLA's row is never rotated: llama.cpp runs attnlab's GGUF export as deepseek2
-with MLA, whose cache holds K only (the latent and the rope key; V is a view of it) and whose attention
-(build_attn with the K-only input, llm_graph_input_attn_k) neither builds nor applies a rotation, whatever the
-row's width. What attnlab does not copy: llama.cpp's CPU flash attention rounds the (rotated) query to q8_0 for
-its dot products with quantised keys, and a Llama-family GGUF holds each key with its RoPE pairs side by side
-(its q/k weights are permuted for llama.cpp's interleaved RoPE) where attnlab holds transformers' halves, so
-llama.cpp's blocks of 32 group other channels of a key. Rotated, neither moves perplexity beyond the codes' own
-spread (tests/test_llama_cpp_cache.py); with LLAMA_ATTN_ROT_DISABLE=1 the channel order does (SmolLM2, q4_0
-keys: llama.cpp 4% above attnlab, level once attnlab's keys are permuted into llama.cpp's order).
+llama.cpp (since its PR #21038; src/llama-kv-cache.cpp, llama-graph.cpp) multiplies blocks of each quantised key and
+value head by an orthonormal Walsh-Hadamard matrix H and rotates the query and the output alike: it reads H^T Q(H k)
+and H^T Q(H v). `hadamard_transform` is that product and `rotation_size` the rule; the details: the comment below.
 """
 from __future__ import annotations
 
@@ -28,17 +12,31 @@ import re
 
 import torch
 
+# llama.cpp rotates when the K cache type is quantised and the key head size a multiple of 64: each block of n values
+# of every key head times H_n (entries +-1/sqrt(n)), n the largest power of two dividing the head size, the query
+# alike (H is symmetric and its own inverse). Values likewise when the V type is quantised, always n = 64, and the
+# output is rotated back. LLAMA_ATTN_ROT_DISABLE (a nonzero integer, as C's atoi reads it) turns both off. llama.cpp
+# decides once per model (its layers' one head size), attnlab per module: the same where layers share a head size.
+# storage.py applies it by role ("key", "value") to a GQA's rows; a cache rotates when it writes, back when it reads.
+# An MLA's row is never rotated: llama.cpp runs attnlab's GGUF export as deepseek2 with MLA, whose cache holds K only
+# (the latent and the rope key; V is a view of it) and whose attention (build_attn with the K-only input,
+# llm_graph_input_attn_k) builds no rotation, whatever the row's width.
+# Not copied: llama.cpp's CPU flash attention rounds the rotated query to q8_0 for its dot products with quantised
+# keys, and a Llama-family GGUF holds each key's RoPE pairs side by side (its q/k weights permuted for llama.cpp's
+# interleaved RoPE) where attnlab holds transformers' halves, so llama.cpp's blocks of 32 group other channels of a
+# key. Rotated, neither moves perplexity beyond the codes' own spread (tests/test_llama_cpp_cache.py); with
+# LLAMA_ATTN_ROT_DISABLE=1 the channel order does (SmolLM2, q4_0 keys: llama.cpp 4% above attnlab, level once
+# attnlab's keys are permuted into llama.cpp's order).
 ROTATION_ENV = "LLAMA_ATTN_ROT_DISABLE"  # llama.cpp's switch: a nonzero integer turns the cache rotation off
 ROTATION_STEP = 64  # llama.cpp rotates a head whose size is a multiple of 64; V always in blocks of 64
 
 
 def hadamard_transform(x: torch.Tensor, n: int) -> torch.Tensor:
     """x (..., W) with every block of n consecutive values (n a power of two dividing W) times the orthonormal
-    Sylvester Walsh-Hadamard matrix H_n (H_1 = 1, H_2m = [[H_m, H_m], [H_m, -H_m]] / sqrt(2)), computed as
-    log2(n) butterflies, H_2m [a; b] = [H_m (a + b); H_m (a - b)] / sqrt(2), with the 1/sqrt(n) applied once at
-    the end: elementwise operations only, so a row's result does not depend on how many rows come with it (a
-    cache's one-token write and a forward's whole window rotate a row alike). H_n is symmetric and its own
-    inverse, so hadamard_transform(hadamard_transform(x, n), n) is x (to rounding). In x's dtype."""
+    Sylvester Walsh-Hadamard matrix H_n (H_1 = 1, H_2m = [[H_m, H_m], [H_m, -H_m]] / sqrt(2)), in x's dtype, as
+    log2(n) butterflies H_2m [a; b] = [H_m (a + b); H_m (a - b)] / sqrt(2), the 1/sqrt(n) applied once at the end:
+    elementwise only, so a row's result does not depend on the rows with it (a one-token write and a whole window
+    rotate a row alike). H_n is symmetric and its own inverse: applying it twice gives x (to rounding)."""
     if isinstance(n, bool) or not isinstance(n, int) or n < 1 or n & (n - 1):
         raise ValueError(f"a Sylvester Hadamard matrix needs a power-of-two size, got {n!r}")
     if x.shape[-1] % n:

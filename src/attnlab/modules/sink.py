@@ -1,11 +1,8 @@
 """The first rows kept plain ("+s<N>", an attention sink): every query reads positions 0..N-1 unquantised.
 
-Small models put much of their attention on the first token of a sequence, so a few-bit code of that row costs
-more than any other's. A "+s<N>" storage (modules/storage.py) still codes every row, but keeps rows 0..N-1 beside
-the codes in the activation dtype and reads them back plain; a rope key per channel ("+c4") leaves them out of its
-first group's range (each is coded as row N is). The rows are a fixed cost a sequence (N x width values a layer),
-counted in fixed_bytes like a "+w<N>" window. `SinkRows` holds them for one cache buffer; `without_sinks` is the
-substitution the codes see, shared by the caches and the forward without a cache (storage.round_trip).
+A "+s<N>" storage (modules/storage.py) still codes every row but keeps rows 0..N-1 plain beside the codes (a fixed
+cost a sequence, in fixed_bytes, like a "+w<N>" window); a "+c4" rope key leaves them out of its first group's range.
+`SinkRows` holds them for one cache buffer; `without_sinks` is what the codes see (the caches and storage.round_trip).
 """
 from __future__ import annotations
 
@@ -24,6 +21,8 @@ def without_sinks(x: torch.Tensor, size: int, start: int = 0) -> torch.Tensor:
     return out
 
 
+# Small models put much of their attention on a sequence's first token, so a few-bit code of that row costs more
+# than any other's.
 class SinkRows:
     """Positions 0..size-1 of a cache buffer (B, S_max, width), plain, as they were written."""
 

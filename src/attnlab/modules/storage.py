@@ -1,50 +1,8 @@
 """How a KV cache stores its rows: plain, int8/fp8 with float32 scales, or few-bit codes (modules/lowbit.py).
 
-Storage (`kv_dtype`; `cache.dtype` stays the activation dtype the cache returns):
-- None: plain, in the activation dtype (the default); "fp32", "bf16": plain in that dtype.
-- "int8": symmetric integers, code = round_half_even(x / s) clamped to [-127, 127], one
-  float32 scale s = amax / 127 per token and *part* of a row: for an MLA row the latent c
-  (r numbers) and the rotary key k_R (p numbers) have a scale each (k_R is rotated and not
-  normalised, its size has nothing to do with c's); for K and V of a GQA one per token and
-  KV head (a GQA-tiled MLA's cache is a GQA's KVCache: the same).
-- "fp8": torch.float8_e4m3fn codes of x / s with s = amax / 448 (its largest finite value),
-  the same scales; where the torch build has no float8_e4m3fn it is refused.
-- "int8/g<N>", "fp8/g<N>": one scale per N channels of a part instead of one per part.
-- few-bit ("q4_0", "iq4_nl", "int4/g32", "int3/g64+c4", transform-coded runs "tc4x40-3x56+c4", ...): packed codes
-  and float16 meta (modules/lowbit.py);
-  with "+c4" an MLA's rope key is kept per channel over groups of 64 tokens, its newest, incomplete group
-  unquantised (modules/key_groups.py); such a cache reads back dequantised rows and refuses fixed_slot.
-- "<quantised storage>+w<N>" ("int3/g64+c4+w16"): that storage, with the newest N rows of an MLA's latent cache also
-  kept plain; each query reads its newest N rows plain and the older ones as stored (modules/recent.py). Of KIVI
-  or quanto ("kivi4+w128": KIVI's 16-bit residual), a GQA's forward without a cache reads them so.
-- "<quantised storage>+s<N>" ("int3/g64+c4+s1", "int3/g64+c4+s1+w8"): the first N rows of an MLA's latent cache also
-  kept plain and left out of the codes (an attention sink; modules/sink.py).
-- a K/V pair "K,V" of llama.cpp's block formats ("q8_0,q4_0": its --cache-type-k q8_0 --cache-type-v q4_0): keys
-  in K, values in V, for a cache that holds them apart (a GQA's; an MLA's one row refuses it). Its StorageFormat is
-  the key's with `value` the value's; `for_role` gives the one a role's rows use.
-- llama.cpp's block formats (q8_0, q5_0, q4_1, q4_0, iq4_nl) of a GQA's keys and values are Hadamard-rotated as
-  llama.cpp rotates a quantised cache (modules/rotation.py: rotation_size): the rows stored are H x, the rows read
-  back H^T Q(H x), which is what llama.cpp's attention computes with its rotated query and its output rotated
-  back. `rotation(fmt, role, parts)` decides it from the role ("key", "value": what a GQA passes; an MLA's
-  latent rows pass none and are never rotated, as llama.cpp's deepseek2 does not rotate them) and the head
-  size; round_trip reads LLAMA_ATTN_ROT_DISABLE on each call, a cache once when it is made (as llama.cpp
-  does when it makes its context). attnlab's own storages (int8, fp8, int4, ...) and KIVI are not rotated.
-Per part is the default because per-group scales did not measure clearly better on a real
-model (docs/generation.md, "Quantised KV caches"): on SmolLM2-135M, int8 per part costs at
-most 1.003x perplexity on the GQA and nothing measurable on its MLA at half the KV values
-(2 scales, 8 bytes per token and layer); groups of 32 gained 0.1-0.2% on the GQA and nothing
-on the MLA for 7 scales (28 bytes) on the MLA's 192 codes.
-Scales are float32: 4 bytes each, counted in bytes_per_token; float16 would save 2 bytes a
-scale, but below amax = 127 * 6e-5 its scales turn subnormal and lose precision.
-Tokens are quantised once, when written (`extend`), and read back dequantised to the
-activation dtype, (code * s) computed in float32 (float64 for float64 activations), each part
-times its scale by broadcasting. Readers that can (`QuantisedKV.foldable`: one scale per part,
-float32/float64 activations) skip that copy: the GQA and the absorbed MLA decode take the codes
-and multiply the scores and the softmax weights by the scales (`attend(key_scale=, value_scale=)`),
-which makes an 8-bit decode step cost what a 16-bit one does (docs/generation.md).
-`round_trip` applies the same quantisation to new keys of a forward without a cache; when they
-require gradients (a heal), the gradient passes straight through the storage (the identity's),
-since integer codes would cut the graph and leave the key/value projections untrained.
+`check_kv_dtype(kv_dtype)` parses a storage's spelling into a `StorageFormat` (the grammar: the comment above
+KV_DTYPES); `quantise` and `dequantise` write and read rows; `round_trip` gives a forward without a cache what a cache
+would return; `rotation` says where llama.cpp's Hadamard rotation applies; `QuantisedKV` holds rows as stored.
 """
 from __future__ import annotations
 
@@ -59,11 +17,30 @@ from . import lowbit
 from . import rotation as rotations
 from .sink import without_sinks
 
+# Storages (`kv_dtype`; a cache's `dtype` stays the activation dtype it returns):
+# - None: plain, in the activation dtype (the default); "fp32", "bf16": plain in that dtype.
+# - "int8": code = round_half_even(x / s) clamped to [-127, 127], one float32 scale s = amax / 127 per token and
+#   *part* of a row: an MLA row's latent c (r numbers) and rope key k_R (p numbers, rotated, not normalised) have a
+#   scale each; a GQA's K and V one per token and KV head (a GQA-tiled MLA's cache is a GQA's KVCache: the same).
+#   "fp8": torch.float8_e4m3fn codes of x / s, s = amax / 448, the same scales (refused where torch has no e4m3fn).
+#   "int8/g<N>", "fp8/g<N>": one scale per N channels of a part instead of one per part.
+# - few-bit ("q4_0", "iq4_nl", "int4/g32", "int3/g64+c4", "tc4x40-3x56+c4", ...): packed codes and float16 meta,
+#   modules/lowbit.py (the comment above its SPELLING). With "+c4" an MLA's rope key is kept per channel over groups
+#   of 64 tokens, its newest, incomplete group unquantised (modules/key_groups.py); such a cache reads back
+#   dequantised rows and refuses fixed_slot.
+# - "<quantised>+s<N>" ("int3/g64+c4+s1"): the first N rows of an MLA's latent cache also kept plain and left out of
+#   the codes (an attention sink; modules/sink.py); it comes before any "+w<N>" ("int3/g64+c4+s1+w8").
+# - "<quantised>+w<N>" ("int3/g64+c4+w16"): the newest N rows of an MLA's latent cache also kept plain; each query
+#   reads its newest N rows plain and the older ones as stored (modules/recent.py). Of KIVI or quanto ("kivi4+w128":
+#   KIVI's 16-bit residual), a GQA's forward without a cache reads them so.
+# - "K,V" of llama.cpp's block formats ("q8_0,q4_0": --cache-type-k q8_0 --cache-type-v q4_0): keys in K, values in V,
+#   for a cache that holds them apart (a GQA's; an MLA's one row refuses it). Its StorageFormat is the key's with
+#   `value` the value's; `for_role` gives the one a role's rows use.
 KV_DTYPES = ("fp32", "bf16", "int8", "fp8", "q8_0", "q5_0", "q4_0", "q4_1", "iq4_nl", "int7", "int6", "int5", "int4",
              "int3", "int2", "tq4", "tq3", "tq2", "tq1", "kivi4", "kivi2", "quanto4", "quanto2")
 PLAIN = {"fp32": torch.float32, "bf16": torch.bfloat16}
 QMAX = {"int8": 127.0, "fp8": 448.0}  # the largest code: int8 symmetric, float8_e4m3fn's largest finite value
-SCALE_DTYPE = torch.float32
+SCALE_DTYPE = torch.float32  # 4 bytes a scale, in bytes_per_token (float16 scales go subnormal for amax < 127 * 6e-5)
 PAIR_CODES = ("q8_0", "q5_0", "q4_1", "q4_0", "iq4_nl")  # llama.cpp's types a "K,V" pair may name
 _SPELLING = re.compile(r"(fp32|bf16)|(int8|fp8)(?:/g([1-9][0-9]*))?")
 _RECENT = re.compile(r"(.+)\+w([0-9]+)")  # "<storage>+w<N>": a recent window of N plain rows (modules/recent.py)
@@ -129,11 +106,10 @@ class StorageFormat(NamedTuple):
 
 
 def check_kv_dtype(kv_dtype) -> StorageFormat | None:
-    """Parse a kv_dtype ("fp32", "bf16", "int8", "fp8", "int8/g<N>", "fp8/g<N>", the few-bit ones of
-    modules/lowbit.py: "q8_0", "q5_0", "q4_0", "q4_1", "iq4_nl", "int4[/g<N>][+r8|+c4|+c3|+c2]" and likewise int2 to int7,
-    any quantised one with "+s<N>" (the first N rows kept plain) and/or "+w<N>" after it (a recent window kept plain),
-    "kivi4", "kivi2", transformers' quanto "quanto4", "quanto2"; a K/V pair of llama.cpp's types such as
-    "q8_0,q4_0"; or None); one-line errors."""
+    """Parse a kv_dtype: "fp32", "bf16", "int8", "fp8" (or "int8/g<N>", "fp8/g<N>"), the few-bit storages of
+    modules/lowbit.py ("q4_0", "iq4_nl", "int4[/g<N>][+r8|+c4|+c3|+c2]" and int2 to int7, "tq4", "kivi2", "quanto4",
+    ...), any quantised one with "+s<N>" (the first N rows plain) and/or "+w<N>" after it (the newest N plain), a K/V
+    pair of llama.cpp's types ("q8_0,q4_0"), or None (gives None). One-line ValueError or TypeError."""
     if kv_dtype is None:
         return None
     choices = ("'fp32', 'bf16', 'int8', 'fp8' (or 'int8/g<N>', 'fp8/g<N>': one scale per N channels), llama.cpp's "
@@ -201,8 +177,9 @@ def _with_recent(kv_dtype: str, base: str, size: int) -> StorageFormat:
 
 
 def _with_sink(kv_dtype: str, base: str, size: int) -> StorageFormat:
-    """"<base>+s<N>": base's storage with the first N rows kept plain as well (before any "+w<N>": "int3/g64+c4+s1+w8");
-    one-line errors naming what is refused (a plain, evaluation-only or windowed base, a K/V pair, N outside 1..63)."""
+    """"<base>+s<N>": base's storage with the first N rows kept plain as well (before any "+w<N>":
+    "int3/g64+c4+s1+w8"); one-line errors naming what is refused (a plain, evaluation-only or windowed base, a K/V
+    pair, N outside 1..63)."""
     fmt = check_kv_dtype(base)
     if not 1 <= size < lowbit.KEY_TOKENS or fmt is not None and (fmt.sink or fmt.recent):
         raise ValueError(f"kv_dtype {kv_dtype!r}: the first rows kept plain are one '+s<N>' with 1 <= N < "
@@ -214,6 +191,11 @@ def _with_sink(kv_dtype: str, base: str, size: int) -> StorageFormat:
 
 
 # -- llama.cpp's rotation -------------------------------------------------------------------------
+# llama.cpp's block formats (q8_0, q5_0, q4_1, q4_0, iq4_nl) of a GQA's keys and values are Hadamard-rotated as
+# llama.cpp rotates a quantised cache (rotation.rotation_size): the rows stored are H x, the rows read back
+# H^T Q(H x), what llama.cpp's attention computes with its rotated query and its output rotated back. An MLA's latent
+# rows (role None) are never rotated, as llama.cpp's deepseek2 does not; nor are attnlab's own storages and KIVI.
+# round_trip reads LLAMA_ATTN_ROT_DISABLE on each call, a cache once when it is made (as llama.cpp makes its context).
 def rotation(fmt: StorageFormat | None, role: str | None, parts: tuple[int, ...]) -> int | None:
     """The Hadamard size the rows (..., W) of this storage are rotated with, None for none: llama.cpp's block
     formats of a GQA's heads, role "key" or "value" and parts the heads of a row (one part, or several of one
@@ -235,6 +217,11 @@ def _rotated(x: torch.Tensor, n: int | None) -> torch.Tensor:
 
 
 # -- quantisation --------------------------------------------------------------------------------
+# Tokens are quantised once, when written (a cache's `extend`), and read back dequantised to the activation dtype,
+# code * s computed in float32 (float64 for float64 activations), each part times its scale by broadcasting. Readers
+# that can (`QuantisedKV.foldable`) skip that copy: the GQA and the absorbed MLA decode take the codes and multiply
+# the scores and the softmax weights by the scales (`attend(key_scale=, value_scale=)`). round_trip applies the same
+# codes to a forward without a cache; a gradient passes straight through them (the identity's).
 def num_scales(parts: tuple[int, ...], group: int | None) -> int:
     """Scales per row: one per part, or one per `group` channels of each part (the last group may be short)."""
     return sum(1 if group is None else -(-w // group) for w in parts)
@@ -258,7 +245,7 @@ def _each_scale(y: torch.Tensor, scales: torch.Tensor, parts: tuple[int, ...], g
 
 def quantise(x: torch.Tensor, parts: tuple[int, ...], fmt: StorageFormat,
              rotation: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """x (..., W) -> codes (..., W) in fmt's storage dtype and float32 scales (..., n); see the module docstring.
+    """x (..., W) -> codes (..., W) in fmt's storage dtype and float32 scales (..., n) (the comment above KV_DTYPES).
     Few-bit formats: packed uint8 codes and float16 scales (and minima), modules/lowbit.py. rotation: the codes
     are those of x rotated by H_n, n = rotation (see rotation(); dequantise with the same n rotates back)."""
     x = _rotated(x, rotation)

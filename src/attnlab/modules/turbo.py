@@ -1,9 +1,8 @@
 """TurboQuant's codes (Zandieh et al., arXiv 2504.19874), without its 1-bit residual sketch: "tq<b>".
 
-Each head vector x of g values (g a power of two) is rotated by a fixed randomized Hadamard transform, y = H (s * x)
-with s random signs drawn once per g from a fixed seed; its norm is stored in float16; each coordinate of
-y sqrt(g) / |x|, close to a standard normal for large g, takes the nearest of the 2^b Lloyd-Max levels of N(0, 1).
-Read back: x = s * H (level * |x| / sqrt(g)) (H is symmetric and its own inverse). b bits a value and 16 a head.
+Each head vector x of g values (g a power of two) is rotated, y = H (s * x), s random signs drawn once per g from
+SIGN_SEED; its norm is stored in float16; each coordinate of y sqrt(g) / |x| (near N(0, 1)) takes the nearest of the
+2^b Lloyd-Max levels of N(0, 1) (`levels`). Read back x = s * H (level * |x| / sqrt(g)): b bits a value, 16 a head.
 """
 from __future__ import annotations
 

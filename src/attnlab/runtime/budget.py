@@ -1,13 +1,8 @@
 """A time budget and a stop request that every long loop checks, so that `--minutes` and Ctrl-C hold.
 
-A Budget has an optional deadline (minutes from its start, on an injectable clock, so tests can
-run a fake one) and a stop flag. A loop calls `budget.check()` once per unit of work (an
-evaluation window, a generation step, a training step): it raises Stopped when a stop was
-requested or when the deadline (less a `reserve` the caller keeps for what must still follow)
-has passed. `share(f)` gives a phase its part: a Budget that ends after the fraction f of what
-is left (or at the parent's deadline) and shares the parent's stop flag, so one Ctrl-C stops
-every phase. `stop_on_signals(budget)` turns SIGINT and SIGTERM into a stop request for the
-length of a run (a second Ctrl-C interrupts at once).
+A `Budget` has an optional deadline (on an injectable clock, for tests) and a stop flag. A loop calls
+`budget.check()` once per unit of work (a window, a training step), which raises `Stopped`. `share(f)` gives a phase
+its part of what is left, with the same stop flag; `stop_on_signals(budget)` makes SIGINT and SIGTERM a stop request.
 """
 from __future__ import annotations
 
@@ -93,7 +88,8 @@ class Budget:
         return Budget(clock=self.clock, _flag=self._flag, _deadline=min(ends) if ends else None)
 
     def unbounded(self) -> "Budget":
-        """A budget without a deadline that shares this one's stop flag (what must run to its end, yet stop on Ctrl-C)."""
+        """A budget without a deadline that shares this one's stop flag (what must run to its end, yet stop on
+        Ctrl-C)."""
         return Budget(clock=self.clock, _flag=self._flag)
 
     def __repr__(self) -> str:

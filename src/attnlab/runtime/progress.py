@@ -1,10 +1,8 @@
 """Progress as log lines: what a long run is doing, visible without a terminal (CI logs, nohup, a pipe).
 
-A run reports each step to Progress.update(phase=..., step=..., total=..., loss=..., ...); when
-`every` seconds have passed since the last line (30 by default) a line is written:
-    [  2:31] heal end-to-end | step 12/170 | loss 0.3312 | 133 tok/s | left 7:48
-Lines go to `stream` (stdout by default: stderr is kept for the one-line error). A terminal usually gets a drawn bar from the CLI
-instead (`enabled=False` turns the lines off); `line()` writes one line at once (phase changes).
+`Progress.update(phase=..., step=..., total=..., loss=...)` writes a line once `every` seconds (30) have passed,
+`[  2:31] heal end-to-end | step 12/170 | loss 0.3312 | 133 tok/s | left 7:48`, to `stream` (stdout: stderr is kept
+for the one-line error). `line()` writes one at once. `enabled=False` turns lines off (a terminal gets the CLI's bar).
 """
 from __future__ import annotations
 

@@ -1,18 +1,16 @@
-"""The training-free baselines: the original model's cache quantized the way users do it today.
+"""The training-free baselines (BASELINES): the original model's cache quantized the way users do it today.
 
-A shrunk model is worth its training only where it beats what one flag gives the untouched model:
-llama.cpp's cache types (q8_0, q5_0, q4_1, q4_0, iq4_nl: `--cache-type-k/-v`; a GQA's keys and values
-Hadamard-rotated as llama.cpp rotates a quantized cache, modules/lowbit.py, so that each scores what llama.cpp
-itself gives: tests/test_llama_cpp_cache.py), KIVI-style 4- and 2-bit (modules/lowbit.py) and TurboQuant's 4.25, 3.25
-and 2.25 bits a value (modules/turbo.py). Every shrink
-report names them at their bytes per token (scales and minima counted), scores those at the two smallest sizes
-at or above the bytes the shrink reached on the same held-out windows as the shrunk model, and says by how much
-the result beats the best of those, or loses.
+A shrunk model is worth its training only where it beats what one flag gives the untouched model. Every shrink report
+names them at their bytes per token (scales and minima counted), scores the two smallest at or above the bytes reached
+on the shrunk model's held-out windows (at_or_above, score) and says by how much the result beats the best, or loses.
 """
 from __future__ import annotations
 
 import math
 
+# llama.cpp's cache types (--cache-type-k/-v; a GQA's keys and values Hadamard-rotated as llama.cpp rotates a quantized
+# cache, modules/lowbit.py, so that each scores what llama.cpp itself gives: tests/test_llama_cpp_cache.py), KIVI-style
+# 4 and 2 bits (modules/lowbit.py) and TurboQuant's 4.25, 3.25 and 2.25 bits a value (modules/turbo.py)
 BASELINES = ("q8_0", "q5_0", "q4_1", "q4_0", "iq4_nl", "kivi4", "kivi2", "tq4", "tq3", "tq2")
 
 

@@ -79,15 +79,14 @@ def _keys_whole_storages(layers: tuple, V: int, whole: int, room: float, storage
 
 
 def feasible(teacher, budget: KVBudget, fmt: str = "attnlab", storages=STORAGES,
+             # bytes counted at this sequence length (sliding layers hold their windows; layouts() may keep them);
+             # None: every token held in every layer, the fixed rows spread over spread_context's tokens
              context: int | None = None) -> tuple[float, float, list[tuple[Layout, dict]]]:
     """(original 16-bit bytes/token, the budget in bytes, [(layout, {storage: values per token and layer that fit})])
-    for a budget some plan can meet; ValueError naming the budget otherwise (checked before any work). context: bytes
-    are counted at that sequence length (sliding layers hold their windows; None: every token held in every layer,
-    the fixed rows spread over spread_context's tokens), and a model with sliding and global layers may keep its
-    sliding ones (layouts()). A model with per-head q/k norms: its keys
-    whole in each storage (values: rope key + latent), only in attnlab's format. Other models plan every layer
-    converted. For a GGUF the source's own architecture can hold (native_storages), the original attention with its
-    cache in a llama.cpp type is a plan too: where no converted layout fits but such one does, the layouts are []."""
+    for a budget some plan can meet; ValueError naming the budget otherwise (checked before any work). Per-head q/k
+    norms: the keys whole in each storage (values: rope key + latent), attnlab's format only; other models convert
+    every layer. A GGUF the source's own architecture holds may keep the original attention in a llama.cpp cache type
+    (native_storages): where only such a plan fits, the layouts are []."""
     if context is not None:
         from ..modules.checks import positive_int
         positive_int("context", context)

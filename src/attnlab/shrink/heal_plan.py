@@ -1,14 +1,7 @@
-"""The heal plan of a shrink run: what its heal does in the time it has (heal.distill.HealPlan), chosen from the
-request, the converted student and a step timed on this machine.
-
-A student that keeps every value (only its codes differ from the original's) heals end to end first, with a probe
-that can switch to the layer-wise phase; one cut to low rank heals layer-wise first (LAYER_SHARE of the time), then
-end to end at AFTER_LAYERS_LR. The layer-wise steps a layer are sized from one step of layer 0 timed on the
-teacher's hidden states, with a lower rate where few fit (FEW_STEPS_LR); once running, the layer-wise phase cuts its
-steps to the time it really has where they would not fit (heal.distill.Healer._fit_layers). On a CPU that multiplies
-bf16 natively a plan that cuts rank heals in bf16, as on CUDA, where the time binds its layer-wise phase (CPU_BF16),
-and is then timed so. shrink/pipeline.py calls heal_plan once, when the heal starts, and the run folder keeps
-the plan (a resumed run heals to the same plan).
+"""The heal plan of a shrink run (heal_plan): what its heal does in the time it has (heal.distill.HealPlan), chosen
+from the request, the converted student and a step timed on this machine. A student that keeps every value heals end
+to end first with a probe (PROBE_SHARE); one cut to low rank layer-wise first (LAYER_SHARE), then end to end. Called
+once, when the heal starts (shrink/pipeline.py); the run folder keeps the plan, so a resumed run heals to the same one.
 """
 from __future__ import annotations
 
@@ -40,10 +33,11 @@ BF16_VARIABLE = "ATTNLAB_CPU_BF16"
 
 
 def heal_plan(req: ShrinkRequest, teacher, student, train: torch.Tensor, seconds: float, device=None):
-    """HealPlan for the time left (module docstring): the layer-wise steps, batch and rate sized from one step of
-    layer 0 timed on `device` (the heal's; default the request's) under the heal's autocast; for a student that keeps
-    every value, end to end first with a probe at PROBE_SHARE. The layer-wise batch is a whole number of end-to-end
-    batches (--batch-size), so that a torchrun job plans what one process plans."""
+    """HealPlan for the time left (module docstring): the layer-wise steps, batch and rate (FEW_STEPS_LR where few fit)
+    sized from one step of layer 0 on the teacher's hidden states, timed on `device` (the heal's; default the
+    request's) under the heal's autocast; for a student that keeps every value, end to end first with a probe at
+    PROBE_SHARE. The layer-wise batch is a whole number of end-to-end batches (--batch-size), so that a torchrun job
+    plans what one process plans."""
     from ..heal.plan import HealPlan
 
     plan = HealPlan(seq_len=req.seq_len, seed=req.seed, layer_windows=min(64, train.shape[0]), tokens=req.tokens,

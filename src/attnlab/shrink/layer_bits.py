@@ -1,16 +1,14 @@
 """Bits by layer (the planner's round 5): each layer's latent and rope key coded in a step more or fewer bits than the
 uniform winner's, within the same bytes, where single-layer KLs say the model is sensitive (KVTuner's idea).
 
-A layer's cost of an option (latent bits b, key code k) is modelled from two measurements of that layer alone, the
-others plain: V, its latent at the ladder's fewest bits b0 (the key in 8 bits), and K, its key at the fewest key bits
-k0 (the latent in 7 bits). Uniform codes' squared error falls 4x a bit, and a small change's KL follows it, so
-cost(b, k) = V 4^-(b - b0) + K 4^-(bits(k) - bits(k0)) (docs/decisions.md: the fit). Core: plain Python.
+Two probes of a layer alone, the others plain: V, its latent at the ladder's fewest bits b0 (the key in 8 bits), and
+K, its key at the fewest key bits k0 (the latent in 7 bits); Ladder.cost models every option from them.
 """
 from __future__ import annotations
 
 import os
 import re
-from typing import NamedTuple
+from typing import NamedTuple  # core: plain Python, no torch
 
 KEY_LADDER = ("c2", "c3", "c4", "r8")  # the rope key's codes, fewest bits first (modules/storage.py)
 KEY_BITS = {"c2": 2, "c3": 3, "c4": 4, "r8": 8}
@@ -52,8 +50,10 @@ class Ladder(NamedTuple):
     def key_probe(self) -> str:
         return self.spell(PROBE_LATENT, self.keys[0])
 
+    # Uniform codes' squared error falls 4x a bit, and a small change's KL follows it, so
+    # cost(b, k) = V 4^-(b - b0) + K 4^-(bits(k) - bits(k0)) (docs/decisions.md: the fit)
     def cost(self, value_kl: float, key_kl: float, bits: int, key: str) -> float:
-        """The modelled KL of (bits, key) in a layer whose probes measured value_kl and key_kl (module docstring)."""
+        """The modelled KL of (bits, key) in a layer whose probes measured value_kl and key_kl (the comment above)."""
         return value_kl * 4.0 ** (self.latent[0] - bits) + key_kl * 4.0 ** (KEY_BITS[self.keys[0]] - KEY_BITS[key])
 
 

@@ -1,10 +1,8 @@
 """What changing one layer alone costs the model: the KL to the original's next-token distributions on a few
 windows, for every layer and option of a per-layer plan (the planner's round 4; the choice: shrink/per_layer.py).
 
-A per-layer plan needs L x O single-layer measurements. Each runs the model on the same windows, but the layers
-before the changed one are the original's, so their outputs on each window are recorded once (Prefix) and played
-back: a change at layer i runs layers i..L-1, the final norm and the head. Nothing is approximated (a layer's output
-depends only on the layers before it); on average half the layers' work is saved.
+The layers before the changed one are the original's, so their outputs on each window are recorded once (Prefix) and
+played back: a change at layer i runs layers i..L-1, the final norm and the head. Exact; about half the work saved.
 """
 from __future__ import annotations
 

@@ -1,15 +1,12 @@
-"""One option per layer within a byte budget: the multiple-choice knapsack the per-layer plan solves (the planner's
-round 4).
+"""One option per layer within a byte budget: the multiple-choice knapsack of the planner's per-layer rounds (4, 5).
 
-Each layer l has options o (a latent size and storage, say), each with a cost c[l][o] (what it does to the model,
-measured with that layer alone changed: the KL to the original on a few windows) and a size s[l][o] (bytes per
-token). Single-layer changes add up to first order, so the plan that minimises sum_l c[l][o_l] with
-sum_l s[l][o_l] <= budget is the pick: dynamic programming over the layers and the bytes spent (whole bytes), exact
-for the sums it is given. Ties keep the option listed first. Core: plain Python.
+Layer l's option o costs c[l][o] (the KL to the original with that layer alone changed) and takes s[l][o] bytes per
+token; single-layer changes add up to first order, so the pick minimises sum_l c[l][o_l] with sum_l s[l][o_l] <=
+budget, by dynamic programming over layers and whole bytes (exact for the sums given; ties: the first option listed).
 """
 from __future__ import annotations
 
-import math
+import math  # core: plain Python, no torch
 
 
 def choose_per_layer(costs, sizes, budget: int) -> list[int]:

@@ -1,41 +1,8 @@
-"""`shrink`: a KV budget in, a healed model in the requested format out, in one run inside one time budget.
-What the request is and how it is checked: request.py.
+"""`shrink`: a KV budget in, a healed model in the requested format out, in one run inside one time budget: shrink().
 
-A thin pipeline over the library (the same functions the separate commands call), one function a phase, each taking
-the run (_Run: the request, its RunState, its budget, what the phases before made) and handing it on:
+A thin pipeline over the library (the functions the separate commands call; request.py checks the request), one
+function a phase, each taking the run (_Run) and handing it on, in this order (_shrink):
     load -> data -> plan -> convert -> heal -> baselines -> export (with the report)
-- data: the user's text (calibration: its first CALIBRATION_TOKENS tokens of windows spread over every file,
-  heal.data.spread_order; held out: --eval-text, else each file's last tenth), or, without text, text the
-  teacher writes itself (seeded) for calibration and training, and other samples of it as held-out text; the
-  calibration, proxy and held-out windows are written whatever the clock says (the same on any machine), further
-  training windows within a bounded share of the budget; beside them heal.data.judge_texts, held-out text of other
-  kinds;
-- plan: shrink.plan.plan converts candidates calibrated on the calibration text and scores them
-  on the next windows of the training text (skipped when the sizes are given explicitly), at most
-  plan_count(--minutes) of them: a count, never the clock, so that a loaded machine makes the same plan
-  (it heals less, and the report's "work" says how much);
-- pinned work (--tokens and --layer-steps both given, or --no-heal: pinned()): every window written, every step run,
-  the clock cuts nothing, so the same request and seed give the same weights under any load;
-- convert: models.convert_model, then (for DeepSeek and GGUF) a latent norm fitted on the
-  calibration text (models.add_latent_norms) that the heal then trains;
-- heal: heal.heal_model (layer-wise, then end-to-end KL), its plan sized to the time (shrink/heal_plan.py); with
-  --no-heal (req.heal False) only the converted model scored against the original, and no training window written
-  beyond the calibration's and the proxy's;
-- baselines: the original with its cache quantized without training (shrink/baselines.py), at or above the bytes
-  reached, scored on the heal's held-out windows;
-- export: models.save_model, export_deepseek, export_gguf, export_native or export_transformers; where each
-  output runs (shrink/engines.py) goes into the report.
-One budget (runtime.Budget) covers every phase from the start, loading included; each phase gets
-a bounded share and the heal keeps back what the final evaluation and the export need. One
-resumable state (shrink/state.py): a run folder beside the output (OUT.shrink-run) holds state.json (the request,
-the phase reached, the plan, minutes per phase), the data, the converted student (student/), the heal's
-checkpoint and the healed student (healed/), each written atomically when its phase ends; `resume=True` continues
-from the last phase that ended (a request with other arguments is refused), and the folder is deleted once the
-output is written. A stop request (Ctrl-C) ends the run at the next step or window with its
-state saved; kill -9 loses at most the phase (or heal steps since the last checkpoint) in flight.
-Under torchrun (`world`), rank 0 alone runs every phase but the heal and holds the run folder; at the
-heal it hands the others the converted student, the windows and the heal plan (hand_off), and all
-heal data-parallel (heal/distributed.py; docs/distributed.md).
 """
 from __future__ import annotations
 
@@ -138,9 +105,22 @@ def _explicit(req: ShrinkRequest, whole: bool = False) -> Candidate:
                      rotation="random" if few_bit(storage) or storage in LLAMA_CPP_CACHE else None)
 
 
+# One budget (runtime.Budget) covers every phase from the start, loading included; each phase gets a bounded share and
+# the heal keeps back what the final evaluation and the export need. Pinned work (--tokens and --layer-steps both
+# given, or --no-heal: pinned()): every window written, every step run, the clock cuts nothing, so the same request
+# and seed give the same weights under any load. One resumable state (shrink/state.py): a run folder beside the output
+# (OUT.shrink-run) holds state.json (the request, the phase reached, the plan, minutes per phase), the data, the
+# converted student (student/), the heal's checkpoint and the healed student (healed/), each written atomically when
+# its phase ends; resume=True continues from the last phase that ended (a request with other arguments is refused),
+# and the folder is deleted once the output is written. A stop request (Ctrl-C) ends the run at the next step or window
+# with its state saved; kill -9 loses at most the phase (or heal steps since the last checkpoint) in flight. Under
+# torchrun (`world`) rank 0 alone runs every phase but the heal and holds the run folder; at the heal it hands the
+# others the converted student, the windows and the heal plan (hand_off), and all heal data-parallel
+# (heal/distributed.py; docs/distributed.md).
 def shrink(req: ShrinkRequest, *, resume: bool = False, force: bool = False, budget: Budget | None = None,
            display=None, world=None, shard: bool = False) -> dict | None:
-    """Run the pipeline (module docstring); returns the report. Raises runtime.Stopped when stopped (state saved).
+    """Run the pipeline (module docstring, the comment above); returns the report. Raises runtime.Stopped when stopped
+    (state saved).
     world: a torchrun job of N > 1 processes: rank 0 alone plans, converts and writes, every rank heals its share of
     each batch (DDP, or FSDP2 with shard=True); the others return None, and an error on rank 0 before the hand-off
     reaches them as the same error."""
@@ -262,6 +242,11 @@ def _phase_load(run: _Run) -> None:
     run.budget.check()
 
 
+# data: the user's text (calibration: its first CALIBRATION_TOKENS tokens of windows spread over every file,
+# heal.data.spread_order; held out: --eval-text, else each file's last tenth), or, without text, text the teacher
+# writes itself (seeded) for calibration and training, and other samples of it as held-out text. The calibration,
+# proxy and held-out windows are written whatever the clock says (the same on any machine), further training windows
+# within a bounded share of the budget; beside them heal.data.judge_texts, held-out text of other kinds.
 def _phase_data(run: _Run) -> None:
     """The token windows (_data), or the ones a resumed run wrote."""
     state = run.state
@@ -277,6 +262,9 @@ def _phase_data(run: _Run) -> None:
     state.finish("data", run.minutes(t))
 
 
+# plan: shrink.plan.plan converts candidates calibrated on the calibration text and scores them on the next windows of
+# the training text (skipped when the sizes are given explicitly), at most plan_count(--minutes) of them: a count,
+# never the clock, so that a loaded machine makes the same plan (it heals less, and the report's "work" says how much).
 def _phase_plan(run: _Run) -> None:
     """The chosen candidate: the request's explicit sizes, or the planner's choice (shrink/plan.py)."""
     from .layer_bits import planned_layer_bits
@@ -307,6 +295,8 @@ def _phase_plan(run: _Run) -> None:
     run.budget.check()
 
 
+# convert: models.convert_model, then (for DeepSeek and GGUF) a latent norm fitted on the calibration text
+# (models.add_latent_norms) that the heal then trains.
 def _phase_convert(run: _Run) -> None:
     """The student: a copy of the teacher converted to the chosen candidate, saved as student/ in the run folder."""
     from .. import models as hf
@@ -326,6 +316,9 @@ def _phase_convert(run: _Run) -> None:
     run.budget.check()
 
 
+# heal: heal.heal_model (layer-wise, then end-to-end KL), its plan sized to the time (shrink/heal_plan.py); with
+# --no-heal (req.heal False) only the converted model scored against the original, and no training window written
+# beyond the calibration's and the proxy's.
 def _phase_heal(run: _Run) -> None:
     """The student healed (heal.heal_model) to its heal plan, saved as healed/; a resumed run's healed/ loaded.
     Under torchrun rank 0 hands the others the student and the data first. ValueError when no step ran."""
@@ -397,6 +390,8 @@ def final_evaluation(heal: dict) -> dict:
     return heal.get("after") or (heal.get("before") if heal.get("status") == NOT_RUN else None) or {}
 
 
+# baselines: the original with its cache quantized without training (shrink/baselines.py), at or above the bytes
+# reached, scored on the heal's held-out windows.
 def _phase_baselines(run: _Run) -> None:
     """The training-free baselines at or above the bytes reached, on the windows the heal scored (once a run)."""
     state, req = run.state, run.req
@@ -409,6 +404,8 @@ def _phase_baselines(run: _Run) -> None:
     state.save()
 
 
+# export: models.save_model, export_deepseek, export_gguf, export_native or export_transformers; where each output runs
+# (shrink/engines.py) goes into the report.
 def _phase_export(run: _Run) -> dict:
     """The report (final_report) and the output in the requested format, then the run folder deleted; returns the
     report. A stop request here ends the run before anything is written."""

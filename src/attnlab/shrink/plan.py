@@ -1,54 +1,8 @@
-"""The planner: a KV budget in, the conversion that meets it best out, chosen by measuring candidates.
+"""The planner: a KV budget in, the conversion that meets it best out, chosen by measuring candidates: plan().
 
-Notation: L layers, G KV heads, d head size; V = 2 G d values per token and layer in the original
-GQA cache; a compressed MLA caches r (latent) + p (rope key) values per token and layer.
-
-A budget is a fraction of the original's cache (`50%`, `0.5`) or bytes per token for the whole model (`6000`), both
-against the original's cache in 16 bits (2 V L bytes per token). Without `--context` a plan counts every token held in
-every layer, and what a sequence holds whatever its length (a "+c4" rope key's newest group, a "+w16" window's rows,
-in 16 bits) spread over sizes.DEFAULT_CONTEXT tokens (4,096, or max_position_embeddings where shorter).
-A candidate is a conversion (r, p, what keeps rotating, BKV, a fitted latent norm) and a cache storage: 16-bit; for
-attnlab's own format also 8-bit with per-token scales, and few-bit latents (modules/lowbit.py) rotated first by an
-orthogonal matrix folded into the weights (convert/rotate.py). A few-bit candidate takes the largest latent that fits
-(fit()), up to V - p. A candidate meets the budget when its measured bytes per token do.
-
-What a budget allows is checked before any work (shrink/feasible.py). Candidates are ranked by rank(): the mean
-KL(teacher || student) of the next-token distributions on windows the calibration did not use, a 2-bit latent's
-counted TWO_BIT_MARGIN times. Each candidate converts the teacher's own attention modules with calibration inputs
-computed once, is measured and swapped out again: nothing is copied (shrink/candidate.py). The rounds (methods of
-_Planner; rounds 4 and 5 in shrink/layer_rounds.py):
-0. the original attention in each engine cache code that fits (natives);
-1. what keeps rotating and BKV, at a rope share of about 30% of the values (selection);
-2. the winner in each other storage, then each few-bit storage that can hold every value (storage);
-3. the split between latent and rope key for the winner's two best storages, SPLIT_SHARES in order (split_shares);
-   where a 2-bit latent wins, each storage of more bits at about its split (more_bits); the winner with BKV the other
-   way, and where it cuts rank the best candidate on the other side of the 2-bit margin so too (bkv_checks);
-4. asked for (per_layer=True), where the winner cuts rank in attnlab's format: a latent size per layer, each layer's
-   cost measured alone (shrink/layer_costs.py), chosen within the bytes (shrink/per_layer.py) and measured as one
-   more candidate (per_layer). Off by default (docs/decisions.md);
-5. asked for (layer_bits=True; shrink --no-heal asks), where the winner codes every layer alike in a few-bit latent
-   with its rope key apart: each layer's latent and key bits a step up or down, by two single-layer KLs a layer
-   (shrink/layer_bits.py), chosen within the bytes (shrink/per_layer.py) and measured as one more candidate
-   (layer_bits), also after the keys-whole round.
-Within the constraints of the output format: a DeepSeek export needs the same frequencies in every layer (RoRoPE by
-score chosen for all layers at once); a GGUF needs distinct kept frequencies that llama.cpp can turn (RoRoPE by
-frequency, rope_dim within gguf_rope_limit), a latent norm (fitted here, trained by the heal), and sizes in multiples
-of 32 where they allow it (llama.cpp's q8_0 blocks); attnlab's own format takes any of them.
-
-Round 0 plans the original attention, only its cache coded: for a GGUF whose source llama.cpp runs in its own
-architecture (llama, qwen3, gemma3: models/export/native_gguf.py) in each of llama.cpp's cache types that fits, and for a
-transformers folder in each GQA storage of attnlab.hf.KVCache that fits (TRANSFORMERS_CACHE). A transformers folder
-also holds converted plans, as a DeepSeek folder does. A model with per-head q/k norms (Qwen3, Gemma 3) has one layout
-only, its keys whole (convert/decoupled.py): the rope key is every KV head's whole key and the latent holds the
-values, in each storage with the largest latent the bytes allow, measured in one round (keys_whole).
-
-plan()'s arguments: calibration_ids (1, N), the calibration text; proxy_ids (1, M), the text candidates are scored on,
-in up to `proxy_windows` windows of `window` tokens (None: the calibration text's first windows); storages, those that
-may be chosen; time_budget (runtime.Budget), once spent or at a stop request no new candidate starts (one is always
-measured); max_candidates, no more candidates than this, in the same order (round 4 comes after them); progress(i,
-label), called before each candidate; calibrate=False, conversions on the weights alone; context, bytes per token
-counted at that sequence length (None: every token held); per_layer, run round 4; layer_ids (1, K), the text round
-4's costs read (None: the proxy windows); layer_bits, run round 5.
+A candidate (shrink/candidate.py) is a conversion (r, p, what keeps rotating, BKV, a latent norm) and a cache storage,
+applied to the teacher in place, measured and ranked by rank(): the mean KL(teacher || student) on held-out windows, a
+2-bit latent's counted TWO_BIT_MARGIN times. The rounds are _Planner's methods, in the order _Planner.run calls them.
 """
 from __future__ import annotations
 
@@ -60,6 +14,9 @@ from .feasible import feasible, keys_whole, native_storages
 from .sizes import (FORMATS, LLAMA_CPP_CACHE, KVBudget, Layout, cached_extra, few_bit, fit, layer_bytes, latent_bits,
                     layers_bytes, original_sizes, planned_bytes, splits, spread_context, storage_ok)
 
+# Notation: L layers, G KV heads, d head size; V = 2 G d values per token and layer in the original GQA cache; a
+# compressed MLA caches r (latent) + p (rope key) values per token and layer.
+
 # rope shares of the values tried by round 3, the likelier winners first, so that a count that runs out keeps them
 SPLIT_SHARES = (0.2, 0.25, 0.35, 0.4, 0.5)
 def _bkv_flipped(c: Candidate) -> Candidate:
@@ -68,12 +25,31 @@ def _bkv_flipped(c: Candidate) -> Candidate:
                      round=3)
 
 
-def plan(teacher, calibration_ids: torch.Tensor, budget: KVBudget, *, fmt: str = "attnlab",
-         storages=("bf16", "int8"), proxy_windows: int = 4, window: int = 256, time_budget=None,
-         progress=None, calibrate: bool = True, proxy_ids: torch.Tensor | None = None,
-         context: int | None = None, max_candidates: int | None = None, per_layer: bool = False,
-         layer_ids: torch.Tensor | None = None, layer_bits: bool = False) -> PlanResult:
-    """Choose the conversion and storage that meet `budget` with the lowest proxy, in rounds (module docstring: the
+# A budget is a fraction of the original's cache (`50%`, `0.5`) or bytes per token for the whole model (`6000`), both
+# against the original's cache in 16 bits (2 V L bytes per token); what it allows is checked before any work
+# (shrink/feasible.py). Without a context a plan counts every token held in every layer, and what a sequence holds
+# whatever its length (a "+c4" rope key's newest group, a "+w16" window's rows, in 16 bits) spread over
+# sizes.DEFAULT_CONTEXT tokens (4,096, or max_position_embeddings where shorter). Storages: 16-bit; for attnlab's own
+# format also 8-bit with per-token scales, and few-bit latents (modules/lowbit.py) rotated first by an orthogonal
+# matrix folded into the weights (convert/rotate.py); a few-bit candidate takes the largest latent that fits (fit()),
+# up to V - p. A candidate meets the budget when its measured bytes per token do.
+def plan(teacher,
+         calibration_ids: torch.Tensor,  # (1, N), the calibration text
+         budget: KVBudget, *, fmt: str = "attnlab",
+         storages=("bf16", "int8"),  # those that may be chosen
+         # the text candidates are scored on is cut into up to proxy_windows windows of `window` tokens
+         proxy_windows: int = 4, window: int = 256,
+         # a runtime.Budget: once spent, or at a stop request, no new candidate starts (one is always measured)
+         time_budget=None,
+         progress=None,  # progress(i, label), called before each candidate
+         calibrate: bool = True,  # False: conversions on the weights alone
+         proxy_ids: torch.Tensor | None = None,  # (1, M), the proxy's text; None: the calibration text's first windows
+         context: int | None = None,  # bytes per token counted at this sequence length; None: every token held
+         max_candidates: int | None = None,  # no more candidates than this, in the same order (round 4 comes after)
+         per_layer: bool = False,  # run round 4
+         layer_ids: torch.Tensor | None = None,  # (1, K), the text round 4's costs read; None: the proxy windows
+         layer_bits: bool = False) -> PlanResult:  # run round 5
+    """Choose the conversion and storage that meet `budget` with the lowest proxy, in rounds (the comments above: the
     arguments). The teacher is converted and restored for every candidate and comes back unchanged. ValueError for
     an unknown format or a max_candidates that is not a positive integer."""
     if fmt not in FORMATS:
@@ -105,6 +81,10 @@ class _Planner:
         if fmt == "gguf" and self.options:
             from ..models.export.deepseek_gguf import gguf_rope_limit
             self.max_rope = min(self.max_rope, gguf_rope_limit(teacher))
+        # the output format's constraints: a DeepSeek export needs the same frequencies in every layer (RoRoPE by score
+        # chosen for all layers at once); a GGUF needs distinct kept frequencies that llama.cpp can turn (RoRoPE by
+        # frequency, rope_dim within gguf_rope_limit), a latent norm (fitted here, trained by the heal) and sizes in
+        # multiples of 32 where they allow it (llama.cpp's q8_0 blocks); attnlab's own format takes any of them
         self.selections = [("rorope", True), ("rorope", False)] if fmt == "gguf" else \
             [("rorope-score", True), ("rorope", True), ("rorope-score", False), ("rorope", False)]
         # a GGUF's latent norm gets its steady channel now, a DeepSeek folder its constant channel at export: either
@@ -129,6 +109,8 @@ class _Planner:
         self.reference = teacher_log_probs(self.teacher, self.windows, self.bf16)
 
     # -- what the rounds share -------------------------------------------------------------------------------
+    # Each candidate converts the teacher's own attention modules with calibration inputs computed once, is measured
+    # and swapped out again: nothing is copied (shrink/candidate.py).
     def split(self, values: int, shares, storage: str) -> list[tuple[int, int]]:
         """(latent, rope) pairs of a row of `values` (the extra channel included) in that storage."""
         return splits(values - self.extra, shares, max_rope=self.max_rope, strict=storage in LLAMA_CPP_CACHE,
@@ -225,12 +207,22 @@ class _Planner:
         by_storage = self.split_shares()
         self.more_bits(by_storage)
         self.bkv_checks()
+        # round 4, asked for (per_layer=True), where the winner cuts rank in attnlab's format: a latent size per layer,
+        # each layer's cost measured alone (shrink/layer_costs.py), chosen within the bytes (shrink/per_layer.py) and
+        # measured as one more candidate. Off by default (docs/decisions.md)
         if per_layer and self.fmt == "attnlab":
             layer_rounds.per_layer(self, layer_ids)
+        # round 5, asked for (layer_bits=True; shrink --no-heal asks), where the winner codes every layer alike in a
+        # few-bit latent with its rope key apart: each layer's latent and key bits a step up or down, by two
+        # single-layer KLs a layer (shrink/layer_bits.py), chosen within the bytes and measured as one more candidate
         layer_rounds.layer_bits(self)
         note = "" if len(self.measured) > 1 else "only one candidate fitted the time given to planning"
         return self.result(min(self.measured, key=rank), note)
 
+    # Round 0 plans the original attention, only its cache coded: for a GGUF whose source llama.cpp runs in its own
+    # architecture (llama, qwen3, gemma3: models/export/native_gguf.py) in each of llama.cpp's cache types that fits,
+    # and for a transformers folder in each GQA storage of attnlab.hf.KVCache that fits (TRANSFORMERS_CACHE). A
+    # transformers folder also holds converted plans, as a DeepSeek folder does.
     def natives(self) -> None:
         """Round 0: the original attention in each engine cache code that fits (native_storages)."""
         G, d = self.G, self.d
@@ -248,8 +240,9 @@ class _Planner:
                                          "engine's codes")
 
     def keys_whole(self, whole: int) -> PlanResult:
-        """The one round of a model with per-head q/k norms: the keys whole (rope key `whole`) in each storage and
-        layout, the latent as large as the bytes allow."""
+        """The one round of a model with per-head q/k norms (Qwen3, Gemma 3; convert/decoupled.py): the keys whole
+        (rope key `whole`, every KV head's whole key) in each storage and layout, the latent holding the values, as
+        large as the bytes allow; then round 5."""
         options = self.options
         todo = [(lay, storage, v) for i in range(max(len(ps) for _, ps in options))
                 for lay, ps in options for storage, v in list(ps.items())[i:i + 1]]  # each storage in every layout

@@ -1,14 +1,8 @@
-"""What a cache costs: the storages the planner may choose, the budget, and bytes per token of a layout.
+"""What a cache costs: the storages the planner may choose (STORAGES), the budget (KVBudget), bytes per token.
 
-The planner (shrink/plan.py) chooses among conversions by these numbers. Notation: L layers, G KV heads, d head
-size; V = 2 G d values per token and layer in the original GQA cache; a compressed MLA caches r (latent) + p (rope
-key) values per token and layer. Every size is measured from the cache a module allocates for it (on the meta
-device), so the planner's arithmetic is the caches' own: a few-bit row's bytes step with its groups and packing,
-and `fit` moves a latent up or down until one value more would not fit. At a context (`--context T`) a sliding
-layer holds only its window (`Layout.counted`), and `layouts` offers keeping the sliding layers as they are. What a
-sequence holds whatever its length (a "+c4" rope key's newest group, a "+w16" window: the fixed rows) is counted in
-16 bits, spread over the context, or without one over DEFAULT_CONTEXT tokens (`spread_context`): a budget that
-holds for sequences that long.
+Every size is measured from the cache a module allocates for it (on the meta device), so the planner's arithmetic is
+the caches' own: a few-bit row's bytes step with its groups and packing, and `fit` moves a latent up or down until one
+value more would not fit. At a context see Layout.counted and layouts; the fixed rows: DEFAULT_CONTEXT.
 """
 from __future__ import annotations
 
@@ -18,6 +12,9 @@ from collections import Counter
 from dataclasses import dataclass
 
 import torch
+
+# Notation: L layers, G KV heads, d head size; V = 2 G d values per token and layer in the original GQA cache; a
+# compressed MLA caches r (latent) + p (rope key) values per token and layer.
 
 FORMATS = ("attnlab", "deepseek", "gguf", "transformers")
 # latent in 4 or 2 bits (groups of 32) with the rope key in 8 bits per token; or latent in 3 or 4 bits with the rope
@@ -75,8 +72,8 @@ QUANTIZED_CACHE = ("quanto4", "quanto2")
 NATIVE_CACHE = {"gguf": LLAMA_CPP_CACHE, "transformers": TRANSFORMERS_CACHE}  # the engine's own codes, per format
 
 def storage_ok(storage: str, fmt: str = "attnlab") -> bool:
-    """Whether the planner can store a cache so in that format: bf16 in every one; in attnlab's own also int8
-    and its int2 to int7 groups (any /g<N>, with or without +r8 or +c4, and +w<N>); in a GGUF llama.cpp's cache types; in a
+    """Whether the planner can store a cache so in that format: bf16 in every one; in attnlab's own also int8 and its
+    int2 to int7 groups (any /g<N>, with or without +r8 or +c4, and +w<N>); in a GGUF llama.cpp's cache types; in a
     transformers folder attnlab's own and the GQA storages of attnlab.hf.KVCache (TRANSFORMERS_CACHE)."""
     from ..modules.storage import check_kv_dtype
 
@@ -181,7 +178,8 @@ def parse_budget(text) -> KVBudget:
 
 # -- sizes ------------------------------------------------------------------------------------------
 def original_sizes(model) -> tuple[int, int, int, int]:
-    """(layers L, KV heads G, head size d, values per token and layer V = 2 G d) of an unconverted Llama-family model."""
+    """(layers L, KV heads G, head size d, values per token and layer V = 2 G d) of an unconverted Llama-family
+    model."""
     from ..models.adapters import attnlab_modules
     from ..modules.gqa import GroupedQueryAttention
 
@@ -285,10 +283,9 @@ def splits(values: int, shares=(0.3,), *, max_rope: int, min_latent: int = 8, bl
            extra: int = 0, strict: bool = False) -> list[tuple[int, int]]:
     """(latent, rope) pairs of `values` with the rope key taking about each share (even, >= 2, <= max_rope).
 
-    block: for llama.cpp, whose quantised KV caches (q8_0) store rows in blocks of 32, the rope key and
-    the latent with its `extra` channels are made multiples of `block` (at most `values` in all) where
-    the sizes allow it; the pairs that cannot be aligned are returned as they are, unless strict (a cache
-    in one of llama.cpp's block types refuses such rows): then they are left out."""
+    block (llama.cpp's quantised caches, q8_0, store rows in blocks of 32): the rope key and the latent with its
+    `extra` channels made multiples of `block` (at most `values` in all) where the sizes allow it; pairs that cannot
+    be aligned come as they are, or with strict (llama.cpp's block types refuse such rows) are left out."""
     out = []
     for s in shares:
         p = min(_even(values * s), max_rope - max_rope % 2)
@@ -372,9 +369,9 @@ class Layout:
 def layouts(teacher, budget_bytes: float, context: int | None, fmt: str = "attnlab",
             kept=KEPT_STORAGES) -> list[Layout]:
     """Every layer converted; and, for a model with both sliding and global layers planned at a context in attnlab's
-    format (or a transformers folder, which holds a keys-whole model's layers so), the global layers converted and the sliding ones kept as they are, their cache in each of `kept` whose
-    bytes leave room (at a long context a sliding layer holds a small share of its tokens: the bytes are the
-    global layers')."""
+    format (or a transformers folder, which holds a keys-whole model's layers so), the global layers converted and the
+    sliding ones kept as they are, their cache in each of `kept` whose bytes leave room (at a long context a sliding
+    layer holds a small share of its tokens: the bytes are the global layers')."""
     from ..models.adapters import attnlab_modules
 
     mods = attnlab_modules(teacher)

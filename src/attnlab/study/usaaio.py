@@ -1,10 +1,7 @@
 """The study's own names (USA-NA-AIO 2025 Round 2, Problem 2), as thin wrappers over attnlab.
 
-    from attnlab.study.usaaio import *
-
-gives MyMHA (Part 5), MyGQA (Part 7), GQA_2_MLA (Part 10), reduced_matrices
-(Part 13), tiled_rank (Part 6) and is_gqa_representable (Part 11). Each one
-calls the library's single implementation of its math.
+`from attnlab.study.usaaio import *` gives MyMHA (Part 5), MyGQA (Part 7), GQA_2_MLA (Part 10), reduced_matrices
+(Part 13), tiled_rank (Part 6) and is_gqa_representable (Part 11). Each calls the library's single implementation.
 """
 from __future__ import annotations
 

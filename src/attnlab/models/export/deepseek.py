@@ -1,30 +1,8 @@
-"""Write a converted Llama-family model as a standard DeepSeek-V3 checkpoint (transformers loads it alone).
+"""Write a converted Llama-family model as a standard DeepSeek-V3 checkpoint, which transformers loads alone.
 
-The folder holds config.json (model_type deepseek_v3, every layer dense:
-first_k_dense_replace = num_hidden_layers, no query low-rank unless the MLA has one),
-safetensors shards with an index, and the source's tokenizer files. Mapping of one
-layer (attnlab -> DeepSeek):
-
-    W_Q * (attnlab scale / DeepSeek scale)  -> q_proj        (the scale difference, exact)
-    [W_DKV; W_KR]                           -> kv_a_proj_with_mqa
-    kv_norm, or the constant channel        -> kv_a_layernorm
-    per head [W_UK_h; W_UV_h]               -> kv_b_proj
-    W_O                                     -> o_proj
-
-DeepSeek's softmax scale is 1/sqrt(qk_nope + qk_rope); attnlab's conversions keep the
-original 1/sqrt(head_dim), so the ratio multiplies q_proj. DeepSeek derives the rotary
-frequencies from rope_theta and qk_rope_head_dim, while a conversion keeps each original
-pair's own frequency: they are carried exactly by a "longrope" rope type whose
-short_factor = long_factor = default / kept (one factor per pair), with factor 1,
-attention_factor = the source's rotary scaling, and original_max_position_embeddings ==
-max_position_embeddings (so the long set is never switched to and no extra scale applies).
-
-Only the decoupled-RoPE layout (`gqa_to_mla_decoupled`) maps to DeepSeek: the exact
-`rope_after_up` layout rotates keys after the up-projection, which DeepSeek cannot
-express. DeepSeek always normalises the latent (kv_a_layernorm): an MLA without a norm is
-exported exactly through one extra constant latent channel that makes the norm a fixed
-scale (constant_channel). A model given a norm first (models/latent_norm.py, as llama.cpp
-needs it) is exported as it is.
+`export_deepseek` writes config.json (model_type deepseek_v3, every layer dense), safetensors shards with an index and
+the source's tokenizer files. Only the decoupled-RoPE layout maps to DeepSeek (check_exportable); an MLA without a
+latent norm is exported exactly through one constant latent channel (constant_channel).
 """
 from __future__ import annotations
 
@@ -88,6 +66,15 @@ def _shape(m: MultiHeadLatentAttention) -> dict:
 
 
 # -- one layer ----------------------------------------------------------------------------------------
+# Mapping of one layer (attnlab -> DeepSeek):
+#     W_Q * (attnlab scale / DeepSeek scale)  -> q_proj        (the scale difference, exact)
+#     [W_DKV; W_KR]                           -> kv_a_proj_with_mqa
+#     kv_norm, or the constant channel        -> kv_a_layernorm
+#     per head [W_UK_h; W_UV_h]               -> kv_b_proj
+#     W_O                                     -> o_proj
+# DeepSeek's softmax scale is 1/sqrt(qk_nope + qk_rope); attnlab's conversions keep the original 1/sqrt(head_dim), so
+# the ratio multiplies q_proj. A model given a latent norm first (latent_norm.py, as llama.cpp needs it) is exported
+# as it is.
 def deepseek_scale(m: MultiHeadLatentAttention) -> float:
     return (m.head_dim + m.rope_dim) ** -0.5
 
@@ -135,14 +122,13 @@ def deepseek_attention_tensors(m: MultiHeadLatentAttention, prefix: str) -> dict
 def constant_channel(m: MultiHeadLatentAttention, margin: float = 2.0 ** 12):
     """(K, norm weight, fold) for exporting an MLA without a latent norm through DeepSeek's kv_a_layernorm.
 
-    One extra latent channel holds the constant K (a kv_a_proj_with_mqa bias; its kv_b_proj
-    column is zero). K is 2^12 times a bound on |c| for inputs of rms 1 per entry scaled by the
-    largest W_DKV row norm times sqrt(dim), so mean(latent^2) = (|c|^2 + K^2) / (r + 1) is
-    K^2 / (r + 1) to within |c|^2 / K^2 (float32 cannot tell the difference) and the norm
-    multiplies every token's latent by the same sqrt(r + 1) / K: a linear map. The norm
-    weight is the power of two nearest K / sqrt(r + 1) (exact in bfloat16 too) and the rest
-    of the undo, `fold`, multiplies kv_b_proj. Costs one cached number per token.
+    One extra latent channel holds the constant K (a kv_a_proj_with_mqa bias; its kv_b_proj column is zero), so large
+    that the norm multiplies every token's latent by the same sqrt(r + 1) / K: a linear map. The norm weight is the
+    power of two nearest K / sqrt(r + 1); `fold`, the rest of the undo, multiplies kv_b_proj. One cached number a token.
     """
+    # K is `margin` (2^12) times a bound on |c| for inputs of rms 1 per entry scaled by the largest W_DKV row norm times
+    # sqrt(dim), so mean(latent^2) = (|c|^2 + K^2) / (r + 1) is K^2 / (r + 1) to within |c|^2 / K^2 (float32 cannot
+    # tell the difference). A power-of-two norm weight is exact in bfloat16 too.
     w = m.W_DKV.weight.detach().to(torch.float64)
     bound = float(w.norm(dim=1).max() * math.sqrt(m.context_dim)) * 16  # post-norm inputs of a few x rms 1
     K = 2.0 ** math.ceil(math.log2(max(bound, 1.0) * margin))
@@ -151,6 +137,11 @@ def constant_channel(m: MultiHeadLatentAttention, margin: float = 2.0 ** 12):
     return K, weight, exact / weight
 
 
+# DeepSeek derives the rotary frequencies from rope_theta and qk_rope_head_dim, while a conversion keeps each original
+# pair's own frequency: they are carried exactly by a "longrope" rope type whose short_factor = long_factor = default /
+# kept (one factor per pair), with factor 1, attention_factor = the source's rotary scaling, and
+# original_max_position_embeddings == max_position_embeddings (so the long set is never switched to and no extra scale
+# applies).
 def rope_parameters(m: MultiHeadLatentAttention, max_position_embeddings: int) -> dict:
     """DeepSeek rope parameters that reproduce the MLA's kept per-pair frequencies exactly."""
     p, base = m.rope_dim, m.rope.base
@@ -166,6 +157,7 @@ def rope_parameters(m: MultiHeadLatentAttention, max_position_embeddings: int) -
 
 def deepseek_config(src: dict, m: MultiHeadLatentAttention, *, dtype: str) -> dict:
     """config.json of the exported model, from the source's (dict) and one layer's MLA."""
+    # every layer dense (first_k_dense_replace = num_hidden_layers); no query low-rank unless the MLA has one
     L = src["num_hidden_layers"]
     max_pos = int(src.get("max_position_embeddings") or 4096)
     return {
@@ -283,7 +275,7 @@ def export_deepseek(model, folder, tokenizer=None, *, force: bool = False,
                     shard_bytes: int = SHARD_BYTES) -> Path:
     """Write an attnlab'd, converted Llama-family model as a DeepSeek-V3 checkpoint folder (atomically).
 
-    Every layer must be a decoupled-RoPE MLA with a latent norm (see check_exportable).
+    Every layer must be a decoupled-RoPE MLA (check_exportable); one without a latent norm gets the constant channel.
     tokenizer: saved with save_pretrained; without it, tokenizer files beside the source
     checkpoint (model.attnlab_source, set by load_checkpoint) are copied.
     """

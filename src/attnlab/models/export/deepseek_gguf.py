@@ -1,34 +1,8 @@
-"""Write a converted Llama-family model as a GGUF file that llama.cpp runs as `deepseek2` (MLA).
+"""Write a converted Llama-family model as a GGUF file that llama.cpp runs as `deepseek2` (MLA): `export_gguf`.
 
-llama.cpp's deepseek2 graph attends inside the latent (it caches the normalised latent and
-the rotated rope key, r + p numbers per token and layer) and differs from attnlab's MLA in
-three places; each is handled or refused with the reason and a way out:
-
-- softmax scale 1/sqrt(qk_nope + qk_rope): the ratio to attnlab's scale multiplies the
-  query weights (as for the DeepSeek-V3 export; the tensors come from
-  deepseek.deepseek_attention_tensors, so the two exports share one mapping);
-- rotary frequencies: pair i of the shared rope key turns at rope_theta^(-2i/p), in
-  consecutive pairs (ggml's "normal" rope), and deepseek2 reads no per-pair factors. The
-  kept frequencies, sorted fastest first, must be exactly such a sequence: then the rope
-  rows are permuted into that order and rope_theta is fitted to them. gguf_rope_limit says,
-  from the source's own frequencies, the largest rope_dim RoRoPE by frequency
-  (`--rope-select rorope`) can keep that way (the fastest pairs, while they stay geometric: all
-  of head_dim without rope scaling, only the unscaled ones with Llama 3's); per-head selection
-  repeats each frequency G times and RoRoPE by score keeps repeated or skipped frequencies:
-  refused, pointing to --format deepseek (per-pair factors) or rorope within the limit;
-- the latent RMSNorm (kv_a_norm) always runs and kv_a_mqa has no bias, so the
-  constant-channel trick of the DeepSeek export is not available here. An MLA with a latent
-  norm is written as it is (its W_DKV rows times sqrt(llama.cpp's eps / the norm's eps), which
-  makes llama.cpp's norm, with the model's rms_norm_eps, equal to the MLA's). One without a
-  norm needs one first: latent_norm.add_steady_channels (fitted on calibration text, one more
-  cached number per token, survives llama.cpp's Q8_0/Q4_K quantisers), or, with
-  exact_f32=True, latent_norm.linear_latent_norm: W_DKV scaled down by a power of two until the
-  norm is a fixed scale to float32 precision, written in F32; exact, but any quantiser with
-  float16 block scales (llama-quantize's Q8_0, Q4_K, ...) flushes that tensor to zero.
-
-The tokenizer comes from the source GGUF (every tokenizer.* field, copied), or from a
-byte-level BPE tokenizer.json beside a source folder (pre-tokenizer "gpt-2" when it is plain
-ByteLevel; otherwise name llama.cpp's pre-tokenizer with `pre_tokenizer=`). Needs `gguf`.
+deepseek2 attends inside the latent (it caches the normalised latent and the rotated rope key, r + p numbers per token
+and layer) and differs from attnlab's MLA in its softmax scale, rotary frequencies and latent norm; each is handled or
+refused with the reason and a way out (check_gguf_exportable; the comments of each section). Needs `gguf`.
 """
 from __future__ import annotations
 
@@ -49,6 +23,12 @@ ARCH = "deepseek2"
 
 
 # -- rotary frequencies ---------------------------------------------------------------------------------
+# Pair i of the shared rope key turns at rope_theta^(-2i/p), in consecutive pairs (ggml's "normal" rope), and deepseek2
+# reads no per-pair factors. The kept frequencies, sorted fastest first, must be exactly such a sequence: then the rope
+# rows are permuted into that order and rope_theta is fitted to them (rope_order). gguf_rope_limit says, from the
+# source's own frequencies, the largest rope_dim RoRoPE by frequency (`--rope-select rorope`) can keep that way.
+# Per-head selection repeats each frequency G times and RoRoPE by score keeps repeated or skipped frequencies: refused,
+# pointing to --format deepseek (per-pair factors) or rorope within the limit.
 def _geometric_theta(f: torch.Tensor, rtol: float) -> tuple[float, int]:
     """(rope_theta, bad): the base whose sequence theta^(-2i/p) (p = 2 len(f)) fits f (fastest first) in log space,
     and the first i where f misses it by more than rtol (len(f) where none does)."""
@@ -64,15 +44,14 @@ def _geometric_theta(f: torch.Tensor, rtol: float) -> tuple[float, int]:
 def gguf_rope_limit(source, *, scaling: float = 1.0, rtol: float = 1e-6) -> int:
     """The largest rope_dim llama.cpp's deepseek2 can turn with a source's rotary frequencies (0: none).
 
-    source: a transformers model (its rotary embedding: the frequencies before any conversion, with
-    their rope scaling), an attnlab RotaryEmbedding, or the frequencies (1-D tensor); scaling: the
-    cos/sin factor (a RotaryEmbedding's or a model's own is read from it). deepseek2 turns pair i at
-    rope_theta^(-2i/p) with no per-pair factor and no cos/sin factor, so the limit is 2 x the number
-    of the fastest distinct source frequencies that form such a sequence from the fastest one, which
-    must be 1: without rope scaling every pair (head_dim); with Llama 3's, the unscaled fast pairs (and
-    one more, since two frequencies from 1 always fit). RoRoPE by frequency (`--rope-select rorope`)
-    with rope_dim at most this keeps exactly those.
+    source: a transformers model (its rotary frequencies before any conversion, with their rope scaling), an attnlab
+    RotaryEmbedding, or the frequencies (1-D tensor); scaling: the cos/sin factor (read from a RotaryEmbedding or a
+    model). RoRoPE by frequency (`--rope-select rorope`) with rope_dim at most this keeps exactly those pairs.
     """
+    # deepseek2 turns pair i at rope_theta^(-2i/p) with no per-pair factor and no cos/sin factor, so the limit is 2 x
+    # the number of the fastest distinct source frequencies that form such a sequence from the fastest one, which must
+    # be 1: without rope scaling every pair (head_dim); with Llama 3's, the unscaled fast pairs (and one more, since
+    # two frequencies from 1 always fit).
     freq = source
     if hasattr(source, "config") and hasattr(source, "model"):  # a transformers causal LM
         from ..adapters import rope_from_rotary
@@ -104,15 +83,14 @@ def _rope_advice(limit: int | None) -> str:
             f"rorope --rope-dim <= {limit} (this source's limit for llama.cpp: deepseek_gguf.gguf_rope_limit)")
 
 
-def rope_order(m: MultiHeadLatentAttention, rtol: float = 1e-6, *, limit: int | None = None) -> tuple[torch.Tensor,
-                                                                                                     float]:
+def rope_order(m: MultiHeadLatentAttention,
+               rtol: float = 1e-6,  # transformers computes the frequencies (llama.cpp its angles) in float32
+               *, limit: int | None = None) -> tuple[torch.Tensor, float]:
     """(perm, rope_theta): rope dims reordered into consecutive pairs, fastest first, and the base that gives them.
 
-    perm[k] is the attnlab rope dim that becomes llama.cpp's rope dim k. Raises a ValueError
-    naming the frequencies when llama.cpp cannot turn them, with the way out (limit: the source's
-    gguf_rope_limit, named in it). rtol: transformers computes a source's frequencies in float32 (and
-    llama.cpp its angles), so they agree to float32 rounding; rope_theta is the least-squares fit of
-    log f_i = -(2i/p) log theta.
+    perm[k] is the attnlab rope dim that becomes llama.cpp's rope dim k; rope_theta is the least-squares fit of
+    log f_i = -(2i/p) log theta. ValueError naming the frequencies when llama.cpp cannot turn them, with the way out
+    (limit: the source's gguf_rope_limit, named in it).
     """
     p = m.rope_dim
     kept = m.rope.inv_freq.to(torch.float64)  # (p/2,)
@@ -152,6 +130,11 @@ def _check_gguf_only(modules, limit: int | None = None, exact_f32: bool = False)
             raise ValueError(NEEDS_NORM.format(i=i))
 
 
+# The latent RMSNorm (kv_a_norm) always runs and kv_a_mqa has no bias, so the DeepSeek export's constant channel is not
+# available here. An MLA with a latent norm is written as it is (gguf_ready matches its eps to llama.cpp's). One without
+# a norm needs one first: latent_norm.add_steady_channels (fitted on calibration text, one more cached number per token,
+# survives llama.cpp's Q8_0/Q4_K quantisers), or, with exact_f32=True, latent_norm.linear_latent_norm: exact, written
+# in F32, but any quantiser with float16 block scales (llama-quantize's Q8_0, Q4_K, ...) flushes that tensor to zero.
 NEEDS_NORM = ("layer {i}'s MLA has no latent norm, which llama.cpp always applies (and attn_kv_a_mqa has no bias for "
               "the DeepSeek export's constant channel): give calibration text to fit one (--calibration FILE; "
               "latent_norm.add_steady_channels), or convert with --latent-norm steady; exact_f32=True (--exact-f32) "
@@ -161,10 +144,9 @@ NEEDS_NORM = ("layer {i}'s MLA has no latent norm, which llama.cpp always applie
 def gguf_ready(m: MultiHeadLatentAttention, input_norm: torch.Tensor, eps: float) -> MultiHeadLatentAttention:
     """The layer as llama.cpp will run it, with the model's rms_norm_eps `eps` in its latent norm.
 
-    An MLA with a latent norm of eps e gets its W_DKV rows times sqrt(eps / e): the norm
-    k c / sqrt(mean((k c)^2) + eps) equals c / sqrt(mean(c^2) + e) exactly when k^2 = eps / e.
-    One without a norm gets latent_norm.linear_latent_norm (the exact F32 form); input_norm: the
-    weight of the RMSNorm before the attention (its input has norm at most max|weight| sqrt(dim)).
+    An MLA with a latent norm of eps e gets its W_DKV rows times sqrt(eps / e): the norm k c / sqrt(mean((k c)^2) + eps)
+    equals c / sqrt(mean(c^2) + e) exactly when k^2 = eps / e. One without gets latent_norm.linear_latent_norm (exact,
+    F32); input_norm: the weight of the RMSNorm before the attention (its input's norm is <= max|weight| sqrt(dim)).
     """
     import numpy as np
 
@@ -185,6 +167,8 @@ def gguf_ready(m: MultiHeadLatentAttention, input_norm: torch.Tensor, eps: float
 # -- one layer ------------------------------------------------------------------------------------------
 def gguf_attention_tensors(m: MultiHeadLatentAttention, block: int) -> dict[str, torch.Tensor]:
     """llama.cpp deepseek2 tensors of one layer (PyTorch (out, in) orientation; GGUF reverses the dims)."""
+    # from deepseek.deepseek_attention_tensors, so the two exports share one mapping: the ratio of deepseek2's softmax
+    # scale 1/sqrt(qk_nope + qk_rope) to attnlab's multiplies the query weights
     H, d, dv, p = m.num_heads, m.head_dim, m.v_head_dim, m.rope_dim
     r = m.latent_dim
     t = deepseek_attention_tensors(m, "")
@@ -209,6 +193,8 @@ def gguf_attention_tensors(m: MultiHeadLatentAttention, block: int) -> dict[str,
 
 
 # -- the tokenizer ----------------------------------------------------------------------------------------
+# From the source GGUF (every tokenizer.* field, copied), or from a byte-level BPE tokenizer.json beside a source folder
+# (pre-tokenizer "gpt-2" when it is plain ByteLevel; otherwise name llama.cpp's pre-tokenizer with `pre_tokenizer=`).
 def copy_gguf_fields(writer, reader, keep) -> None:
     """Copy the metadata fields of a GGUFReader whose key passes keep(key) into a GGUFWriter, types and all."""
     import gguf
@@ -276,12 +262,9 @@ def export_gguf(model, path, tokenizer=None, *, force: bool = False, pre_tokeniz
                 exact_f32: bool = False) -> Path:
     """Write an attnlab'd, converted Llama-family model as one GGUF file (llama.cpp `deepseek2`), atomically.
 
-    Every layer must be a decoupled-RoPE MLA with frequencies llama.cpp can turn (within
-    gguf_rope_limit(model)) and a latent norm (latent_norm.add_steady_channels fits one; with
-    exact_f32=True an MLA without one is written in the exact linear F32 form instead, which
-    llama.cpp's quantisers destroy); check_gguf_exportable says why not. The tokenizer comes
-    from the source (model.attnlab_source, set when loading a checkpoint or bundled model): a
-    GGUF's tokenizer fields are copied; a folder's tokenizer.json is written with `tokenizer`.
+    Every layer must be a decoupled-RoPE MLA with frequencies within gguf_rope_limit(model) and a latent norm (with
+    exact_f32=True one without is written in the exact linear F32 form, which llama.cpp's quantisers destroy);
+    check_gguf_exportable says why not. The tokenizer: the source GGUF's (model.attnlab_source), else `tokenizer`.
     """
     import gguf
 

@@ -1,9 +1,8 @@
-"""A latent norm for a converted MLA, fitted on calibration text: what DeepSeek-V3 and llama.cpp's deepseek2 apply
-to the latent (kv_a_layernorm) and attnlab's MLA does not. `add_steady_channels` gives every layer a norm whose
-latent carries one more channel, a fitted linear function of the layer's input that is nearly constant over the
-calibration text, so the norm is nearly a fixed scale (lossy, small, reported, and it survives llama.cpp's
-quantisers); `add_latent_norm(s)` fits a plain norm on the r channels (lossy, large before training: the norm
-rescales every token by its own latent's size; heal can train it). The exporters write either as it is."""
+"""A latent norm for a converted MLA, fitted on calibration text: what DeepSeek-V3 and llama.cpp's deepseek2 apply to
+the latent (kv_a_layernorm) and attnlab's MLA does not; the exporters write either kind as it is.
+`add_steady_channels`: one more, nearly constant latent channel, so the norm is nearly a fixed scale (lossy, small,
+survives llama.cpp's quantisers). `add_latent_norm(s)`: a plain norm on the r channels (lossy, large before training:
+each token is rescaled by its own latent's size; heal can train it)."""
 from __future__ import annotations
 
 import math
@@ -40,14 +39,12 @@ def kv_values_in_export(latent_dim: int, rope_dim: int, latent_norm: bool) -> in
 def add_latent_norm(mla: MultiHeadLatentAttention, calibration: torch.Tensor | None = None, *, eps: float = 1e-6):
     """A copy of `mla` with an RMSNorm on its latent, and the relative output error it introduces.
 
-    The norm divides each token's latent c by rms(c); per latent channel j the weight
-    w_j = sum(c_j n_j) / sum(n_j^2) (n = c / rms(c), over the calibration inputs (..., context_dim))
-    makes w * n the least-squares fit of c. The weight is then folded into the columns of
-    W_UK and W_UV (the norm's own weight stays 1), which is exact. Calibration is required
-    (Gaussian stand-ins say nothing about a real model's latents). The error is the output error of the normed
-    module against `mla` on the calibration inputs (float64): the norm is not linear, so a
-    token whose latent is larger or smaller than typical has its key and value rescaled.
+    Per latent channel j the weight w_j = sum(c_j n_j) / sum(n_j^2) (n = c / rms(c) over the calibration inputs
+    (..., context_dim)) makes w * n the least-squares fit of c; w is folded, exactly, into the columns of W_UK and W_UV
+    (the norm's own weight stays 1). The error: the normed module's against `mla` on the calibration inputs (float64).
     """
+    # Calibration is required: Gaussian stand-ins say nothing about a real model's latents. The norm is not linear, so
+    # a token whose latent is larger or smaller than typical has its key and value rescaled; the error measures that.
     from ...convert.report import probe_error
 
     _check_no_latent_norm(mla, "add_latent_norm")
@@ -70,15 +67,13 @@ def add_latent_norm(mla: MultiHeadLatentAttention, calibration: torch.Tensor | N
 def linear_latent_norm(mla: MultiHeadLatentAttention, input_bound: float, eps: float, tol: float = 2.0 ** -24):
     """A copy of `mla` with a latent RMSNorm that is a fixed scale to within `tol` (relative), and the scale s.
 
-    For engines that always normalise the latent and give the down-projection no bias
-    (llama.cpp's deepseek2), where export.constant_channel cannot be used. W_DKV is multiplied
-    by s, a power of two so small that mean(c^2) <= tol * eps for every input x with
-    ||x|| <= input_bound (|c_j| <= ||W_DKV_j|| ||x||); the norm then divides by
-    sqrt(mean(c^2) + eps) = sqrt(eps) (1 + at most tol / 2), a constant, and its weight
-    sqrt(eps) / s gives the latent back. eps is the engine's (rounded to float32, as it adds
-    it). The small pre-norm latent needs float32's or bfloat16's exponent range: float16
-    (or a quantisation with float16 block scales) would flush it to zero.
+    For engines that always normalise the latent and give the down-projection no bias (llama.cpp's deepseek2). W_DKV is
+    multiplied by s, a power of two so small that the norm divides by the constant sqrt(eps); its weight sqrt(eps) / s
+    gives the latent back. eps: the engine's (rounded to float32). Needs float32's or bfloat16's exponent range.
     """
+    # s makes mean(c^2) <= tol * eps for every input x with ||x|| <= input_bound (|c_j| <= ||W_DKV_j|| ||x||), so the
+    # norm divides by sqrt(mean(c^2) + eps) = sqrt(eps) (1 + at most tol / 2). float16 (or a quantisation with float16
+    # block scales) would flush the small pre-norm latent to zero.
     import numpy as np
 
     _check_no_latent_norm(mla, "linear_latent_norm")
@@ -104,26 +99,20 @@ def steady_channel(mla: MultiHeadLatentAttention, calibration: torch.Tensor, *, 
                    ridge: float = STEADY_RIDGE, sink_weight: float | None = None, margin: float = STEADY_MARGIN):
     """A copy of `mla` with a latent RMSNorm that is nearly a fixed scale, its latent one channel wider, and its error.
 
-    For engines that always normalise the latent and give the down-projection no bias (llama.cpp's
-    deepseek2), and whose quantisers (block scales in float16) would flush linear_latent_norm's tiny
-    down-projection to zero. The extra channel is e = K u.x: u is the ridge least-squares fit of
-    u.x = 1 over the calibration inputs (..., L, D) (each sequence's first token, the attention
-    sink that every other token reads, weighted `sink_weight`, by default L: as much as the rest of
-    its sequence; its state is far from the others', and a plain fit would let its scale drift),
-    and K a power of two `margin` times
-    the largest calibration latent |c|. Then mean(latent^2) = (|c|^2 + e^2) / (r + 1) is
-    K^2 (u.x)^2 / (r + 1) to within 1 / margin^2, and the norm scales each token by 1 / |u.x|,
-    near 1: the error is how far u.x strays from 1. The latent weights w (least squares of c by
-    the normed latent, as add_latent_norm) fold into the columns of W_UK and W_UV, the extra
-    channel's columns are zero, the norm's own weight is 1 on the latent and 0 on the extra channel,
-    and its eps is `eps` (the engine's). The engines cache the normed latent, so the zero weight
-    keeps the channel (K times larger than the rest before the norm) out of the cache: in one of
-    llama.cpp's q8_0 cache blocks of 32 it would set the block's scale and flush its neighbours
-    (measured: 1.106x perplexity on SmolLM2 with it, docs/conversions.md).
-    Every weight keeps a usual size, so Q8_0 and Q4_K keep their usual precision. Costs one
-    cached number per token (r + 1 + rope_dim). The error returned is the relative output error
-    against `mla` on the calibration sequences (causal, float64).
-    """
+    The extra channel is e = K u.x: u the ridge least-squares fit of u.x = 1 over the calibration inputs (..., L, D)
+    (each sequence's first token weighted `sink_weight`, default L), K a power of two `margin` times the largest latent
+    |c|, so the norm scales each token by about 1 / |u.x|. Error: the relative output error against `mla` (causal)."""
+    # For engines that always normalise the latent and give the down-projection no bias (llama.cpp's deepseek2), and
+    # whose quantisers (block scales in float16) would flush linear_latent_norm's tiny down-projection to zero.
+    # The first token is the attention sink every other token reads: weighted as much as the rest of its sequence, since
+    # its state is far from the others' and a plain fit would let its scale drift. mean(latent^2) = (|c|^2 + e^2) /
+    # (r + 1) is K^2 (u.x)^2 / (r + 1) to within 1 / margin^2, so the error is how far u.x strays from 1.
+    # The latent weights w (least squares of c by the normed latent, as add_latent_norm) fold into the columns of W_UK
+    # and W_UV; the extra channel's columns are zero; the norm's weight is 1 on the latent and 0 on the extra channel,
+    # its eps `eps` (the engine's). The engines cache the normed latent, so the zero weight keeps the channel (K times
+    # larger than the rest before the norm) out of the cache: in one of llama.cpp's q8_0 cache blocks of 32 it would set
+    # the block's scale and flush its neighbours. Every weight keeps a usual size, so Q8_0 and Q4_K keep their usual
+    # precision. Costs one cached number per token (r + 1 + rope_dim).
     _check_no_latent_norm(mla, "steady_channel")
     x = calibration.detach().to(torch.float64)
     x = x.reshape(-1, *x.shape[-2:]) if x.dim() >= 2 else x
@@ -176,9 +165,8 @@ def _causal_error(old, new, x: torch.Tensor) -> float:
 def add_latent_norms(model, calibration_ids: torch.Tensor) -> list[float]:
     """add_latent_norm on every layer of a converted model (in place); returns each layer's output error.
 
-    Calibration inputs of layer i are what layer i reads in the converted model with
-    layers < i already normed (the norms' errors compound as they will in use), all from
-    one forward: each layer fits its norm on its input, then runs with it.
+    Layer i fits on what it reads in the converted model with layers < i already normed (the norms' errors compound
+    as they will in use), all from one forward: each layer fits its norm on its input, then runs with it.
     """
     return _fit_layers(model, calibration_ids, lambda m, x: add_latent_norm(m, x.reshape(-1, m.dim)),
                        "add_latent_norms")
@@ -188,9 +176,8 @@ def add_steady_channels(model, calibration_ids: torch.Tensor, *, eps: float | No
                         window: int = 512) -> list[float]:
     """steady_channel on every layer of a converted model (in place); returns each layer's output error.
 
-    The calibration ids (1, N) are cut into windows of `window` tokens (N // window of them, or one
-    window of N when shorter), run as one batch, so every window's first token is an attention sink
-    the fit sees. Layer i fits on what it reads with layers < i already changed, as add_latent_norms.
+    The calibration ids (1, N) are cut into N // window windows (one of N when shorter), run as one batch, so every
+    window's first token is an attention sink the fit sees; layer i fits on what it reads with layers < i changed.
     eps: the norm's eps, by default the model's rms_norm_eps (what llama.cpp's latent norm uses).
     """
     from ...modules import checks

@@ -1,23 +1,8 @@
 """Write a model whose attention kept the original's shape back into its source GGUF's own architecture.
 
-A shrink that keeps every value (a heal through llama.cpp's own cache codes, shrink/plan.py) changes only the
-attention weights: the model stays a llama, qwen3 or gemma3 model that llama.cpp already runs, and the smaller cache
-is llama.cpp's own `--cache-type-k/-v`. export_native copies the source GGUF and rewrites only what the heal moved:
-
-- every metadata field and every tensor the model still holds as the source had it are the source's, byte for byte
-  (its own quantisation kept), and the tokenizer with them;
-- each attention tensor (blk.N.attn_q/k/v/output weights and biases, Qwen3's and Gemma 3's per-head attn_q_norm and
-  attn_k_norm) whose value in the model differs from the source's as gguf's own de-quantiser reads it is written in
-  F32 from the model (llama-quantize then makes the type one serves); an untouched model writes none;
-- llama's query and key rows are put back in llama.cpp's order: its converter interleaves the two rotary halves of
-  each head (permute_rows), which transformers' GGUF reader undoes when it loads the file; Qwen3 and Gemma 3 store
-  them as they are. The per-head norms are stored as the factor they multiply by, which is what attnlab's modules
-  hold (Gemma's 1 + w included).
-- the cache types the model was healed for, when given, go into the metadata (attnlab.cache_type_k/v) beside
-  attnlab.written_by.
-
-The model must come from a GGUF (model.attnlab_source) of an architecture in NATIVE, every layer an attnlab
-GroupedQueryAttention of the source's head counts and sizes (no MLA: those go to export_gguf's deepseek2).
+A shrink that keeps every value (a heal through llama.cpp's own cache codes, shrink/plan.py) changes only attention
+weights: the model stays a llama, qwen3 or gemma3 model llama.cpp runs, with its smaller cache as --cache-type-k/v.
+`export_native` copies the source GGUF, rewriting only the attention tensors the heal moved; `check_native`: why not.
 """
 from __future__ import annotations
 
@@ -45,6 +30,9 @@ def permute_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
 
 def _attention_tensors(m, i: int, arch: str) -> dict[str, torch.Tensor]:
     """GGUF name -> the value llama.cpp should read, for layer i's attnlab module."""
+    # llama's query and key rows go back into llama.cpp's order (permute_rows), which transformers' GGUF reader undoes
+    # when it loads the file; Qwen3 and Gemma 3 store them as they are. The per-head norms are stored as the factor they
+    # multiply by, which is what attnlab's modules hold (Gemma's 1 + w included).
     out = {}
     for ours, theirs in (("W_Q", "attn_q"), ("W_K", "attn_k"), ("W_V", "attn_v"), ("W_O", "attn_output")):
         lin = getattr(m, ours)
@@ -72,6 +60,8 @@ def source_values(tensor) -> torch.Tensor:
                             ).reshape(shape)
 
 
+# The model must come from a GGUF (model.attnlab_source) of an architecture in NATIVE, every layer an attnlab
+# GroupedQueryAttention of the source's head counts and sizes (no MLA: those go to export_gguf's deepseek2).
 def check_native(model) -> tuple[Path, str]:
     """(the source GGUF, its architecture) when export_native can write this model; ValueError saying why not. From
     the model alone (its source's name, its config, its modules): the file itself is read by export_native, which
@@ -91,7 +81,7 @@ def check_native(model) -> tuple[Path, str]:
 
 
 def export_native(model, path, *, force: bool = False, cache_types: tuple[str, str] | None = None) -> dict:
-    """Write the model as its source GGUF with its changed attention tensors (module docstring), atomically.
+    """Write the model as its source GGUF with its changed attention tensors, atomically.
 
     cache_types: (K, V) llama.cpp cache types the model was healed for, recorded in the metadata. Returns
     {"path", "architecture", "rewritten": [GGUF names written from the model], "copied": count}."""
@@ -113,6 +103,10 @@ def export_native(model, path, *, force: bool = False, cache_types: tuple[str, s
     if missing:
         raise ValueError(f"{source} has no tensor {missing[0]} for the model's attention ({len(missing)} missing): "
                          "the model is not the one this file holds")
+    # Each attention tensor (blk.N.attn_q/k/v/output weights and biases, Qwen3's and Gemma 3's per-head attn_q_norm and
+    # attn_k_norm) whose value in the model differs from the source's as gguf's own de-quantiser reads it is written in
+    # F32 from the model (llama-quantize then makes the type one serves); an untouched model writes none. Every other
+    # metadata field and tensor is the source's, byte for byte (its own quantisation kept), the tokenizer with them.
     rewritten = []
     for name, value in ours.items():
         old = source_values(by_name[name])

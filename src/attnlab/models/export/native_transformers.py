@@ -1,15 +1,8 @@
 """A transformers folder in the source's own architecture, planned and healed for an attnlab.hf.KVCache storage.
 
-`attnlab shrink --format transformers` keeps every attention layer's shape (the original attention, only its
-cache coded: shrink/plan.py's native candidates) and heals the weights through the codes of the storage it plans
-(shrink/sizes.py: TRANSFORMERS_CACHE). A model with per-head q/k norms (Qwen3, Gemma 3) may also hold keys-whole
-MLAs: each is written as the source's attention (convert/keys_whole.py) and its value basis U goes beside the
-weights (VALUE_BASES), so that the cache holds the latent c = U^+ v, not the values. `export_transformers` writes such a model as the folder `save_pretrained`
-writes for its own class (LlamaForCausalLM, Qwen3ForCausalLM, Gemma3ForCausalLM, ...):
+`export_transformers` writes the folder `save_pretrained` writes for the model's own class (LlamaForCausalLM, ...):
 `AutoModelForCausalLM.from_pretrained(OUT)` loads it with no attnlab import, and `attnlab.hf.KVCache.from_pretrained
-(OUT)` makes the cache it was planned for, from the config's "attnlab" entry (who wrote it, the storage). The
-attnlab modules go back into transformers' attention layers with models.adapters.from_attnlab. Written atomically
-(io.folders.write_folder).
+(OUT)` makes the cache it was planned for, from the config's "attnlab" entry (who wrote it, the storage).
 """
 from __future__ import annotations
 
@@ -19,6 +12,11 @@ from pathlib import Path
 from ..adapters import attnlab_modules, check_own_attention, family, from_attnlab
 
 
+# `attnlab shrink --format transformers` keeps every attention layer's shape (the original attention, only its cache
+# coded: shrink/plan.py's native candidates) and heals the weights through the codes of the storage it plans
+# (shrink/sizes.py: TRANSFORMERS_CACHE). A model with per-head q/k norms (Qwen3, Gemma 3) may also hold keys-whole MLAs:
+# each is written as the source's attention (convert/keys_whole.py) and its value basis U goes beside the weights, so
+# that the cache holds the latent c = U^+ v, not the values.
 VALUE_BASES = "attnlab_values.safetensors"  # beside the weights: each keys-whole layer's value basis U (G dv, r)
 
 
@@ -44,9 +42,9 @@ def value_bases(model) -> list | None:
 def export_transformers(model, folder, tokenizer=None, *, force: bool = False, storage: str | list | None = None,
                         kept_dtype: str | None = None) -> dict:
     """Write an attnlab'd model whose attention kept its shape, or whose layers are keys-whole MLAs, as a
-    transformers folder (module docstring). storage: the KVCache storage it was planned for (config.json's
-    "attnlab" entry; None: a plain cache; a list: one a layer); kept_dtype: that of the layers a keys-whole plan
-    kept as they were. Returns {"path", "architecture", "kv_dtype"}."""
+    transformers folder, atomically (io.folders.write_folder). storage: the KVCache storage it was planned for
+    (config.json's "attnlab" entry; None: a plain cache; a list: one a layer); kept_dtype: that of the layers a
+    keys-whole plan kept as they were. Returns {"path", "architecture", "kv_dtype"}."""
     from safetensors.torch import save_file
 
     from ...io.folders import write_folder
@@ -60,7 +58,7 @@ def export_transformers(model, folder, tokenizer=None, *, force: bool = False, s
     check_kv_dtype(kept_dtype)
     bases = value_bases(model)
     kept = {"kept_dtype": kept_dtype} if bases and kept_dtype is not None and None in bases else {}
-    out = from_attnlab(copy.deepcopy(model))
+    out = from_attnlab(copy.deepcopy(model))  # the attnlab modules back into transformers' attention layers
     out.config.attnlab = {"written_by": "attnlab", "kv_dtype": storage,
                           **({"value_bases": VALUE_BASES} if bases else {}), **kept}
 
