@@ -113,9 +113,10 @@ CASES = {  # name: (model, shrink arguments after the model, what it checks)
 GPU_CASES = {c for c, (_, args, _) in CASES.items() if "cuda" in args}
 # llama.cpp's types, KIVI-style codes without and with KIVI's 16-bit residual of 32 or 128 tokens ("+w": each query
 # reads its newest rows plain, as many as KIVI's residual holds at most), and TurboQuant's (modules/turbo.py: tq4,
-# tq3, tq2 are 4.25, 3.25 and 2.25 bits a value); `baselines --add` scores those a model's row lacks into it
+# tq3, tq2 are 4.25, 3.25 and 2.25 bits a value of a 64-value head; tqp4, tqp3, tqp2 with the residual's 1-bit
+# sketch, 4.5, 3.5, 2.5); `baselines --add` scores those a model's row lacks into it
 BASELINES = ("q8_0", "q5_0", "q4_1", "iq4_nl", "q4_0", "kivi4", "kivi2", "tq4", "tq3", "tq2",
-             "kivi4+w32", "kivi4+w128", "kivi2+w32", "kivi2+w128")
+             "kivi4+w32", "kivi4+w128", "kivi2+w32", "kivi2+w128", "tqp4", "tqp3", "tqp2")
 
 
 def load() -> float:

@@ -86,10 +86,13 @@ ENGINE_FORMATS = {**KIVI_FORMATS, **QUANTO_FORMATS}  # applied in a forward with
 # Spellings (parse): llama.cpp's "q8_0", "q5_0", "q4_0", "q4_1", "iq4_nl"; attnlab's "int<b>[/g<N>]" (b in 2..7, N
 # channels a group, 32 when not given); an MLA row's rope key by a suffix, "+r8" (8 bits per token) or "+c<b>" (b in
 # 2..4, per channel over KEY_TOKENS tokens); "kivi4", "kivi2", "quanto4", "quanto2" (ENGINE_FORMATS); TurboQuant's
-# "tq1".."tq4" (modules/turbo.py); transform coding "tc<b>x<n>[-<b>x<n>...][/g<N>][+r8|+c<b>]" (TC_SPELLING).
+# "tq1".."tq4" and "tqp2".."tqp5" (modules/turbo.py); transform coding "tc<b>x<n>[-<b>x<n>...][/g<N>][+r8|+c<b>]"
+# (TC_SPELLING).
 SPELLING = re.compile(r"(q8_0|q5_0|q4_0|q4_1|iq4_nl|kivi4|kivi2|quanto4|quanto2)"
                       r"|int([2-7])(?:/g([1-9][0-9]*))?(?:\+(r8|c[234]))?")
-TQ_SPELLING = re.compile(r"tq([1-4])")  # TurboQuant's codes (modules/turbo.py): b bits a value, a norm a head
+# TurboQuant's codes (modules/turbo.py): "tq<b>", b bits a value and a norm a head; "tqp<b>", b - 1 of them and the
+# residual's 1-bit sketch, and two norms a head
+TQ_SPELLING = re.compile(r"tq([1-4])|tqp([2-5])")
 # Transform coding of an MLA's latent ("tc4x40-3x56-2x16+c4"): runs of the latent's channels in their own bits (here
 # 40 in 4, 56 in 3, 16 in 2), each stored as attnlab's groups of that many bits (N = 32 within a run, /g<N> to change
 # it), the runs' codes packed one after another; the rope key by its suffix (required for a row with one). The runs
@@ -103,8 +106,9 @@ def parse(spelling: str) -> LowBit | None:
     """The LowBit of a spelling ("q4_0", "int4", "int2/g64", "int4/g32+r8", "int3/g64+c4", "kivi2",
     "tc4x40-3x56+c4", ...), None for any other."""
     tq = TQ_SPELLING.fullmatch(spelling)
-    if tq is not None:  # its group is the part: one norm per head (pieces)
-        return LowBit(spelling, int(tq.group(1)), 0, False, "lloyd")
+    if tq is not None:  # its group is the part: one norm (two with the sketch) per head (pieces)
+        sketched = tq.group(2) is not None
+        return LowBit(spelling, int(tq.group(1) or tq.group(2)), 0, sketched, "qjl" if sketched else "lloyd")
     coded = TC_SPELLING.fullmatch(spelling)
     if coded is not None:
         runs = tuple((int(b), int(n)) for b, n in (run.split("x") for run in coded.group(1).split("-")))
@@ -128,7 +132,7 @@ def pieces(parts: tuple[int, ...], fmt: LowBit) -> list[tuple[int, LowBit]]:
     latent, or a transform-coded row with a rope key and no storage for it."""
     out = []
     for i, (w, f) in enumerate(zip(parts, part_formats(parts, fmt))):
-        if f.kind == "lloyd":
+        if f.kind in ("lloyd", "qjl"):
             if w & (w - 1):
                 raise ValueError(f"{f.code} rotates each head by a Hadamard transform of its size; parts of widths "
                                  f"{parts} are not all powers of two")
@@ -280,6 +284,8 @@ def _codes_and_meta(xg: torch.Tensor, fmt: LowBit, width: int | None = None) -> 
     top = (1 << fmt.bits) - 1
     if fmt.kind == "lloyd":
         return turbo.encode(xg, fmt.bits)
+    if fmt.kind == "qjl":
+        return turbo.encode_sketched(xg, fmt.bits)
     if fmt.code == "iq4_nl":
         return _iq4_nl_codes(xg)
     if fmt.kind == "block" and not fmt.zero:
@@ -385,6 +391,8 @@ def _values(codes: torch.Tensor, meta: torch.Tensor, fmt: LowBit, work: torch.dt
     """codes (..., n, g) and meta (..., n, k) -> values (..., n, g) in `work`."""
     if fmt.kind == "lloyd":
         return turbo.decode(codes, meta, fmt.bits, work)
+    if fmt.kind == "qjl":
+        return turbo.decode_sketched(codes, meta, fmt.bits, work)
     if fmt.code == "iq4_nl":
         return torch.tensor(IQ4_NL_VALUES, dtype=work, device=codes.device)[codes.long()] * meta.to(work)
     c, meta = codes.to(work), meta.to(work)

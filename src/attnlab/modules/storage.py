@@ -37,7 +37,8 @@ from .sink import without_sinks
 #   for a cache that holds them apart (a GQA's; an MLA's one row refuses it). Its StorageFormat is the key's with
 #   `value` the value's; `for_role` gives the one a role's rows use.
 KV_DTYPES = ("fp32", "bf16", "int8", "fp8", "q8_0", "q5_0", "q4_0", "q4_1", "iq4_nl", "int7", "int6", "int5", "int4",
-             "int3", "int2", "tq4", "tq3", "tq2", "tq1", "kivi4", "kivi2", "quanto4", "quanto2")
+             "int3", "int2", "tq4", "tq3", "tq2", "tq1", "tqp5", "tqp4", "tqp3", "tqp2", "kivi4", "kivi2", "quanto4",
+             "quanto2")
 PLAIN = {"fp32": torch.float32, "bf16": torch.bfloat16}
 QMAX = {"int8": 127.0, "fp8": 448.0}  # the largest code: int8 symmetric, float8_e4m3fn's largest finite value
 SCALE_DTYPE = torch.float32  # 4 bytes a scale, in bytes_per_token (float16 scales go subnormal for amax < 127 * 6e-5)
@@ -115,8 +116,10 @@ def check_kv_dtype(kv_dtype) -> StorageFormat | None:
     choices = ("'fp32', 'bf16', 'int8', 'fp8' (or 'int8/g<N>', 'fp8/g<N>': one scale per N channels), llama.cpp's "
                "'q8_0', 'q5_0', 'q4_0', 'q4_1', 'iq4_nl', 'int2' to 'int7' (or 'int4/g<N>', ..., and after any "
                "of them '+r8' for an MLA's rope key in 8 bits or '+c4', '+c3', '+c2' for it in 4, 3, 2 bits per "
-               "channel), runs of a transform-coded latent as 'tc4x40-3x56+c4', any of the quantised ones with '+s<N>' "
-               "(an MLA's first N rows kept plain) and/or '+w<N>' after it (its newest N rows kept plain), TurboQuant's 'tq1' to 'tq4', 'kivi4', 'kivi2', 'quanto4', "
+               "channel), runs of a transform-coded latent as 'tc4x40-3x56+c4', any of the quantised ones with "
+               "'+s<N>' (an MLA's first N rows kept plain) and/or '+w<N>' after it (its newest N rows kept plain), "
+               "TurboQuant's 'tq1' to 'tq4' (or 'tqp2' to 'tqp5' with its 1-bit residual sketch), 'kivi4', 'kivi2', "
+               "'quanto4', "
                "'quanto2', a K/V pair of llama.cpp's types such as 'q8_0,q4_0', or None")
     if not isinstance(kv_dtype, str):
         raise TypeError(f"kv_dtype must be one of {choices}, got {type(kv_dtype).__name__} ({kv_dtype!r})")
