@@ -19,7 +19,7 @@ from transformers import DynamicCache  # noqa: E402
 from attnlab.hf import KVCache  # noqa: E402
 from attnlab.modules.storage import round_trip  # noqa: E402
 
-STORAGES = ["int8", "q4_0", "q8_0,q4_0", "int4/g32", "int3/g64", "tq3", "q4_0+w8", "int3/g64+w16"]
+STORAGES = ["int8", "q4_0", "q8_0,q4_0", "int4/g32", "int3/g64", "tq3", "tqp3", "q4_0+w8", "int3/g64+w16"]
 
 
 class RoundTripCache(DynamicCache):
