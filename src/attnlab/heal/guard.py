@@ -6,7 +6,6 @@ part of the Healer's state is plain numbers and lists (initial_state), so checkp
 from __future__ import annotations
 
 import math
-import os
 
 from .evaluate import flips
 
@@ -194,16 +193,9 @@ def reason(before: dict | None, after: dict | None) -> str | None:
 
 def top1_alpha() -> float:
     """TOP1_ALPHA, or ATTNLAB_TOP1_ALPHA where set; ValueError naming a value that is not a number from 0 to 1."""
-    value = os.environ.get(ALPHA_VARIABLE)
-    if value is None:
-        return TOP1_ALPHA
-    try:
-        alpha = float(value)
-    except ValueError:
-        alpha = math.nan
-    if not 0 <= alpha <= 1:
-        raise ValueError(f"{ALPHA_VARIABLE} must be a number from 0 to 1, got {value!r}")
-    return alpha
+    from ..runtime.environment import env_number
+
+    return env_number(ALPHA_VARIABLE, TOP1_ALPHA, 0.0, 1.0, "from 0 to 1")
 
 
 def sign_test(lost: int, gained: int) -> float:

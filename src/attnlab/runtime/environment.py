@@ -6,6 +6,7 @@ processor allows in its minutes, and at 12.5% its result follows its steps close
 """
 from __future__ import annotations
 
+import math
 import os
 import platform
 from importlib import metadata
@@ -63,3 +64,18 @@ def environment() -> dict:
         except metadata.PackageNotFoundError:
             out[name] = None
     return out
+
+
+def env_number(variable: str, default: float, low: float, high: float, rule: str) -> float:
+    """`default`, or the finite number the environment variable holds where set; ValueError naming the variable, the
+    rule ("of at least 1") and the value unless low <= it <= high."""
+    value = os.environ.get(variable)
+    if value is None:
+        return default
+    try:
+        number = float(value)
+    except ValueError:
+        number = math.nan
+    if not low <= number <= high or math.isinf(number):
+        raise ValueError(f"{variable} must be a number {rule}, got {value!r}")
+    return number

@@ -90,16 +90,9 @@ class PlanResult:
 
 def two_bit_margin() -> float:
     """TWO_BIT_MARGIN, or ATTNLAB_TWO_BIT_MARGIN where set; ValueError naming a value that is not a number >= 1."""
-    value = os.environ.get(MARGIN_VARIABLE)
-    if value is None:
-        return TWO_BIT_MARGIN
-    try:
-        margin = float(value)
-    except ValueError:
-        margin = math.nan
-    if not margin >= 1 or math.isinf(margin):
-        raise ValueError(f"{MARGIN_VARIABLE} must be a number of at least 1, got {value!r}")
-    return margin
+    from ..runtime.environment import env_number
+
+    return env_number(MARGIN_VARIABLE, TWO_BIT_MARGIN, 1.0, math.inf, "of at least 1")
 
 
 def rank(cand: Candidate) -> float:
