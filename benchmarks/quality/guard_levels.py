@@ -43,7 +43,8 @@ def judge(before: dict, after: dict) -> dict:
     counts = [flips(b, a) for b, a in zip(b_texts, a_texts)]
     chances = [sign_test(*c) if c is not None else math.nan for c in counts]
     fixed = any(a["top1_agreement"] < b["top1_agreement"] - TOP1_TOLERANCE for b, a in zip(b_texts, a_texts))
-    return {"kl_rose_on": rose, "flips": counts, "least_chance": min(chances), "fixed_fall": bool(rose) or fixed}
+    least = min((c for c in chances if not math.isnan(c)), default=math.nan)  # nan: no positions (an older row)
+    return {"kl_rose_on": rose, "flips": counts, "least_chance": least, "fixed_fall": bool(rose) or fixed}
 
 
 def same_range(chances: list[float]) -> tuple[float, float]:

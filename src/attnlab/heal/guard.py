@@ -168,7 +168,7 @@ def reason(before: dict | None, after: dict | None) -> str | None:
     b_texts, a_texts = _texts(before), _texts(after)
     if len(b_texts) != len(a_texts):
         raise ValueError(f"cannot compare evaluations of {len(b_texts)} and {len(a_texts)} held-out texts")
-    n = len(b_texts)
+    n, alpha = len(b_texts), top1_alpha()
     for i, (b, a) in enumerate(zip(b_texts, a_texts)):
         where = "on the held-out text" if n == 1 else f"on held-out text {i + 1} of {n}"
         figures = (f"(top-1 agreement {b['top1_agreement']:.4f} -> {a['top1_agreement']:.4f}, perplexity "
@@ -182,9 +182,9 @@ def reason(before: dict | None, after: dict | None) -> str | None:
         if counts is not None:
             lost, gained = counts
             chance = sign_test(lost, gained)
-            if chance < top1_alpha():
+            if chance < alpha:
                 return (f"{fell}: {lost} positions lost, {gained} gained (a sign test's chance {chance:.2g}, below "
-                        f"{top1_alpha():g}; perplexity {b['perplexity']:.3f} -> {a['perplexity']:.3f}{kl})")
+                        f"{alpha:g}; perplexity {b['perplexity']:.3f} -> {a['perplexity']:.3f}{kl})")
         elif a["top1_agreement"] < b["top1_agreement"] - TOP1_TOLERANCE:
             return (f"{fell}, by more than {TOP1_TOLERANCE:g} (perplexity {b['perplexity']:.3f} -> "
                     f"{a['perplexity']:.3f}{kl})")

@@ -75,11 +75,6 @@ def decode(codes: torch.Tensor, norms: torch.Tensor, bits: int, work: torch.dtyp
 # S r (S: g x g, N(0, 1) entries), with |r| in float16; read back as read-back + |r| sqrt(pi/2) / g S^T sign(S r), an
 # unbiased inner product with any query over S's draw (the paper's Theorem 2; variance at most pi / (2g) |r|^2 |q|^2).
 # A code holds the sign in its top bit: b bits a value and two float16 numbers a head.
-def sketch_matrix(g: int) -> torch.Tensor:
-    """The fixed draw of S for head size g (float64)."""
-    return _sketch(g).clone()
-
-
 @functools.cache
 def _sketch(g: int) -> torch.Tensor:
     return torch.randn(g, g, generator=torch.Generator().manual_seed(SKETCH_SEED + g), dtype=torch.float64)
@@ -87,7 +82,7 @@ def _sketch(g: int) -> torch.Tensor:
 
 def encode_sketched(xg: torch.Tensor, bits: int, s: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Head vectors xg (..., n, g) -> codes (..., n, g) uint8 (the sign in bit bits - 1) and meta (..., n, 2) float16
-    (the norm, |r|); s: another S (tests), else sketch_matrix's."""
+    (the norm, |r|); s: another S (tests), else the fixed draw for g."""
     g = xg.shape[-1]
     codes, norm = encode(xg, bits - 1)
     r = xg - decode(codes, norm, bits - 1, xg.dtype)
