@@ -13,7 +13,7 @@ from attnlab import models as hf
 from attnlab.models.adapters import attnlab_modules, decoder_layers, replace_attention
 from attnlab.models.convert import convert_model, layer_latents
 from attnlab.shrink import parse_budget, plan
-from attnlab.shrink.candidate import Candidate, apply, proxy_kl, teacher_log_probs
+from attnlab.shrink.candidate import Candidate, apply, proxy_kl, teacher_logits
 from attnlab.shrink.layer_costs import Prefix, layer_costs
 from attnlab.shrink.layer_rounds import per_layer_sizes
 from attnlab.shrink.per_layer import choose_per_layer
@@ -53,7 +53,7 @@ def test_the_kl_from_a_layer_on_is_the_whole_models(four, layer):
     _convert_one(student, layer, 12, ids)
     prefix.model = student  # the same layers before `layer`: the copies' outputs are the originals'
     prefix.layers = decoder_layers(student)
-    whole = proxy_kl(student, windows, teacher_log_probs(model, windows))
+    whole = proxy_kl(student, windows, teacher_logits(model, windows))
     assert whole > 1e-4
     assert prefix.kl(layer) == pytest.approx(whole, rel=1e-5)
     assert all("forward" not in vars(m) for m in decoder_layers(student))  # the class's forward again
@@ -68,10 +68,10 @@ def test_windows_read_in_batches_score_as_one_at_a_time(four, monkeypatch):
     student = copy.deepcopy(model)
     _convert_one(student, 1, 12, ids)
     three = ids[0, :192].reshape(3, 64)
-    batched = proxy_kl(student, three, teacher_log_probs(model, three))
+    batched = proxy_kl(student, three, teacher_logits(model, three))
     from_two = Prefix(model, three)
     monkeypatch.setattr(costs_module, "WINDOW_BATCH", 1)
-    single = proxy_kl(student, three, teacher_log_probs(model, three))
+    single = proxy_kl(student, three, teacher_logits(model, three))
     assert len(costs_module.batches(three)) == 3 and len(from_two.reference) == 2
     assert batched > 1e-4 and batched == pytest.approx(single, rel=1e-5)
 
@@ -165,7 +165,7 @@ def test_round_4_chooses_by_the_whole_models_costs_within_the_bytes(four, monkey
     best = seen["best"]
     sizes = real(best, 64)
     assert len(sizes) == 3
-    reference = teacher_log_probs(model, windows)
+    reference = teacher_logits(model, windows)
     costs = []
     for layer in range(4):
         row = []

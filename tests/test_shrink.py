@@ -20,7 +20,7 @@ from attnlab.shrink import ShrinkRequest, parse_budget, plan, shrink
 from attnlab.shrink.request import check_request
 from attnlab.shrink.state import run_folder
 from attnlab.shrink.feasible import feasible
-from attnlab.shrink.candidate import Candidate, apply, proxy_bf16, proxy_kl, rank, teacher_log_probs
+from attnlab.shrink.candidate import Candidate, apply, proxy_bf16, proxy_kl, rank, teacher_logits
 from attnlab.shrink.sizes import bytes_per_token
 from attnlab.shrink.sizes import spread_context
 
@@ -103,7 +103,7 @@ def test_the_plan_scores_candidates_on_the_proxy_text_it_is_given(tiny):
     result = plan(model, cal, parse_budget("50%"), window=T, proxy_ids=other, storages=("bf16",))
     windows = other[0].reshape(4, T)
     bf16 = proxy_bf16(model)  # the planner's precision on this machine
-    reference = teacher_log_probs(model, windows, bf16)
+    reference = teacher_logits(model, windows, bf16)
     for cand in result.measured[:2]:
         m = copy.deepcopy(model)
         apply(m, cand, cal)
@@ -120,7 +120,7 @@ def test_the_proxy_ranks_two_clearly_different_cuts_as_held_out_perplexity_does(
     cal = _ids(tok, text, 256)
     held = teacher_windows(model, tok, 8, 32, seed=123).reshape(1, -1)
     windows = cal[0, :4 * T].reshape(4, T)
-    reference = teacher_log_probs(model, windows)
+    reference = teacher_logits(model, windows)
     scores = {}
     for name, cand in {"wide": Candidate(40, 16, "rorope", True, "bf16", False),
                        "narrow": Candidate(4, 2, "rorope", True, "bf16", False)}.items():
@@ -331,8 +331,8 @@ def test_the_proxy_runs_in_bf16_only_for_a_float32_model_on_the_cpu_as_asked(tin
     windows = cal[0, :4 * T].reshape(4, T)
     m = copy.deepcopy(model)
     apply(m, Candidate(40, 16, "rorope", True, "bf16", False), cal)
-    kl32 = proxy_kl(m, windows, teacher_log_probs(model, windows))
-    kl16 = proxy_kl(m, windows, teacher_log_probs(model, windows, True), True)
+    kl32 = proxy_kl(m, windows, teacher_logits(model, windows))
+    kl16 = proxy_kl(m, windows, teacher_logits(model, windows, True), True)
     assert kl16 != kl32 and kl16 == pytest.approx(kl32, rel=0.1)
 
 

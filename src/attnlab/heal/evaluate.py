@@ -12,6 +12,7 @@ import math
 import torch
 
 from ..generation.loop import generate
+from ..models.divergence import kl_sum
 from ..models.evaluate import (check_window, default_window, kv_bytes_per_token, next_token_nll, on_model,
                                windows)
 from ..runtime.budget import Stopped
@@ -55,25 +56,6 @@ def greedy_agreement(teacher, student, prompts: torch.Tensor, new_tokens: int = 
             "prompts": B, "teacher_tokens": a}
 
 
-KL_ROWS = 64  # positions per float64 block of kl_sum: a few (64, V) doubles (25 MB each at V = 49,152)
-
-
-def kl_sum(teacher_logits: torch.Tensor, student_logits: torch.Tensor, rows: int = KL_ROWS) -> float:
-    """The sum over positions of KL(teacher || student) of next-token distributions given as logits (..., V), in
-    nats, computed and summed in float64, `rows` positions at a time (the memory of a few blocks, not of the window).
-
-    A token the teacher gives probability 0 (a logit of -inf) adds nothing, as in the definition (0 log 0 = 0)."""
-    V = teacher_logits.shape[-1]
-    t_all, s_all = teacher_logits.reshape(-1, V), student_logits.reshape(-1, V)
-    total = torch.zeros((), dtype=torch.float64, device=t_all.device)
-    for i in range(0, t_all.shape[0], rows):
-        t = t_all[i:i + rows].double().log_softmax(-1)  # (r, V)
-        s = s_all[i:i + rows].to(t.device).double().log_softmax(-1)
-        p = t.exp()
-        total += torch.where(p > 0, p * (t - s), torch.zeros((), dtype=torch.float64, device=t.device)).sum()
-    return float(total)
-
-
 def _prompts(held_out: torch.Tensor, prompts: int, prompt_len: int) -> torch.Tensor | None:
     M = held_out.shape[1]
     if prompts < 1 or M < prompt_len:  # no prompts asked (no greedy agreement), or a text too short for one
@@ -83,7 +65,7 @@ def _prompts(held_out: torch.Tensor, prompts: int, prompt_len: int) -> torch.Ten
 
 
 # One pass over the held-out windows scores both models: each one's next-token loss, the KL between their next-token
-# distributions at every position (float64 sums: kl_sum), and whether their most likely tokens agree. evaluate_pair's
+# distributions at every position (float64 sums: models.divergence.kl_sum), and whether their most likely tokens agree. evaluate_pair's
 # figures: "kl", the mean over every scored position (each predicts the next token) of KL(teacher || student) in nats;
 # "top1_agreement", the share of those positions where both models' most likely tokens are equal; "perplexity", exp
 # of the student's mean next-token loss ("tokens" positions in "windows" windows of `window` tokens, default 512 or
@@ -163,7 +145,7 @@ def _score_pair(teacher, student, chunks, teacher_top: dict, fresh: bool, budget
             if fresh:
                 sums[4] += next_token_nll(t_logits, chunk)[0]
                 teacher_top[i] = t_logits.argmax(-1).cpu()  # (1, n), on the CPU: the reference goes in checkpoints
-            sums[5] += kl_sum(t_logits, s_logits)
+            sums[5] += kl_sum(t_logits, s_logits, torch.float64)
             del t_logits
             agree[i] = (teacher_top[i].to(s_logits.device) == s_logits.argmax(-1)).reshape(-1).cpu()
             sums[:4] += torch.tensor([nll, n, int(agree[i].sum()), chunk.numel()], dtype=torch.float64)

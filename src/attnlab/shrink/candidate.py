@@ -123,26 +123,25 @@ def _precision(bf16: bool):
     return torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
 
 
-def teacher_log_probs(teacher, windows: torch.Tensor, bf16: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The teacher's next-token log-probabilities and probabilities on the proxy windows, (B, T, V) a batch
-    (layer_costs.batches), kept for every candidate; bf16: the forwards in bf16 autocast (proxy_bf16)."""
+def teacher_logits(teacher, windows: torch.Tensor, bf16: bool = False) -> list[torch.Tensor]:
+    """The teacher's next-token logits on the proxy windows, (B, T, V) a batch (layer_costs.batches), kept for every
+    candidate; bf16: the forwards in bf16 autocast (proxy_bf16), the logits kept as they come."""
     from .layer_costs import batches
 
     with torch.no_grad(), _precision(bf16):
-        logs = [teacher(batch).logits.float().log_softmax(-1) for batch in batches(windows)]
-    return [(t, t.exp()) for t in logs]
+        return [teacher(batch).logits for batch in batches(windows)]
 
 
-def proxy_kl(student, windows: torch.Tensor, reference: list[tuple[torch.Tensor, torch.Tensor]],
-             bf16: bool = False) -> float:
-    """Mean KL(teacher || student) per position over the proxy windows (reference: teacher_log_probs's, of the same
-    precision)."""
-    from .layer_costs import batches, kl_sum
+def proxy_kl(student, windows: torch.Tensor, reference: list[torch.Tensor], bf16: bool = False) -> float:
+    """Mean KL(teacher || student) per position over the proxy windows, computed in float32 (reference:
+    teacher_logits's, of the same precision)."""
+    from ..models.divergence import kl_sum
+    from .layer_costs import batches
 
     total, count = 0.0, 0
     with torch.no_grad(), _precision(bf16):
-        for batch, (t, probs) in zip(batches(windows), reference):
-            total += kl_sum(t, student(batch).logits.float().log_softmax(-1), probs)
+        for batch, t in zip(batches(windows), reference):
+            total += kl_sum(t, student(batch).logits)
             count += batch.numel()
     return total / count
 

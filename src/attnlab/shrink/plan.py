@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 
 from . import layer_rounds
-from .candidate import Candidate, PlanResult, apply, proxy_bf16, proxy_kl, rank, teacher_log_probs, token_windows
+from .candidate import (Candidate, PlanResult, apply, proxy_bf16, proxy_kl, rank, teacher_logits,
+                        token_windows)
 from .feasible import feasible, keys_whole, native_storages
 from .sizes import (FORMATS, LLAMA_CPP_CACHE, KVBudget, Layout, cached_extra, few_bit, fit, layer_bytes, latent_bits,
                     layers_bytes, original_sizes, planned_bytes, splits, spread_context, storage_ok)
@@ -106,7 +107,7 @@ class _Planner:
         self.window = window
         self.windows = token_windows((calibration_ids if proxy_ids is None else proxy_ids)[0], window, proxy_windows)
         self.bf16 = proxy_bf16(self.teacher)  # the proxy's forwards in bf16 where the CPU multiplies it natively
-        self.reference = teacher_log_probs(self.teacher, self.windows, self.bf16)
+        self.reference = teacher_logits(self.teacher, self.windows, self.bf16)
 
     # -- what the rounds share -------------------------------------------------------------------------------
     # Each candidate converts the teacher's own attention modules with calibration inputs computed once, is measured
