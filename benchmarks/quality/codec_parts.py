@@ -1,6 +1,7 @@
 """Two calibrated-codec parts measured before building them into a storage, on SmolLM2's own keys and values:
-keys coded per channel before RoPE (KVQuant) against after, 1% of them kept exact, and value codebooks (Lloyd-Max levels of the normal,
-or fitted per layer on calibration text) against attnlab's uniform groups. Development texts only.
+keys coded per channel before RoPE (KVQuant) against after, 1% of them kept exact, and value codebooks (Lloyd-Max
+levels of the normal, or fitted per layer on calibration text) against attnlab's uniform groups. Development texts
+only.
 
     python benchmarks/quality/codec_parts.py     # prints a table, writes benchmarks/results/codec_parts.json
 
@@ -161,7 +162,8 @@ def main() -> None:
         values = value_errors(calibration, dev, model.config.num_hidden_layers, bits)
         rows.append({"bits": bits, "keys": keys, "values": values})
         print(f"{bits} bits | keys after RoPE {keys['after']:.5f}, before {keys['before']:.5f} "
-              f"({keys['before'] / keys['after']:.3f}x), 1% exact {keys['after, sparse']:.5f} | values int {values['int']:.5f}, Lloyd-Max "
+              f"({keys['before'] / keys['after']:.3f}x), 1% exact {keys['after, sparse']:.5f} | values int "
+              f"{values['int']:.5f}, Lloyd-Max "
               f"{values['lloyd-max']:.5f} ({values['lloyd-max'] / values['int']:.3f}x), fitted {values['fitted']:.5f} "
               f"({values['fitted'] / values['int']:.3f}x)")
     out = {"what": __doc__.splitlines()[0], "model": "smollm2", "text": args.text, "calibration": args.calibration,

@@ -65,17 +65,17 @@ def _prompts(held_out: torch.Tensor, prompts: int, prompt_len: int) -> torch.Ten
 
 
 # One pass over the held-out windows scores both models: each one's next-token loss, the KL between their next-token
-# distributions at every position (float64 sums: models.divergence.kl_sum), and whether their most likely tokens agree. evaluate_pair's
-# figures: "kl", the mean over every scored position (each predicts the next token) of KL(teacher || student) in nats;
-# "top1_agreement", the share of those positions where both models' most likely tokens are equal; "perplexity", exp
-# of the student's mean next-token loss ("tokens" positions in "windows" windows of `window` tokens, default 512 or
-# the model's context where shorter). With a budget the "before" evaluation scores windows while the last one's time
-# still fits (the first always) and remembers how many, so the "after" one (its reference) scores the same text at
-# about the same cost: the teacher runs again on each window (its full-vocabulary logits are not kept: their memory
-# would grow with the windows), its most likely tokens and greedy continuations are reused. Greedy agreement is left
-# out if the budget runs out first; a stop request raises runtime.Stopped. Over N ranks window i is scored by rank
-# i mod N in rounds whose start every rank agrees on, the sums reduced and the teacher's answers gathered: every rank
-# returns one process's result, up to the order of its sums.
+# distributions at every position (in float64: models.divergence.kl_sum), and whether their most likely tokens agree.
+# evaluate_pair's figures: "kl", the mean over every scored position (each predicts the next token) of KL(teacher ||
+# student) in nats; "top1_agreement", the share of those positions where both models' most likely tokens are equal;
+# "perplexity", exp of the student's mean next-token loss ("tokens" positions in "windows" windows of `window` tokens,
+# default 512 or the model's context where shorter). With a budget the "before" evaluation scores windows while the
+# last one's time still fits (the first always) and remembers how many, so the "after" one (its reference) scores the
+# same text at about the same cost: the teacher runs again on each window (its full-vocabulary logits are not kept:
+# their memory would grow with the windows), its most likely tokens and greedy continuations are reused. Greedy
+# agreement is left out if the budget runs out first; a stop request raises runtime.Stopped. Over N ranks window i is
+# scored by rank i mod N in rounds whose start every rank agrees on, the sums reduced and the teacher's answers
+# gathered: every rank returns one process's result, up to the order of its sums.
 def evaluate_pair(teacher, student, held_out: torch.Tensor, *, prompts: int = 8, prompt_len: int = 32,
                   new_tokens: int = 64, window: int | None = None, budget=None, reference: dict | None = None,
                   world=None) -> dict:
