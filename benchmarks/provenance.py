@@ -66,3 +66,13 @@ def provenance(argv: list[str], allow_dirty: bool = False, results: tuple[str, .
 
 def finish(prov: dict) -> dict:
     return {**prov, "load_after": load()}
+
+
+def write_results(path: Path, out: dict) -> None:
+    """Write a benchmark's JSON whole or not at all (a temporary file moved into place), and say where."""
+    import json
+
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(out, indent=2) + "\n")
+    tmp.replace(path)
+    print(f"wrote {path.relative_to(ROOT)}")

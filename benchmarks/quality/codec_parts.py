@@ -16,7 +16,6 @@ algorithm on the calibration text's rows of that layer; the error is the squared
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -24,7 +23,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from provenance import finish, provenance  # noqa: E402
+from provenance import finish, provenance, write_results  # noqa: E402
 from texts import DEV_TEXTS, checked  # noqa: E402
 
 from attnlab.modules import lowbit, turbo  # noqa: E402
@@ -168,10 +167,7 @@ def main() -> None:
               f"({values['fitted'] / values['int']:.3f}x)")
     out = {"what": __doc__.splitlines()[0], "model": "smollm2", "text": args.text, "calibration": args.calibration,
            "tokens": args.tokens, "rows": rows, "provenance": finish(prov)}
-    tmp = RESULTS.with_suffix(".tmp")
-    tmp.write_text(json.dumps(out, indent=2) + "\n")
-    tmp.replace(RESULTS)
-    print(f"wrote {RESULTS.relative_to(ROOT)}")
+    write_results(RESULTS, out)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,6 @@ vocabularies; the median of REPEATS calls, both ways in one process; the error i
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -19,7 +18,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from provenance import finish, provenance  # noqa: E402
+from provenance import finish, provenance, write_results  # noqa: E402
 
 from attnlab.models.divergence import kl_sum  # noqa: E402
 
@@ -67,10 +66,7 @@ def main() -> None:
               f"{r['speedup']:.1f}x | {r['whole_error']:.1e}, {r['blocks_error']:.1e} |")
     out = {"what": __doc__.splitlines()[0], "positions": POSITIONS, "repeats": REPEATS, "rows": rows,
            "provenance": finish(prov)}
-    tmp = RESULTS.with_suffix(".tmp")
-    tmp.write_text(json.dumps(out, indent=2) + "\n")
-    tmp.replace(RESULTS)
-    print(f"wrote {RESULTS.relative_to(ROOT)}")
+    write_results(RESULTS, out)
 
 
 if __name__ == "__main__":
