@@ -379,3 +379,25 @@ def test_a_storage_with_a_rope_key_part_codes_values_rotated_and_keys_as_the_rop
     assert torch.allclose(flat(got_v), want_v, rtol=0, atol=1e-12)
     assert torch.allclose(flat(got_k), want_k, rtol=0, atol=1e-12)
     assert not torch.allclose(flat(got_v), flat(v), rtol=0, atol=1e-3)  # the values were coded
+
+
+@pytest.mark.parametrize("kv_dtype", ["int3/g64+w16", "int3/g64+c4+w16"])
+def test_a_cache_filled_by_hand_decodes_as_one_filled_a_row_at_a_time(kv_dtype, tmp_path):
+    """A prompt's keys and values handed to cache.update outside any forward, then a decode step: the logits of a
+    cache given the same rows one at a time (float64: 1e-10). Its update of several rows announces plain rows that
+    no attention reads; the next layer's decode must not take them for its own."""
+    model, _ = make_checkpoint("llama", tmp_path, head_dim=32)
+    model = model.double()
+    ids = _ids(41, model.config.vocab_size)
+    prompt = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids[:, :40], cache=prompt, use_cache=True)
+    whole, single = KVCache(model, kv_dtype), KVCache(model, kv_dtype)
+    for i, layer in enumerate(prompt.layers):
+        whole.update(layer.keys, layer.values, i)
+        for t in range(layer.keys.shape[-2]):
+            single.update(layer.keys[..., t:t + 1, :], layer.values[..., t:t + 1, :], i)
+    with torch.no_grad():
+        got = model(ids[:, 40:], cache=whole, use_cache=True).logits
+        want = model(ids[:, 40:], cache=single, use_cache=True).logits
+    assert ((got - want).abs().max() / want.abs().max()).item() <= 1e-10

@@ -22,6 +22,12 @@ def announce(stored: int, tail_start: int, size: int) -> None:
     _pending.mix = (stored, tail_start, size)
 
 
+def forget() -> None:
+    """A cache layer returned its rows as one-token decoding reads them: no earlier announcement holds any more
+    (one made by an update that no attention followed, such as a cache filled by hand)."""
+    _pending.mix = None
+
+
 def attention(module, query, key, value, attention_mask, **kwargs):
     """sdpa, over the mixed rows a cache layer announced for this call (module docstring), BLOCK queries at a time."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward

@@ -17,7 +17,7 @@ from ..modules.recent import RecentRows
 from ..modules.rope_key import by_head
 from ..modules.rotation import hadamard_transform
 from ..modules.storage import check_kv_dtype, dense, each_layer
-from .attention import announce, use_on
+from .attention import announce, forget, use_on
 
 GROWTH = 64  # a full layer grows to what it needs plus a 64th of it (at least MIN_ROOM rows): bytes held <= 1.02x
 MIN_ROOM = 16  # from about 1,000 tokens on; a reallocation copies the rows held, every 16 tokens at most
@@ -199,6 +199,7 @@ class _CodedLayer(_Owner):
         """Code the new rows and return every row the queries read (B, G, S, d), dequantised."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        forget()
         rows, n = self.rows, key_states.shape[-2]
         if rows.window is None and rows.length + n > rows.max_len:
             need = rows.length + n
@@ -299,6 +300,7 @@ def _extend_rows(rows: _LatentRows, new: torch.Tensor, mixed: bool) -> torch.Ten
     """Write new rows (B, n, w) into a LatentCache, grown as needed; every row it holds (B, S, w) as queries read
     them: dequantised, a "+w<N>" storage's newest N plain. mixed, for a call of several tokens: the S rows as stored
     and then the plain rows its queries read, announced to hf/attention.py, instead of the last query's view."""
+    forget()
     need = rows.length + new.shape[1]
     if need > rows.max_len:
         rows.reserve(need + max(MIN_ROOM, need // GROWTH))
