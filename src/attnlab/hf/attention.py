@@ -1,40 +1,65 @@
-"""transformers' attention over KVCache's recent window: each query of a call reads its own newest N rows plain.
+"""transformers' attention over KVCache's rows: a recent window read plain, and rows left in llama.cpp's rotated frame.
 
 A "+w<N>" layer of KVCache returns a call's S rows as stored, then the newest positions' plain rows
 (modules/recent.py), and says so through `announce`. `attention` (registered as "attnlab" by `use_on`, which KVCache
-calls for a windowed storage) masks them as recent.mixed_mask does, so a chunk scores what one-token decoding scores.
+calls for such a storage) masks them as recent.mixed_mask does, so a chunk scores what one-token decoding scores.
+A layer whose storage rotates (llama.cpp's H_n, or the values of a rope-key storage) returns its rows not rotated
+back and announces n: the attention turns the query and the output by H_n instead, as llama.cpp does, so a decode
+step costs a query's rotation rather than the whole history's.
 """
 from __future__ import annotations
 
 import threading
+from typing import NamedTuple
 
 import torch
 
 from ..modules.recent import mixed_mask
+from ..modules.rotation import turned
 
 NAME = "attnlab"
 BLOCK = 256  # queries a call at most: a long prefill's mask stays (256, rows) instead of (L, 2 rows)
 _pending = threading.local()  # the last announcement: made by a layer's update, read by the attention after it
 
 
-def announce(stored: int, tail_start: int, size: int) -> None:
-    """A cache layer returned `stored` rows as stored, then the plain rows of positions tail_start..stored - 1."""
-    _pending.mix = (stored, tail_start, size)
+class Note(NamedTuple):
+    """What a layer's update returned. mix: (stored, tail_start, size), S rows as stored then the plain rows of
+    positions tail_start..S - 1, or None; keys, values: the H_n the rows are left turned by, or None."""
+    mix: tuple[int, int, int] | None = None
+    keys: int | None = None
+    values: int | None = None
+
+
+def announce(note: Note) -> None:
+    """The rows a cache layer's update just returned are read as `note` says (Note(): as plain rows)."""
+    _pending.note = None if note == Note() else note
 
 
 def forget() -> None:
-    """A cache layer returned its rows as one-token decoding reads them: no earlier announcement holds any more
-    (one made by an update that no attention followed, such as a cache filled by hand)."""
-    _pending.mix = None
+    """No earlier announcement holds any more (one made by an update that no attention followed, such as a cache
+    filled by hand): a layer calls it as its update begins."""
+    _pending.note = None
 
 
 def attention(module, query, key, value, attention_mask, **kwargs):
-    """sdpa, over the mixed rows a cache layer announced for this call (module docstring), BLOCK queries at a time."""
+    """sdpa over the rows a cache layer announced (module docstring); a mixed call BLOCK queries at a time."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    mix, _pending.mix = getattr(_pending, "mix", None), None
-    if mix is None:
+    note, _pending.note = getattr(_pending, "note", None), None
+    if note is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    query = turned(query, note.keys)  # (H q) . (H k) = q . k
+    if note.mix is None:
+        out = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)[0]
+    else:
+        out = _mixed(module, query, key, value, attention_mask, note.mix, **kwargs)
+    return turned(out, note.values), None  # sum a H v = H (sum a v); (B, L, H, d), as sdpa's
+
+
+def _mixed(module, query, key, value, attention_mask, mix, **kwargs):
+    """sdpa over S stored rows and the plain rows after them (mix: Note.mix), BLOCK queries at a time."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
     S, tail_start, size = mix
     if key.shape[-2] != 2 * S - tail_start:
         raise ValueError(f"layer {getattr(module, 'layer_idx', '?')}: {key.shape[-2]} keys, but its cache "
@@ -50,7 +75,7 @@ def attention(module, query, key, value, attention_mask, **kwargs):
         base = None if attention_mask is None else attention_mask[..., b0:b1, :end]
         mask = mixed_mask(end, first, b1 - b0, size, base, base is None, query.device)
         outs.append(sdpa_attention_forward(module, query[..., b0:b1, :], *rows, mask, **kwargs)[0])
-    return torch.cat(outs, dim=1), None  # (B, L, H, d), as sdpa's
+    return torch.cat(outs, dim=1)
 
 
 def use_on(model) -> None:

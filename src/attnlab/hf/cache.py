@@ -15,9 +15,9 @@ from ..modules.cache import KVCache as _Rows
 from ..modules.cache import LatentCache as _LatentRows
 from ..modules.recent import RecentRows
 from ..modules.rope_key import by_head
-from ..modules.rotation import hadamard_transform
-from ..modules.storage import check_kv_dtype, dense, each_layer
-from .attention import announce, forget, use_on
+from ..modules.rotation import hadamard_transform, turned
+from ..modules.storage import check_kv_dtype, dense, each_layer, rotated_frame
+from .attention import NAME, Note, announce, forget, use_on
 
 GROWTH = 64  # a full layer grows to what it needs plus a 64th of it (at least MIN_ROOM rows): bytes held <= 1.02x
 MIN_ROOM = 16  # from about 1,000 tokens on; a reallocation copies the rows held, every 16 tokens at most
@@ -156,9 +156,10 @@ class _Owner:
 class _CodedLayer(_Owner):
     """One GQA layer of KVCache; transformers' CacheLayerMixin is mixed in by _classes().
 
-    Rows are coded once, when they arrive (the prefill included), and read back dequantised. A full layer grows its
-    buffers in steps (GROWTH); a sliding layer keeps its window's rows. A "+w<N>" storage also keeps the newest N keys
-    and values plain (`plain`): a decode step reads them plain, a call of several tokens gets `_mixed`'s rows."""
+    Rows are coded once, when they arrive (the prefill included), and read back dequantised: left rotated where
+    hf/attention.py reads them (llama.cpp's frame). A full layer grows its buffers in steps (GROWTH); a sliding layer
+    keeps its window's rows. A "+w<N>" storage also keeps the newest N keys and values plain (`plain`): a decode step
+    reads them plain, a call of several tokens gets `_mixed`'s rows."""
 
     is_compileable = False
     supports_early_init = False
@@ -166,7 +167,7 @@ class _CodedLayer(_Owner):
     def __init__(self, kv_dtype, shape: LayerShape, index: int):
         super().__init__()
         self.kv_dtype, self.shape, self.index = kv_dtype, shape, index
-        self.mixed = False  # KVCache sets it where the model's attention is hf/attention.py's
+        self.attn = None  # KVCache sets the decoder config whose attention it set to hf/attention.py's
         self.is_sliding, self.is_croppable = shape.window is not None, shape.window is None
         fmt = check_kv_dtype(kv_dtype)
         self.base, self.recent = (fmt.base_name, fmt.recent) if fmt is not None else (None, None)
@@ -174,6 +175,14 @@ class _CodedLayer(_Owner):
         self.plain: list[RecentRows] = []  # a "+w<N>" storage's newest N keys and values, (B, N, G d) each
         self.keys = self.values = None  # transformers' own layers keep tensors here; this one keeps `rows`
         self.is_initialized = False
+
+    def ours(self) -> bool:
+        """Whether hf/attention.py reads what update returns (the model's attention is still the one KVCache set)."""
+        return self.attn is not None and getattr(self.attn, "_attn_implementation", None) == NAME
+
+    def rotates(self) -> bool:
+        """Whether this layer's storage codes rows rotated (what hf/attention.py can read without rotating back)."""
+        return self.base is not None and any(_meta_rows(self.shape, self.base).rotations)
 
     def _checked(self, key_states: torch.Tensor, value_states: torch.Tensor) -> LayerShape:
         """The shape of these keys and values; ValueError when it is not the one this layer was made for."""
@@ -196,7 +205,8 @@ class _CodedLayer(_Owner):
         self.device, self.is_initialized = key_states.device, True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """Code the new rows and return every row the queries read (B, G, S, d), dequantised."""
+        """Code the new rows and return every row the queries read (B, G, S, d), dequantised; announced to
+        hf/attention.py where it reads them (rows left rotated, a call's plain rows after its stored ones)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         forget()
@@ -204,32 +214,35 @@ class _CodedLayer(_Owner):
         if rows.window is None and rows.length + n > rows.max_len:
             need = rows.length + n
             rows.reserve(need + max(MIN_ROOM, need // GROWTH))
-        offset, length = self.get_mask_sizes(n)[1], rows.length
-        keys, values = rows.extend(k=key_states, v=value_states)
+        offset, length, ours = self.get_mask_sizes(n)[1], rows.length, self.ours()
+        read = [rotated_frame(t) if ours else (t, None) for t in rows.extend_stored(k=key_states, v=value_states)]
         skip = offset - rows.key_start  # a window cache may return rows older than the mask reads
-        out = [keys[..., skip:, :], values[..., skip:, :]]  # positions offset .. length + n - 1
-        if self.mixed and n > 1 and self.plain:
-            return self._mixed(out, key_states, value_states, offset, length)
-        for i, (ring, new) in enumerate(zip(self.plain, (key_states, value_states))):
-            ring.push(length, _flat(new))
-            held = min(rows.length, ring.size)  # the ring's rows, oldest first
-            k = min(held, out[i].shape[-2])  # the newest k rows read plain
-            out[i][..., -k:, :] = _heads(ring.rows[:, held - k:held], out[i].shape[1])
+        out = [dense(t)[..., skip:, :] for t, _ in read]  # positions offset .. length + n - 1
+        turns = [r for _, r in read]  # H_n the rows are left in (plain rows are turned to match)
+        mix = None
+        if ours and n > 1 and self.plain:
+            mix = self._mixed(out, key_states, value_states, offset, length, turns)
+        else:
+            for i, (ring, new) in enumerate(zip(self.plain, (key_states, value_states))):
+                ring.push(length, _flat(new))
+                held = min(rows.length, ring.size)  # the ring's rows, oldest first
+                k = min(held, out[i].shape[-2])  # the newest k rows read plain
+                out[i][..., -k:, :] = _heads(turned(ring.rows[:, held - k:held], turns[i]), out[i].shape[1])
+        announce(Note(mix, *turns))
         return out[0], out[1]
 
-    def _mixed(self, out: list, key_states, value_states, offset: int, length: int):
-        """update's rows for a call of several tokens with a "+w<N>" ring: the rows as stored, then the plain rows
-        of the newest positions its queries read, announced to hf/attention.py (window: a sliding layer's)."""
+    def _mixed(self, out: list, key_states, value_states, offset: int, length: int, turns: list) -> tuple:
+        """update's rows for a call of several tokens with a "+w<N>" ring, in place in `out`: the rows as stored,
+        then the plain rows of the newest positions its queries read (turned as `turns` say); returns Note.mix."""
         size = self.recent if self.shape.window is None else min(self.recent, self.shape.window)
         S, first = out[0].shape[-2], offset
         for i, (ring, new) in enumerate(zip(self.plain, (key_states, value_states))):
             before, start = ring.tail(length)  # positions start .. length - 1
             ring.push(length, _flat(new))
             first = max(start, offset)
-            tail = torch.cat([before, _flat(new).to(before.dtype)], dim=1)[:, first - start:]
+            tail = turned(torch.cat([before, _flat(new).to(before.dtype)], dim=1)[:, first - start:], turns[i])
             out[i] = torch.cat([out[i], _heads(tail, out[i].shape[1]).to(out[i].dtype)], dim=-2)
-        announce(S, first - offset, size)
-        return out[0], out[1]
+        return S, first - offset, size
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         past, window = self.get_seq_length(), self.shape.window
@@ -296,25 +309,23 @@ class _CodedLayer(_Owner):
         return self.rows.bytes_per_token if self.rows is not None else 0
 
 
-def _extend_rows(rows: _LatentRows, new: torch.Tensor, mixed: bool) -> torch.Tensor:
+def _extend_rows(rows: _LatentRows, new: torch.Tensor, mixed: bool) -> tuple[torch.Tensor, tuple | None]:
     """Write new rows (B, n, w) into a LatentCache, grown as needed; every row it holds (B, S, w) as queries read
-    them: dequantised, a "+w<N>" storage's newest N plain. mixed, for a call of several tokens: the S rows as stored
-    and then the plain rows its queries read, announced to hf/attention.py, instead of the last query's view."""
-    forget()
+    them: dequantised, a "+w<N>" storage's newest N plain; and Note.mix. mixed, for a call of several tokens: the S
+    rows as stored and then the plain rows its queries read (Note.mix says so), instead of the last query's view."""
     need = rows.length + new.shape[1]
     if need > rows.max_len:
         rows.reserve(need + max(MIN_ROOM, need // GROWTH))
     if not rows.recent:
-        return rows.extend(kv=new)[0]
+        return rows.extend(kv=new)[0], None
     stored, plain, start = rows.extend_recent(new)
     out = dense(stored)
     if mixed and new.shape[1] > 1:
-        announce(out.shape[1], start, rows.recent)
-        return torch.cat([out, plain.to(out.dtype)], dim=1)
+        return torch.cat([out, plain.to(out.dtype)], dim=1), (out.shape[1], start, rows.recent)
     out = out.clone()
     k = min(rows.recent, out.shape[1])
     out[:, -k:] = plain[:, -k:].to(out.dtype)
-    return out
+    return out, None
 
 
 class _JointLayer(_CodedLayer):
@@ -344,24 +355,32 @@ class _JointLayer(_CodedLayer):
                          torch.argsort(order))
         self.device, self.is_initialized = key_states.device, True
 
+    def rotates(self) -> bool:
+        return self.basis is None and VALUE_ROTATION
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """Code the new rows; return every row's keys and values (B, G, S, d), as queries read them."""
+        """Code the new rows; return every row's keys and values (B, G, S, d), as queries read them (the values left
+        rotated where hf/attention.py reads them, announced)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        G, dv = self.shape.num_kv_heads, self.shape.v_head_dim
+        forget()
+        G, dv, ours, turn = self.shape.num_kv_heads, self.shape.v_head_dim, self.ours(), None
         values, keys = _flat(value_states), _flat(key_states)  # (B, n, G dv), (B, n, G d)
         if self.maps is not None:
             down, _, _, to_rope = self.maps
             values, keys = values @ down, keys[..., to_rope]  # the latent; keys as the rope key
         elif VALUE_ROTATION:
             values = hadamard_transform(values, _rotation_size(dv))
-        out = _extend_rows(self.rows, torch.cat([values, keys], dim=-1), self.mixed)  # (B, S(+M), width + G d)
+        out, mix = _extend_rows(self.rows, torch.cat([values, keys], dim=-1), ours)  # (B, S(+M), width + G d)
         values, keys = out[..., :self.rows.latent_dim], out[..., self.rows.latent_dim:]
         if self.maps is not None:
             _, up, order, _ = self.maps
             values, keys = values @ up, keys[..., order]
+        elif VALUE_ROTATION and ours:
+            turn = _rotation_size(dv)  # the attention turns its output instead
         elif VALUE_ROTATION:
             values = hadamard_transform(values, _rotation_size(dv))  # H is its own inverse
+        announce(Note(mix, None, turn))
         return _heads(keys, G), _heads(values, G)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -409,6 +428,7 @@ class _LatentLayer(_CodedLayer):
         """Code the new [latent, rope key] rows; return every row's latent (B, 1, S, r) and rope key (B, 1, S, p)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        forget()
         rows, shape = self.rows, self.shape
         latent = key_states[:, 0, :, :shape.coded]
         if shape.constant is not None:  # the MLA's own latent: the norm's factor undone by the constant channel
@@ -416,11 +436,15 @@ class _LatentLayer(_CodedLayer):
             latent = latent / held
             if self.factor is None:  # every token's factor is this one to within 2^-24 (models/export/deepseek.py)
                 self.factor = held[:, :1]
-        out = _extend_rows(rows, torch.cat([latent, value_states[:, 0]], dim=-1), self.mixed)  # (B, S(+M), coded + p)
+        out, mix = _extend_rows(rows, torch.cat([latent, value_states[:, 0]], dim=-1), self.ours())  # (B, S(+M), ..)
         latent = out.new_zeros(out.shape[0], 1, out.shape[1], shape.latent_dim)
         latent[:, 0, :, :shape.coded] = out[..., :shape.coded] if self.factor is None else \
             out[..., :shape.coded] * self.factor
+        announce(Note(mix))
         return latent, out[:, None, :, shape.coded:]
+
+    def rotates(self) -> bool:
+        return False
 
     def reset(self) -> None:
         super().reset()
@@ -464,13 +488,15 @@ class _KVCacheBase:
             latent_class(k, s, i) if isinstance(s, LatentShape) else
             joint_class(k, s, i, u) if joint(k) or u is not None else layer_class(k, s, i)
             for i, (s, u, k) in enumerate(zip(shapes, bases, storages))])
-        windowed = [layer for layer, k in zip(self.layers, storages) if getattr(check_kv_dtype(k), "recent", None)]
-        # a model, not its config: each query reads its own newest N rows plain, as decoding does. Made from a
-        # config, a call of several tokens reads the newest N plain for every query, as its last does.
-        if windowed and hasattr(model, "set_attn_implementation"):
+        read = [layer for layer, k in zip(self.layers, storages)
+                if getattr(check_kv_dtype(k), "recent", None) or layer.rotates()]
+        # a model, not its config: each query reads its own newest N rows plain, as decoding does, and rotated rows
+        # are read turned. Made from a config, a call of several tokens reads the newest N plain for every query,
+        # as its last does, and every row is rotated back.
+        if read and hasattr(model, "set_attn_implementation"):
             use_on(model)
-            for layer in windowed:
-                layer.mixed = True
+            for layer in read:
+                layer.attn = config
 
     @classmethod
     def from_pretrained(cls, folder, model=None):

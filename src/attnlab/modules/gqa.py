@@ -13,7 +13,8 @@ from . import checks
 from .attention import attend
 from .base import AttentionModule
 from .cache import KVCache, window_for
-from .storage import with_row_scale
+from .rotation import turned
+from .storage import rotated_frame, with_row_scale
 from .heads import check_grouping
 from .recent import mixed_mask
 from .rope import RotaryEmbedding
@@ -145,10 +146,13 @@ class GroupedQueryAttention(AttentionModule):
             S = k.shape[-2]
             mask = mixed_mask(S, S - plain[0].shape[-2], L, self._kv_format.recent, mask, is_causal, k.device)
             k, v, is_causal = torch.cat([k, plain[0]], -2), torch.cat([v, plain[1]], -2), False
+        # llama.cpp's rotated rows read as stored: the query and the output turned instead, as llama.cpp does
+        (k, turn_k), (v, turn_v) = rotated_frame(k), rotated_frame(v)
         # int8 codes with one scale per token and head: the scales multiply scores and weights, not the rows
         (k, key_scale), (v, value_scale) = with_row_scale(k), with_row_scale(v)
-        o = attend(q, k, v, grouping=self.grouping, mask=mask, is_causal=is_causal, scale=self.scale,
+        o = attend(turned(q, turn_k), k, v, grouping=self.grouping, mask=mask, is_causal=is_causal, scale=self.scale,
                    key_scale=key_scale, value_scale=value_scale)  # (B, H, L, dv)
+        o = turned(o, turn_v)
         o = o.transpose(1, 2).reshape(B, L, self.num_heads * self.v_head_dim)  # (B, L, H*dv)
         return self.W_O(o)  # (B, L, dim)
 

@@ -53,6 +53,14 @@ def hadamard_transform(x: torch.Tensor, n: int) -> torch.Tensor:
     return (y * (1 / math.sqrt(n))).flatten(-2)
 
 
+def turned(x: torch.Tensor, n: int | None) -> torch.Tensor:
+    """x times H_n block by block, computed in float32 at least (float64 for float64), in x's dtype; x when n is
+    None. A reader of rows kept rotated turns its query and its output with it (hf/attention.py)."""
+    if n is None:
+        return x
+    return hadamard_transform(x.to(torch.promote_types(x.dtype, torch.float32)), n).to(x.dtype)
+
+
 def hadamard(n: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
     """The orthonormal Sylvester Walsh-Hadamard matrix H_n (n a power of two), symmetric, H_n H_n = I: the matrix
     hadamard_transform multiplies by (its rows, the transform of the identity's). llama.cpp's ggml_gen_hadamard

@@ -359,6 +359,14 @@ def dense(kv):
     return kv.dequantise() if isinstance(kv, QuantisedKV) else kv
 
 
+def rotated_frame(kv) -> tuple:
+    """(rows, n): QuantisedKV rows rotated by llama.cpp's H_n, as read in that frame (not rotated back), and n;
+    anything else as it is and None. A reader that turns its query and output by H_n gets dense(kv)'s attention."""
+    if isinstance(kv, QuantisedKV) and kv.rotation is not None:
+        return kv._replace(rotation=None), kv.rotation
+    return kv, None
+
+
 def with_row_scale(kv) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(rows, per-row factor (..., S) or None) whose product is dense(kv): the codes and their scale for
     one-part QuantisedKV rows a reader can fold (QuantisedKV.foldable), else dense(kv) and None."""
