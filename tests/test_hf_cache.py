@@ -386,7 +386,9 @@ def test_a_storage_with_a_rope_key_part_codes_values_rotated_and_keys_as_the_rop
 
 @pytest.mark.parametrize("kv_dtype, turns", [("q4_0", {64}), ("q8_0,q4_0", {64}), ("q4_0+w8", {64}),
                                               ("int3/g64+c4+w16", {64})])
-def test_rotated_rows_are_read_in_their_frame_with_the_query_and_output_turned(kv_dtype, turns, tmp_path, monkeypatch):
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_rotated_rows_are_read_in_their_frame_with_the_query_and_output_turned(family, kv_dtype, turns, tmp_path,
+                                                                               monkeypatch):
     """Heads of 64, where llama.cpp's types rotate keys and values (and a rope-key storage its values): the layers
     hand hf/attention.py the rows as stored, not rotated back, and it turns the query and the output by H_64 instead.
     The logits are those of rows rotated back, as a cache made from a config reads them, and as a cache reads them
@@ -395,7 +397,7 @@ def test_rotated_rows_are_read_in_their_frame_with_the_query_and_output_turned(k
 
     seen = []
     monkeypatch.setattr(attention, "turned", lambda x, n: seen.append(n) or turned(x, n))
-    model, _ = make_checkpoint("llama", tmp_path, head_dim=64)
+    model, _ = make_checkpoint(family, tmp_path, head_dim=64)  # gemma3: its first layer slides over 8 tokens
     model = model.double()
     ids = _ids(20, model.config.vocab_size)
     got = _stepwise(model, ids, KVCache(model, kv_dtype))
