@@ -322,7 +322,8 @@ def _extend_rows(rows: _LatentRows, new: torch.Tensor, mixed: bool) -> tuple[tor
     out = dense(stored)
     if mixed and new.shape[1] > 1:
         return torch.cat([out, plain.to(out.dtype)], dim=1), (out.shape[1], start, rows.recent)
-    out = out.clone()
+    if any(out.untyped_storage().data_ptr() == t.untyped_storage().data_ptr() for t in rows.tensors()):
+        out = out.clone()  # rows held as they are: the plain rows go on a copy
     k = min(rows.recent, out.shape[1])
     out[:, -k:] = plain[:, -k:].to(out.dtype)
     return out, None

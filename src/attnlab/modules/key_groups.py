@@ -89,8 +89,12 @@ class RopeKeyGroups:
         grouped = buf[..., :whole, nb:].unflatten(-2, (-1, T))  # (..., g, T, pb)
         key = lowbit.channel_decode(grouped, self.meta[..., :whole // T, :], p,
                                     lowbit.part_formats(self.parts, self.low)[1], self.dtype).flatten(-3, -2)
-        key = torch.cat([key, self.recent[..., :held - whole, :]], -2)  # (..., held, p)
-        return torch.cat([c, key[..., :rows, :]], -1)
+        out = c.new_empty(*c.shape[:-1], r + p)  # each piece written once where it goes
+        out[..., :r] = c
+        out[..., :min(whole, rows), r:] = key[..., :rows, :]
+        if rows > whole:  # the newest group, not yet whole: as written
+            out[..., whole:rows, r:] = self.recent[..., :rows - whole, :]
+        return out
 
     def truncate(self, buf: torch.Tensor, scales: torch.Tensor, held: int, length: int) -> None:
         """Keep the first `length` tokens: those of a group now incomplete go back into `recent` (as stored)."""

@@ -395,11 +395,11 @@ def _values(codes: torch.Tensor, meta: torch.Tensor, fmt: LowBit, work: torch.dt
         return turbo.decode_sketched(codes, meta, fmt.bits, work)
     if fmt.code == "iq4_nl":
         return torch.tensor(IQ4_NL_VALUES, dtype=work, device=codes.device)[codes.long()] * meta.to(work)
-    c, meta = codes.to(work), meta.to(work)
+    c, meta = codes.to(work, copy=True), meta.to(work)  # a copy of its own, worked in place: no more allocations
     if fmt.zero:
-        return c * meta[..., :1] + meta[..., 1:]
+        return c.mul_(meta[..., :1]).add_(meta[..., 1:])
     offset = 128 if fmt.code == "q8_0" else 1 << (fmt.bits - 1)
-    return (c - offset) * meta
+    return c.sub_(offset).mul_(meta)
 
 
 def per_token(fmt: LowBit) -> LowBit:
@@ -438,7 +438,7 @@ def decode(packed: torch.Tensor, meta: torch.Tensor, parts: tuple[int, ...], fmt
         m = meta[..., col:col + nm].unflatten(-1, (-1, f.meta_per_group))  # (..., n, k)
         out.append(_values(codes, m, f, work).flatten(-2)[..., :w])
         byte, col = byte + nb, col + nm
-    out = torch.cat(out, -1)
+    out = out[0] if len(out) == 1 else torch.cat(out, -1)
     return out if work == dtype else out.to(dtype)
 
 
@@ -470,7 +470,7 @@ def channel_decode(packed: torch.Tensor, meta: torch.Tensor, width: int, f: LowB
     """The inverse of channel_encode: (..., T, packed) codes and (..., 2 w) meta -> (..., T, w) in dtype."""
     work = torch.promote_types(dtype, torch.float32)
     m = meta.to(work).unflatten(-1, (width, 2))  # (..., w, 2)
-    out = unpack(packed, f.bits, width).to(work) * m[..., None, :, 0] + m[..., None, :, 1]  # (..., T, w)
+    out = unpack(packed, f.bits, width).to(work).mul_(m[..., None, :, 0]).add_(m[..., None, :, 1])  # (..., T, w)
     return out if work == dtype else out.to(dtype)
 
 
