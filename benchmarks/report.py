@@ -172,15 +172,18 @@ def hf_share(model: str, cache: str) -> float:
     return statistics.median(mine) / (statistics.median(plain) / 2)
 
 
-def speed_range() -> tuple[float, float, int]:
-    """The slowest and fastest attnlab.hf.KVCache decode over DynamicCache's, and the context they were timed at."""
+def speed_range() -> tuple[float, float, int, float]:
+    """The slowest and fastest attnlab.hf.KVCache decode over DynamicCache's, the context they were timed at, and
+    quanto 4-bit's QuantizedCache over DynamicCache's."""
     data = hf_data()
-    rows = [r for r in data.get("speed", {}).get("rows", {}).values()
-            if r["cache"] != "dynamic" and r["cache"] not in hf_kvcache.QUANTIZED]
-    if not rows:
-        raise ValueError("benchmarks/results/hf_kvcache.json has no speed rows: "
+    every = data.get("speed", {}).get("rows", {})
+    rows = [r for r in every.values() if r["cache"] != "dynamic" and r["cache"] not in hf_kvcache.QUANTIZED]
+    quanto = every.get("smollm2/quanto4")
+    if not rows or quanto is None:
+        raise ValueError("benchmarks/results/hf_kvcache.json has no speed rows (or none of quanto4): "
                          "python benchmarks/quality/hf_kvcache.py speed")
-    return min(r["of_dynamic"] for r in rows), max(r["of_dynamic"] for r in rows), rows[0]["context"]
+    return (min(r["of_dynamic"] for r in rows), max(r["of_dynamic"] for r in rows), rows[0]["context"],
+            quanto["of_dynamic"])
 
 
 # -- the README's blocks ------------------------------------------------------------------------------------------
@@ -236,7 +239,7 @@ def losses(data: dict, table: dict) -> list[str]:
     if gguf is None:
         raise ValueError("benchmarks/results/engines.json has no smollm2-12-gguf rows: "
                          "python benchmarks/engines/engines.py run --case smollm2-12-gguf --seed S")
-    lo, hi, context = speed_range()
+    lo, hi, context, quanto = speed_range()
     st, gt, gl = (case_row(table, c) for c in ("smollm2-25-transformers", "gemma3-270m-25-transformers",
                                                "gemma3-270m-25"))
     upper = [c for c in README_CASES if share(case_row(table, c)) >= 0.25 and "--no-heal" not in protocol.CASES[c][1]]
@@ -258,8 +261,8 @@ def losses(data: dict, table: dict) -> list[str]:
         f"(attnlab's loop: {x(quarter['median'])}, {x(quarter['worst'])}; {x(gl['median'])}, {x(gl['worst'])}). "
         f"As a llama.cpp GGUF the 12.5% plan gives {x(gguf['shrunk']['median'])} median, "
         f"{x(gguf['shrunk']['worst'])} worst.",
-        f"`attnlab.hf.KVCache` decodes at {lo:.2f}-{hi:.2f}x DynamicCache's speed at {context:,} tokens on a CPU: "
-        "each step reads every row back dequantised.",
+        f"`attnlab.hf.KVCache` decodes at {lo:.2f}-{hi:.2f}x DynamicCache's speed at {context:,} tokens on a CPU, "
+        f"quanto 4-bit's QuantizedCache at {quanto:.2f}x: each step reads every row back dequantised.",
         "On a CPU the heal does not pay at 25% and above: the guard gave back its end-to-end steps, or all of it, "
         f"in {sum(heals)} of {len(heals)} protocol runs, and the whole heal in {len(stood) - sum(stood)} of "
         f"{len(stood)} llama.cpp runs (`--format gguf`).",
