@@ -5,7 +5,8 @@ rows, with their provenance, into benchmarks/results/hf_kvcache.json.
     python benchmarks/quality/hf_kvcache.py quality  # perplexity / the original's, 4 report texts, windows of 512
     python benchmarks/quality/hf_kvcache.py bytes    # bytes every tensor holds after 8,192 tokens
     python benchmarks/quality/hf_kvcache.py speed    # decode tokens/s at 4,096 tokens, the caches taking turns
-    python benchmarks/quality/hf_kvcache.py memory   # peak memory: a 16,384-token prompt, 256 tokens, a process each
+    python benchmarks/quality/hf_kvcache.py memory   # peak memory: a 16,384-token prompt (and a 64-token one), 256
+                                                     # tokens, a process each
 
 quality: each text's first 2,048 tokens in windows of 512, fed in chunks of 128 through the cache as decoding reads
 it (QuantizedCache attends its first chunk plain and keeps its newest <= 128 tokens plain, as it does in generate);
@@ -205,22 +206,34 @@ def memory_child(kind: str, prompt_len: int, new: int) -> dict:
             "cache_bytes": held_bytes(cache)}
 
 
+SHORT = 64  # a prompt this short grows no cache to speak of: its peak is the forward's own (weights, workspaces)
+
+
+def _child(kind: str, prompt_len: int, new: int) -> dict:
+    out = subprocess.run([sys.executable, __file__, "memory-child", "--cache", kind, "--prompt", str(prompt_len),
+                          "--new", str(new)], capture_output=True, text=True)
+    if out.returncode:
+        raise SystemExit(f"memory-child {kind} failed: {out.stderr.strip().splitlines()[-1:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def memory(prompt_len: int = 16384, new: int = 256) -> list[dict]:
+    """Peak resident memory of a fresh process per cache: the long prompt's, and a SHORT prompt's, whose difference
+    is what the prompt's length made the process hold (the cache and the attention's working rows)."""
     rows = []
-    for kind in ("dynamic", "q4_0", "int3/g64"):
-        out = subprocess.run([sys.executable, __file__, "memory-child", "--cache", kind, "--prompt", str(prompt_len),
-                              "--new", str(new)], capture_output=True, text=True)
-        if out.returncode:
-            raise SystemExit(f"memory-child {kind} failed: {out.stderr.strip().splitlines()[-1:]}")
-        row = json.loads(out.stdout.strip().splitlines()[-1])
-        rows.append({"model": "smollm2", **row})
+    for kind in ("dynamic", "q4_0", "int3/g64", "int4/g32+c4+w16"):
+        row = _child(kind, prompt_len, new)
+        rows.append({"model": "smollm2", **row, "rss_peak_short": _child(kind, SHORT, new)["rss_peak"]})
     dyn = rows[0]
     for r in rows:
         r["peak_over_loaded_of_dynamic"] = (r["rss_peak"] - r["rss_loaded"]) / (dyn["rss_peak"] - dyn["rss_loaded"])
+        r["grown_of_dynamic"] = (r["rss_peak"] - r["rss_peak_short"]) / (dyn["rss_peak"] - dyn["rss_peak_short"])
         r["cache_of_dynamic"] = r["cache_bytes"] / dyn["cache_bytes"]
-        print(f"smollm2 {r['cache']:10} peak {r['rss_peak'] / 2**30:5.2f} GiB (+{(r['rss_peak'] - r['rss_loaded']) / 2**30:5.2f}"
-              f" over the loaded model: {r['peak_over_loaded_of_dynamic']:.0%} of DynamicCache's); cache "
-              f"{r['cache_bytes'] / 2**20:7.1f} MiB ({r['cache_of_dynamic']:.0%})", flush=True)
+        print(f"smollm2 {r['cache']:16} peak {r['rss_peak'] / 2**30:5.2f} GiB, "
+              f"+{(r['rss_peak'] - r['rss_loaded']) / 2**30:5.2f} over the loaded model ({r['peak_over_loaded_of_dynamic']:.0%} of DynamicCache's), "
+              f"+{(r['rss_peak'] - r['rss_peak_short']) / 2**30:5.2f} over a {SHORT}-token prompt's "
+              f"({r['grown_of_dynamic']:.0%}); cache {r['cache_bytes'] / 2**20:7.1f} MiB ({r['cache_of_dynamic']:.0%})",
+              flush=True)
     return rows
 
 
@@ -249,7 +262,8 @@ def table() -> str:
         out.append("")
     for part, head in (("bytes", "| model | cache | bytes after 8,192 tokens (bf16 rows) | of DynamicCache's |"),
                        ("speed", "| model | cache | decode tokens/s at 4,096 tokens | of DynamicCache's |"),
-                       ("memory", "| model | cache | peak RSS | above the loaded model | of DynamicCache's | cache |")):
+                       ("memory", "| model | cache | peak RSS | above the loaded model | of DynamicCache's | above a "
+                                  f"{SHORT}-token prompt's peak | of DynamicCache's | cache |")):
         prows = list(data.get(part, {}).get("rows", {}).values())
         if not prows:
             continue
@@ -261,9 +275,11 @@ def table() -> str:
             elif part == "speed":
                 out.append(f"| {r['model']} | {r['cache']} | {r['tokens_per_s']:.1f} | {r['of_dynamic']:.2f}x |")
             else:
+                grown = "n/a | n/a" if "rss_peak_short" not in r else \
+                    f"{(r['rss_peak'] - r['rss_peak_short']) / 2**30:.2f} GiB | {r['grown_of_dynamic']:.0%}"
                 out.append(f"| {r['model']} | {r['cache']} | {r['rss_peak'] / 2**30:.2f} GiB | "
                            f"{(r['rss_peak'] - r['rss_loaded']) / 2**30:.2f} GiB | "
-                           f"{r['peak_over_loaded_of_dynamic']:.0%} | {r['cache_bytes'] / 2**20:.0f} MiB "
+                           f"{r['peak_over_loaded_of_dynamic']:.0%} | {grown} | {r['cache_bytes'] / 2**20:.0f} MiB "
                            f"({r['cache_of_dynamic']:.0%}) |")
         out.append("")
     return "\n".join(out)

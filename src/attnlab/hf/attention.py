@@ -47,13 +47,39 @@ def attention(module, query, key, value, attention_mask, **kwargs):
 
     note, _pending.note = getattr(_pending, "note", None), None
     if note is None:
+        note = Note()
+    if query.shape[-2] <= BLOCK and note.mix is None and note == Note():
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     query = turned(query, note.keys)  # (H q) . (H k) = q . k
     if note.mix is None:
-        out = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)[0]
+        out = _blocks(module, query, key, value, attention_mask, **kwargs)
     else:
         out = _mixed(module, query, key, value, attention_mask, note.mix, **kwargs)
     return turned(out, note.values), None  # sum a H v = H (sum a v); (B, L, H, d), as sdpa's
+
+
+def _blocks(module, query, key, value, attention_mask, **kwargs):
+    """sdpa BLOCK queries at a time: a long prefill's scores are (BLOCK, S) a head, not (L, S). Without a mask the
+    call is causal (transformers leaves the mask out only where queries and keys end together)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    L, S = query.shape[-2], key.shape[-2]
+    if L <= BLOCK:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)[0]
+    flag = kwargs.get("is_causal")
+    causal = attention_mask is None and (getattr(module, "is_causal", True) if flag is None else flag)
+    kwargs["is_causal"] = False
+    outs = []
+    for b0 in range(0, L, BLOCK):
+        b1 = min(L, b0 + BLOCK)
+        if attention_mask is not None:
+            mask = attention_mask[..., b0:b1, :]
+        elif causal:  # query i of L reads keys 0 .. S - L + i
+            mask = torch.ones(b1 - b0, S, dtype=torch.bool, device=query.device).tril(S - L + b0)
+        else:
+            mask = None
+        outs.append(sdpa_attention_forward(module, query[..., b0:b1, :], key, value, mask, **kwargs)[0])
+    return torch.cat(outs, dim=1)
 
 
 def _mixed(module, query, key, value, attention_mask, mix, **kwargs):

@@ -180,10 +180,6 @@ class _CodedLayer(_Owner):
         """Whether hf/attention.py reads what update returns (the model's attention is still the one KVCache set)."""
         return self.attn is not None and getattr(self.attn, "_attn_implementation", None) == NAME
 
-    def rotates(self) -> bool:
-        """Whether this layer's storage codes rows rotated (what hf/attention.py can read without rotating back)."""
-        return self.base is not None and any(_meta_rows(self.shape, self.base).rotations)
-
     def _checked(self, key_states: torch.Tensor, value_states: torch.Tensor) -> LayerShape:
         """The shape of these keys and values; ValueError when it is not the one this layer was made for."""
         B, G, _, d = key_states.shape
@@ -356,9 +352,6 @@ class _JointLayer(_CodedLayer):
                          torch.argsort(order))
         self.device, self.is_initialized = key_states.device, True
 
-    def rotates(self) -> bool:
-        return self.basis is None and VALUE_ROTATION
-
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Code the new rows; return every row's keys and values (B, G, S, d), as queries read them (the values left
         rotated where hf/attention.py reads them, announced)."""
@@ -444,9 +437,6 @@ class _LatentLayer(_CodedLayer):
         announce(Note(mix))
         return latent, out[:, None, :, shape.coded:]
 
-    def rotates(self) -> bool:
-        return False
-
     def reset(self) -> None:
         super().reset()
         self.factor = None
@@ -472,7 +462,8 @@ class _KVCacheBase:
 
     model: a transformers model (or config) of a family attnlab knows; kv_dtype: a GQA cache storage ("int8", "q4_0",
     "q8_0,q4_0", "int4/g32"; None: plain) or a list, one a layer. ValueError when made, for another family or a
-    storage the head size cannot take. A "+w<N>" storage sets the model's attention to hf/attention.py's."""
+    storage the head size cannot take. Made with a model, it sets the model's attention to hf/attention.py's (sdpa,
+    BLOCK queries at a time, reading what each layer announces)."""
 
     def __init__(self, model, kv_dtype=None,
                  value_bases=None,  # a keys-whole plan's value basis for each converted layer (from_pretrained)
@@ -489,14 +480,13 @@ class _KVCacheBase:
             latent_class(k, s, i) if isinstance(s, LatentShape) else
             joint_class(k, s, i, u) if joint(k) or u is not None else layer_class(k, s, i)
             for i, (s, u, k) in enumerate(zip(shapes, bases, storages))])
-        read = [layer for layer, k in zip(self.layers, storages)
-                if getattr(check_kv_dtype(k), "recent", None) or layer.rotates()]
-        # a model, not its config: each query reads its own newest N rows plain, as decoding does, and rotated rows
-        # are read turned. Made from a config, a call of several tokens reads the newest N plain for every query,
-        # as its last does, and every row is rotated back.
-        if read and hasattr(model, "set_attn_implementation"):
+        # a model, not its config: its attention becomes hf/attention.py's, so each query reads its own newest N rows
+        # plain, as decoding does, rotated rows are read turned, and a long call's queries go BLOCK at a time. Made
+        # from a config, a call of several tokens reads the newest N plain for every query, as its last does, and
+        # every row is rotated back.
+        if hasattr(model, "set_attn_implementation"):
             use_on(model)
-            for layer in read:
+            for layer in self.layers:
                 layer.attn = config
 
     @classmethod

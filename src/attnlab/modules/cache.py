@@ -433,11 +433,6 @@ class _Cache:
         """The tokens held, as stored (see stored())."""
         return self.stored(self.held)
 
-    @property
-    def rotations(self) -> tuple[int | None, ...]:
-        """Each buffer's llama.cpp rotation size (None: its rows are not rotated), in the order stored() gives them."""
-        return tuple(self._rotation[name] for name in self._names)
-
     def __repr__(self) -> str:
         window = "" if self.window is None else f", window={self.window}"
         return (f"{type(self).__name__}(batch_size={self.batch_size}, max_len={self.max_len}, length={self.length}, "
