@@ -1,11 +1,8 @@
-"""transformers' attention over KVCache's rows: a recent window read plain, and rows left in llama.cpp's rotated frame.
+"""transformers' attention over KVCache's rows: a recent window read plain, rotated rows read as stored.
 
-A "+w<N>" layer of KVCache returns a call's S rows as stored, then the newest positions' plain rows
-(modules/recent.py), and says so through `announce`. `attention` (registered as "attnlab" by `use_on`, which KVCache
-calls for such a storage) masks them as recent.mixed_mask does, so a chunk scores what one-token decoding scores.
-A layer whose storage rotates (llama.cpp's H_n, or the values of a rope-key storage) returns its rows not rotated
-back and announces n: the attention turns the query and the output by H_n instead, as llama.cpp does, so a decode
-step costs a query's rotation rather than the whole history's.
+A KVCache layer says through `announce` how its update's rows read: a "+w<N>" call's S stored rows then the newest
+positions' plain rows (masked per query as recent.mixed_mask does), and rows left in llama.cpp's rotated frame (H_n),
+for which `attention` turns the query and the output instead, as llama.cpp does. `use_on` registers it ("attnlab").
 """
 from __future__ import annotations
 

@@ -156,10 +156,9 @@ class _Owner:
 class _CodedLayer(_Owner):
     """One GQA layer of KVCache; transformers' CacheLayerMixin is mixed in by _classes().
 
-    Rows are coded once, when they arrive (the prefill included), and read back dequantised: left rotated where
-    hf/attention.py reads them (llama.cpp's frame). A full layer grows its buffers in steps (GROWTH); a sliding layer
-    keeps its window's rows. A "+w<N>" storage also keeps the newest N keys and values plain (`plain`): a decode step
-    reads them plain, a call of several tokens gets `_mixed`'s rows."""
+    Rows are coded once, when they arrive (the prefill included), and read back dequantised (left rotated where
+    hf/attention.py reads them). A full layer grows its buffers in steps (GROWTH); a sliding layer keeps its window's
+    rows. A "+w<N>" storage keeps the newest N keys and values plain too (`plain`; a call of several: `_mixed`)."""
 
     is_compileable = False
     supports_early_init = False
@@ -462,8 +461,7 @@ class _KVCacheBase:
 
     model: a transformers model (or config) of a family attnlab knows; kv_dtype: a GQA cache storage ("int8", "q4_0",
     "q8_0,q4_0", "int4/g32"; None: plain) or a list, one a layer. ValueError when made, for another family or a
-    storage the head size cannot take. Made with a model, it sets the model's attention to hf/attention.py's (sdpa,
-    BLOCK queries at a time, reading what each layer announces)."""
+    storage the head size cannot take. Made with a model, it sets the model's attention to hf/attention.py's."""
 
     def __init__(self, model, kv_dtype=None,
                  value_bases=None,  # a keys-whole plan's value basis for each converted layer (from_pretrained)
