@@ -45,7 +45,7 @@ def attention(module, query, key, value, attention_mask, **kwargs):
     note, _pending.note = getattr(_pending, "note", None), None
     if note is None:
         note = Note()
-    if query.shape[-2] <= BLOCK and note.mix is None and note == Note():
+    if note == Note() and query.shape[-2] <= BLOCK:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     query = turned(query, note.keys)  # (H q) . (H k) = q . k
     if note.mix is None:
