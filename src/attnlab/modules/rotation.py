@@ -6,6 +6,7 @@ and H^T Q(H v). `hadamard_transform` is that product and `rotation_size` the rul
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 import re
@@ -55,10 +56,17 @@ def hadamard_transform(x: torch.Tensor, n: int) -> torch.Tensor:
 
 def turned(x: torch.Tensor, n: int | None) -> torch.Tensor:
     """x times H_n block by block, computed in float32 at least (float64 for float64), in x's dtype; x when n is
-    None. A reader of rows kept rotated turns its query and its output with it (hf/attention.py)."""
+    None. A reader of rows kept rotated turns its query and its output with it (hf/attention.py): one product with
+    H_n, where the butterflies' thirty small operations cost a decode step more than its few rows."""
     if n is None:
         return x
-    return hadamard_transform(x.to(torch.promote_types(x.dtype, torch.float32)), n).to(x.dtype)
+    work = torch.promote_types(x.dtype, torch.float32)
+    return (x.to(work).unflatten(-1, (-1, n)) @ _matrix(n, work, x.device)).flatten(-2).to(x.dtype)
+
+
+@functools.lru_cache(maxsize=16)
+def _matrix(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return hadamard(n, torch.float64).to(dtype=dtype, device=device)  # symmetric: x @ H = (H x^T)^T
 
 
 def hadamard(n: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
