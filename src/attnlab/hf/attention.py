@@ -28,14 +28,9 @@ class Note(NamedTuple):
 
 
 def announce(note: Note) -> None:
-    """The rows a cache layer's update just returned are read as `note` says (Note(): as plain rows)."""
+    """The rows a cache layer's update just returned are read as `note` says (Note(): as plain rows). Every update
+    announces, so a note made by an update that no attention followed (a cache filled by hand) ends at the next."""
     _pending.note = None if note == Note() else note
-
-
-def forget() -> None:
-    """No earlier announcement holds any more (one made by an update that no attention followed, such as a cache
-    filled by hand): a layer calls it as its update begins."""
-    _pending.note = None
 
 
 def attention(module, query, key, value, attention_mask, **kwargs):

@@ -17,7 +17,7 @@ from ..modules.recent import RecentRows
 from ..modules.rope_key import by_head
 from ..modules.rotation import hadamard_transform, turned
 from ..modules.storage import check_kv_dtype, dense, each_layer, rotated_frame
-from .attention import NAME, Note, announce, forget, use_on
+from .attention import NAME, Note, announce, use_on
 
 GROWTH = 64  # a full layer grows to what it needs plus a 64th of it (at least MIN_ROOM rows): bytes held <= 1.02x
 MIN_ROOM = 16  # from about 1,000 tokens on; a reallocation copies the rows held, every 16 tokens at most
@@ -204,7 +204,6 @@ class _CodedLayer(_Owner):
         hf/attention.py where it reads them (rows left rotated, a call's plain rows after its stored ones)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        forget()
         rows, n = self.rows, key_states.shape[-2]
         if rows.window is None and rows.length + n > rows.max_len:
             need = rows.length + n
@@ -356,7 +355,6 @@ class _JointLayer(_CodedLayer):
         rotated where hf/attention.py reads them, announced)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        forget()
         G, dv, ours, turn = self.shape.num_kv_heads, self.shape.v_head_dim, self.ours(), None
         values, keys = _flat(value_states), _flat(key_states)  # (B, n, G dv), (B, n, G d)
         if self.maps is not None:
@@ -421,7 +419,6 @@ class _LatentLayer(_CodedLayer):
         """Code the new [latent, rope key] rows; return every row's latent (B, 1, S, r) and rope key (B, 1, S, p)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        forget()
         rows, shape = self.rows, self.shape
         latent = key_states[:, 0, :, :shape.coded]
         if shape.constant is not None:  # the MLA's own latent: the norm's factor undone by the constant channel
