@@ -52,20 +52,19 @@ def test_uniform_codes_lose_about_4x_the_squared_error_a_bit():
         assert 3.0 < err[b] / err[b + 1] < 5.0, (b, err)
 
 
-@pytest.mark.parametrize("env, heal, on", [(None, True, False), (None, False, True), ("1", True, True),
-                                           ("0", False, False)])
-def test_the_round_follows_the_heal_and_the_variable(monkeypatch, env, heal, on):
+@pytest.mark.parametrize("env, on", [(None, True), ("1", True), ("0", False)])
+def test_the_round_runs_unless_the_variable_says_0(monkeypatch, env, on):
     if env is None:
         monkeypatch.delenv(layer_bits.LAYER_BITS_VARIABLE, raising=False)
     else:
         monkeypatch.setenv(layer_bits.LAYER_BITS_VARIABLE, env)
-    assert layer_bits.planned_layer_bits(heal) is on
+    assert layer_bits.planned_layer_bits() is on
 
 
 def test_a_bad_variable_is_refused_naming_it(monkeypatch):
     monkeypatch.setenv(layer_bits.LAYER_BITS_VARIABLE, "yes")
     with pytest.raises(ValueError, match="ATTNLAB_LAYER_BITS must be 0 or 1, got 'yes'"):
-        layer_bits.planned_layer_bits(False)
+        layer_bits.planned_layer_bits()
 
 
 def test_the_label_names_the_range_or_the_one_storage():

@@ -58,8 +58,10 @@ def test_a_loaded_machine_makes_the_same_plan_and_heals_less(tiny, tmp_path, mon
     assert fast["plan"]["chosen"] == slow["plan"]["chosen"]
     assert [(c["label"], c["proxy"]) for c in fast["plan"]["candidates"]] == \
         [(c["label"], c["proxy"]) for c in slow["plan"]["candidates"]]
-    fourth = sum(c["round"] == 4 for c in fast["plan"]["candidates"])  # round 4: one more, whatever the count
-    assert fast["work"]["candidates_measured"] == slow["work"]["candidates_measured"] == plan_count(5) + fourth
+    later = sum(c["round"] >= 4 for c in fast["plan"]["candidates"])  # rounds 4 and 5: one more, whatever the count
+    measured = fast["work"]["candidates_measured"]
+    assert measured == slow["work"]["candidates_measured"]
+    assert plan_count(5) <= measured - later <= plan_count(5) + 1  # + round 3's rival across the 2-bit margin
     assert not fast["work"]["pinned"] and not slow["work"]["pinned"]
     assert slow["work"]["training_windows"] < fast["work"]["training_windows"]  # the clock set how much
     assert slow["work"]["training_windows"] >= 2048 // 64 + 1024 // 64  # ... never the windows the plan read

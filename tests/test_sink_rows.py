@@ -115,15 +115,15 @@ def test_the_planner_keeps_the_sink_in_its_windowed_latents_only():
     assert sizes.with_sink(sizes.STORAGES, 0) == sizes.STORAGES
 
 
-@pytest.mark.parametrize("env, heal, rows", [(None, True, 0), (None, False, "SINK"), ("3", True, 3), ("0", False, 0)])
-def test_the_planned_sink_follows_the_heal_and_the_variable(monkeypatch, env, heal, rows):
+@pytest.mark.parametrize("env, rows", [(None, "SINK"), ("3", 3), ("0", 0)])
+def test_the_planned_sink_is_sink_unless_the_variable_says(monkeypatch, env, rows):
     from attnlab.shrink import sizes
 
     if env is None:
         monkeypatch.delenv(sizes.SINK_VARIABLE, raising=False)
     else:
         monkeypatch.setenv(sizes.SINK_VARIABLE, env)
-    assert sizes.planned_sink(heal) == (sizes.SINK if rows == "SINK" else rows)
+    assert sizes.planned_sink() == (sizes.SINK if rows == "SINK" else rows)
 
 
 @pytest.mark.parametrize("value", ["-1", "64", "one"])
@@ -132,4 +132,16 @@ def test_a_planned_sink_out_of_range_is_refused_naming_it(monkeypatch, value):
 
     monkeypatch.setenv(sizes.SINK_VARIABLE, value)
     with pytest.raises(ValueError, match=f"ATTNLAB_SINK must be .* got '{value}'"):
-        sizes.planned_sink(False)
+        sizes.planned_sink()
+
+
+def test_a_budget_at_a_context_with_sliding_layers_plans_no_sink(monkeypatch):
+    """A sink keeps every token in a sliding layer (cache.window_for); where the budget counts windows, none is
+    planned, and elsewhere every windowed few-bit latent keeps sizes.SINK rows."""
+    from attnlab.shrink import sizes
+    from attnlab.shrink.request import storage_choices
+
+    monkeypatch.delenv(sizes.SINK_VARIABLE, raising=False)
+    plain, sunk = storage_choices("auto", "attnlab", windows=True), storage_choices("auto", "attnlab")
+    assert plain == sizes.STORAGES
+    assert sunk == sizes.with_sink(sizes.STORAGES, sizes.SINK) != plain

@@ -20,12 +20,12 @@ LAYER_BITS_VARIABLE = "ATTNLAB_LAYER_BITS"  # "0" or "1": round 5 off or on, wha
 _SPELLING = re.compile(r"int([2-7])/g([1-9][0-9]*)\+(c[234]|r8)((?:\+s[0-9]+)?(?:\+w[0-9]+)?)")
 
 
-def planned_layer_bits(heal: bool) -> bool:
-    """Whether the planner runs round 5: ATTNLAB_LAYER_BITS where set ("0" or "1"), else for a run with no heal (the
-    round was fitted without one). ValueError naming the value otherwise."""
+def planned_layer_bits() -> bool:
+    """Whether the planner runs round 5: ATTNLAB_LAYER_BITS where set ("0" or "1"), else yes, with a heal or without
+    (docs/decisions.md). ValueError naming the value otherwise."""
     value = os.environ.get(LAYER_BITS_VARIABLE)
     if value is None:
-        return not heal
+        return True
     if value not in ("0", "1"):
         raise ValueError(f"{LAYER_BITS_VARIABLE} must be 0 or 1, got {value!r}")
     return value == "1"

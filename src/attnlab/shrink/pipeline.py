@@ -95,6 +95,13 @@ def held_texts(data: dict) -> list[torch.Tensor]:
     return [data["held"], *(data[k] for k in judges)]
 
 
+def _windows(req: ShrinkRequest, teacher) -> bool:
+    """Whether the budget counts sliding layers by their windows: a --context, and a model with sliding layers."""
+    from ..models.evaluate import sliding_context
+
+    return req.context is not None and sliding_context(teacher) is not None
+
+
 def _explicit(req: ShrinkRequest, whole: bool = False) -> Candidate:
     """The candidate of explicit sizes: the best measured choices otherwise (docs/decisions.md), the format's norm;
     whole: a model with per-head q/k norms, whose keys stay whole (pairs by frequency, no RoRoPE, no BKV)."""
@@ -234,8 +241,8 @@ def _phase_load(run: _Run) -> None:
     if limit and req.seq_len > limit:
         raise ValueError(f"--seq-len {req.seq_len} exceeds the model's context (max_position_embeddings {limit})")
     if req.latent_dim is None:
-        feasible(teacher, parse_budget(req.kv_budget), req.fmt, storage_choices(req.storage, req.fmt, req.heal),
-                 req.context)
+        storages = storage_choices(req.storage, req.fmt, _windows(req, teacher))
+        feasible(teacher, parse_budget(req.kv_budget), req.fmt, storages, req.context)
     minutes = run.state.data["minutes"]
     minutes["load"] = minutes.get("load", 0.0) + run.minutes(t)
     run.teacher, run.tok, run.meta = teacher, tok, meta
@@ -278,10 +285,11 @@ def _phase_plan(run: _Run) -> None:
         else:
             run.show.phase("planning: measuring candidate conversions on the calibration text")
             result = choose(run.teacher, data["calibration"], parse_budget(req.kv_budget), fmt=req.fmt,
-                            storages=storage_choices(req.storage, req.fmt, req.heal), calibrate=req.calibration,
+                            storages=storage_choices(req.storage, req.fmt, _windows(req, run.teacher)),
+                            calibrate=req.calibration,
                             proxy_ids=data.get("proxy"), time_budget=run.budget.unbounded(), context=req.context,
                             max_candidates=plan_count(req.minutes), per_layer=req.per_layer,
-                            layer_bits=req.storage == "auto" and planned_layer_bits(req.heal),
+                            layer_bits=req.storage == "auto" and planned_layer_bits(),
                             layer_ids=_layer_text(data, run.tok) if req.per_layer else None,
                             progress=lambda i, label: run.show.phase(f"planning: candidate {i + 1}: {label}"))
             if run.budget.stop_requested:  # a search cut short is not the plan of this request: nothing saved

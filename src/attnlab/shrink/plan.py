@@ -213,9 +213,10 @@ class _Planner:
         # measured as one more candidate. Off by default (docs/decisions.md)
         if per_layer and self.fmt == "attnlab":
             layer_rounds.per_layer(self, layer_ids)
-        # round 5, asked for (layer_bits=True; shrink --no-heal asks), where the winner codes every layer alike in a
-        # few-bit latent with its rope key apart: each layer's latent and key bits a step up or down, by two
-        # single-layer KLs a layer (shrink/layer_bits.py), chosen within the bytes and measured as one more candidate
+        # round 5, asked for (layer_bits=True; shrink asks unless ATTNLAB_LAYER_BITS=0), where the winner codes every
+        # layer alike in a few-bit latent with its rope key apart: each layer's latent and key bits a step up or down,
+        # by two single-layer KLs a layer (shrink/layer_bits.py), chosen within the bytes and measured as one more
+        # candidate
         layer_rounds.layer_bits(self)
         note = "" if len(self.measured) > 1 else "only one candidate fitted the time given to planning"
         return self.result(min(self.measured, key=rank), note)

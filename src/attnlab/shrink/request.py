@@ -15,10 +15,11 @@ AUTO_STORAGES = {"attnlab": STORAGES, "gguf": GGUF_STORAGES, "deepseek": ("bf16"
                  "transformers": (*TRANSFORMERS_CACHE, *(s for s in STORAGES if s not in TRANSFORMERS_CACHE))}
 
 
-def storage_choices(storage: str, fmt: str = "attnlab", heal: bool = True) -> tuple[str, ...]:
+def storage_choices(storage: str, fmt: str = "attnlab", windows: bool = False) -> tuple[str, ...]:
     """The storages the planner may choose for --kv-dtype: every one the format holds for auto (their few-bit latents
-    with sizes.planned_sink(heal) first rows plain), else the one named."""
-    return with_sink(AUTO_STORAGES[fmt], planned_sink(heal)) if storage == "auto" else (storage,)
+    with sizes.planned_sink() first rows plain; none where `windows`, a budget at a context for a model with sliding
+    layers, whose windows a sink would undo: cache.window_for), else the one named."""
+    return with_sink(AUTO_STORAGES[fmt], 0 if windows else planned_sink()) if storage == "auto" else (storage,)
 
 
 @dataclass
@@ -85,7 +86,7 @@ def check_request(req: ShrinkRequest) -> None:
                          f"per N latent channels; '+r8': the rope key in 8 bits; '+c4', '+c3', '+c2': in 4, 3, 2 "
                          f"bits per channel), got {req.storage!r}{llama}")
     parse_budget(req.kv_budget)
-    planned_layer_bits(req.heal)  # a bad ATTNLAB_LAYER_BITS before any work
+    planned_layer_bits()  # a bad ATTNLAB_LAYER_BITS before any work
     two_bit_margin()  # ... or ATTNLAB_TWO_BIT_MARGIN
     plan_bf16_asked()  # ... or ATTNLAB_PLAN_BF16
     top1_alpha()  # ... or ATTNLAB_TOP1_ALPHA

@@ -32,19 +32,18 @@ FEW_BIT = (*(f"{s}+w{RECENT}" for s in ("int4/g32+r8", "int2/g32+r8", "int3/g256
                                         "int6/g32+r8")),
            f"int3/g256+c4+w{RECENT // 2}")
 STORAGES = ("bf16", "int8", *FEW_BIT)
-# With --no-heal the planner's few-bit latents keep their first SINK rows plain too ("+s1": an attention sink,
-# modules/sink.py; fitted on the development texts, docs/decisions.md). ATTNLAB_SINK=N plans N instead, with or
-# without a heal (0: none): the protocol's variant to measure it against the default.
+# The planner's few-bit latents keep their first SINK rows plain too ("+s1": an attention sink, modules/sink.py;
+# fitted on the development texts with and without a heal, docs/decisions.md). ATTNLAB_SINK=N plans N instead (0:
+# none): the protocol's variant to measure it against the default.
 SINK = 1
 SINK_VARIABLE = "ATTNLAB_SINK"
 
 
-def planned_sink(heal: bool) -> int:
-    """The first rows the planner's few-bit latents keep plain: ATTNLAB_SINK where set (0 to 63), else SINK for a
-    run with no heal and none for one that heals."""
+def planned_sink() -> int:
+    """The first rows the planner's few-bit latents keep plain: ATTNLAB_SINK where set (0 to 63), else SINK."""
     value = os.environ.get(SINK_VARIABLE)
     if value is None:
-        return 0 if heal else SINK
+        return SINK
     if not value.isdigit() or int(value) > 63:
         raise ValueError(f"{SINK_VARIABLE} must be a whole number of rows from 0 to 63, got {value!r}")
     return int(value)
