@@ -187,8 +187,19 @@ def speed_range() -> tuple[float, float, int, float]:
 
 
 # -- the README's blocks ------------------------------------------------------------------------------------------
+def machine(run: dict) -> str | None:
+    """The machine a run names: its own field (older rows) or its provenance's cores and CPU."""
+    prov = run.get("provenance") or {}
+    return run.get("machine") or (f"{prov['cores']}-core {prov['cpu']}" if prov.get("cpu") else None)
+
+
+def commit(run: dict) -> str | None:
+    """The commit a run ran at, shortened: its own field (older rows) or its provenance's."""
+    return run.get("commit") or ((run.get("provenance") or {}).get("commit") or "")[:7] or None
+
+
 def machines(data: dict, cases) -> str:
-    found = sorted({r.get("machine") or "CPU" for c in cases for r in runs(data, c)})
+    found = sorted({machine(r) or "CPU" for c in cases for r in runs(data, c)})
     return " or ".join(found)
 
 
@@ -316,7 +327,7 @@ def md_runs(data: dict, table: dict) -> list[str]:
         body = []
         for run in runs(data, row["case"]):
             ratios = over_original(run["texts"], original)
-            body.append([str(run["seed"]), run.get("machine") or "-", str(run.get("commit") or "-"),
+            body.append([str(run["seed"]), machine(run) or "-", commit(run) or "-",
                          f"{run['wall_minutes']:.1f}", *(x(ratios[n]) for n in REPORT_TEXTS)])
         body.append(["median", "", "", "", *(x(row["per_text_median"][n]) for n in REPORT_TEXTS)])
         out += [f"`{command(row)}` ({protocol.CASES[row['case']][2]}):", ""]
