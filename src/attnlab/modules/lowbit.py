@@ -203,6 +203,8 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     widths = chunks(bits)
     W = codes.shape[-1]
     pad = -W % 8
+    if bits == 8 and not pad:  # a byte a code: nothing to pack
+        return codes.to(torch.uint8)
     if pad:
         codes = torch.cat([codes, codes.new_zeros(*codes.shape[:-1], pad)], -1)
     out, shift = [], 0
@@ -213,7 +215,10 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def unpack(packed: torch.Tensor, bits: int, width: int) -> torch.Tensor:
-    """(..., packed_width(width, bits)) uint8 -> the codes (..., width) as uint8."""
+    """(..., packed_width(width, bits)) uint8 -> the codes (..., width) as uint8 (for 8 bits a view of packed:
+    read it, do not write it)."""
+    if bits == 8:
+        return packed[..., :width]
     per_bit = packed.shape[-1] // bits  # bytes each bit of the codes takes: W / 8 (W padded to a multiple of 8)
     codes, start, shift = None, 0, 0
     for w in chunks(bits):
