@@ -122,9 +122,36 @@ def test_a_prefill_in_blocks_of_queries_reads_what_one_block_reads(tiny, kv_dtyp
                         lambda m, q, *a, **kw: queries.append(q.shape[-2]) or sdpa(m, q, *a, **kw))
     monkeypatch.setattr(attention, "BLOCK", 3)
     got = _generate(model, ids, KVCache(model, kv_dtype), attention_mask=mask)
-    assert max(queries) == 3  # the prompt's 20 queries went in blocks
+    rep = model.config.num_attention_heads // model.config.num_key_value_heads
+    assert max(queries) == 3 * rep  # the prompt's 20 queries went in blocks, each KV head's side by side
     assert torch.equal(got[0], want[0])
     assert ((got[1] - want[1]).abs().max() / want[1].abs().max()).item() <= 1e-10
+
+
+@pytest.mark.parametrize("masked", [True, False])
+def test_gqa_queries_side_by_side_read_what_repeated_keys_read(masked):
+    """hf/attention.py's sdpa puts a GQA's queries under their KV head instead of repeating every key and value
+    (repeat_kv); transformers' own sdpa over repeated rows is the oracle (float64: 1e-10), with a mask and causal."""
+    from types import SimpleNamespace
+
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from attnlab.hf.attention import _sdpa
+
+    g = torch.Generator().manual_seed(0)
+    B, G, rep, L, d = 2, 3, 4, 5, 8
+    S = 11 if masked else L  # without a mask transformers' call is causal with queries and keys ending together
+    q = torch.randn(B, G * rep, L, d, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(B, G, S, d, generator=g, dtype=torch.float64) for _ in range(2))
+    module = SimpleNamespace(num_key_value_groups=rep, is_causal=True)
+    mask = None
+    if masked:
+        mask = torch.rand(B, 1, L, S, generator=g) > 0.4
+        mask[..., 0] = True  # every query reads a row
+    want = sdpa_attention_forward(module, q, k, v, mask)[0]
+    got = _sdpa(module, q, k, v, mask)
+    assert got.shape == want.shape == (B, L, G * rep, d)
+    assert ((got - want).abs().max() / want.abs().max()).item() <= 1e-10
 
 
 def test_left_padded_batch_and_beam_search(tiny):

@@ -35,13 +35,11 @@ def announce(note: Note) -> None:
 
 def attention(module, query, key, value, attention_mask, **kwargs):
     """sdpa over the rows a cache layer announced (module docstring); a mixed call BLOCK queries at a time."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     note, _pending.note = getattr(_pending, "note", None), None
     if note is None:
         note = Note()
     if note == Note() and query.shape[-2] <= BLOCK:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+        return _sdpa(module, query, key, value, attention_mask, **kwargs), None
     query = turned(query, note.keys)  # (H q) . (H k) = q . k
     if note.mix is None:
         out = _blocks(module, query, key, value, attention_mask, **kwargs)
@@ -53,11 +51,9 @@ def attention(module, query, key, value, attention_mask, **kwargs):
 def _blocks(module, query, key, value, attention_mask, **kwargs):
     """sdpa BLOCK queries at a time: a long prefill's scores are (BLOCK, S) a head, not (L, S). Without a mask the
     call is causal (transformers leaves the mask out only where queries and keys end together)."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     L, S = query.shape[-2], key.shape[-2]
     if L <= BLOCK:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)[0]
+        return _sdpa(module, query, key, value, attention_mask, **kwargs)
     flag = kwargs.get("is_causal")
     causal = attention_mask is None and (getattr(module, "is_causal", True) if flag is None else flag)
     kwargs["is_causal"] = False
@@ -70,14 +66,12 @@ def _blocks(module, query, key, value, attention_mask, **kwargs):
             mask = torch.ones(b1 - b0, S, dtype=torch.bool, device=query.device).tril(S - L + b0)
         else:
             mask = None
-        outs.append(sdpa_attention_forward(module, query[..., b0:b1, :], key, value, mask, **kwargs)[0])
+        outs.append(_sdpa(module, query[..., b0:b1, :], key, value, mask, **kwargs))
     return torch.cat(outs, dim=1)
 
 
 def _mixed(module, query, key, value, attention_mask, mix, **kwargs):
     """sdpa over S stored rows and the plain rows after them (mix: Note.mix), BLOCK queries at a time."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     S, tail_start, size = mix
     if key.shape[-2] != 2 * S - tail_start:
         raise ValueError(f"layer {getattr(module, 'layer_idx', '?')}: {key.shape[-2]} keys, but its cache "
@@ -92,8 +86,37 @@ def _mixed(module, query, key, value, attention_mask, mix, **kwargs):
         rows = [torch.cat([t[..., :end, :], t[..., plain, :]], dim=-2) for t in (key, value)]
         base = None if attention_mask is None else attention_mask[..., b0:b1, :end]
         mask = mixed_mask(end, first, b1 - b0, size, base, base is None, query.device)
-        outs.append(sdpa_attention_forward(module, query[..., b0:b1, :], *rows, mask, **kwargs)[0])
+        outs.append(_sdpa(module, query[..., b0:b1, :], *rows, mask, **kwargs))
     return torch.cat(outs, dim=1)
+
+
+class _OneGroup:
+    """What transformers' sdpa reads of a module, for queries already packed by KV head (_sdpa)."""
+    num_key_value_groups = 1
+    is_causal = False
+
+
+def _sdpa(module, query, key, value, mask, **kwargs):
+    """transformers' sdpa over one call's rows, (B, L, H, d) out. A GQA's several queries go side by side under their
+    KV head, (B, G, rep L, d), its mask repeated to match, instead of every key and value repeated rep times
+    (repeat_kv: rep float copies of a layer's rows, the largest thing a long prefill holds beside the cache)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    rep = getattr(module, "num_key_value_groups", 1)
+    (B, H, L, d), S = query.shape, key.shape[-2]
+    if mask is not None and mask.dim() < 4:
+        mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
+    if rep == 1 or L == 1 or (mask is not None and mask.shape[1] != 1):
+        return sdpa_attention_forward(module, query, key, value, mask, **kwargs)[0]
+    flag = kwargs.get("is_causal")
+    if mask is None and (getattr(module, "is_causal", True) if flag is None else flag):  # query i reads 0..S-L+i
+        mask = torch.ones(L, S, dtype=torch.bool, device=query.device).tril(S - L)[None, None]
+    kwargs["is_causal"] = False
+    G, rows = H // rep, rep * L
+    if mask is not None:
+        mask = mask[:, :, None].expand(mask.shape[0], 1, rep, L, mask.shape[-1]).reshape(mask.shape[0], 1, rows, -1)
+    out = sdpa_attention_forward(_OneGroup(), query.reshape(B, G, rows, d), key, value, mask, **kwargs)[0]
+    return out.transpose(1, 2).reshape(B, H, L, -1).transpose(1, 2)  # (B, rep L, G, dv) -> (B, L, H, dv)
 
 
 def use_on(model) -> None:
