@@ -103,9 +103,10 @@ def test_coded_rows_give_the_round_trips_logits(tiny, kv_dtype):
     assert not torch.equal(got[1].float(), plain[1])  # the storage did code something
 
 
-@pytest.mark.parametrize("kv_dtype, padded", [("int3/g64+w4", True), ("int3/g64", True), ("int3/g64", False)])
+@pytest.mark.parametrize("kv_dtype, padded", [("int3/g64+w4", True), ("int3/g64", True), ("int3/g64", False),
+                                              ("int4/g8+c4+w4", True)])
 def test_a_prefill_in_blocks_of_queries_reads_what_one_block_reads(tiny, kv_dtype, padded, monkeypatch):
-    """hf/attention.py takes a long call's queries BLOCK at a time: with blocks of 3 a prefill and decode give one
+    """hf/attention.py takes a long call's queries a block at a time: with blocks of 3 a prefill and decode give one
     block's tokens and logits (float64: 1e-10), sliding layers included: a left-padded batch's (a mask), or one
     prompt's (no mask where transformers leaves it out: causal)."""
     from attnlab.hf import attention
@@ -120,9 +121,9 @@ def test_a_prefill_in_blocks_of_queries_reads_what_one_block_reads(tiny, kv_dtyp
     sdpa, queries = sdpa_attention.sdpa_attention_forward, []
     monkeypatch.setattr(sdpa_attention, "sdpa_attention_forward",
                         lambda m, q, *a, **kw: queries.append(q.shape[-2]) or sdpa(m, q, *a, **kw))
-    monkeypatch.setattr(attention, "BLOCK", 3)
-    got = _generate(model, ids, KVCache(model, kv_dtype), attention_mask=mask)
     rep = model.config.num_attention_heads // model.config.num_key_value_heads
+    monkeypatch.setattr(attention, "BLOCK", 3 * rep)  # 3 queries a block, rep rows each under their KV head
+    got = _generate(model, ids, KVCache(model, kv_dtype), attention_mask=mask)
     assert max(queries) == 3 * rep  # the prompt's 20 queries went in blocks, each KV head's side by side
     assert torch.equal(got[0], want[0])
     assert ((got[1] - want[1]).abs().max() / want[1].abs().max()).item() <= 1e-10

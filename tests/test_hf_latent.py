@@ -67,6 +67,22 @@ def test_transformers_scores_what_attnlabs_loop_scores(converted, storage):
     assert abs(theirs.nll - loop.nll) <= EXPORT_TOL * abs(loop.nll)
 
 
+def test_a_chunk_in_blocks_of_queries_scores_what_attnlabs_loop_scores(converted, monkeypatch):
+    """hf/attention.py reads a chunk a block of queries at a time, the last first, each block's plain rows written
+    after the stored rows it reads: in blocks of 2 a chunk of 7 still scores what attnlab's loop scores."""
+    from attnlab.hf import attention
+
+    _, model, root = converted
+    storage = "int3/g8+c4+w4"
+    ds, _ = _export(model, root, storage)
+    monkeypatch.setattr(attention, "BLOCK", 2 * ds.model.layers[0].self_attn.num_key_value_groups)
+    ids, chunk = _ids(160), 7
+    theirs = score_windows(ds, ids, 80, chunk=chunk, runner=TransformersRunner(ds, storage))
+    loop = score_windows(model, ids, 80, chunk=chunk, kv_dtype=storage)
+    assert (theirs.scored, theirs.windows) == (loop.scored, loop.windows) == (158, 2)
+    assert abs(theirs.nll - loop.nll) <= EXPORT_TOL * abs(loop.nll)
+
+
 def test_a_storage_per_layer_goes_through_the_folder_and_scores_as_attnlabs_loop(converted, tmp_path, capsys):
     """A plan's bits by layer (shrink/layer_bits.py): the folder names each layer's storage, from_pretrained's cache
     holds each, transformers scores what attnlab's loop scores with them (not what either storage alone scores), and

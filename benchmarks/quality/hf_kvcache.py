@@ -6,7 +6,7 @@ rows, with their provenance, into benchmarks/results/hf_kvcache.json.
     python benchmarks/quality/hf_kvcache.py bytes    # bytes every tensor holds after 8,192 tokens
     python benchmarks/quality/hf_kvcache.py speed    # decode tokens/s at 4,096 tokens, the caches taking turns
     python benchmarks/quality/hf_kvcache.py memory   # peak memory: a 16,384-token prompt (and a 64-token one), 256
-                                                     # tokens, a process each
+                                                     # tokens, a process each (the long one 3 times: the median)
 
 quality: each text's first 2,048 tokens in windows of 512, fed in chunks of 128 through the cache as decoding reads
 it (QuantizedCache attends its first chunk plain and keeps its newest <= 128 tokens plain, as it does in generate);
@@ -217,12 +217,14 @@ def _child(kind: str, prompt_len: int, new: int) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def memory(prompt_len: int = 16384, new: int = 256) -> list[dict]:
-    """Peak resident memory of a fresh process per cache: the long prompt's, and a SHORT prompt's, whose difference
-    is what the prompt's length made the process hold (the cache and the attention's working rows)."""
+def memory(prompt_len: int = 16384, new: int = 256, repeats: int = 3) -> list[dict]:
+    """Peak resident memory of fresh processes per cache: the long prompt's (the median of `repeats` runs: the
+    allocator keeps freed blocks as it happens to), and a SHORT prompt's, whose difference is what the prompt's
+    length made the process hold (the cache and the attention's working rows)."""
     rows = []
     for kind in ("dynamic", "q4_0", "int3/g64", "int4/g32+c4+w16"):
-        row = _child(kind, prompt_len, new)
+        runs = sorted((_child(kind, prompt_len, new) for _ in range(repeats)), key=lambda r: r["rss_peak"])
+        row = {**runs[len(runs) // 2], "rss_peaks": [r["rss_peak"] for r in runs]}
         rows.append({"model": "smollm2", **row, "rss_peak_short": _child(kind, SHORT, new)["rss_peak"]})
     dyn = rows[0]
     for r in rows:
@@ -277,6 +279,8 @@ def table() -> str:
             else:
                 grown = "n/a | n/a" if "rss_peak_short" not in r else \
                     f"{(r['rss_peak'] - r['rss_peak_short']) / 2**30:.2f} GiB | {r['grown_of_dynamic']:.0%}"
+                if len(r.get("rss_peaks", [])) > 1:  # the median run of several, and their range
+                    grown += f" ({min(r['rss_peaks']) / 2**30:.2f}-{max(r['rss_peaks']) / 2**30:.2f} GiB peaks)"
                 out.append(f"| {r['model']} | {r['cache']} | {r['rss_peak'] / 2**30:.2f} GiB | "
                            f"{(r['rss_peak'] - r['rss_loaded']) / 2**30:.2f} GiB | "
                            f"{r['peak_over_loaded_of_dynamic']:.0%} | {grown} | {r['cache_bytes'] / 2**20:.0f} MiB "
@@ -310,6 +314,7 @@ def main(argv=None) -> None:
     p.add_argument("--cache", default="dynamic")
     p.add_argument("--prompt", type=int, default=16384)
     p.add_argument("--new", type=int, default=256)
+    p.add_argument("--repeats", type=int, default=3, help="memory: runs of the long prompt per cache (the median)")
     p.add_argument("--allow-dirty", action="store_true", help="a trial on uncommitted code (recorded as dirty)")
     args = p.parse_args(argv)
     if args.part == "table":
@@ -323,7 +328,7 @@ def main(argv=None) -> None:
     models = args.models.split(",")
     caches = args.caches.split(",") if args.caches else None
     rows = {"quality": lambda: quality(models, caches), "bytes": lambda: bytes_held(models), "speed": speed,
-            "memory": lambda: memory(args.prompt, args.new)}[args.part]()
+            "memory": lambda: memory(args.prompt, args.new, args.repeats)}[args.part]()
     save(args.part, rows, prov)
 
 

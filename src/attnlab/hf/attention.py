@@ -19,12 +19,29 @@ BLOCK = 256  # queries a call at most: a long prefill's mask stays (256, rows) i
 _pending = threading.local()  # the last announcement: made by a layer's update, read by the attention after it
 
 
+class Mix(NamedTuple):
+    """A call's rows of a "+w<N>" storage: S rows as stored, then the plain rows of positions tail_start..S - 1.
+    rows: (keys, values) (B, G, S + room, d) whose first S rows update returned, room (`room`) for the plain rows a
+    block reads; plain: those plain rows (B, G, S - tail_start, d). Both None: the plain rows follow the S rows in
+    what update returned (an MLA's, which the model up-projects before its attention)."""
+    stored: int
+    tail_start: int
+    size: int
+    rows: tuple | None = None
+    plain: tuple | None = None
+
+
 class Note(NamedTuple):
-    """What a layer's update returned. mix: (stored, tail_start, size), S rows as stored then the plain rows of
-    positions tail_start..S - 1, or None; keys, values: the H_n the rows are left turned by, or None."""
-    mix: tuple[int, int, int] | None = None
+    """What a layer's update returned. mix: Mix, or None; keys, values: the H_n the rows are left turned by, or
+    None."""
+    mix: Mix | None = None
     keys: int | None = None
     values: int | None = None
+
+
+def room(size: int) -> int:
+    """Rows after a call's stored ones that _mixed writes a block's plain rows into (a window of `size`)."""
+    return BLOCK + size - 1
 
 
 def announce(note: Note) -> None:
@@ -38,7 +55,7 @@ def attention(module, query, key, value, attention_mask, **kwargs):
     note, _pending.note = getattr(_pending, "note", None), None
     if note is None:
         note = Note()
-    if note == Note() and query.shape[-2] <= BLOCK:
+    if note == Note() and query.shape[-2] <= _block(module):
         return _sdpa(module, query, key, value, attention_mask, **kwargs), None
     query = turned(query, note.keys)  # (H q) . (H k) = q . k
     if note.mix is None:
@@ -51,15 +68,15 @@ def attention(module, query, key, value, attention_mask, **kwargs):
 def _blocks(module, query, key, value, attention_mask, **kwargs):
     """sdpa BLOCK queries at a time: a long prefill's scores are (BLOCK, S) a head, not (L, S). Without a mask the
     call is causal (transformers leaves the mask out only where queries and keys end together)."""
-    L, S = query.shape[-2], key.shape[-2]
-    if L <= BLOCK:
+    (L, S), step = (query.shape[-2], key.shape[-2]), _block(module)
+    if L <= step:
         return _sdpa(module, query, key, value, attention_mask, **kwargs)
     flag = kwargs.get("is_causal")
     causal = attention_mask is None and (getattr(module, "is_causal", True) if flag is None else flag)
     kwargs["is_causal"] = False
     outs = []
-    for b0 in range(0, L, BLOCK):
-        b1 = min(L, b0 + BLOCK)
+    for b0 in range(0, L, step):
+        b1 = min(L, b0 + step)
         if attention_mask is not None:
             mask = attention_mask[..., b0:b1, :]
         elif causal:  # query i of L reads keys 0 .. S - L + i
@@ -70,24 +87,35 @@ def _blocks(module, query, key, value, attention_mask, **kwargs):
     return torch.cat(outs, dim=1)
 
 
-def _mixed(module, query, key, value, attention_mask, mix, **kwargs):
-    """sdpa over S stored rows and the plain rows after them (mix: Note.mix), BLOCK queries at a time."""
-    S, tail_start, size = mix
-    if key.shape[-2] != 2 * S - tail_start:
+def _mixed(module, query, key, value, attention_mask, mix: Mix, **kwargs):
+    """sdpa over S stored rows and the plain rows of the newest positions (Mix), a block of queries at a time, the
+    last first: each block's plain rows go right after the stored rows it reads, over rows only later blocks read."""
+    S, tail_start, size = mix.stored, mix.tail_start, mix.size
+    if mix.rows is None and key.shape[-2] == 2 * S - tail_start:  # the plain rows after the stored ones: copied out
+        rows, plain = (key, value), tuple(t[..., S:, :].clone() for t in (key, value))
+    elif mix.rows is not None and key.shape[-2] == S and key.data_ptr() == mix.rows[0].data_ptr():
+        rows, plain = mix.rows, mix.plain
+    else:
         raise ValueError(f"layer {getattr(module, 'layer_idx', '?')}: {key.shape[-2]} keys, but its cache "
                          f"announced {S} stored rows and {S - tail_start} plain ones")
     kwargs["is_causal"] = False
-    L, outs = query.shape[-2], []
-    for b0 in range(0, L, BLOCK):
-        b1 = min(L, b0 + BLOCK)
+    L, step, outs = query.shape[-2], _block(module), []
+    for b0 in reversed(range(0, L, step)):
+        b1 = min(L, b0 + step)
         end = S - L + b1  # the block's queries read stored rows 0..end - 1
-        first = max(tail_start, S - L + b0 - size + 1)  # and the plain rows first..end - 1
-        plain = slice(S + first - tail_start, S + end - tail_start)
-        rows = [torch.cat([t[..., :end, :], t[..., plain, :]], dim=-2) for t in (key, value)]
+        first = max(tail_start, S - L + b0 - size + 1)  # and the plain rows first..end - 1, written after them
+        for t, p in zip(rows, plain):
+            t[..., end:2 * end - first, :] = p[..., first - tail_start:end - tail_start, :]
         base = None if attention_mask is None else attention_mask[..., b0:b1, :end]
         mask = mixed_mask(end, first, b1 - b0, size, base, base is None, query.device)
-        outs.append(_sdpa(module, query[..., b0:b1, :], *rows, mask, **kwargs))
-    return torch.cat(outs, dim=1)
+        outs.append(_sdpa(module, query[..., b0:b1, :], *(t[..., :2 * end - first, :] for t in rows), mask,
+                          **kwargs))
+    return torch.cat(outs[::-1], dim=1)
+
+
+def _block(module) -> int:
+    """Queries a block: BLOCK rows of scores a head once a GQA's queries sit side by side (_sdpa)."""
+    return max(1, BLOCK // getattr(module, "num_key_value_groups", 1))
 
 
 class _OneGroup:

@@ -17,7 +17,7 @@ from ..modules.recent import RecentRows
 from ..modules.rope_key import by_head
 from ..modules.rotation import hadamard_transform, turned
 from ..modules.storage import check_kv_dtype, dense, each_layer, rotated_frame
-from .attention import NAME, Note, announce, use_on
+from .attention import NAME, Mix, Note, announce, room, use_on
 
 GROWTH = 64  # a full layer grows to what it needs plus a 64th of it (at least MIN_ROOM rows): bytes held <= 1.02x
 MIN_ROOM = 16  # from about 1,000 tokens on; a reallocation copies the rows held, every 16 tokens at most
@@ -211,11 +211,14 @@ class _CodedLayer(_Owner):
         offset, length, ours = self.get_mask_sizes(n)[1], rows.length, self.ours()
         read = [rotated_frame(t) if ours else (t, None) for t in rows.extend_stored(k=key_states, v=value_states)]
         skip = offset - rows.key_start  # a window cache may return rows older than the mask reads
-        out = [dense(t)[..., skip:, :] for t, _ in read]  # positions offset .. length + n - 1
+        mixed = ours and n > 1 and bool(self.plain)
+        extra = room(self.recent) if mixed else 0  # rows hf/attention.py writes a block's plain rows into
+        out = [dense(t, extra)[..., skip:, :] for t, _ in read]  # positions offset .. length + n - 1 (+ room)
         turns = [r for _, r in read]  # H_n the rows are left in (plain rows are turned to match)
         mix = None
-        if ours and n > 1 and self.plain:
+        if mixed:
             mix = self._mixed(out, key_states, value_states, offset, length, turns)
+            out = [t[..., :t.shape[-2] - extra, :] for t in out]
         else:
             for i, (ring, new) in enumerate(zip(self.plain, (key_states, value_states))):
                 ring.push(length, _flat(new))
@@ -225,18 +228,18 @@ class _CodedLayer(_Owner):
         announce(Note(mix, *turns))
         return out[0], out[1]
 
-    def _mixed(self, out: list, key_states, value_states, offset: int, length: int, turns: list) -> tuple:
-        """update's rows for a call of several tokens with a "+w<N>" ring, in place in `out`: the rows as stored,
-        then the plain rows of the newest positions its queries read (turned as `turns` say); returns Note.mix."""
+    def _mixed(self, out: list, key_states, value_states, offset: int, length: int, turns: list) -> Mix:
+        """Note.mix of a call of several tokens with a "+w<N>" ring: `out`, the rows as stored with room after them,
+        and the plain rows of the newest positions its queries read (turned as `turns` say)."""
         size = self.recent if self.shape.window is None else min(self.recent, self.shape.window)
-        S, first = out[0].shape[-2], offset
+        S, first, plain = out[0].shape[-2] - room(self.recent), offset, []
         for i, (ring, new) in enumerate(zip(self.plain, (key_states, value_states))):
             before, start = ring.tail(length)  # positions start .. length - 1
             ring.push(length, _flat(new))
             first = max(start, offset)
             tail = turned(torch.cat([before, _flat(new).to(before.dtype)], dim=1)[:, first - start:], turns[i])
-            out[i] = torch.cat([out[i], _heads(tail, out[i].shape[1]).to(out[i].dtype)], dim=-2)
-        return S, first - offset, size
+            plain.append(_heads(tail, out[i].shape[1]).to(out[i].dtype))
+        return Mix(S, first - offset, size, tuple(out), tuple(plain))
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         past, window = self.get_seq_length(), self.shape.window
@@ -303,24 +306,24 @@ class _CodedLayer(_Owner):
         return self.rows.bytes_per_token if self.rows is not None else 0
 
 
-def _extend_rows(rows: _LatentRows, new: torch.Tensor, mixed: bool) -> tuple[torch.Tensor, tuple | None]:
-    """Write new rows (B, n, w) into a LatentCache, grown as needed; every row it holds (B, S, w) as queries read
-    them: dequantised, a "+w<N>" storage's newest N plain; and Note.mix. mixed, for a call of several tokens: the S
-    rows as stored and then the plain rows its queries read (Note.mix says so), instead of the last query's view."""
+def _extend_rows(rows: _LatentRows, new: torch.Tensor, mixed: bool, extra: int = 0) -> tuple:
+    """Write new rows (B, n, w) into a LatentCache, grown as needed; return (every row it holds (B, S, w) as queries
+    read them: dequantised, a "+w<N>" storage's newest N plain; None; None). mixed, for a call of several tokens:
+    (the S rows as stored, with `extra` rows of 0 after them; the plain rows its queries read; their first position)."""
     need = rows.length + new.shape[1]
     if need > rows.max_len:
         rows.reserve(need + max(MIN_ROOM, need // GROWTH))
     if not rows.recent:
-        return rows.extend(kv=new)[0], None
-    stored, plain, start = rows.extend_recent(new)
-    out = dense(stored)
+        return rows.extend(kv=new)[0], None, None
     if mixed and new.shape[1] > 1:
-        return torch.cat([out, plain.to(out.dtype)], dim=1), (out.shape[1], start, rows.recent)
+        return rows.extend_recent(new, extra)
+    stored, plain, _ = rows.extend_recent(new)
+    out = dense(stored)
     if any(out.untyped_storage().data_ptr() == t.untyped_storage().data_ptr() for t in rows.tensors()):
         out = out.clone()  # rows held as they are: the plain rows go on a copy
     k = min(rows.recent, out.shape[1])
     out[:, -k:] = plain[:, -k:].to(out.dtype)
-    return out, None
+    return out, None, None
 
 
 class _JointLayer(_CodedLayer):
@@ -355,23 +358,36 @@ class _JointLayer(_CodedLayer):
         rotated where hf/attention.py reads them, announced)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        G, dv, ours, turn = self.shape.num_kv_heads, self.shape.v_head_dim, self.ours(), None
+        dv, ours = self.shape.v_head_dim, self.ours()
         values, keys = _flat(value_states), _flat(key_states)  # (B, n, G dv), (B, n, G d)
         if self.maps is not None:
             down, _, _, to_rope = self.maps
             values, keys = values @ down, keys[..., to_rope]  # the latent; keys as the rope key
         elif VALUE_ROTATION:
             values = hadamard_transform(values, _rotation_size(dv))
-        out, mix = _extend_rows(self.rows, torch.cat([values, keys], dim=-1), ours)  # (B, S(+M), width + G d)
-        values, keys = out[..., :self.rows.latent_dim], out[..., self.rows.latent_dim:]
+        mixed = ours and key_states.shape[-2] > 1
+        extra = room(self.rows.recent) if mixed and self.rows.recent else 0
+        out, plain, start = _extend_rows(self.rows, torch.cat([values, keys], dim=-1), mixed, extra)
+        keys, values = self._read_back(out)
+        turn = _rotation_size(dv) if VALUE_ROTATION and ours and self.maps is None else None  # the output turned
+        mix = None
+        if plain is not None:  # (B, S + extra, .): the stored rows, then room for hf/attention.py's plain rows
+            S = out.shape[1] - extra
+            mix = Mix(S, start, self.rows.recent, (keys, values), self._read_back(plain.to(out.dtype)))
+            keys, values = keys[..., :S, :], values[..., :S, :]
+        announce(Note(mix, None, turn))
+        return keys, values
+
+    def _read_back(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows [values | keys] (B, S, .) as update returns them: keys (B, G, S, d) and values (B, G, S, dv), the
+        values left rotated where hf/attention.py reads them."""
+        G = self.shape.num_kv_heads
+        values, keys = rows[..., :self.rows.latent_dim], rows[..., self.rows.latent_dim:]
         if self.maps is not None:
             _, up, order, _ = self.maps
             values, keys = values @ up, keys[..., order]
-        elif VALUE_ROTATION and ours:
-            turn = _rotation_size(dv)  # the attention turns its output instead
-        elif VALUE_ROTATION:
-            values = hadamard_transform(values, _rotation_size(dv))  # H is its own inverse
-        announce(Note(mix, None, turn))
+        elif VALUE_ROTATION and not self.ours():
+            values = hadamard_transform(values, _rotation_size(self.shape.v_head_dim))  # H is its own inverse
         return _heads(keys, G), _heads(values, G)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -426,7 +442,10 @@ class _LatentLayer(_CodedLayer):
             latent = latent / held
             if self.factor is None:  # every token's factor is this one to within 2^-24 (models/export/deepseek.py)
                 self.factor = held[:, :1]
-        out, mix = _extend_rows(rows, torch.cat([latent, value_states[:, 0]], dim=-1), self.ours())  # (B, S(+M), ..)
+        out, plain, start = _extend_rows(rows, torch.cat([latent, value_states[:, 0]], dim=-1), self.ours())
+        mix = None if plain is None else Mix(out.shape[1], start, rows.recent)  # the model up-projects them: joined
+        if plain is not None:
+            out = torch.cat([out, plain.to(out.dtype)], dim=1)  # (B, S + M, r + p)
         latent = out.new_zeros(out.shape[0], 1, out.shape[1], shape.latent_dim)
         latent[:, 0, :, :shape.coded] = out[..., :shape.coded] if self.factor is None else \
             out[..., :shape.coded] * self.factor

@@ -300,21 +300,26 @@ class _Cache:
                 buf[..., self.length:end, :] = rows
         self._length = end
 
-    def stored(self, rows: int | None = None) -> tuple:
+    def stored(self, rows: int | None = None, room: int = 0) -> tuple:
         """Each buffer's first `rows` rows (default: the tokens held; a fixed_slot view: all max_len) as stored:
-        a tensor in the activation dtype for plain storage, QuantisedKV for quantised storage."""
+        a tensor in the activation dtype for plain storage, QuantisedKV for quantised storage. room > 0: each
+        dequantised into a new tensor with that many rows of 0 after them (storage.dense)."""
         if rows is None:
             rows = self.max_len if self._slot is not None else self.held
         out = []
         for name in self._names:
             if name in self._channel:  # dequantised here: the rope key's groups have their meta apart
                 out.append(self._channel[name].read(getattr(self, name), getattr(self, self._scale_names[name]),
-                                                    self._length, rows))
+                                                    self._length, rows, room))
                 continue
             scales = getattr(self, self._scale_names[name])[..., :rows, :] if name in self._scale_names else None
-            out.append(self._as_read(getattr(self, name)[..., :rows, :], scales, name))
+            read = self._as_read(getattr(self, name)[..., :rows, :], scales, name)
+            out.append(dense(read, room) if room else read)
         if self._sink is not None:  # the first rows plain, so read back dequantised (a LatentCache's one buffer)
-            out[0] = self._sink.patch(dense(out[0]))
+            first = dense(out[0])
+            own = room or first is not out[0] or self._names[0] in self._channel  # not the buffer held: in place
+            out[0] = first if own else first.clone()
+            self._sink.patch(out[0][..., :rows, :])
         return tuple(out)
 
     def _as_read(self, rows: torch.Tensor, scales: torch.Tensor | None, name: str):
@@ -324,7 +329,7 @@ class _Cache:
             return QuantisedKV(rows, scales, self._parts[name], fmt.group, self.dtype, fmt.low, self._rotation[name])
         return rows if rows.dtype == self.dtype else rows.to(self.dtype)
 
-    def _extend_window(self, new: dict[str, torch.Tensor], n: int) -> tuple:
+    def _extend_window(self, new: dict[str, torch.Tensor], n: int, room: int = 0) -> tuple:
         """A window cache's write (the comment above WINDOW_ROOM); returns the rows this call attends, as stored()."""
         keep_max = self.window - 1
         held = self.held
@@ -340,13 +345,14 @@ class _Cache:
                 for buf, rows in self._encode(name, t):
                     buf[..., held:held + n, :] = rows
             self._length += n
-            return self.stored()
+            return self.stored(room=room)
         out = []  # a chunk longer than the room: attend the held rows and all new ones, keep the last W - 1
         keep = min(keep_max, held + n)
         for name, t in new.items():
             pairs = self._encode(name, t)  # (buffer, new rows): the codes or values, then the scales if quantised
             joined = [torch.cat([buf[..., :held, :], rows], dim=-2) for buf, rows in pairs]
-            out.append(self._as_read(joined[0], joined[1] if len(joined) > 1 else None, name))
+            read = self._as_read(joined[0], joined[1] if len(joined) > 1 else None, name)
+            out.append(dense(read, room) if room else read)
             for (buf, _), rows in zip(pairs, joined):
                 buf[..., :keep, :] = rows[..., rows.shape[-2] - keep:, :]
         self._length += n
@@ -358,17 +364,17 @@ class _Cache:
         whole buffers for a fixed_slot view; a window cache: from key_start), in the activation dtype (dequantised)."""
         return tuple(dense(t) for t in self.extend_stored(**new))
 
-    def extend_stored(self, **new: torch.Tensor) -> tuple:
+    def extend_stored(self, room: int = 0, **new: torch.Tensor) -> tuple:
         """As extend, but quantised buffers come back as stored (QuantisedKV), for readers that dequantise
-        themselves (the absorbed-decode kernel)."""
+        themselves (the absorbed-decode kernel); room > 0: dequantised with room after them (stored())."""
         if self.window is not None and self._slot is None:
             n = next(iter(new.values())).shape[-2]
             self._room_for(n)
             if self._recent is not None:
                 self._recent.push(self.length, new[self._names[0]])
-            return self._extend_window(new, n)
+            return self._extend_window(new, n, room)
         self.write(**new)
-        return self.stored()
+        return self.stored(room=room)
 
     def _check_reshapable(self, what: str) -> None:
         """ValueError for a fixed_slot view, whose rows reserve() and select_batch() would leave behind."""
@@ -486,14 +492,13 @@ class LatentCache(_Cache):
                                  f"cache (window {window}) drops; make it without a window (cache.window_for)")
             self._sink = SinkRows(batch_size, fmt.sink, latent_dim + rope_dim, dtype, device)
 
-    def extend_recent(self, kv: torch.Tensor) -> tuple:
-        """For a "+w<N>" storage: write the new rows kv (B, n, r + p) as extend_stored does and return (the rows
-        it returns, as stored; the plain rows the new queries read (B, M, r + p); the index of the first of them
-        among the rows returned, which a window cache starts at key_start); the module mixes them
-        (modules/recent.py: mixed_keys)."""
+    def extend_recent(self, kv: torch.Tensor, room: int = 0) -> tuple:
+        """For a "+w<N>" storage: write the new rows kv (B, n, r + p) as extend_stored(room) does and return (the
+        rows it returns; the plain rows the new queries read (B, M, r + p); the index of the first of them among the
+        rows returned, which a window cache starts at key_start); the module mixes them (recent.py: mixed_keys)."""
         if self._recent is None:
             raise ValueError(f"kv_dtype {self.kv_dtype!r} keeps no recent window (a '+w<N>' storage does)")
         self._room_for(kv.shape[-2])
         plain, start = self._recent.tail(self.length)
-        (stored,) = self.extend_stored(kv=kv)
+        (stored,) = self.extend_stored(room, kv=kv)
         return stored, torch.cat([plain, kv.to(plain.dtype)], dim=1), start - self.key_start

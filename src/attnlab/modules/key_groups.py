@@ -79,18 +79,19 @@ class RopeKeyGroups:
             self.meta[..., start // T:(start + whole) // T, :] = km
         self.recent[..., :pending.shape[-2] - whole, :] = pending[..., whole:, :]
 
-    def read(self, buf: torch.Tensor, scales: torch.Tensor, held: int, rows: int) -> torch.Tensor:
-        """The first `rows` (<= held) rows, [c, k_R] in the activation dtype."""
+    def read(self, buf: torch.Tensor, scales: torch.Tensor, held: int, rows: int, room: int = 0) -> torch.Tensor:
+        """The first `rows` (<= held) rows, [c, k_R] in the activation dtype; room: that many rows of 0 after
+        them (storage.dense)."""
         (r, p), T = self.parts, lowbit.KEY_TOKENS
         nb = self._latent_width()
-        c = lowbit.decode(buf[..., :rows, :nb], scales[..., :rows, :], (r,), lowbit.per_token(self.low),
-                          self.dtype)  # (..., rows, r)
+        out = buf.new_empty(*buf.shape[:-2], rows + room, r + p, dtype=self.dtype)  # each piece written where it goes
+        out[..., rows:, :] = 0
+        lowbit.decode(buf[..., :rows, :nb], scales[..., :rows, :], (r,), lowbit.per_token(self.low), self.dtype,
+                      out=out[..., :rows, :r])
         whole = held // T * T
         grouped = buf[..., :whole, nb:].unflatten(-2, (-1, T))  # (..., g, T, pb)
         key = lowbit.channel_decode(grouped, self.meta[..., :whole // T, :], p,
                                     lowbit.part_formats(self.parts, self.low)[1], self.dtype).flatten(-3, -2)
-        out = c.new_empty(*c.shape[:-1], r + p)  # each piece written once where it goes
-        out[..., :r] = c
         out[..., :min(whole, rows), r:] = key[..., :rows, :]
         if rows > whole:  # the newest group, not yet whole: as written
             out[..., whole:rows, r:] = self.recent[..., :rows - whole, :]

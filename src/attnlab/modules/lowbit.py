@@ -432,19 +432,25 @@ def encode(x: torch.Tensor, parts: tuple[int, ...], fmt: LowBit) -> tuple[torch.
 
 
 def decode(packed: torch.Tensor, meta: torch.Tensor, parts: tuple[int, ...], fmt: LowBit,
-           dtype: torch.dtype) -> torch.Tensor:
-    """The inverse of encode, read back in `dtype` (computed in float32, float64 for float64)."""
+           dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The inverse of encode, read back in `dtype` (computed in float32, float64 for float64). out: a tensor
+    (..., S, sum(parts)) of `dtype` written in place, each part where it goes (no joined copy)."""
     _row_wise(fmt)
     work = torch.promote_types(dtype, torch.float32)
-    out, byte, col = [], 0, 0
-    for w, f in pieces(parts, fmt):
+    whole = list(pieces(parts, fmt))
+    if out is None and len(whole) > 1:
+        out = torch.empty(*packed.shape[:-1], sum(parts), dtype=dtype, device=packed.device)
+    byte, col, start = 0, 0, 0
+    for w, f in whole:
         nb, nm = packed_width(w, f.bits), _groups(w, f) * f.meta_per_group
         codes = _grouped(unpack(packed[..., byte:byte + nb], f.bits, w), f.group)  # (..., n, g)
         m = meta[..., col:col + nm].unflatten(-1, (-1, f.meta_per_group))  # (..., n, k)
-        out.append(_values(codes, m, f, work).flatten(-2)[..., :w])
-        byte, col = byte + nb, col + nm
-    out = out[0] if len(out) == 1 else torch.cat(out, -1)
-    return out if work == dtype else out.to(dtype)
+        values = _values(codes, m, f, work).flatten(-2)[..., :w]
+        if out is None:  # one part: its values are the rows
+            return values if work == dtype else values.to(dtype)
+        out[..., start:start + w] = values
+        byte, col, start = byte + nb, col + nm, start + w
+    return out
 
 
 def round_trip(x: torch.Tensor, parts: tuple[int, ...], fmt: LowBit) -> torch.Tensor:

@@ -36,12 +36,10 @@ class SinkRows:
             k = min(self.size - length, new.shape[1])
             self.rows[:, length:length + k] = new[:, :k].to(self.rows.dtype)
 
-    def patch(self, rows: torch.Tensor) -> torch.Tensor:
-        """Rows (B, S, width) of positions 0.. as stored, read back with the sink positions plain (a copy)."""
+    def patch(self, rows: torch.Tensor) -> None:
+        """Write the sink positions' plain rows over rows (B, S, width) of positions 0.. as stored, in place."""
         k = min(self.size, rows.shape[1])
-        out = rows.clone()
-        out[:, :k] = self.rows[:, :k].to(out.dtype)
-        return out
+        rows[:, :k] = self.rows[:, :k].to(rows.dtype)
 
     def rows_of(self, batch_size: int) -> "SinkRows":
         part = SinkRows.__new__(SinkRows)

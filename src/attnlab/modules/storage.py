@@ -354,9 +354,20 @@ class QuantisedKV(NamedTuple):
                           self.rotation)  # (..., S, W)
 
 
-def dense(kv):
-    """A tensor as it is; QuantisedKV rows dequantised."""
-    return kv.dequantise() if isinstance(kv, QuantisedKV) else kv
+def dense(kv, room: int = 0):
+    """A tensor as it is; QuantisedKV rows dequantised. room > 0: a new tensor (..., S + room, W) whose first S rows
+    are those, the rest 0, for a reader to write rows after them without joining copies (hf/attention.py)."""
+    if not room:
+        return kv.dequantise() if isinstance(kv, QuantisedKV) else kv
+    *lead, S, W = kv.shape
+    device = kv.data.device if isinstance(kv, QuantisedKV) else kv.device
+    out = torch.empty(*lead, S + room, W, dtype=kv.dtype, device=device)
+    out[..., S:, :] = 0
+    if isinstance(kv, QuantisedKV) and kv.low is not None and kv.rotation is None:
+        lowbit.decode(kv.data, kv.scales, kv.parts, kv.low, kv.dtype, out=out[..., :S, :])
+    else:
+        out[..., :S, :] = dense(kv)
+    return out
 
 
 def rotated_frame(kv) -> tuple:
