@@ -67,13 +67,13 @@ def test_transformers_scores_what_attnlabs_loop_scores(converted, storage):
     assert abs(theirs.nll - loop.nll) <= EXPORT_TOL * abs(loop.nll)
 
 
-def test_a_chunk_in_blocks_of_queries_scores_what_attnlabs_loop_scores(converted, monkeypatch):
+@pytest.mark.parametrize("storage", ["int3/g8+c4+w4", "int4/g8+w4"])
+def test_a_chunk_in_blocks_of_queries_scores_what_attnlabs_loop_scores(converted, storage, monkeypatch):
     """hf/attention.py reads a chunk a block of queries at a time, the last first, each block's plain rows written
     after the stored rows it reads: in blocks of 2 a chunk of 7 still scores what attnlab's loop scores."""
     from attnlab.hf import attention
 
     _, model, root = converted
-    storage = "int3/g8+c4+w4"
     ds, _ = _export(model, root, storage)
     monkeypatch.setattr(attention, "BLOCK", 2 * ds.model.layers[0].self_attn.num_key_value_groups)
     ids, chunk = _ids(160), 7

@@ -316,7 +316,8 @@ def _extend_rows(rows: _LatentRows, new: torch.Tensor, mixed: bool, extra: int =
     if not rows.recent:
         return rows.extend(kv=new)[0], None, None
     if mixed and new.shape[1] > 1:
-        return rows.extend_recent(new, extra)
+        stored, plain, start = rows.extend_recent(new, extra)
+        return dense(stored), plain, start
     stored, plain, _ = rows.extend_recent(new)
     out = dense(stored)
     if any(out.untyped_storage().data_ptr() == t.untyped_storage().data_ptr() for t in rows.tensors()):
