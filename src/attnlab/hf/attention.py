@@ -15,7 +15,7 @@ from ..modules.recent import mixed_mask
 from ..modules.rotation import turned
 
 NAME = "attnlab"
-BLOCK = 256  # queries a call at most: a long prefill's mask stays (256, rows) instead of (L, 2 rows)
+BLOCK = 256  # rows of scores a call at most (queries times heads a KV head): a long prefill's mask stays (256, S)
 _pending = threading.local()  # the last announcement: made by a layer's update, read by the attention after it
 
 
@@ -51,7 +51,7 @@ def announce(note: Note) -> None:
 
 
 def attention(module, query, key, value, attention_mask, **kwargs):
-    """sdpa over the rows a cache layer announced (module docstring); a mixed call BLOCK queries at a time."""
+    """sdpa over the rows a cache layer announced (module docstring); a long or mixed call a block at a time."""
     note, _pending.note = getattr(_pending, "note", None), None
     if note is None:
         note = Note()
