@@ -66,8 +66,8 @@ def attention(module, query, key, value, attention_mask, **kwargs):
 
 
 def _blocks(module, query, key, value, attention_mask, **kwargs):
-    """sdpa a block of queries at a time (_block): a long prefill's scores are (BLOCK, S), not (L, S). Without a mask the
-    call is causal (transformers leaves the mask out only where queries and keys end together)."""
+    """sdpa a block of queries at a time (_block): a long prefill's scores are (BLOCK, S), not (L, S). Without a
+    mask the call is causal (transformers leaves the mask out only where queries and keys end together)."""
     (L, S), step = (query.shape[-2], key.shape[-2]), _block(module)
     if L <= step:
         return _sdpa(module, query, key, value, attention_mask, **kwargs)
