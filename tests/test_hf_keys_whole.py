@@ -98,7 +98,7 @@ def test_a_keys_whole_folder_loads_in_transformers_and_its_cache_holds_the_laten
     from transformers import AutoModelForCausalLM
 
     from attnlab.generation.loop import generate
-    from attnlab.hf.cache import storage_bytes
+    from attnlab.hf.shapes import storage_bytes
     from attnlab.models.export.native_transformers import VALUE_BASES, export_transformers
 
     model = converted("gemma3", dtype=torch.float32)

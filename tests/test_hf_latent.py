@@ -110,7 +110,7 @@ def test_a_storage_per_layer_goes_through_the_folder_and_scores_as_attnlabs_loop
 
 
 def _scores_as_the_loop(model, folder, storages):
-    from attnlab.hf.cache import storage_bytes
+    from attnlab.hf.shapes import storage_bytes
 
     ds = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64).eval()
     assert KVCache.from_pretrained(folder, ds).kv_dtype == storages
@@ -198,7 +198,7 @@ def test_cli_eval_engine_transformers_scores_a_deepseek_folder_in_its_planned_st
     from transformers import AutoTokenizer
 
     from attnlab.cli.app import main
-    from attnlab.hf.cache import storage_bytes
+    from attnlab.hf.shapes import storage_bytes
     from attnlab.models.evaluate import read_text_ids
 
     _, model, root = converted

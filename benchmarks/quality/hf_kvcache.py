@@ -133,7 +133,7 @@ def quality(models: list[str], caches: list[str] | None = None) -> list[dict]:
 def bytes_held(models: list[str], tokens: int = 8192) -> list[dict]:
     """Every kind's tensors after `tokens` tokens of random keys and values (the bytes do not depend on them), in the
     activations' 16 bits (bf16), against DynamicCache's."""
-    from attnlab.hf.cache import layer_shapes, text_config
+    from attnlab.hf.shapes import layer_shapes, text_config
 
     rows = []
     for name in models:

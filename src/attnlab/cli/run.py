@@ -218,7 +218,7 @@ def _bytes(model, kv_dtype, bases, kept, in_kvcache: bool) -> tuple[int, int]:
     from .. import models as hf
 
     if in_kvcache:
-        from ..hf.cache import storage_bytes
+        from ..hf.shapes import storage_bytes
         return storage_bytes(model, kv_dtype, bases, kept), storage_bytes(model, "bf16")
     return hf.kv_bytes_per_token(model, kv_dtype=kv_dtype), hf.kv_bytes_per_token(model, kv_dtype="bf16")
 

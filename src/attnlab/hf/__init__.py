@@ -6,7 +6,7 @@ transformers is imported when a name here is first used, so `import attnlab.hf` 
 import importlib as _importlib
 
 __all__ = ["KVCache", "SUPPORTED_MODEL_TYPES", "TransformersRunner"]
-_HOMES = {"KVCache": "cache", "SUPPORTED_MODEL_TYPES": "cache", "TransformersRunner": "score"}
+_HOMES = {"KVCache": "cache", "SUPPORTED_MODEL_TYPES": "shapes", "TransformersRunner": "score"}
 
 
 def __getattr__(name: str):

@@ -50,7 +50,7 @@ def planned(folder):
 
     from transformers import AutoConfig
 
-    from .cache import text_config
+    from .shapes import text_config
 
     if not (Path(folder) / "config.json").is_file():
         raise ValueError(f"{folder} has no config.json: KVCache.from_pretrained reads a folder written by "
