@@ -24,8 +24,8 @@ def planned_entry(folder) -> dict:
 
 
 def value_bases(folder, layers: int) -> list | None:
-    """The value bases a folder's config names (models/export/native_transformers.py), one per layer (None where a layer has
-    none), read with safetensors; None when it names none. ValueError naming the file when it does not fit."""
+    """The value bases a folder's config names (models/export/native_transformers.py), one per layer (None where a
+    layer has none), read with safetensors; None when it names none. ValueError naming the file when it does not fit."""
     from pathlib import Path
 
     name = planned_entry(folder).get("value_bases")
@@ -33,7 +33,8 @@ def value_bases(folder, layers: int) -> list | None:
         return None
     path = Path(folder) / str(name)
     if Path(name).name != name or not path.is_file():
-        raise ValueError(f"{Path(folder) / 'config.json'} names value bases {name!r}, which is not a file in the folder")
+        raise ValueError(f"{Path(folder) / 'config.json'} names value bases {name!r}, which is not a file in the "
+                         "folder")
     from safetensors.torch import load_file
 
     held = load_file(str(path))

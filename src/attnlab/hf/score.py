@@ -7,9 +7,9 @@ from ..models.adapters import cache_keyword
 
 
 class TransformersRunner:
-    """A transformers causal LM in its own attention, fed through KVCache(model, kv_dtype, value_bases, kept_dtype) any
-    number of tokens a call, as decoding reads the cache; models.evaluate.score_windows(..., runner=) scores with it. Batch of
-    one."""
+    """A transformers causal LM in its own attention, fed through KVCache(model, kv_dtype, value_bases, kept_dtype)
+    any number of tokens a call, as decoding reads the cache; models.evaluate.score_windows(..., runner=) scores with
+    it. Batch of one."""
 
     def __init__(self, model, kv_dtype=None, value_bases=None, kept_dtype=None):
         self.model, self.kv_dtype, self.value_bases, self.kept_dtype = model, kv_dtype, value_bases, kept_dtype
